@@ -1,0 +1,70 @@
+"""Generate the Python modules for protos/*.proto into src/vllm_servicer/proto/.
+
+Usage: python protos/generate.py [OUT_DIR]
+
+The generated modules register their files in a descriptor pool of this
+package's own (vllm_servicer.proto._pool.POOL) instead of protobuf's default
+pool. The reference stubs (smg-grpc-proto, installed with vLLM's gRPC extra)
+register the same full names in the default pool; two registrations of one
+name from different files fail at import, so a private pool is what lets both
+live in one process. Imports between the generated modules are made relative.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+from grpc_tools import protoc
+
+ROOT = Path(__file__).resolve().parent.parent
+PROTO_DIR = ROOT / "protos"
+DEFAULT_OUT = ROOT / "src" / "vllm_servicer" / "proto"
+PROTOS = ("common.proto", "vllm_engine.proto")
+
+
+def _rewrite(text: str) -> str:
+    # Sibling imports: `import common_pb2 as x` -> `from . import common_pb2 as x`.
+    text = re.sub(r"^import (\w+_pb2(?:_grpc)?) as ", r"from . import \1 as ", text, flags=re.M)
+    text = re.sub(r"^import (\w+_pb2)$", r"from . import \1", text, flags=re.M)
+    text = text.replace(
+        "_descriptor_pool.Default().AddSerializedFile(",
+        "_pool.POOL.AddSerializedFile(",
+    )
+    if "_pool.POOL" in text:
+        text = text.replace(
+            "from google.protobuf import descriptor_pool as _descriptor_pool\n",
+            "from google.protobuf import descriptor_pool as _descriptor_pool\n"
+            "from . import _pool\n",
+        )
+    return text
+
+
+def generate(out_dir: Path) -> list[Path]:
+    """Run protoc and write the rewritten modules to out_dir; return the paths written."""
+    written: list[Path] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        args = [
+            "protoc",
+            f"-I{PROTO_DIR}",
+            f"--python_out={tmp}",
+            f"--pyi_out={tmp}",
+            f"--grpc_python_out={tmp}",
+            *(str(PROTO_DIR / p) for p in PROTOS),
+        ]
+        if protoc.main(args) != 0:
+            raise SystemExit("protoc failed")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for src in sorted(Path(tmp).iterdir()):
+            dest = out_dir / src.name
+            dest.write_text(_rewrite(src.read_text()))
+            written.append(dest)
+    return written
+
+
+if __name__ == "__main__":
+    target = Path(sys.argv[1]) if len(sys.argv) > 1 else DEFAULT_OUT
+    for path in generate(target):
+        print(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)

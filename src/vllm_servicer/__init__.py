@@ -1,0 +1,27 @@
+"""vllm-servicer: serve vLLM's gRPC engine protocol from any grpc.aio server.
+
+    from vllm_servicer import mount
+    mount(server, async_llm)
+"""
+
+from .engine import EngineClient
+from .errors import ERROR_TABLE, InvalidRequestError
+from .health import EngineHealthServicer
+from .mount import MountedServices, MountError, mount
+from .proto import SERVICE_NAME
+from .servicer import VllmEngineServicer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ERROR_TABLE",
+    "SERVICE_NAME",
+    "EngineClient",
+    "EngineHealthServicer",
+    "InvalidRequestError",
+    "MountError",
+    "MountedServices",
+    "VllmEngineServicer",
+    "__version__",
+    "mount",
+]

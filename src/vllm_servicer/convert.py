@@ -1,0 +1,250 @@
+"""Conversion between the wire messages and vLLM's request/output objects.
+
+This module is on the hot path of every token: response builders do only the
+work a message needs (no logprob conversion unless logprobs were asked for,
+no empty sub-messages).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import TYPE_CHECKING, Any
+
+from vllm.inputs import TokensPrompt
+from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+
+from .errors import InvalidRequestError
+from .proto import vllm_engine_pb2 as pb
+
+if TYPE_CHECKING:
+    from vllm.outputs import CompletionOutput, RequestOutput
+
+GenerateResponse = pb.GenerateResponse
+GenerateStreamChunk = pb.GenerateStreamChunk
+GenerateComplete = pb.GenerateComplete
+
+
+def prompt_from_request(request: pb.GenerateRequest | pb.EmbedRequest) -> Any:
+    """The engine prompt for a request: token ids (the main path) or text."""
+    kind = request.WhichOneof("input") if isinstance(request, pb.GenerateRequest) else "tokenized"
+    if kind == "tokenized":
+        ids = list(request.tokenized.input_ids)
+        if not ids:
+            raise InvalidRequestError("tokenized.input_ids", "the prompt is empty")
+        prompt = TokensPrompt(prompt_token_ids=ids)
+        if request.tokenized.original_text:
+            prompt["prompt"] = request.tokenized.original_text
+        return prompt
+    if kind == "text":
+        if not request.text:  # type: ignore[union-attr]
+            raise InvalidRequestError("text", "the prompt is empty")
+        return request.text  # type: ignore[union-attr]
+    raise InvalidRequestError("input", "set either `tokenized` or `text`")
+
+
+def _structured_outputs(params: pb.SamplingParams) -> StructuredOutputsParams | None:
+    kind = params.WhichOneof("constraint")
+    if kind is None:
+        return None
+    if kind == "json_schema":
+        return StructuredOutputsParams(json=params.json_schema)
+    if kind == "regex":
+        return StructuredOutputsParams(regex=params.regex)
+    if kind == "grammar":
+        return StructuredOutputsParams(grammar=params.grammar)
+    if kind == "structural_tag":
+        return StructuredOutputsParams(structural_tag=params.structural_tag)
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=params.json_object)
+    choices = list(params.choice.choices)
+    if not choices:
+        raise InvalidRequestError("sampling_params.choice.choices", "needs at least one choice")
+    return StructuredOutputsParams(choice=choices)
+
+
+def _finite(name: str, value: float) -> float:
+    if not math.isfinite(value):
+        raise InvalidRequestError(f"sampling_params.{name}", f"must be finite, got {value}")
+    return value
+
+
+def sampling_params_from_proto(params: pb.SamplingParams, *, stream: bool) -> SamplingParams:
+    """vLLM SamplingParams for a wire SamplingParams, with the protocol's defaults.
+
+    Unset proto3 scalars mean "use the neutral value": temperature 1.0, top_p 1.0,
+    repetition_penalty 1.0, n 1, max_tokens bounded only by the context. The
+    model's generation-config defaults are not applied here: GetModelInfo
+    advertises them and the router applies them.
+    """
+    stop = list(params.stop) or None
+    logit_bias = dict(params.logit_bias) or None
+    if logit_bias is not None:
+        for token_id, bias in logit_bias.items():
+            _finite(f"logit_bias[{token_id}]", bias)
+    return SamplingParams(
+        temperature=_finite("temperature", params.temperature)
+        if params.HasField("temperature")
+        else 1.0,
+        top_p=_finite("top_p", params.top_p) if params.top_p != 0.0 else 1.0,
+        top_k=params.top_k,
+        min_p=_finite("min_p", params.min_p),
+        frequency_penalty=_finite("frequency_penalty", params.frequency_penalty),
+        presence_penalty=_finite("presence_penalty", params.presence_penalty),
+        repetition_penalty=_finite("repetition_penalty", params.repetition_penalty)
+        if params.repetition_penalty != 0.0
+        else 1.0,
+        max_tokens=params.max_tokens if params.HasField("max_tokens") else None,
+        min_tokens=params.min_tokens,
+        stop=stop,
+        stop_token_ids=list(params.stop_token_ids) or None,
+        skip_special_tokens=params.skip_special_tokens,
+        spaces_between_special_tokens=params.spaces_between_special_tokens,
+        ignore_eos=params.ignore_eos,
+        n=params.n or 1,
+        logprobs=params.logprobs if params.HasField("logprobs") else None,
+        prompt_logprobs=params.prompt_logprobs if params.HasField("prompt_logprobs") else None,
+        seed=params.seed if params.HasField("seed") else None,
+        include_stop_str_in_output=params.include_stop_str_in_output,
+        logit_bias=logit_bias,
+        structured_outputs=_structured_outputs(params),
+        # Token ids are the output; text is needed only to match stop strings.
+        detokenize=stop is not None,
+        output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+    )
+
+
+def tokenization_kwargs(params: pb.SamplingParams) -> dict[str, int] | None:
+    """Prompt truncation settings, when the request asks for any."""
+    if params.HasField("truncate_prompt_tokens"):
+        return {"truncate_prompt_tokens": params.truncate_prompt_tokens}
+    return None
+
+
+def _top_logprobs(entry: dict[int, Any] | None, k: int) -> pb.TopLogProbs:
+    top = pb.TopLogProbs()
+    if entry and k != 0:
+        # k < 0 asks for every entry the engine returned.
+        for token_id, lp in itertools.islice(entry.items(), k if k > 0 else None):
+            top.token_ids.append(token_id)
+            top.values.append(lp.logprob)
+    return top
+
+
+def output_logprobs(
+    logprobs: list[dict[int, Any]] | None, token_ids: list[int], k: int
+) -> pb.OutputLogProbs | None:
+    """Sampled-token logprobs (and top-k alternatives) for the given tokens."""
+    if not logprobs:
+        return None
+    out = pb.OutputLogProbs()
+    for token_id, entry in zip(token_ids, logprobs):
+        lp = entry.get(token_id)
+        if lp is None:
+            continue
+        out.token_logprobs.append(lp.logprob)
+        out.token_ids.append(token_id)
+        if k != 0:
+            out.top_logprobs.append(_top_logprobs(entry, k))
+    return out if out.token_ids else None
+
+
+def input_logprobs(
+    logprobs: list[dict[int, Any] | None] | None, prompt_ids: list[int], k: int
+) -> pb.InputLogProbs | None:
+    """Prompt logprobs; the first prompt token has none (an unset value)."""
+    if not logprobs:
+        return None
+    out = pb.InputLogProbs()
+    for token_id, entry in zip(prompt_ids, logprobs):
+        value = pb.InputTokenLogProb()
+        if entry is not None and token_id in entry:
+            value.value = entry[token_id].logprob
+        out.token_logprobs.append(value)
+        out.token_ids.append(token_id)
+        if k != 0:
+            out.top_logprobs.append(_top_logprobs(entry, k))
+    return out if out.token_ids else None
+
+
+class ResponseBuilder:
+    """Builds the GenerateResponse messages of one request.
+
+    Holds what is fixed for the request (logprob settings, prompt length) so
+    each engine step costs only the message it produces.
+    """
+
+    __slots__ = ("_first_seen", "_k_out", "_k_prompt", "_prompt_len", "_want_out", "_want_prompt")
+
+    def __init__(self, params: pb.SamplingParams) -> None:
+        self._want_out = params.HasField("logprobs")
+        self._k_out = params.logprobs if self._want_out else 0
+        self._want_prompt = params.HasField("prompt_logprobs")
+        self._k_prompt = params.prompt_logprobs if self._want_prompt else 0
+        self._prompt_len = -1
+        self._first_seen: set[int] = set()
+
+    def _prompt_tokens(self, output: RequestOutput) -> int:
+        if self._prompt_len < 0:
+            self._prompt_len = len(output.prompt_token_ids or ())
+        return self._prompt_len
+
+    def chunk(self, output: RequestOutput, completion: CompletionOutput) -> GenerateResponse:
+        """A streaming chunk: this step's new tokens for one choice."""
+        token_ids = completion.token_ids
+        chunk = GenerateStreamChunk(
+            token_ids=token_ids,
+            prompt_tokens=self._prompt_tokens(output),
+            completion_tokens=len(token_ids),
+            cached_tokens=output.num_cached_tokens or 0,
+            index=completion.index,
+        )
+        if self._want_out:
+            lps = output_logprobs(completion.logprobs, token_ids, self._k_out)  # type: ignore[arg-type]
+            if lps is not None:
+                chunk.output_logprobs.CopyFrom(lps)
+        if self._want_prompt and completion.index not in self._first_seen:
+            self._first_seen.add(completion.index)
+            ilps = input_logprobs(
+                output.prompt_logprobs,  # type: ignore[arg-type]
+                list(output.prompt_token_ids or ()),
+                self._k_prompt,
+            )
+            if ilps is not None:
+                chunk.input_logprobs.CopyFrom(ilps)
+        return GenerateResponse(chunk=chunk)
+
+    def complete(self, output: RequestOutput, completion: CompletionOutput) -> GenerateResponse:
+        """The end of one choice, with its finish reason and matched stop.
+
+        Non-streaming: all of the choice's tokens. Streaming: the last delta,
+        as the reference server sends it (clients accumulate the chunks).
+        """
+        token_ids = completion.token_ids
+        complete = GenerateComplete(
+            output_ids=token_ids,
+            finish_reason=completion.finish_reason or "stop",
+            prompt_tokens=self._prompt_tokens(output),
+            completion_tokens=len(token_ids),
+            cached_tokens=output.num_cached_tokens or 0,
+            index=completion.index,
+        )
+        stop_reason = completion.stop_reason
+        if stop_reason is not None:
+            if isinstance(stop_reason, int):
+                complete.matched_token_id = stop_reason
+            else:
+                complete.matched_stop_str = str(stop_reason)
+        if self._want_out:
+            lps = output_logprobs(completion.logprobs, token_ids, self._k_out)  # type: ignore[arg-type]
+            if lps is not None:
+                complete.output_logprobs.CopyFrom(lps)
+        if self._want_prompt:
+            ilps = input_logprobs(
+                output.prompt_logprobs,  # type: ignore[arg-type]
+                list(output.prompt_token_ids or ()),
+                self._k_prompt,
+            )
+            if ilps is not None:
+                complete.input_logprobs.CopyFrom(ilps)
+        return GenerateResponse(complete=complete)

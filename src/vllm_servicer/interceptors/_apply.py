@@ -1,0 +1,111 @@
+"""Running grpc.aio server interceptors for the mounted services only.
+
+A grpc.aio server freezes its interceptor list when it is built. `mount()`
+applies the host's interceptors to its own services by wrapping each method
+handler: per call, the wrapper asks the interceptor chain for the handler
+(exactly as the server would, with the call's method and metadata) and runs
+what it returns. The same interceptor objects therefore behave the same
+whether the host passes them to `grpc.aio.server(interceptors=...)` or to
+`mount(..., interceptors=...)`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
+
+import grpc
+
+Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]]
+
+
+class CallDetails(grpc.HandlerCallDetails):
+    """The method and metadata of one call, as interceptors receive them."""
+
+    __slots__ = ("invocation_metadata", "method")
+
+    def __init__(self, method: str, invocation_metadata: Any) -> None:
+        self.method = method
+        self.invocation_metadata = invocation_metadata
+
+
+def _chain(interceptors: Sequence[grpc.aio.ServerInterceptor], handler: Any) -> Continuation:
+    async def terminal(details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        return handler  # type: ignore[no-any-return]
+
+    continuation: Continuation = terminal
+    for interceptor in reversed(interceptors):
+        continuation = _link(interceptor, continuation)
+    return continuation
+
+
+def _link(interceptor: grpc.aio.ServerInterceptor, following: Continuation) -> Continuation:
+    async def continuation(details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        return await interceptor.intercept_service(following, details)
+
+    return continuation
+
+
+def apply_interceptors(
+    interceptors: Sequence[grpc.aio.ServerInterceptor],
+    method: str,
+    handler: grpc.RpcMethodHandler,
+) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as `handler` that runs `interceptors` around it."""
+    chain = _chain(interceptors, handler)
+
+    async def resolve(context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        resolved = await chain(CallDetails(method, context.invocation_metadata()))
+        if resolved is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"method {method} not found")
+        return resolved
+
+    h: Any = handler
+    if not h.request_streaming and not h.response_streaming:
+
+        async def unary_unary(request: Any, context: Any) -> Any:
+            return await (await resolve(context)).unary_unary(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(
+            unary_unary, h.request_deserializer, h.response_serializer
+        )
+    if not h.request_streaming:
+
+        async def unary_stream(request: Any, context: Any) -> AsyncIterator[Any]:
+            result = (await resolve(context)).unary_stream(request, context)
+            async for message in _responses(result):
+                yield message
+
+        return grpc.unary_stream_rpc_method_handler(
+            unary_stream, h.request_deserializer, h.response_serializer
+        )
+    if not h.response_streaming:
+
+        async def stream_unary(requests: Any, context: Any) -> Any:
+            return await (await resolve(context)).stream_unary(requests, context)
+
+        return grpc.stream_unary_rpc_method_handler(
+            stream_unary, h.request_deserializer, h.response_serializer
+        )
+
+    async def stream_stream(requests: Any, context: Any) -> AsyncIterator[Any]:
+        result = (await resolve(context)).stream_stream(requests, context)
+        async for message in _responses(result):
+            yield message
+
+    return grpc.stream_stream_rpc_method_handler(
+        stream_stream, h.request_deserializer, h.response_serializer
+    )
+
+
+async def _responses(result: Any) -> AsyncIterator[Any]:
+    """Messages of a streaming behaviour, whether it yields or calls context.write."""
+    if inspect.isasyncgen(result):
+        async for message in result:
+            yield message
+    elif inspect.isawaitable(result):
+        await result
+    else:  # a sync iterator is the only other shape grpc accepts
+        for message in result:
+            yield message

@@ -1,0 +1,116 @@
+"""`mount()`: add vLLM's gRPC protocol to a host's own grpc.aio server."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2 as _reflection_pb2  # noqa: F401
+
+from ._registration import HandlerRecorder, register, server_started
+from .engine import EngineClient
+from .health import EngineHealthServicer
+from .proto import SERVICE_NAME, vllm_engine_pb2_grpc
+from .reflection import ChainedPool
+from .servicer import VllmEngineServicer
+
+HEALTH_SERVICE_NAME: str = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+REFLECTION_SERVICE_NAME: str = reflection.SERVICE_NAME
+
+
+class MountError(RuntimeError):
+    """`mount()` cannot add the services to this server."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MountedServices:
+    """What `mount()` added to the server.
+
+    Attributes:
+        servicer: the VllmEngine servicer (its `active_requests` feeds drain logic).
+        health: the `grpc.health.v1` servicer, or None when health was not mounted.
+        service_names: full names of every service mounted, for reflection lists.
+    """
+
+    servicer: VllmEngineServicer
+    health: EngineHealthServicer | None
+    service_names: tuple[str, ...]
+
+
+def mount(
+    server: grpc.aio.Server,
+    engine: EngineClient,
+    *,
+    health: bool = True,
+    reflection_service: bool = True,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+) -> MountedServices:
+    """Serve `vllm.grpc.engine.VllmEngine` from `engine` on the host's `server`.
+
+    Also mounts the standard health service (services "" and the VllmEngine
+    name; NOT_SERVING while the engine is dead) and server reflection, each
+    switchable. Call it before `server.start()`.
+
+    Args:
+        server: the host's grpc.aio server, built with its own options and
+            interceptors; its other services are left as they are.
+        engine: the host's vLLM `AsyncLLM` (or any `EngineClient`).
+        health: mount `grpc.health.v1.Health`. Turn off when the host runs its
+            own; `MountedServices.health` is then None.
+        reflection_service: mount server reflection (v1alpha) for the mounted
+            services and any service whose descriptors are in protobuf's default pool.
+        interceptors: grpc.aio server interceptors applied to the services
+            mounted here only, outermost first.
+
+    Returns:
+        The servicers and service names mounted.
+
+    Raises:
+        MountError: the server has already been started.
+    """
+    if server_started(server):
+        raise MountError(
+            "mount() must be called before server.start(): grpc.aio serves handlers "
+            "added after start only through a slow fallback path"
+        )
+    recorder = HandlerRecorder()
+    servicer = VllmEngineServicer(engine)
+    vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(servicer, recorder)
+    names = [SERVICE_NAME]
+
+    health_servicer = None
+    if health:
+        health_servicer = EngineHealthServicer(engine, services=("", SERVICE_NAME))
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, recorder)
+        names.append(HEALTH_SERVICE_NAME)
+
+    if reflection_service:
+        names.append(REFLECTION_SERVICE_NAME)
+        reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
+            reflection.aio.ReflectionServicer(tuple(names), pool=ChainedPool()), recorder
+        )
+
+    wrap = _interceptor_chain(interceptors)
+    for service_name, handlers in recorder.services.items():
+        if wrap is not None:
+            handlers = {
+                method: wrap(f"/{service_name}/{method}", handler)
+                for method, handler in handlers.items()
+            }
+        register(server, service_name, handlers)
+    return MountedServices(servicer=servicer, health=health_servicer, service_names=tuple(names))
+
+
+def _interceptor_chain(interceptors: Sequence[grpc.aio.ServerInterceptor]) -> Any:
+    if not interceptors:
+        return None
+    from .interceptors._apply import apply_interceptors
+
+    def wrap(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        return apply_interceptors(interceptors, method, handler)
+
+    return wrap

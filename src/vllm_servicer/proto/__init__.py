@@ -1,0 +1,18 @@
+"""Generated protocol modules for `vllm.grpc.engine.VllmEngine` (run `make proto`).
+
+    from vllm_servicer.proto import vllm_engine_pb2, vllm_engine_pb2_grpc
+"""
+
+from . import common_pb2, common_pb2_grpc, vllm_engine_pb2, vllm_engine_pb2_grpc
+from ._pool import POOL
+
+SERVICE_NAME: str = vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"].full_name
+
+__all__ = [
+    "POOL",
+    "SERVICE_NAME",
+    "common_pb2",
+    "common_pb2_grpc",
+    "vllm_engine_pb2",
+    "vllm_engine_pb2_grpc",
+]

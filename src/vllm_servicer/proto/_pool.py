@@ -1,0 +1,9 @@
+"""The descriptor pool that holds this package's protocol definitions.
+
+Kept apart from protobuf's default pool so the reference stubs, which register
+the same full names there, can be imported in the same process.
+"""
+
+from google.protobuf import descriptor_pool
+
+POOL = descriptor_pool.DescriptorPool()
