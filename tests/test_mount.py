@@ -1,0 +1,176 @@
+"""mount() into a host's own server: its services, interceptors and options stay intact."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+    ProtoReflectionDescriptorDatabase,
+)
+from google.protobuf import descriptor_pool
+
+from vllm_servicer import SERVICE_NAME, MountError, mount
+from vllm_servicer.proto import vllm_engine_pb2 as pb
+from vllm_servicer.proto import vllm_engine_pb2_grpc
+
+from helpers import collect, completes, request
+
+# The host's own service: grpc's standard health service stands in for "any
+# service the host already had", registered under a name of the host's choosing
+# would need its own proto; a generic handler keeps the test self-contained.
+HOST_METHOD = "/host.Echo/Say"
+
+
+def _host_echo_handler() -> grpc.GenericRpcHandler:
+    async def say(request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+        return b"host:" + request
+
+    return grpc.method_handlers_generic_handler(
+        "host.Echo", {"Say": grpc.unary_unary_rpc_method_handler(say)}
+    )
+
+
+class RecordingInterceptor(grpc.aio.ServerInterceptor):
+    """A host interceptor that records every method it sees."""
+
+    def __init__(self) -> None:
+        self.methods: list[str] = []
+
+    async def intercept_service(self, continuation: Any, details: Any) -> Any:
+        self.methods.append(details.method)
+        return await continuation(details)
+
+
+@pytest.fixture(scope="module")
+async def host(engine: Any) -> AsyncIterator[tuple[grpc.aio.Channel, RecordingInterceptor, str]]:
+    interceptor = RecordingInterceptor()
+    server = grpc.aio.server(
+        interceptors=[interceptor], options=[("grpc.max_receive_message_length", 1 << 20)]
+    )
+    server.add_generic_rpc_handlers((_host_echo_handler(),))
+    mounted = mount(server, engine)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        yield channel, interceptor, f"127.0.0.1:{port}"
+    assert mounted.health is not None
+    await mounted.health.close()
+    await server.stop(None)
+
+
+async def test_host_service_and_vllm_service_both_answer(host: Any) -> None:
+    channel, interceptor, _ = host
+    echo = channel.unary_unary(HOST_METHOD)
+    assert await echo(b"hi") == b"host:hi"
+    stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+    messages = await collect(stub.Generate(request(max_tokens=3, ignore_eos=True)))
+    assert len(completes(messages)[0].output_ids) == 3
+    # The host's server-wide interceptor saw both.
+    assert HOST_METHOD in interceptor.methods
+    assert f"/{SERVICE_NAME}/Generate" in interceptor.methods
+
+
+async def test_host_options_still_apply(host: Any) -> None:
+    channel, _, _ = host
+    echo = channel.unary_unary(HOST_METHOD)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await echo(b"x" * (2 << 20))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+async def test_health_service(host: Any) -> None:
+    channel, _, _ = host
+    health = health_pb2_grpc.HealthStub(channel)
+    for service in ("", SERVICE_NAME):
+        reply = await health.Check(health_pb2.HealthCheckRequest(service=service))
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await health.Check(health_pb2.HealthCheckRequest(service="no.such.Service"))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_reflection_lists_and_resolves_every_service(host: Any) -> None:
+    _, _, address = host
+
+    def resolve_all() -> tuple[set[str], set[str], bool]:
+        # grpcio-reflection's own client is synchronous: run it off the event loop.
+        with grpc.insecure_channel(address) as sync_channel:
+            database = ProtoReflectionDescriptorDatabase(sync_channel)
+            services = set(database.get_services())
+            pool = descriptor_pool.DescriptorPool(database)
+            service = pool.FindServiceByName(SERVICE_NAME)
+            for method in service.methods:  # every input and output type resolves
+                assert method.input_type.full_name and method.output_type.full_name
+            common = bool(pool.FindMessageTypeByName("smg.grpc.common.KvEventBatch").fields)
+            return services, {m.name for m in service.methods}, common
+
+    services, methods, common_resolves = await asyncio.to_thread(resolve_all)
+    assert {SERVICE_NAME, "grpc.health.v1.Health"} <= services
+    assert {"Generate", "Embed", "HealthCheck", "Abort", "GetModelInfo", "GetLoads"} <= methods
+    assert common_resolves
+
+
+async def test_mount_after_start_is_an_error(engine: Any) -> None:
+    server = grpc.aio.server()
+    server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        with pytest.raises(MountError, match="before server.start"):
+            mount(server, engine)
+    finally:
+        await server.stop(None)
+
+
+async def test_switches_leave_services_out(engine: Any) -> None:
+    server = grpc.aio.server()
+    mounted = mount(server, engine, health=False, reflection_service=False)
+    assert mounted.health is None
+    assert mounted.service_names == (SERVICE_NAME,)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+            assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            reply = await vllm_engine_pb2_grpc.VllmEngineStub(channel).HealthCheck(
+                pb.HealthCheckRequest()
+            )
+            assert reply.healthy
+    finally:
+        await server.stop(None)
+
+
+async def test_mount_level_interceptors_see_only_mounted_services(engine: Any) -> None:
+    interceptor = RecordingInterceptor()
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((_host_echo_handler(),))
+    mounted = mount(server, engine, interceptors=[interceptor])
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            assert await channel.unary_unary(HOST_METHOD)(b"x") == b"host:x"
+            stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+            await stub.HealthCheck(pb.HealthCheckRequest())
+            messages = await collect(stub.Generate(request(max_tokens=2, stream=True)))
+            assert completes(messages)
+            # health Watch is a context.write-style stream: it must still stream.
+            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
+            first = await watch.read()
+            assert first.status == health_pb2.HealthCheckResponse.SERVING
+            watch.cancel()
+        assert interceptor.methods == [
+            f"/{SERVICE_NAME}/HealthCheck",
+            f"/{SERVICE_NAME}/Generate",
+            "/grpc.health.v1.Health/Watch",
+        ]
+    finally:
+        assert mounted.health is not None
+        await mounted.health.close()
+        await server.stop(None)
