@@ -8,6 +8,7 @@ from .engine import EngineClient
 from .errors import ERROR_TABLE, InvalidRequestError
 from .health import EngineHealthServicer
 from .mount import MountedServices, MountError, mount
+from .options import server_options
 from .proto import SERVICE_NAME
 from .servicer import VllmEngineServicer
 
@@ -24,4 +25,5 @@ __all__ = [
     "VllmEngineServicer",
     "__version__",
     "mount",
+    "server_options",
 ]

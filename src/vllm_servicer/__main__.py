@@ -38,14 +38,7 @@ def build_parser() -> Any:
         default=DEFAULT_MAX_MESSAGE_BYTES,
         help="largest request or response message accepted (bytes)",
     )
-    own.add_argument(
-        "--shutdown-timeout",
-        type=float,
-        default=30.0,
-        help="seconds in-flight calls get to finish after SIGTERM",
-    )
     own.add_argument("--no-reflection", action="store_true", help="do not serve reflection")
-    own.add_argument("--log-level", default="INFO", help="log level of vllm-servicer")
     AsyncEngineArgs.add_cli_args(serve)
     serve.set_defaults(model=None)
     return parser
@@ -101,14 +94,16 @@ async def serve(args: argparse.Namespace) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
+        # vLLM's own --shutdown-timeout bounds the drain too (0: do not wait).
+        drain_seconds = float(args.shutdown_timeout or 0)
         logger.info(
             "stopping: %d calls in flight, waiting up to %.0f s",
             mounted.servicer.active_requests,
-            args.shutdown_timeout,
+            drain_seconds,
         )
         if mounted.health is not None:
             await mounted.health.start_draining()
-        await server.stop(args.shutdown_timeout)
+        await server.stop(drain_seconds)
         if mounted.health is not None:
             await mounted.health.close()
         return 0
@@ -120,8 +115,10 @@ async def serve(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point of `vllm-servicer`."""
     args = parse_args(argv)
+    # vLLM's own --log-level (when given) sets ours too.
+    level = str(getattr(args, "log_level", "info")).upper()
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     return asyncio.run(serve(args))
 

@@ -1,0 +1,370 @@
+"""A tiny Llama model directory that a real vLLM engine can run with no download.
+
+The directory holds only ``config.json``, ``generation_config.json`` and tokenizer
+files; vLLM runs it with ``load_format="dummy"`` (seeded random weights), so the same
+prompt at temperature 0 gives the same tokens in every run and every process. The
+text is gibberish, but token ids, finish reasons, logprobs, stop handling, seeds,
+structured output and pooling are all the real engine's.
+
+Typical use in a test suite::
+
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from vllm_servicer.tiny_model import (
+        TINY_ENGINE_KWARGS,
+        apply_cpu_env_defaults,
+        ensure_tiny_model,
+    )
+
+    apply_cpu_env_defaults()
+    engine = AsyncLLM.from_engine_args(
+        AsyncEngineArgs(model=str(ensure_tiny_model()), **TINY_ENGINE_KWARGS)
+    )
+
+``AsyncLLM`` starts its engine processes with the spawn method, so a script that
+builds one needs an ``if __name__ == "__main__":`` guard, and must call
+``engine.shutdown()`` when done.
+
+Only the standard library is imported at module load; ``tokenizers`` and
+``transformers`` (both vLLM dependencies) are imported when a model is written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any, Final, Literal
+
+__all__ = [
+    "TINY_EMBED_ENGINE_KWARGS",
+    "TINY_ENGINE_KWARGS",
+    "TINY_MODEL_VERSION",
+    "apply_cpu_env_defaults",
+    "default_embedding_model_dir",
+    "default_model_dir",
+    "ensure_tiny_embedding_model",
+    "ensure_tiny_model",
+    "write_tiny_embedding_model",
+    "write_tiny_model",
+]
+
+TINY_MODEL_VERSION: Final = "1"
+"""Bumped whenever the written files change; older directories are rewritten."""
+
+TINY_ENGINE_KWARGS: Final[dict[str, Any]] = {
+    # No weights on disk: vLLM fills the parameters from a seeded generator.
+    "load_format": "dummy",
+    "dtype": "float32",
+    # CUDA graphs / torch.compile buy nothing on CPU and slow start-up.
+    "enforce_eager": True,
+    # On the CPU backend this is the share of host RAM reserved; the default
+    # 0.92 fails at start-up on a shared machine.
+    "gpu_memory_utilization": 0.2,
+    "max_model_len": 512,
+    "seed": 0,
+    # Keeps batch shapes, and so start-up and memory, small.
+    "max_num_seqs": 64,
+}
+"""``AsyncEngineArgs`` keyword arguments that start the tiny model on a CPU machine.
+
+Use with :func:`apply_cpu_env_defaults` (``VLLM_CPU_KVCACHE_SPACE=1``) set before the
+engine is built: ``AsyncEngineArgs(model=str(ensure_tiny_model()), **TINY_ENGINE_KWARGS)``.
+"""
+
+TINY_EMBED_ENGINE_KWARGS: Final[dict[str, Any]] = {
+    **TINY_ENGINE_KWARGS,
+    # Serve the causal LM as a pooling model: AsyncLLM.encode(..., PoolingParams(task="embed")).
+    "runner": "pooling",
+    "convert": "embed",
+}
+"""``AsyncEngineArgs`` keyword arguments that serve the tiny model as an embedding model."""
+
+_CPU_ENV_DEFAULTS: Final[dict[str, str]] = {
+    # GiB of host RAM for the KV cache; the default (4 GiB) is more than a small
+    # shared machine should give to a 512-token toy model.
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    # The tokenizer is used both before and after vLLM forks/spawns workers.
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+_MARKER_NAME: Final = ".vllm_servicer_tiny_model.json"
+_CACHE_ENV: Final = "VLLM_SERVICER_CACHE"
+
+_Kind = Literal["generate", "embed"]
+
+_PAD, _BOS, _EOS = "<pad>", "<s>", "</s>"
+_VOCAB_TARGET: Final = 320
+_MAX_LEN: Final = 512
+
+# Built-in training text: plain English, digits, JSON and code-ish punctuation, so
+# common strings (including "yes"/"no" and JSON syntax) get a few merged tokens.
+_CORPUS: Final[tuple[str, ...]] = (
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello, world! How are you today? I am fine, thank you.",
+    "yes no yes no maybe yes no true false null",
+    "Answer yes or no. The answer is yes. The answer is no.",
+    '{"name": "tiny", "value": 42, "ok": true, "items": [1, 2, 3]}',
+    '{"answer": "yes", "score": 0.5, "tags": ["a", "b"], "next": null}',
+    "0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 32 64 128 256 512 1024",
+    "def main():\n    print('hello')\n    return 0\n",
+    "A server streams tokens to a client over a channel, one message at a time.",
+    "The engine generates text from a prompt and stops at the end of sequence.",
+    "Once upon a time there was a small model that could only say a few words.",
+    "Requests, responses, errors and metadata travel between the two sides.",
+    "The cat sat on the mat. The dog sat on the log. The bird sang in the tree.",
+    "Monday Tuesday Wednesday Thursday Friday Saturday Sunday",
+    "red green blue yellow black white orange purple",
+    "What is the capital of France? Paris is the capital of France.",
+    "Please summarize the following text in one sentence.",
+    "This is a test. This is only a test. Testing, testing, one two three.",
+)
+
+
+def apply_cpu_env_defaults() -> dict[str, str]:
+    """Sets the environment variables vLLM's CPU backend needs, unless already set.
+
+    Must run before the engine is built (its child processes inherit the
+    environment). Values the caller already set are left alone.
+
+    Returns:
+        The variables this function covers, with the values now in effect.
+    """
+    return {name: os.environ.setdefault(name, value) for name, value in _CPU_ENV_DEFAULTS.items()}
+
+
+def default_model_dir() -> Path:
+    """Returns where :func:`ensure_tiny_model` keeps the tiny generation model.
+
+    ``$VLLM_SERVICER_CACHE/tiny-llama`` if that variable is set, else
+    ``$XDG_CACHE_HOME/vllm_servicer/tiny-llama`` (``~/.cache`` by default).
+    """
+    return _cache_root() / "tiny-llama"
+
+
+def default_embedding_model_dir() -> Path:
+    """Returns where :func:`ensure_tiny_embedding_model` keeps the tiny embedding model."""
+    return _cache_root() / "tiny-llama-embed"
+
+
+def ensure_tiny_model() -> Path:
+    """Writes the tiny generation model to :func:`default_model_dir` if missing.
+
+    Returns:
+        The model directory, ready to pass as ``AsyncEngineArgs(model=...)``.
+    """
+    return write_tiny_model(default_model_dir())
+
+
+def ensure_tiny_embedding_model() -> Path:
+    """Writes the tiny embedding model to :func:`default_embedding_model_dir` if missing.
+
+    Returns:
+        The model directory, to serve with :data:`TINY_EMBED_ENGINE_KWARGS`.
+    """
+    return write_tiny_embedding_model(default_embedding_model_dir())
+
+
+def write_tiny_model(path: str | os.PathLike[str]) -> Path:
+    """Writes a tiny Llama causal-LM model directory, without any network access.
+
+    The directory holds ``config.json`` (``LlamaForCausalLM``: hidden size 128,
+    2 layers, 2 heads of dim 64, 1 KV head, 512 positions, float32),
+    ``generation_config.json`` (temperature 0.7, top_p 0.9, top_k 20) and a
+    byte-level BPE tokenizer of about 320 tokens trained on a built-in corpus
+    (``<pad>`` = 0, ``<s>`` = 1, ``</s>`` = 2; encoding adds ``<s>``). There are
+    no weights: serve it with ``load_format="dummy"`` (see
+    :data:`TINY_ENGINE_KWARGS`).
+
+    The output is deterministic. If ``path`` already holds a model written by
+    this version of the function it is returned untouched; an older version's
+    directory is replaced. The files are written to a temporary sibling
+    directory and renamed into place, so concurrent callers never see a
+    partial model.
+
+    Args:
+        path: The model directory to create. Its parent is created if needed.
+
+    Returns:
+        ``path`` as an absolute :class:`~pathlib.Path`.
+
+    Raises:
+        FileExistsError: ``path`` exists, is not empty and was not written by
+            this module.
+    """
+    return _write(Path(path), "generate")
+
+
+def write_tiny_embedding_model(path: str | os.PathLike[str]) -> Path:
+    """Writes the tiny model directory for use as an embedding (pooling) model.
+
+    The files are those of :func:`write_tiny_model` (vLLM turns the causal LM
+    into an embedding model with ``runner="pooling", convert="embed"``; see
+    :data:`TINY_EMBED_ENGINE_KWARGS`); embeddings have 128 dimensions. The
+    directory is marked as an embedding model, so keep it apart from the
+    generation model's.
+
+    Args:
+        path: The model directory to create. Its parent is created if needed.
+
+    Returns:
+        ``path`` as an absolute :class:`~pathlib.Path`.
+
+    Raises:
+        FileExistsError: ``path`` exists, is not empty and was not written by
+            this module.
+    """
+    return _write(Path(path), "embed")
+
+
+def _cache_root() -> Path:
+    explicit = os.environ.get(_CACHE_ENV)
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "vllm_servicer"
+
+
+def _marker(kind: _Kind) -> dict[str, str]:
+    return {"writer": "vllm_servicer.tiny_model", "version": TINY_MODEL_VERSION, "kind": kind}
+
+
+def _read_marker(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads((path / _MARKER_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _write(path: Path, kind: _Kind) -> Path:
+    path = path.expanduser().absolute()
+    if _read_marker(path) == _marker(kind):
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        _populate(tmp, kind)
+        # A few rounds: another process may be swapping the directory at the same time.
+        for _ in range(5):
+            try:
+                # Atomic; succeeds when path is missing or an empty directory.
+                os.rename(tmp, path)
+                return path
+            except OSError:
+                if not path.exists():
+                    continue
+            found = _read_marker(path)
+            if found == _marker(kind):
+                return path  # Another process won the race.
+            if found is None or found.get("writer") != _marker(kind)["writer"]:
+                raise FileExistsError(
+                    f"{path} exists and was not written by vllm_servicer.tiny_model; "
+                    "refusing to replace it"
+                )
+            # Ours, but another version or kind: move it aside, then retry.
+            stale = path.with_name(f".{path.name}.stale-{uuid.uuid4().hex}")
+            try:
+                os.rename(path, stale)
+            except FileNotFoundError:
+                continue
+            shutil.rmtree(stale, ignore_errors=True)
+        raise OSError(f"could not move the tiny model into place at {path}")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _populate(directory: Path, kind: _Kind) -> None:
+    tokenizer = _train_tokenizer()
+    vocab_size = tokenizer.get_vocab_size()
+    pad_id, bos_id, eos_id = (tokenizer.token_to_id(t) for t in (_PAD, _BOS, _EOS))
+
+    from transformers import PreTrainedTokenizerFast
+
+    # Typed as Any: transformers' constructor is untyped in some versions.
+    tokenizer_cls: Any = PreTrainedTokenizerFast
+    hf_tokenizer = tokenizer_cls(
+        tokenizer_object=tokenizer,
+        bos_token=_BOS,
+        eos_token=_EOS,
+        pad_token=_PAD,
+        model_max_length=_MAX_LEN,
+        clean_up_tokenization_spaces=False,
+    )
+    hf_tokenizer.save_pretrained(str(directory))
+
+    config = {
+        # Without "architectures" vLLM resolves a bare LlamaModel with no LM head.
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab_size,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        # The CPU attention backend rejects small head sizes (16 fails; 64 works).
+        "head_dim": 64,
+        "num_key_value_heads": 1,
+        "hidden_act": "silu",
+        "max_position_embeddings": _MAX_LEN,
+        "initializer_range": 0.02,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "pad_token_id": pad_id,
+        "torch_dtype": "float32",
+    }
+    generation_config = {
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "pad_token_id": pad_id,
+        "do_sample": True,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 20,
+    }
+    _write_json(directory / "config.json", config)
+    _write_json(directory / "generation_config.json", generation_config)
+    # Written last: its presence means the directory is complete.
+    _write_json(directory / _MARKER_NAME, _marker(kind))
+    directory.chmod(0o755)  # mkdtemp makes it 0o700.
+
+
+def _train_tokenizer() -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=_VOCAB_TARGET,
+        min_frequency=2,
+        special_tokens=[_PAD, _BOS, _EOS],
+        # Every byte is a token, so any text encodes (no unknown token needed).
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    # Repetition makes pair counts, and so the merges, well separated.
+    tokenizer.train_from_iterator(list(_CORPUS) * 4, trainer=trainer)
+    bos_id = tokenizer.token_to_id(_BOS)
+    # Like Llama's tokenizer: encoding a text prepends <s>.
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{_BOS} $A",
+        pair=f"{_BOS} $A {_BOS} $B",
+        special_tokens=[(_BOS, bos_id)],
+    )
+    return tokenizer
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")

@@ -1,0 +1,149 @@
+"""The launcher and the README's mount sample, run as users run them, in their own processes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import socket
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+START_TIMEOUT = 240
+
+
+async def _spawn(*args: str, env: dict[str, str]) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        sys.executable, *args, cwd=ROOT, env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )
+
+
+async def _wait_for_line(proc: asyncio.subprocess.Process, pattern: str) -> re.Match[str]:
+    assert proc.stdout is not None
+    seen: list[str] = []
+
+    async def scan() -> re.Match[str]:
+        while line := (await proc.stdout.readline()).decode(errors="replace"):  # type: ignore[union-attr]
+            seen.append(line)
+            if match := re.search(pattern, line):
+                return match
+        raise AssertionError("process ended before it served:\n" + "".join(seen[-40:]))
+
+    try:
+        return await asyncio.wait_for(scan(), START_TIMEOUT)
+    except TimeoutError:
+        raise AssertionError("no start-up line in time:\n" + "".join(seen[-40:])) from None
+
+
+async def _drain_output(proc: asyncio.subprocess.Process) -> None:
+    assert proc.stdout is not None
+    while await proc.stdout.readline():
+        pass
+
+
+async def _stop(proc: asyncio.subprocess.Process) -> int:
+    if proc.returncode is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        return await asyncio.wait_for(proc.wait(), 60)
+    except TimeoutError:
+        proc.kill()
+        raise
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    return {**os.environ, "VLLM_SERVICER_CACHE": str(tmp_path_factory.mktemp("cache"))}
+
+
+@pytest.fixture(scope="module")
+async def launched(env: dict[str, str]) -> AsyncIterator[tuple[str, asyncio.subprocess.Process]]:
+    proc = await _spawn("-m", "vllm_servicer", "serve", "--port", "0", env=env)
+    try:
+        match = await _wait_for_line(proc, r"listening on (\S+:\d+)")
+        drain = asyncio.ensure_future(_drain_output(proc))
+        yield match.group(1), proc
+        drain.cancel()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def test_launcher_serves_the_tiny_model_to_the_example_client(
+    launched: tuple[str, asyncio.subprocess.Process], env: dict[str, str]
+) -> None:
+    address, _ = launched
+    client = await _spawn(str(EXAMPLES / "client.py"), address, "Hello, world", env=env)
+    out, _ = await asyncio.wait_for(client.communicate(), 120)
+    text = out.decode()
+    assert client.returncode == 0, text
+    assert "model:" in text
+    assert len(re.findall(r"^tokens: \[\d+", text, flags=re.M)) >= 2, text
+    assert "finish_reason: length" in text
+
+
+async def test_launcher_is_healthy_and_stops_cleanly_on_sigterm(
+    launched: tuple[str, asyncio.subprocess.Process],
+) -> None:
+    address, proc = launched
+    async with grpc.aio.insecure_channel(address) as channel:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    assert await _stop(proc) == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_readme_mount_sample_is_the_example_file() -> None:
+    readme = (ROOT / "README.md").read_text()
+    sample = (EXAMPLES / "mount_quickstart.py").read_text()
+    assert f"```python\n{sample}```" in readme
+
+
+async def test_mount_quickstart_serves(env: dict[str, str], tmp_path: Path) -> None:
+    address = f"127.0.0.1:{_free_port()}"
+    driver = (
+        "import asyncio, sys\n"
+        f"sys.path.insert(0, {str(EXAMPLES)!r})\n"
+        "from vllm.engine.arg_utils import AsyncEngineArgs\n"
+        "from vllm_servicer.tiny_model import TINY_ENGINE_KWARGS, apply_cpu_env_defaults, "
+        "ensure_tiny_model\n"
+        "import mount_quickstart\n"
+        "if __name__ == '__main__':\n"
+        "    apply_cpu_env_defaults()\n"
+        "    args = AsyncEngineArgs(model=str(ensure_tiny_model()), **TINY_ENGINE_KWARGS)\n"
+        f"    asyncio.run(mount_quickstart.main({address!r}, args))\n"
+    )
+    script = tmp_path / "drive_quickstart.py"
+    script.write_text(driver)
+    proc = await _spawn(str(script), env=env)
+    try:
+        await _wait_for_line(proc, r"serving on")
+        drain = asyncio.ensure_future(_drain_output(proc))
+        client = await _spawn(str(EXAMPLES / "client.py"), address, "hi", env=env)
+        out, _ = await asyncio.wait_for(client.communicate(), 120)
+        assert client.returncode == 0, out.decode()
+        assert "finish_reason: length" in out.decode()
+        drain.cancel()
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                await asyncio.wait_for(proc.wait(), 60)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
