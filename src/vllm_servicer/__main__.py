@@ -38,9 +38,16 @@ def build_parser() -> Any:
         default=DEFAULT_MAX_MESSAGE_BYTES,
         help="largest request or response message accepted (bytes)",
     )
+    own.add_argument(
+        "--drain-grace",
+        type=float,
+        default=2.0,
+        help="seconds the server keeps answering after health turns NOT_SERVING on SIGTERM",
+    )
     own.add_argument("--no-reflection", action="store_true", help="do not serve reflection")
     AsyncEngineArgs.add_cli_args(serve)
-    serve.set_defaults(model=None)
+    # Our drain waits this long for in-flight calls (vLLM's default 0 would cut them).
+    serve.set_defaults(model=None, shutdown_timeout=30)
     return parser
 
 
@@ -70,6 +77,7 @@ async def serve(args: argparse.Namespace) -> int:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    from .drain import GracefulShutdown
     from .mount import mount
     from .options import server_options
 
@@ -85,27 +93,20 @@ async def serve(args: argparse.Namespace) -> int:
         if port == 0:
             logger.error("could not bind %s", address)
             return 1
+        shutdown = GracefulShutdown(
+            server,
+            mounted,
+            grace_period=args.drain_grace,
+            timeout=float(args.shutdown_timeout or 0),
+        )
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, shutdown.request_stop)
         await server.start()
         # Printed (not only logged) so scripts and tests can read the bound port.
         print(f"vllm-servicer listening on {args.host}:{port}", flush=True)
-
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
-        # vLLM's own --shutdown-timeout bounds the drain too (0: do not wait).
-        drain_seconds = float(args.shutdown_timeout or 0)
-        logger.info(
-            "stopping: %d calls in flight, waiting up to %.0f s",
-            mounted.servicer.active_requests,
-            drain_seconds,
-        )
-        if mounted.health is not None:
-            await mounted.health.start_draining()
-        await server.stop(drain_seconds)
-        if mounted.health is not None:
-            await mounted.health.close()
+        await shutdown.wait_for_stop_request()
+        await shutdown.run()
         return 0
     finally:
         logger.info("shutting down the engine")
@@ -120,7 +121,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    return asyncio.run(serve(args))
+    try:
+        import uvloop  # optional: a faster event loop when installed
+    except ImportError:
+        return asyncio.run(serve(args))
+    return uvloop.run(serve(args))
 
 
 if __name__ == "__main__":
