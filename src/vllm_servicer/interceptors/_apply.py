@@ -13,11 +13,15 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
-Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]]
+if TYPE_CHECKING:
+    # grpc's generic aliases are not subscriptable at runtime.
+    Continuation = Callable[
+        [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]
+    ]
 
 
 class CallDetails(grpc.HandlerCallDetails):
@@ -31,7 +35,7 @@ class CallDetails(grpc.HandlerCallDetails):
 
 
 def _chain(interceptors: Sequence[grpc.aio.ServerInterceptor], handler: Any) -> Continuation:
-    async def terminal(details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+    async def terminal(details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[Any, Any] | None:
         return handler  # type: ignore[no-any-return]
 
     continuation: Continuation = terminal
@@ -41,7 +45,9 @@ def _chain(interceptors: Sequence[grpc.aio.ServerInterceptor], handler: Any) -> 
 
 
 def _link(interceptor: grpc.aio.ServerInterceptor, following: Continuation) -> Continuation:
-    async def continuation(details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+    async def continuation(
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
         return await interceptor.intercept_service(following, details)
 
     return continuation
@@ -50,8 +56,8 @@ def _link(interceptor: grpc.aio.ServerInterceptor, following: Continuation) -> C
 def apply_interceptors(
     interceptors: Sequence[grpc.aio.ServerInterceptor],
     method: str,
-    handler: grpc.RpcMethodHandler,
-) -> grpc.RpcMethodHandler:
+    handler: grpc.RpcMethodHandler[Any, Any],
+) -> grpc.RpcMethodHandler[Any, Any]:
     """A handler of the same kind as `handler` that runs `interceptors` around it."""
     chain = _chain(interceptors, handler)
 
@@ -102,8 +108,13 @@ def apply_interceptors(
 async def _responses(result: Any) -> AsyncIterator[Any]:
     """Messages of a streaming behaviour, whether it yields or calls context.write."""
     if inspect.isasyncgen(result):
-        async for message in result:
-            yield message
+        try:
+            async for message in result:
+                yield message
+        except BaseException:
+            # Cancelled at our `yield`: close the handler's generator now, not at GC.
+            await result.aclose()
+            raise
     elif inspect.isawaitable(result):
         await result
     else:  # a sync iterator is the only other shape grpc accepts

@@ -5,9 +5,10 @@ serializers, unknown methods passed through as None, async-generator and
 `context.write` streaming, and how a call ended); a subclass supplies only
 its own logic through four hooks:
 
-- `on_start(call)`: before the handler runs; may `await call.context.abort(...)`
-  to reject the call (the handler then never runs).
-- `on_request(call, message)`: each request message (unary or streamed).
+- `on_start(call)`: before the handler runs and before any request message is
+  read; may `await call.context.abort(...)` to reject the call (the handler
+  then never runs).
+- `on_request(call, message)`: each request message (unary, iterated or `context.read()`).
 - `on_response(call, message)`: each response message, either streaming style.
 - `on_finish(call)`: exactly once per call that started, with `call.code` set:
   OK, the aborted code, CANCELLED (client cancel), DEADLINE_EXCEEDED or UNKNOWN.
@@ -19,13 +20,24 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
 
+logger = logging.getLogger("vllm_servicer.interceptors")
+
 MethodFilter = Callable[[str], bool]
+"""A predicate on the full method name, "/package.Service/Method"."""
+
+# grpc.aio's own test for "run on the event loop" (anything else goes to its thread pool).
+_is_async = inspect.iscoroutinefunction
+_is_async_gen = inspect.isasyncgenfunction
+
+# A cancel this close to the deadline is the deadline (see _ended_code).
+_DEADLINE_SLACK_S = 0.1
 
 
 def all_methods(method: str) -> bool:
@@ -45,6 +57,12 @@ def except_methods_of(*services: str) -> MethodFilter:
     return lambda method: not inner(method)
 
 
+def only_methods(*methods: str) -> MethodFilter:
+    """A filter matching exactly the named methods ("/package.Service/Method")."""
+    names = frozenset(methods)
+    return names.__contains__
+
+
 class Call:
     """One RPC as the hooks see it.
 
@@ -54,14 +72,23 @@ class Call:
         name: "Method".
         kind: "unary_unary", "unary_stream", "stream_unary" or "stream_stream".
         metadata: the invocation metadata, a tuple of (key, value) pairs.
-        context: the call's ServicerContext (None in on_finish of a call never run).
-        started: time.perf_counter() when the call reached the interceptor.
-        code: how the call ended (set before on_finish).
-        state: free per-call storage for the interceptor.
+        context: the call's ServicerContext.
+        started: time.perf_counter() when the call reached the handler wrapper.
+        code: how the call ended (None until just before on_finish).
+        state: free per-call slot for the interceptor (None until it sets one).
     """
 
-    __slots__ = ("code", "context", "kind", "metadata", "method", "name", "service", "started",
-                 "state")
+    __slots__ = (
+        "code",
+        "context",
+        "kind",
+        "metadata",
+        "method",
+        "name",
+        "service",
+        "started",
+        "state",
+    )
 
     def __init__(self, method: str, kind: str, metadata: Any, context: Any) -> None:
         self.method = method
@@ -73,7 +100,7 @@ class Call:
         self.context = context
         self.started = time.perf_counter()
         self.code: grpc.StatusCode | None = None
-        self.state: dict[str, Any] = {}
+        self.state: Any = None
 
 
 def _ended_code(context: Any, exc: BaseException | None) -> grpc.StatusCode:
@@ -85,25 +112,42 @@ def _ended_code(context: Any, exc: BaseException | None) -> grpc.StatusCode:
         code = context.code()
         return code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.UNKNOWN
     if isinstance(exc, asyncio.CancelledError):
+        # grpc cancels the handler task both for a client cancel and at the
+        # deadline; only the time left tells them apart. The client's own timer
+        # usually fires first and its cancel arrives a transit time before ours.
         remaining = context.time_remaining()
-        if remaining is not None and remaining <= 0:
+        if remaining is not None and remaining <= _DEADLINE_SLACK_S:
             return grpc.StatusCode.DEADLINE_EXCEEDED
         return grpc.StatusCode.CANCELLED
     return grpc.StatusCode.UNKNOWN
 
 
-class _CountingContext:
-    """Passes every attribute through to the real context; counts `write` calls."""
+class _HookedContext:
+    """The real context, with `read` and `write` reported to the hooks."""
 
-    __slots__ = ("_call", "_context", "_on_response")
+    __slots__ = ("_call", "_context", "_on_request", "_on_response")
 
-    def __init__(self, context: Any, call: Call, on_response: Callable[[Call, Any], None]) -> None:
+    def __init__(
+        self,
+        context: Any,
+        call: Call,
+        on_request: Callable[[Call, Any], None] | None,
+        on_response: Callable[[Call, Any], None] | None,
+    ) -> None:
         self._context = context
         self._call = call
+        self._on_request = on_request
         self._on_response = on_response
 
+    async def read(self) -> Any:
+        message = await self._context.read()
+        if self._on_request is not None and message is not grpc.aio.EOF:
+            self._on_request(self._call, message)
+        return message
+
     async def write(self, message: Any) -> None:
-        self._on_response(self._call, message)
+        if self._on_response is not None:
+            self._on_response(self._call, message)
         await self._context.write(message)
 
     def __getattr__(self, name: str) -> Any:
@@ -114,7 +158,9 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
     """Base class: a grpc.aio server interceptor built from per-call hooks.
 
     Works both server-wide (`grpc.aio.server(interceptors=[...])`) and for the
-    services `mount(..., interceptors=[...])` adds.
+    services `mount(..., interceptors=[...])` adds. Handlers written as plain
+    (sync) functions, which grpc.aio runs in its thread pool, pass through
+    without hooks.
 
     Args:
         methods: which methods the interceptor applies to (default: all); the
@@ -123,6 +169,7 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
 
     def __init__(self, *, methods: MethodFilter = all_methods) -> None:
         self._applies = methods
+        self._applies_cache: dict[str, bool] = {}
         own = type(self)
         self._has_request_hook = own.on_request is not CallInterceptor.on_request
         self._has_response_hook = own.on_response is not CallInterceptor.on_response
@@ -143,68 +190,105 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
 
     # ----- plumbing -----------------------------------------------------------
 
+    def applies_to(self, method: str) -> bool:
+        """Whether this interceptor runs for `method` ("/package.Service/Method")."""
+        cached = self._applies_cache.get(method)
+        if cached is None:
+            # Unknown method names come from clients: bound the cache.
+            cached = bool(self._applies(method))
+            if len(self._applies_cache) < 4096:
+                self._applies_cache[method] = cached
+        return cached
+
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
+        continuation: Callable[
+            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]
+        ],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler | None:
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
         handler = await continuation(handler_call_details)
-        method: str = handler_call_details.method  # type: ignore[attr-defined]
-        if handler is None or not self._applies(method):
+        method: str = handler_call_details.method
+        if handler is None or not self.applies_to(method):
             return handler
-        metadata = handler_call_details.invocation_metadata  # type: ignore[attr-defined]
+        metadata = handler_call_details.invocation_metadata
         return self._wrap(handler, method, metadata)
 
-    def _wrap(self, handler: Any, method: str, metadata: Any) -> grpc.RpcMethodHandler:
+    def _wrap(self, handler: Any, method: str, metadata: Any) -> grpc.RpcMethodHandler[Any, Any]:
         if handler.request_streaming and handler.response_streaming:
             kind, behaviour, factory = (
-                "stream_stream", handler.stream_stream, grpc.stream_stream_rpc_method_handler
+                "stream_stream",
+                handler.stream_stream,
+                grpc.stream_stream_rpc_method_handler,
             )
         elif handler.request_streaming:
             kind, behaviour, factory = (
-                "stream_unary", handler.stream_unary, grpc.stream_unary_rpc_method_handler
+                "stream_unary",
+                handler.stream_unary,
+                grpc.stream_unary_rpc_method_handler,
             )
         elif handler.response_streaming:
             kind, behaviour, factory = (
-                "unary_stream", handler.unary_stream, grpc.unary_stream_rpc_method_handler
+                "unary_stream",
+                handler.unary_stream,
+                grpc.unary_stream_rpc_method_handler,
             )
         else:
             kind, behaviour, factory = (
-                "unary_unary", handler.unary_unary, grpc.unary_unary_rpc_method_handler
+                "unary_unary",
+                handler.unary_unary,
+                grpc.unary_unary_rpc_method_handler,
             )
+        if not (_is_async(behaviour) or _is_async_gen(behaviour)):
+            # Our wrapper would run it on the event loop instead of grpc's thread pool.
+            return handler  # type: ignore[no-any-return]
         if handler.response_streaming:
             wrapped: Any = self._streaming(behaviour, method, kind, metadata)
         else:
             wrapped = self._unary(behaviour, method, kind, metadata)
-        return factory(  # type: ignore[no-any-return]
+        return factory(
             wrapped,
             request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer,
         )
 
+    def _context_for(self, call: Call, context: Any) -> Any:
+        """The context the handler gets: hooked where it can read or write messages."""
+        on_request = self.on_request if self._has_request_hook and call.kind[0] == "s" else None
+        on_response = (
+            self.on_response if self._has_response_hook and call.kind.endswith("stream") else None
+        )
+        if on_request is None and on_response is None:
+            return context
+        return _HookedContext(context, call, on_request, on_response)
+
     def _requests(self, call: Call, request: Any) -> Any:
         """The request (or request iterator) as the handler receives it."""
-        if call.kind.startswith("unary"):
-            if self._has_request_hook:
-                self.on_request(call, request)
-            return request
         if not self._has_request_hook:
+            return request
+        if call.kind[0] == "u":
+            self.on_request(call, request)
             return request
         return self._counted_requests(call, request)
 
     async def _counted_requests(self, call: Call, requests: Any) -> AsyncIterator[Any]:
+        on_request = self.on_request
         async for message in requests:
-            self.on_request(call, message)
+            on_request(call, message)
             yield message
 
     def _unary(self, behaviour: Any, method: str, kind: str, metadata: Any) -> Any:
+        hooked = self._has_response_hook
+
         async def unary_response(request: Any, context: Any) -> Any:
             call = Call(method, kind, metadata, context)
             await self._start(call)
             exc: BaseException | None = None
             try:
-                response = await behaviour(self._requests(call, request), context)
-                if self._has_response_hook:
+                response = await behaviour(
+                    self._requests(call, request), self._context_for(call, context)
+                )
+                if hooked and response is not None:
                     self.on_response(call, response)
                 return response
             except BaseException as error:
@@ -222,9 +306,9 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
             call = Call(method, kind, metadata, context)
             await self._start(call)
             exc: BaseException | None = None
+            result: Any = None
             try:
-                target = _CountingContext(context, call, self.on_response) if hooked else context
-                result = behaviour(self._requests(call, request), target)
+                result = behaviour(self._requests(call, request), self._context_for(call, context))
                 if inspect.isasyncgen(result):
                     if hooked:
                         on_response = self.on_response
@@ -234,18 +318,20 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
                     else:
                         async for message in result:
                             yield message
-                elif inspect.isawaitable(result):
-                    await result  # a context.write-style handler
                 else:
-                    for message in result:
-                        if hooked:
-                            self.on_response(call, message)
-                        yield message
+                    await result  # a context.write-style handler
             except BaseException as error:
                 exc = error
                 raise
             finally:
-                self._finish(call, exc)
+                try:
+                    if exc is not None and inspect.isasyncgen(result):
+                        # Cancelled at our `yield`, the handler's generator is still
+                        # suspended at its own: close it now (its cleanup, e.g. an
+                        # engine abort, runs before on_finish) rather than at GC.
+                        await result.aclose()
+                finally:
+                    self._finish(call, exc)
 
         return streaming_response
 
@@ -261,4 +347,8 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
         if call.code is not None:
             return
         call.code = _ended_code(call.context, exc)
-        self.on_finish(call)
+        try:
+            self.on_finish(call)
+        except Exception:
+            # Bookkeeping must never change how the call ends.
+            logger.exception("on_finish of %s failed for %s", type(self).__name__, call.method)

@@ -1,0 +1,151 @@
+"""Counting the RPCs in flight, with an optional limit on engine requests."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import grpc
+
+from ..proto import SERVICE_NAME
+from ._base import Call, CallInterceptor, MethodFilter, all_methods, only_methods
+
+ENGINE_REQUESTS: MethodFilter = only_methods(f"/{SERVICE_NAME}/Generate", f"/{SERVICE_NAME}/Embed")
+"""The calls that occupy the engine: Generate and Embed of `vllm.grpc.engine.VllmEngine`."""
+
+RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
+
+
+class InflightInterceptor(CallInterceptor):
+    """Counts RPCs in flight per method; optionally rejects engine requests past a limit.
+
+    A call counts from the moment its handler starts until it ends, however it
+    ends (success, error, abort, client cancel, deadline). Past `max_inflight`
+    limited calls in flight, a new limited call is rejected at once with
+    RESOURCE_EXHAUSTED and a `grpc-retry-pushback-ms` trailer (clients with a
+    retry policy wait that long), instead of queueing in the engine without
+    bound.
+
+    Args:
+        max_inflight: the most limited calls in flight at once; None: no limit.
+        limited: which calls the limit applies to (default: Generate and Embed).
+        retry_pushback_ms: the retry hint sent with a rejection.
+        methods: which methods are counted at all (default: every method).
+    """
+
+    def __init__(
+        self,
+        max_inflight: int | None = None,
+        *,
+        limited: MethodFilter = ENGINE_REQUESTS,
+        retry_pushback_ms: int = 1000,
+        methods: MethodFilter = all_methods,
+    ) -> None:
+        super().__init__(methods=methods)
+        if max_inflight is not None and max_inflight < 1:
+            raise ValueError(f"max_inflight must be at least 1, got {max_inflight}")
+        self.max_inflight = max_inflight
+        self._limited = limited
+        self._limited_cache: dict[str, bool] = {}
+        self._pushback = ((RETRY_PUSHBACK_KEY, str(int(retry_pushback_ms))),)
+        self._counts: Counter[str] = Counter()
+        self._total = 0
+        self._limited_total = 0
+        self.rejected = 0
+        # Created lazily: an Event made outside a running loop binds to the first loop using it.
+        self._idle: asyncio.Event | None = None
+        self._limited_idle: asyncio.Event | None = None
+
+    # ----- what the launcher and GetServerInfo read --------------------------------
+
+    @property
+    def total(self) -> int:
+        """All counted calls in flight (long-lived streams such as health Watch included)."""
+        return self._total
+
+    @property
+    def limited_total(self) -> int:
+        """Limited calls (by default Generate and Embed) in flight."""
+        return self._limited_total
+
+    def count(self, method: str) -> int:
+        """Calls of one method ("/package.Service/Method") in flight."""
+        return self._counts.get(method, 0)
+
+    def counts(self) -> dict[str, int]:
+        """Every method with calls in flight, and how many."""
+        return {method: n for method, n in self._counts.items() if n}
+
+    async def wait_idle(self, timeout: float | None = None, *, include_all: bool = False) -> bool:
+        """Wait until no limited call is in flight (or no counted call at all).
+
+        Draining waits for engine work; health `Watch` and reflection streams
+        stay open until the server stops, so they are left out unless
+        `include_all` is set.
+
+        Args:
+            timeout: seconds to wait at most; None waits as long as it takes.
+            include_all: wait for every counted call, not only limited ones.
+
+        Returns:
+            True when idle, False when the timeout passed first.
+        """
+        if (self._total if include_all else self._limited_total) == 0:
+            return True
+        event = self._event(include_all)
+        try:
+            await asyncio.wait_for(event.wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    # ----- hooks ----------------------------------------------------------------------
+
+    def _is_limited(self, method: str) -> bool:
+        cached = self._limited_cache.get(method)
+        if cached is None:
+            cached = self._limited_cache[method] = bool(self._limited(method))
+        return cached
+
+    async def on_start(self, call: Call) -> None:
+        limited = self._is_limited(call.method)
+        if limited and self.max_inflight is not None and self._limited_total >= self.max_inflight:
+            self.rejected += 1
+            await call.context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"server busy: {self._limited_total} requests in flight, the limit "
+                f"(max_inflight) is {self.max_inflight}; retry later",
+                trailing_metadata=self._pushback,
+            )
+        # Marks the call as counted: a rejected call also reaches on_finish.
+        call.state = limited
+        self._counts[call.method] += 1
+        self._total += 1
+        if limited:
+            self._limited_total += 1
+            if self._limited_idle is not None:
+                self._limited_idle.clear()
+        if self._idle is not None:
+            self._idle.clear()
+
+    def on_finish(self, call: Call) -> None:
+        limited = call.state
+        if limited is None:
+            return
+        self._counts[call.method] -= 1
+        self._total -= 1
+        if self._total == 0 and self._idle is not None:
+            self._idle.set()
+        if limited:
+            self._limited_total -= 1
+            if self._limited_total == 0 and self._limited_idle is not None:
+                self._limited_idle.set()
+
+    def _event(self, include_all: bool) -> asyncio.Event:
+        if include_all:
+            if self._idle is None:
+                self._idle = asyncio.Event()
+            return self._idle
+        if self._limited_idle is None:
+            self._limited_idle = asyncio.Event()
+        return self._limited_idle

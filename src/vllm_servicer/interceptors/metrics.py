@@ -1,0 +1,357 @@
+"""Prometheus metrics for the RPCs, and for generation as seen at the RPC edge.
+
+Two families:
+
+- grpc-ecosystem server metrics (the names go-grpc-prometheus and
+  py-grpc-prometheus export, so existing dashboards work): started, handled
+  (by `grpc_code`), messages received and sent, and handling time, with labels
+  `grpc_type`, `grpc_service`, `grpc_method`.
+- `vllm_servicer_*` generation metrics for Generate, read from the
+  GenerateResponse messages as they leave: time to first token, time per
+  output token, request duration, prompt and generated tokens, finish
+  reasons, cancellations by cause, and engine requests in flight. Each
+  documents the OpenTelemetry GenAI instrument it matches.
+
+The metrics live in the registry given (default: prometheus_client's global
+REGISTRY), so a host that already exposes a registry gets them there; see
+`start_metrics_server` for serving one on a port. docs/metrics.md lists every
+series.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import grpc
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import start_http_server
+
+from ..proto import SERVICE_NAME
+from ._base import Call, CallInterceptor, MethodFilter, all_methods
+
+GRPC_TYPES = {
+    "unary_unary": "unary",
+    "unary_stream": "server_stream",
+    "stream_unary": "client_stream",
+    "stream_stream": "bidi_stream",
+}
+"""grpc-ecosystem's `grpc_type` label value for each handler kind."""
+
+HANDLING_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+)  # fmt: skip
+"""grpc-ecosystem's default buckets (they stop at 10 s) extended to 10 minutes for LLM streams."""
+
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+)  # fmt: skip
+"""OTel GenAI advisory boundaries for gen_ai.server.time_to_first_token."""
+
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+"""OTel GenAI advisory boundaries for gen_ai.server.time_per_output_token."""
+
+REQUEST_DURATION_BUCKETS = (
+    0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92,
+)  # fmt: skip
+"""OTel GenAI advisory boundaries for gen_ai.server.request.duration."""
+
+FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
+CANCEL_CAUSES = ("client_cancel", "deadline", "abort_rpc", "shutdown")
+
+_GENERATE = f"/{SERVICE_NAME}/Generate"
+_ENGINE_METHODS = frozenset((_GENERATE, f"/{SERVICE_NAME}/Embed"))
+_GRPC_LABELS = ("grpc_type", "grpc_service", "grpc_method")
+_CANCELLED = grpc.StatusCode.CANCELLED
+_DEADLINE = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class _MethodMetrics:
+    """The labelled children of one method, bound once and reused by every call."""
+
+    __slots__ = (
+        "engine",
+        "generate",
+        "handled",
+        "handling",
+        "labels",
+        "received",
+        "sent",
+        "started",
+    )
+
+    def __init__(self, owner: MetricsInterceptor, call: Call) -> None:
+        self.labels = (GRPC_TYPES[call.kind], call.service, call.name)
+        self.started = owner.started.labels(*self.labels)
+        self.received = owner.msg_received.labels(*self.labels)
+        self.sent = owner.msg_sent.labels(*self.labels)
+        self.handling = owner.handling_seconds.labels(*self.labels)
+        self.handled: dict[grpc.StatusCode, Any] = {}
+        self.engine = call.method in _ENGINE_METHODS
+        self.generate = call.method == _GENERATE
+
+
+class _GenerateCall:
+    """Per-call state of one Generate call."""
+
+    __slots__ = ("aborted", "first_token_at", "last_chunk_at", "method", "prompt_counted", "sent")
+
+    generate = True
+
+    def __init__(self, method: _MethodMetrics) -> None:
+        self.method = method
+        self.sent = method.sent
+        self.first_token_at: float | None = None
+        # When each choice (index) last streamed tokens; None before its first chunk.
+        self.last_chunk_at: list[float | None] = [None]
+        self.prompt_counted = False
+        self.aborted = False
+
+
+class MetricsInterceptor(CallInterceptor):
+    """Exports grpc-ecosystem RPC metrics and generation metrics to Prometheus.
+
+    Pass the same object to `grpc.aio.server(interceptors=[...])` or to
+    `mount(..., interceptors=[...])`. Metrics are created here, in
+    `registry`: two instances on separate `CollectorRegistry` objects never
+    collide (two on the same registry do, as with any Prometheus metric).
+
+    Args:
+        registry: where the metrics are registered. Default: prometheus_client's
+            global REGISTRY (what `start_http_server` and most frameworks
+            expose). Pass the registry your process already exposes to add
+            these series to it, or a fresh `CollectorRegistry()` and serve it
+            with `start_metrics_server(port, registry=...)`.
+        methods: which methods are measured (default: every method). The
+            generation metrics are always about Generate only.
+    """
+
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = None,
+        *,
+        methods: MethodFilter = all_methods,
+    ) -> None:
+        super().__init__(methods=methods)
+        reg = REGISTRY if registry is None else registry
+        self.registry = reg
+        self._shutting_down = False
+        self._methods: dict[str, _MethodMetrics] = {}
+
+        # grpc-ecosystem names (go-grpc-prometheus); prometheus_client adds `_total`.
+        self.started = Counter(
+            "grpc_server_started",
+            "Total number of RPCs started on the server.",
+            _GRPC_LABELS,
+            registry=reg,
+        )
+        self.handled = Counter(
+            "grpc_server_handled",
+            "Total number of RPCs completed on the server, regardless of success or failure.",
+            (*_GRPC_LABELS, "grpc_code"),
+            registry=reg,
+        )
+        self.msg_received = Counter(
+            "grpc_server_msg_received",
+            "Total number of RPC stream messages received on the server.",
+            _GRPC_LABELS,
+            registry=reg,
+        )
+        self.msg_sent = Counter(
+            "grpc_server_msg_sent",
+            "Total number of gRPC stream messages sent by the server.",
+            _GRPC_LABELS,
+            registry=reg,
+        )
+        self.handling_seconds = Histogram(
+            "grpc_server_handling_seconds",
+            "Histogram of response latency (seconds) of gRPC that had been application-level "
+            "handled by the server.",
+            _GRPC_LABELS,
+            buckets=HANDLING_BUCKETS,
+            registry=reg,
+        )
+
+        # Generation, measured at the RPC edge.
+        self.time_to_first_token = Histogram(
+            "vllm_servicer_time_to_first_token_seconds",
+            "Time from the start of a streaming Generate call to its first output token "
+            "leaving the servicer (OTel: gen_ai.server.time_to_first_token).",
+            buckets=TTFT_BUCKETS,
+            registry=reg,
+        )
+        self.time_per_output_token = Histogram(
+            "vllm_servicer_time_per_output_token_seconds",
+            "Gap between consecutive streamed chunks of one choice divided by the chunk's "
+            "tokens (OTel: gen_ai.server.time_per_output_token).",
+            buckets=TPOT_BUCKETS,
+            registry=reg,
+        )
+        self.request_duration = Histogram(
+            "vllm_servicer_request_duration_seconds",
+            "Duration of Generate calls, however they ended "
+            "(OTel: gen_ai.server.request.duration).",
+            buckets=REQUEST_DURATION_BUCKETS,
+            registry=reg,
+        )
+        self.prompt_tokens = Counter(
+            "vllm_servicer_prompt_tokens",
+            "Prompt tokens of Generate calls (OTel: gen_ai.client.token.usage, "
+            "gen_ai.token.type=input).",
+            registry=reg,
+        )
+        self.generation_tokens = Counter(
+            "vllm_servicer_generation_tokens",
+            "Output tokens sent by Generate calls (OTel: gen_ai.client.token.usage, "
+            "gen_ai.token.type=output).",
+            registry=reg,
+        )
+        self.request_finish = Counter(
+            "vllm_servicer_request_finish",
+            "Generate choices finished, by finish_reason "
+            "(OTel attribute gen_ai.response.finish_reasons).",
+            ("finish_reason",),
+            registry=reg,
+        )
+        self.request_cancelled = Counter(
+            "vllm_servicer_request_cancelled",
+            "Generate calls ended early, by cause: client_cancel, deadline, abort_rpc "
+            "(finish_reason abort), shutdown.",
+            ("cause",),
+            registry=reg,
+        )
+        self.requests_in_flight = Gauge(
+            "vllm_servicer_requests_in_flight",
+            "Generate and Embed calls in flight (OTel: gen_ai.server.request.active "
+            "has no GenAI instrument yet; this mirrors the servicer's active_requests).",
+            registry=reg,
+        )
+        # Bound once: the hot path below never calls .labels().
+        self._finish_children = {r: self.request_finish.labels(r) for r in FINISH_REASONS}
+        self._cancel_children = {c: self.request_cancelled.labels(c) for c in CANCEL_CAUSES}
+        self._ttft_observe = self.time_to_first_token.observe
+        self._tpot_observe = self.time_per_output_token.observe
+        self._prompt_inc = self.prompt_tokens.inc
+        self._generation_inc = self.generation_tokens.inc
+
+    def mark_shutdown(self) -> None:
+        """From now on, count cancelled and aborted Generate calls as `shutdown`.
+
+        The call alone cannot tell a shutdown from a client cancel: the
+        launcher calls this before it drains and stops the server.
+        """
+        self._shutting_down = True
+
+    # ----- hooks ----------------------------------------------------------------
+
+    async def on_start(self, call: Call) -> None:
+        method = self._methods.get(call.method)
+        if method is None:
+            method = self._methods[call.method] = _MethodMetrics(self, call)
+        method.started.inc()
+        if method.engine:
+            self.requests_in_flight.inc()
+        call.state = _GenerateCall(method) if method.generate else method
+
+    def on_request(self, call: Call, message: Any) -> None:
+        state = call.state
+        (state.method if state.generate else state).received.inc()
+
+    def on_response(self, call: Call, message: Any) -> None:
+        state = call.state
+        state.sent.inc()
+        if state.generate:
+            self._generated(call, state, message)
+
+    def on_finish(self, call: Call) -> None:
+        state = call.state
+        if state is None:  # on_start never ran
+            return
+        now = time.perf_counter()
+        method: _MethodMetrics = state.method if state.generate else state
+        code = call.code
+        assert code is not None
+        handled = method.handled.get(code)
+        if handled is None:
+            handled = method.handled[code] = self.handled.labels(*method.labels, code.name)
+        handled.inc()
+        method.handling.observe(now - call.started)
+        if method.engine:
+            self.requests_in_flight.dec()
+        if state.generate:
+            self.request_duration.observe(now - call.started)
+            cause = None
+            if code is _CANCELLED:
+                cause = "shutdown" if self._shutting_down else "client_cancel"
+            elif code is _DEADLINE:
+                cause = "deadline"
+            elif state.aborted:
+                cause = "shutdown" if self._shutting_down else "abort_rpc"
+            if cause is not None:
+                self._cancel_children[cause].inc()
+
+    # ----- Generate -------------------------------------------------------------
+
+    def _generated(self, call: Call, state: _GenerateCall, message: Any) -> None:
+        if message.WhichOneof("response") == "chunk":
+            chunk = message.chunk
+            if not state.prompt_counted:
+                state.prompt_counted = True
+                self._prompt_inc(chunk.prompt_tokens)
+            tokens = len(chunk.token_ids)
+            if not tokens:
+                return
+            now = time.perf_counter()
+            self._generation_inc(tokens)
+            if state.first_token_at is None:
+                state.first_token_at = now
+                self._ttft_observe(now - call.started)
+            index = chunk.index
+            last = state.last_chunk_at
+            if index >= len(last):
+                last.extend([None] * (index + 1 - len(last)))
+            previous = last[index]
+            last[index] = now
+            if previous is not None:
+                self._tpot_observe((now - previous) / tokens)
+            return
+        complete = message.complete
+        if not state.prompt_counted:
+            state.prompt_counted = True
+            self._prompt_inc(complete.prompt_tokens)
+        if (
+            len(state.last_chunk_at) <= complete.index
+            or state.last_chunk_at[complete.index] is None
+        ):
+            # Not streamed: the complete carries all of the choice's tokens. (Streamed,
+            # it repeats the last chunk's, which were counted then.)
+            self._generation_inc(len(complete.output_ids))
+        reason = complete.finish_reason
+        child = self._finish_children.get(reason)
+        if child is None:
+            child = self._finish_children[reason] = self.request_finish.labels(reason)
+        child.inc()
+        if reason == "abort":
+            state.aborted = True
+
+
+def start_metrics_server(
+    port: int, addr: str = "127.0.0.1", registry: CollectorRegistry | None = None
+) -> tuple[Any, Any]:
+    """Serve a registry's metrics over HTTP (`/metrics`) from a background thread.
+
+    A thin wrapper over prometheus_client's `start_http_server` that defaults
+    to loopback rather than every interface.
+
+    Args:
+        port: the TCP port; 0 picks a free one (read it from `server.server_port`).
+        addr: the address to bind.
+        registry: the registry to serve (default: the global REGISTRY).
+
+    Returns:
+        The HTTP server and its thread; `server.shutdown()` stops it.
+    """
+    server, thread = start_http_server(
+        port, addr=addr, registry=REGISTRY if registry is None else registry
+    )
+    return server, thread

@@ -1,0 +1,308 @@
+"""MetricsInterceptor against the real engine, server-wide and through mount(),
+and a real Prometheus server scraping it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import socket
+import urllib.parse
+import urllib.request
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from helpers import request, wait_until_idle
+from prometheus_client import CollectorRegistry
+
+from vllm_servicer import SERVICE_NAME, mount
+from vllm_servicer.interceptors import (
+    InflightInterceptor,
+    MetricsInterceptor,
+    start_metrics_server,
+)
+from vllm_servicer.proto import vllm_engine_pb2 as pb
+from vllm_servicer.proto import vllm_engine_pb2_grpc
+
+LONG = {"max_tokens": 5000, "ignore_eos": True}
+GENERATE = {"grpc_type": "server_stream", "grpc_service": SERVICE_NAME, "grpc_method": "Generate"}
+ABORT = {"grpc_type": "unary", "grpc_service": SERVICE_NAME, "grpc_method": "Abort"}
+
+
+class Served:
+    def __init__(self, stub: Any, metrics: MetricsInterceptor, inflight: InflightInterceptor):
+        self.stub = stub
+        self.metrics = metrics
+        self.inflight = inflight
+        self.registry = metrics.registry
+
+    def value(self, name: str, **labels: str) -> float:
+        return self.registry.get_sample_value(name, labels) or 0.0
+
+    def snapshot(self) -> Callable[..., float]:
+        """A function giving how much a sample grew since now."""
+        before = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in self.registry.collect()
+            for s in family.samples
+        }
+
+        def delta(name: str, **labels: str) -> float:
+            key = (name, tuple(sorted(labels.items())))
+            return self.value(name, **labels) - before.get(key, 0.0)
+
+        return delta
+
+    async def settle(self) -> None:
+        """Wait until every call has reached on_finish."""
+        assert await self.inflight.wait_idle(10, include_all=True)
+        assert self.value("vllm_servicer_requests_in_flight") == 0
+
+
+async def _serve(engine: Any, placement: str) -> tuple[grpc.aio.Server, Any, Served, Any]:
+    metrics = MetricsInterceptor(CollectorRegistry())
+    # Inside metrics, so metrics sees the limit's rejections too.
+    inflight = InflightInterceptor()
+    chain = [metrics, inflight]
+    if placement == "server_wide":
+        server = grpc.aio.server(interceptors=chain)
+        mounted = mount(server, engine)
+    else:
+        server = grpc.aio.server()
+        mounted = mount(server, engine, interceptors=chain)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    served = Served(vllm_engine_pb2_grpc.VllmEngineStub(channel), metrics, inflight)
+    return server, mounted, served, channel
+
+
+@pytest.fixture(scope="module", params=["server_wide", "mounted"])
+async def served(request: pytest.FixtureRequest, engine: Any) -> AsyncIterator[Served]:
+    server, mounted, served, channel = await _serve(engine, request.param)
+    yield served
+    await channel.close()
+    await mounted.health.close()
+    await server.stop(None)
+
+
+async def _read_all(call: Any) -> list[Any]:
+    messages = []
+    while (message := await call.read()) is not grpc.aio.EOF:
+        messages.append(message)
+    return messages
+
+
+def _token_chunks(messages: list[Any]) -> int:
+    return sum(1 for m in messages if m.HasField("chunk") and m.chunk.token_ids)
+
+
+async def test_successes_exact(served: Served, engine: Any) -> None:
+    delta = served.snapshot()
+    sent = 0
+    chunks_per_stream = []
+    for stream in (False, False, True, True):
+        call = served.stub.Generate(request(stream=stream, max_tokens=4, ignore_eos=True))
+        messages = await _read_all(call)
+        sent += len(messages)
+        if stream:
+            chunks_per_stream.append(_token_chunks(messages))
+    await served.settle()
+
+    assert delta("grpc_server_started_total", **GENERATE) == 4
+    assert delta("grpc_server_handled_total", **GENERATE, grpc_code="OK") == 4
+    assert delta("grpc_server_msg_received_total", **GENERATE) == 4
+    assert delta("grpc_server_msg_sent_total", **GENERATE) == sent
+    assert delta("grpc_server_handling_seconds_count", **GENERATE) == 4
+    assert delta("vllm_servicer_request_duration_seconds_count") == 4
+    assert delta("vllm_servicer_prompt_tokens_total") == 4 * 8
+    assert delta("vllm_servicer_generation_tokens_total") == 4 * 4
+    assert delta("vllm_servicer_request_finish_total", finish_reason="length") == 4
+    # Streaming calls only: once per request, and once per chunk after the first.
+    assert delta("vllm_servicer_time_to_first_token_seconds_count") == 2
+    assert delta("vllm_servicer_time_per_output_token_seconds_count") == sum(
+        n - 1 for n in chunks_per_stream
+    )
+    for cause in ("client_cancel", "deadline", "abort_rpc", "shutdown"):
+        assert delta("vllm_servicer_request_cancelled_total", cause=cause) == 0
+    assert await wait_until_idle(engine) == 0
+
+
+async def test_failures_exact(served: Served, engine: Any) -> None:
+    delta = served.snapshot()
+    stub = served.stub
+    # INVALID_ARGUMENT.
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await _read_all(stub.Generate(request(top_p=1.5)))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # Client cancel after three messages.
+    call = stub.Generate(request(stream=True, **LONG))
+    for _ in range(3):
+        await call.read()
+    call.cancel()
+    # Deadline.
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await _read_all(stub.Generate(request(stream=True, **LONG), timeout=0.5))
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    # Abort RPC: the stream ends OK with finish_reason "abort".
+    call = stub.Generate(request(request_id="metrics-abort", stream=True, **LONG))
+    await call.read()
+    await stub.Abort(pb.AbortRequest(request_ids=["metrics-abort"]))
+    assert (await _read_all(call))[-1].complete.finish_reason == "abort"
+    await served.settle()
+
+    assert delta("grpc_server_started_total", **GENERATE) == 4
+    for code, n in (("OK", 1), ("INVALID_ARGUMENT", 1), ("CANCELLED", 1), ("DEADLINE_EXCEEDED", 1)):
+        assert delta("grpc_server_handled_total", **GENERATE, grpc_code=code) == n, code
+    assert delta("grpc_server_handled_total", **ABORT, grpc_code="OK") == 1
+    assert delta("grpc_server_msg_received_total", **ABORT) == 1
+    assert delta("grpc_server_msg_sent_total", **ABORT) == 1
+    assert delta("vllm_servicer_request_duration_seconds_count") == 4
+    assert delta("vllm_servicer_request_finish_total", finish_reason="abort") == 1
+    assert delta("vllm_servicer_request_finish_total", finish_reason="length") == 0
+    for cause, n in (("client_cancel", 1), ("deadline", 1), ("abort_rpc", 1), ("shutdown", 0)):
+        assert delta("vllm_servicer_request_cancelled_total", cause=cause) == n, cause
+    # The cancelled and aborted streams had sent tokens: one TTFT each.
+    assert delta("vllm_servicer_time_to_first_token_seconds_count") >= 2
+    assert await wait_until_idle(engine) == 0
+
+
+async def test_limit_rejections_are_counted(served: Served, engine: Any) -> None:
+    delta = served.snapshot()
+    served.inflight.max_inflight = 1
+    try:
+        running = served.stub.Generate(request(stream=True, **LONG))
+        await running.read()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await _read_all(served.stub.Generate(request(max_tokens=2)))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        running.cancel()
+        await served.settle()
+    finally:
+        served.inflight.max_inflight = None
+    assert delta("grpc_server_handled_total", **GENERATE, grpc_code="RESOURCE_EXHAUSTED") == 1
+    assert delta("grpc_server_handled_total", **GENERATE, grpc_code="CANCELLED") == 1
+    assert delta("vllm_servicer_request_duration_seconds_count") == 2
+    assert await wait_until_idle(engine) == 0
+
+
+async def test_shutdown_cause(engine: Any) -> None:
+    server, mounted, served, channel = await _serve(engine, "mounted")
+    try:
+        call = served.stub.Generate(request(stream=True, **LONG))
+        await call.read()
+        served.metrics.mark_shutdown()
+        await server.stop(0.2)
+        with pytest.raises(grpc.aio.AioRpcError):
+            await _read_all(call)
+        await served.settle()
+        assert served.value("vllm_servicer_request_cancelled_total", cause="shutdown") == 1
+        assert served.value("vllm_servicer_request_cancelled_total", cause="client_cancel") == 0
+    finally:
+        await channel.close()
+        await mounted.health.close()
+        await server.stop(None)
+    assert await wait_until_idle(engine) == 0
+
+
+def test_separate_registries_do_not_collide() -> None:
+    first, second = CollectorRegistry(), CollectorRegistry()
+    MetricsInterceptor(first)
+    MetricsInterceptor(second)
+    with pytest.raises(ValueError):
+        MetricsInterceptor(first)
+
+
+# ----- a real Prometheus --------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _get_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=2) as reply:
+        return json.load(reply)
+
+
+async def _query(base: str, promql: str) -> float | None:
+    url = f"{base}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
+    try:
+        body = await asyncio.to_thread(_get_json, url)
+    except OSError:
+        return None
+    result = body["data"]["result"]
+    return float(result[0]["value"][1]) if result else None
+
+
+@pytest.fixture
+def prometheus_binary() -> str:
+    found = shutil.which("prometheus")
+    if found is None:
+        pytest.skip("the prometheus binary is not installed (Debian: apt-get install prometheus)")
+    return found
+
+
+async def test_real_prometheus_scrapes_the_series(
+    served: Served, prometheus_binary: str, tmp_path: Path, engine: Any
+) -> None:
+    http_server, _ = start_metrics_server(0, registry=served.registry)
+    metrics_port = http_server.server_port
+    web_port = _free_port()
+    config = tmp_path / "prometheus.yml"
+    config.write_text(
+        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+        "scrape_configs:\n  - job_name: vllm_servicer\n"
+        f"    static_configs:\n      - targets: ['127.0.0.1:{metrics_port}']\n"
+    )
+    for stream in (False, True, True):
+        await _read_all(served.stub.Generate(request(stream=stream, max_tokens=5, ignore_eos=True)))
+    await served.settle()
+    expected = {
+        'grpc_server_handled_total{grpc_method="Generate",grpc_code="OK"}': served.value(
+            "grpc_server_handled_total", **GENERATE, grpc_code="OK"
+        ),
+        "vllm_servicer_generation_tokens_total": served.value(
+            "vllm_servicer_generation_tokens_total"
+        ),
+        "vllm_servicer_time_to_first_token_seconds_count": served.value(
+            "vllm_servicer_time_to_first_token_seconds_count"
+        ),
+        'vllm_servicer_request_finish_total{finish_reason="length"}': served.value(
+            "vllm_servicer_request_finish_total", finish_reason="length"
+        ),
+        "vllm_servicer_requests_in_flight": 0.0,
+    }
+    assert expected["vllm_servicer_generation_tokens_total"] >= 15
+    log = tmp_path / "prometheus.log"
+    with log.open("wb") as sink:
+        process = await asyncio.create_subprocess_exec(
+            prometheus_binary,
+            f"--config.file={config}",
+            f"--storage.tsdb.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{web_port}",
+            stdout=sink,
+            stderr=sink,
+        )
+    base = f"http://127.0.0.1:{web_port}"
+    try:
+        got: dict[str, float | None] = {}
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 60
+        while loop.time() < deadline:
+            assert process.returncode is None, log.read_text()[-2000:]
+            got = {promql: await _query(base, promql) for promql in expected}
+            if got == expected:
+                break
+            await asyncio.sleep(0.5)
+        assert got == expected
+        assert await _query(base, 'up{job="vllm_servicer"}') == 1.0
+    finally:
+        process.terminate()
+        await asyncio.wait_for(process.wait(), 10)
+        http_server.shutdown()
