@@ -4,22 +4,42 @@ Client mistakes come back as INVALID_ARGUMENT with the engine's own message
 (it names the parameter); a dead engine is UNAVAILABLE (retry elsewhere);
 anything unexpected is INTERNAL with a fixed message, while the traceback and
 request id go to the server log only.
+
+Every error status also carries a `google.rpc.Status` in its trailers (the
+standard rich error model): an `ErrorInfo` with a stable `reason` and the
+domain "vllm-servicer", plus `BadRequest` field violations when the faulty
+request field is known, so clients can act on errors without parsing text
+(`grpc_status.rpc_status.from_call`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, NamedTuple, NoReturn
 
 import grpc
-from vllm.exceptions import VLLMClientError, VLLMNotFoundError
+from google.protobuf import any_pb2
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
+from vllm.exceptions import (
+    MaxQueuedTokensError,
+    ProfilerAlreadyActiveError,
+    QueueOverflowError,
+    VLLMClientError,
+    VLLMNotFoundError,
+    VLLMValidationError,
+)
 from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
+
+from .proto import vllm_engine_pb2 as pb
 
 if TYPE_CHECKING:
     import grpc.aio
 
 logger = logging.getLogger("vllm_servicer")
+
+ERROR_DOMAIN = "vllm-servicer"
 
 
 class InvalidRequestError(ValueError):
@@ -45,31 +65,61 @@ class UnsupportedError(RuntimeError):
     """The engine lacks a feature this RPC needs (no pooling runner, no profiler)."""
 
 
-# Looked up in order by class hierarchy; the first match wins.
-ERROR_TABLE: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
-    (EngineDeadError, grpc.StatusCode.UNAVAILABLE),
-    (EngineUnavailableError, grpc.StatusCode.UNAVAILABLE),
-    (UnsupportedError, grpc.StatusCode.FAILED_PRECONDITION),
-    (VLLMNotFoundError, grpc.StatusCode.NOT_FOUND),
+class NotEnabledError(RuntimeError):
+    """The RPC needs an engine feature that is switched off (e.g. KV-cache events)."""
+
+
+class ErrorRule(NamedTuple):
+    """One row of ERROR_TABLE: an exception class, its status and a stable reason."""
+
+    exc_type: type[BaseException]
+    code: grpc.StatusCode
+    reason: str
+
+
+# Looked up in order by class hierarchy; the first match wins. `reason` is the
+# ErrorInfo reason clients switch on: part of the API, never renamed.
+ERROR_TABLE: tuple[ErrorRule, ...] = (
+    ErrorRule(EngineDeadError, grpc.StatusCode.UNAVAILABLE, "ENGINE_DEAD"),
+    ErrorRule(EngineUnavailableError, grpc.StatusCode.UNAVAILABLE, "ENGINE_UNAVAILABLE"),
+    # Admission limits: this replica is full, another may not be.
+    ErrorRule(QueueOverflowError, grpc.StatusCode.UNAVAILABLE, "ENGINE_BUSY"),
+    ErrorRule(MaxQueuedTokensError, grpc.StatusCode.UNAVAILABLE, "ENGINE_BUSY"),
+    ErrorRule(ProfilerAlreadyActiveError, grpc.StatusCode.FAILED_PRECONDITION, "PROFILER_ACTIVE"),
+    ErrorRule(UnsupportedError, grpc.StatusCode.FAILED_PRECONDITION, "UNSUPPORTED"),
+    ErrorRule(NotEnabledError, grpc.StatusCode.UNIMPLEMENTED, "NOT_ENABLED"),
+    ErrorRule(VLLMNotFoundError, grpc.StatusCode.NOT_FOUND, "NOT_FOUND"),
     # VLLMValidationError and the rest of the request's faults (no longer ValueError in 0.32).
-    (VLLMClientError, grpc.StatusCode.INVALID_ARGUMENT),
-    (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
+    ErrorRule(VLLMClientError, grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ARGUMENT"),
+    ErrorRule(InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ARGUMENT"),
+    # An engine call that outlived its budget (FlushCache, profiling); a
+    # distinct class from TimeoutError before Python 3.11.
+    ErrorRule(asyncio.TimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED, "TIMEOUT"),
+    ErrorRule(TimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED, "TIMEOUT"),
     # vLLM also validates with plain ValueError/TypeError/OverflowError
     # (e.g. SamplingParams checks, tokenizer limits): the client's fault.
-    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
-    (TypeError, grpc.StatusCode.INVALID_ARGUMENT),
-    (OverflowError, grpc.StatusCode.INVALID_ARGUMENT),
+    ErrorRule(ValueError, grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ARGUMENT"),
+    ErrorRule(TypeError, grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ARGUMENT"),
+    ErrorRule(OverflowError, grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ARGUMENT"),
 )
+_INTERNAL = ErrorRule(BaseException, grpc.StatusCode.INTERNAL, "INTERNAL")
 
 _INTERNAL_MESSAGE = "internal error while serving request {request_id!r}; see server log"
+# vLLM names sampling parameters as the wire does, one level down.
+_SAMPLING_FIELDS = frozenset(pb.SamplingParams.DESCRIPTOR.fields_by_name)
+
+
+def rule_for(exc: BaseException) -> ErrorRule:
+    """The first row of ERROR_TABLE that matches `exc` (INTERNAL when none does)."""
+    for rule in ERROR_TABLE:
+        if isinstance(exc, rule.exc_type):
+            return rule
+    return _INTERNAL
 
 
 def status_for(exc: BaseException) -> grpc.StatusCode:
     """The status code for an exception, by the first matching row of ERROR_TABLE."""
-    for exc_type, code in ERROR_TABLE:
-        if isinstance(exc, exc_type):
-            return code
-    return grpc.StatusCode.INTERNAL
+    return rule_for(exc).code
 
 
 def message_for(exc: BaseException, code: grpc.StatusCode, request_id: str) -> str:
@@ -81,6 +131,42 @@ def message_for(exc: BaseException, code: grpc.StatusCode, request_id: str) -> s
     return str(exc) or type(exc).__name__
 
 
+def field_violation(exc: BaseException) -> tuple[str, str] | None:
+    """The request field at fault and why, when the exception names one."""
+    if isinstance(exc, InvalidRequestError):
+        return exc.field, exc.reason
+    if isinstance(exc, VLLMValidationError) and exc.parameter:
+        name = exc.parameter
+        field = f"sampling_params.{name}" if name in _SAMPLING_FIELDS else name
+        # The message without the "(parameter=..., value=...)" suffix __str__ adds.
+        return field, str(exc.args[0]) if exc.args else str(exc)
+    return None
+
+
+def rich_status(
+    exc: BaseException, rule: ErrorRule, message: str, method: str
+) -> status_pb2.Status:
+    """The `google.rpc.Status` sent with the error: ErrorInfo, and BadRequest if known."""
+    info = error_details_pb2.ErrorInfo(
+        reason=rule.reason, domain=ERROR_DOMAIN, metadata={"method": method}
+    )
+    details = [_pack(info)]
+    if rule.code is grpc.StatusCode.INVALID_ARGUMENT:
+        violation = field_violation(exc)
+        if violation is not None:
+            field, why = violation
+            bad = error_details_pb2.BadRequest()
+            bad.field_violations.add(field=field, description=why)
+            details.append(_pack(bad))
+    return status_pb2.Status(code=rule.code.value[0], message=message, details=details)
+
+
+def _pack(message: error_details_pb2.ErrorInfo | error_details_pb2.BadRequest) -> any_pb2.Any:
+    packed = any_pb2.Any()
+    packed.Pack(message)
+    return packed
+
+
 async def abort_for_exception(
     context: grpc.aio.ServicerContext[object, object],
     exc: BaseException,
@@ -90,15 +176,18 @@ async def abort_for_exception(
 ) -> NoReturn:
     """Abort the call with the status that ERROR_TABLE gives for `exc`.
 
-    Cancellation and an earlier abort pass through untouched, so a call is
-    never aborted twice and the engine still sees the client's cancel.
+    The status carries a `google.rpc.Status` with typed details (ErrorInfo,
+    BadRequest). Cancellation and an earlier abort pass through untouched, so
+    a call is never aborted twice and the engine still sees the client's cancel.
     """
     if isinstance(exc, (asyncio.CancelledError, grpc.aio.AbortError)):
         raise exc
-    code = status_for(exc)
+    rule = rule_for(exc)
+    code = rule.code
     if code is grpc.StatusCode.INTERNAL:
         logger.error("%s failed for request %r", method, request_id, exc_info=exc)
     else:
         logger.info("%s request %r rejected with %s: %s", method, request_id, code.name, exc)
-    await context.abort(code, message_for(exc, code, request_id))
+    message = message_for(exc, code, request_id)
+    await context.abort_with_status(rpc_status.to_status(rich_status(exc, rule, message, method)))
     raise AssertionError("unreachable: context.abort raises")  # pragma: no cover

@@ -12,11 +12,12 @@ from typing import TYPE_CHECKING, Any
 from vllm.inputs import TokensPrompt
 from vllm.pooling_params import PoolingParams
 
-from . import convert
+from . import admin, convert, kv_events, loads
 from .engine import EngineClient
-from .errors import InvalidRequestError, UnsupportedError, abort_for_exception
+from .errors import InvalidRequestError, NotEnabledError, UnsupportedError, abort_for_exception
 from .proto import common_pb2, vllm_engine_pb2_grpc
 from .proto import vllm_engine_pb2 as pb
+from .tokenizer_bundle import TokenizerBundle, chunks, tokenizer_dir
 
 if TYPE_CHECKING:
     import grpc.aio
@@ -35,6 +36,18 @@ def _request_id(given: str, prefix: str) -> str:
     return given or f"{prefix}-{uuid.uuid4().hex}"
 
 
+def _trace_headers(context: Context) -> dict[str, str] | None:
+    """The W3C trace-context entries of the call's metadata, for the engine's spans."""
+    found: dict[str, str] | None = None
+    for key, value in context.invocation_metadata() or ():
+        # grpc lower-cases metadata keys on the wire.
+        if key == "traceparent" or key == "tracestate":
+            if found is None:
+                found = {}
+            found[key] = value  # type: ignore[assignment]
+    return found
+
+
 class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     """Serves vLLM's gRPC engine protocol from an `AsyncLLM` (or anything shaped like it).
 
@@ -49,6 +62,10 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self._last_receive_timestamp = 0.0
         self._model_info: pb.GetModelInfoResponse | None = None
         self._supported_tasks: tuple[str, ...] | None = None
+        # Reads the engine's own per-step scheduler stats for GetLoads.
+        self._stats_tap = loads.attach(engine)
+        self._tokenizer_bundle: TokenizerBundle | None = None
+        self._reported_missing: frozenset[int] = frozenset()
 
     @property
     def engine(self) -> EngineClient:
@@ -82,6 +99,9 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 kwargs["tokenization_kwargs"] = tokenization
             if request.HasField("data_parallel_rank"):
                 kwargs["data_parallel_rank"] = request.data_parallel_rank
+            trace = _trace_headers(context)
+            if trace is not None:
+                kwargs["trace_headers"] = trace
             build = convert.ResponseBuilder(params)
             chunk, complete = build.chunk, build.complete
             async for output in self._engine.generate(prompt, sampling, request_id, **kwargs):
@@ -112,7 +132,10 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 raise InvalidRequestError("tokenized.input_ids", "the prompt is empty")
             final = None
             async for output in self._engine.encode(
-                TokensPrompt(prompt_token_ids=ids), PoolingParams(task="embed"), request_id
+                TokensPrompt(prompt_token_ids=ids),
+                PoolingParams(task="embed"),
+                request_id,
+                trace_headers=_trace_headers(context),
             ):
                 final = output
             if final is None:  # pragma: no cover - the engine always yields once
@@ -182,21 +205,90 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             max_num_seqs=getattr(scheduler, "max_num_seqs", 0) or 0,
         )
 
+    async def GetLoads(self, request: pb.GetLoadsRequest, context: Context) -> pb.GetLoadsResponse:
+        try:
+            dp_rank = request.dp_rank if request.HasField("dp_rank") else None
+            report = loads.load_report(self._engine, self._stats_tap, dp_rank)
+        except Exception as exc:
+            await abort_for_exception(context, exc, method="GetLoads")
+        if report.missing_ranks:
+            # Left out rather than zero-filled: zeros would read as idle ranks.
+            context.set_trailing_metadata(
+                ((loads.MISSING_RANKS_KEY, ",".join(map(str, report.missing_ranks))),)
+            )
+            self._log_missing(report.missing_ranks)
+        return report.response
+
+    async def GetTokenizer(
+        self, request: common_pb2.GetTokenizerRequest, context: Context
+    ) -> AsyncIterator[common_pb2.GetTokenizerChunk]:
+        try:
+            if self._tokenizer_bundle is None:
+                directory = tokenizer_dir(getattr(self._engine.model_config, "tokenizer", None))
+                self._tokenizer_bundle = TokenizerBundle(directory)
+            data, sha256 = await self._tokenizer_bundle.archive()
+        except Exception as exc:
+            await abort_for_exception(context, exc, method="GetTokenizer")
+        for chunk in chunks(data, sha256):
+            yield chunk
+
+    async def SubscribeKvEvents(
+        self, request: common_pb2.SubscribeKvEventsRequest, context: Context
+    ) -> AsyncIterator[common_pb2.KvEventBatch]:
+        try:
+            config = kv_events.publisher_config(self._engine)
+            if config is None:
+                raise NotEnabledError(kv_events.ENABLE_HINT)
+            stream = kv_events.relay(
+                kv_events.sources(self._engine, config),
+                topic=config.topic or "",
+                start_sequence_number=request.start_sequence_number,
+                engine_dead=lambda: bool(self._engine.errored),
+                # Headers out once subscribed: the client's first read means "live".
+                on_subscribed=lambda: context.send_initial_metadata(()),
+            )
+            async for batch in stream:
+                yield batch
+        except Exception as exc:
+            await abort_for_exception(context, exc, method="SubscribeKvEvents")
+
     async def FlushCache(
         self, request: common_pb2.FlushCacheRequest, context: Context
     ) -> common_pb2.FlushCacheResponse:
         try:
-            reset = getattr(self._engine, "reset_prefix_cache", None)
-            if reset is None:
-                raise UnsupportedError("this engine has no prefix cache to flush")
-            ok = await reset()
-            ok = True if ok is None else bool(ok)
-            message = "prefix cache flushed" if ok else "prefix cache not flushed: requests running"
-            return common_pb2.FlushCacheResponse(success=ok, message=message)
+            return await admin.flush_cache(self._engine, request.timeout_s, context.time_remaining)
         except Exception as exc:
             await abort_for_exception(context, exc, method="FlushCache")
 
+    async def StartProfile(
+        self, request: common_pb2.StartProfileRequest, context: Context
+    ) -> common_pb2.ProfileResponse:
+        try:
+            return await admin.start_profile(self._engine, request, context.time_remaining)
+        except Exception as exc:
+            await abort_for_exception(context, exc, method="StartProfile")
+
+    async def StopProfile(
+        self, request: common_pb2.StopProfileRequest, context: Context
+    ) -> common_pb2.ProfileResponse:
+        try:
+            return await admin.stop_profile(self._engine, context.time_remaining)
+        except Exception as exc:
+            await abort_for_exception(context, exc, method="StopProfile")
+
     # ----- helpers ----------------------------------------------------------
+
+    def _log_missing(self, ranks: list[int]) -> None:
+        # Once per change, not per poll: routers poll GetLoads several times a second.
+        missing = frozenset(ranks)
+        if missing - self._reported_missing:
+            why = (
+                "the engine collects no stats (started with --disable-log-stats)"
+                if self._stats_tap is None
+                else "no scheduler stats from the engine yet (no step since mounting)"
+            )
+            logger.info("GetLoads leaves out dp ranks %s: %s", sorted(missing), why)
+        self._reported_missing = missing
 
     async def _tasks(self) -> tuple[str, ...]:
         if self._supported_tasks is None:
@@ -244,5 +336,3 @@ def _default_sampling_json(model_config: Any) -> str:
         return ""
     chosen = {k: diff[k] for k in _ADVERTISED_SAMPLING_DEFAULTS if diff.get(k) is not None}
     return json.dumps(chosen, separators=(",", ":")) if chosen else ""
-
-

@@ -1,0 +1,238 @@
+"""SubscribeKvEvents: relay vLLM's ZMQ KV-cache events as `KvEventBatch` messages.
+
+vLLM's engine cores publish block stored / removed / cleared events on a ZMQ
+PUB socket when started with `--kv-events-config` (enable_kv_cache_events and
+the "zmq" publisher). Each subscriber gets its own SUB socket connected to
+every data-parallel rank's publisher; batches keep the publisher's sequence
+number and carry the rank they came from.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any, NamedTuple
+
+import msgspec
+import zmq
+import zmq.asyncio
+from vllm.distributed.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    ZmqEventPublisher,
+)
+from vllm.v1.engine.exceptions import EngineDeadError
+
+from .errors import NotEnabledError
+from .loads import managed_ranks
+from .proto import common_pb2
+
+logger = logging.getLogger("vllm_servicer")
+
+ENABLE_HINT = (
+    "KV-cache events are not enabled on this engine; start vLLM with "
+    '--kv-events-config \'{"enable_kv_cache_events": true, "publisher": "zmq"}\' '
+    "(and prefix caching on) to use SubscribeKvEvents"
+)
+# How often an idle stream checks that the engine is still alive.
+_IDLE_CHECK_S = 1.0
+
+_U64 = 1 << 64
+_TIERS = {
+    "GPU": common_pb2.KV_CACHE_TIER_DEVICE,
+    "CPU": common_pb2.KV_CACHE_TIER_HOST,
+    "STORAGE": common_pb2.KV_CACHE_TIER_DISK,
+}
+_LOCALITIES = {
+    "LOCAL": common_pb2.KV_CACHE_LOCALITY_LOCAL,
+    "REMOTE": common_pb2.KV_CACHE_LOCALITY_REMOTE,
+}
+
+
+class Source(NamedTuple):
+    """One rank's publisher, as a connectable address."""
+
+    rank: int
+    endpoint: str
+
+
+def publisher_config(engine: Any) -> Any:
+    """The engine's KVEventsConfig when it publishes over ZMQ, else None."""
+    config = getattr(getattr(engine, "vllm_config", None), "kv_events_config", None)
+    if config is None or not config.enable_kv_cache_events or config.publisher != "zmq":
+        return None
+    return config
+
+
+def sources(engine: Any, config: Any) -> list[Source]:
+    """Every rank's publisher: as the engine cores reported them, else from the config.
+
+    Raises:
+        NotEnabledError: the engine publishes no KV-cache events.
+    """
+    reported: dict[int, Any] = {}
+    getter = getattr(engine, "get_kv_event_sources", None)
+    if callable(getter):
+        reported = dict(getter() or {})
+    if reported:
+        found = [
+            Source(rank, connectable(cfg.endpoint))
+            for rank, cfg in sorted(reported.items())
+            if getattr(cfg, "endpoint", None)
+        ]
+    else:  # engines that do not report theirs offset the base port by rank
+        found = [
+            Source(rank, connectable(ZmqEventPublisher.offset_endpoint_port(config.endpoint, rank)))
+            for rank in managed_ranks(engine)
+        ]
+    if not found:
+        raise NotEnabledError(ENABLE_HINT)
+    return found
+
+
+def connectable(endpoint: str | None) -> str:
+    """A publisher's bind address as one a subscriber on this host can connect to."""
+    address = str(endpoint or "")
+    return address.replace("*", "127.0.0.1").replace("0.0.0.0", "127.0.0.1")
+
+
+def to_int64(value: int | bytes) -> int:
+    """A block hash (int, or bytes read big-endian) folded into a signed 64-bit id."""
+    if isinstance(value, (bytes, bytearray)):
+        value = int.from_bytes(value, "big")
+    value %= _U64
+    return value - _U64 if value >= _U64 // 2 else value
+
+
+def convert_event(event: Any, event_id: int) -> common_pb2.KvCacheEvent | None:
+    """One vLLM KV event as a wire event (None for kinds the protocol lacks)."""
+    if isinstance(event, BlockStored):
+        size = int(event.block_size)
+        tokens = event.token_ids
+        if size <= 0 or len(tokens) != size * len(event.block_hashes):
+            # Blocks are full by construction; anything else cannot be split per block.
+            logger.warning(
+                "KV event skipped: %d tokens for %d blocks of %d",
+                len(tokens),
+                len(event.block_hashes),
+                size,
+            )
+            return None
+        stored = common_pb2.KvBlocksStored()
+        for i, block_hash in enumerate(event.block_hashes):
+            block = stored.blocks.add(
+                block_hash=to_int64(block_hash),
+                token_ids=tokens[i * size : (i + 1) * size],
+                block_size=size,
+            )
+            if event.lora_id is not None:
+                block.lora_id = event.lora_id
+        if event.parent_block_hash is not None:
+            stored.parent_block_hash = to_int64(event.parent_block_hash)
+        _placement(stored, event)
+        if event.kv_cache_spec_kind is not None:
+            stored.kv_cache_spec_kind = event.kv_cache_spec_kind
+        if event.kv_cache_spec_sliding_window is not None:
+            stored.kv_cache_spec_sliding_window = event.kv_cache_spec_sliding_window
+        if event.lora_name is not None:
+            stored.lora_name = event.lora_name
+        if event.session_id is not None:
+            stored.session_id = event.session_id
+        return common_pb2.KvCacheEvent(event_id=event_id, stored=stored)
+    if isinstance(event, BlockRemoved):
+        removed = common_pb2.KvBlocksRemoved(block_hashes=[to_int64(h) for h in event.block_hashes])
+        _placement(removed, event)
+        return common_pb2.KvCacheEvent(event_id=event_id, removed=removed)
+    if isinstance(event, AllBlocksCleared):
+        return common_pb2.KvCacheEvent(event_id=event_id, cleared=common_pb2.KvCacheCleared())
+    return None
+
+
+def _placement(message: Any, event: Any) -> None:
+    # Where the blocks live: fields shared by stored and removed events.
+    if event.medium is not None:
+        message.medium = event.medium
+        if event.medium in _TIERS:
+            message.tier = _TIERS[event.medium]
+    if event.group_idx is not None:
+        message.group_idx = event.group_idx
+    if event.locality in _LOCALITIES:
+        message.locality = _LOCALITIES[event.locality]
+    if event.ownership is not None:
+        message.ownership = event.ownership
+
+
+class BatchDecoder:
+    """Decodes published frames into KvEventBatch messages, numbering events per stream."""
+
+    def __init__(self) -> None:
+        self._decode = msgspec.msgpack.Decoder(KVEventBatch).decode
+        self._event_id = 0
+
+    def __call__(self, frames: list[bytes]) -> common_pb2.KvEventBatch | None:
+        """`[topic, 8-byte big-endian sequence, msgpack batch]` as a wire batch, or None."""
+        if len(frames) < 3:
+            return None
+        try:
+            batch = self._decode(frames[2])
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            logger.warning("KV event batch skipped: cannot decode it: %s", exc)
+            return None
+        out = common_pb2.KvEventBatch(
+            sequence_number=int.from_bytes(frames[1], "big"), timestamp=batch.ts
+        )
+        if batch.data_parallel_rank is not None:
+            out.dp_rank = batch.data_parallel_rank
+        for event in batch.events:
+            # Ids advance for every engine event, so gaps show skipped ones.
+            self._event_id += 1
+            converted = convert_event(event, self._event_id)
+            if converted is not None:
+                out.events.append(converted)
+        return out
+
+
+async def relay(
+    ranks: list[Source],
+    *,
+    topic: str,
+    start_sequence_number: int,
+    engine_dead: Callable[[], bool],
+    on_subscribed: Callable[[], Any] | None = None,
+) -> AsyncIterator[common_pb2.KvEventBatch]:
+    """Stream every rank's published batches until the caller stops iterating.
+
+    Args:
+        ranks: the publishers to subscribe to.
+        topic: the publishers' topic (ZMQ prefix match).
+        start_sequence_number: batches numbered below it are dropped.
+        engine_dead: checked while idle; a dead engine ends the stream.
+        on_subscribed: awaited once the socket is connected (e.g. to send
+            the call's initial metadata, so the client knows it is live).
+
+    Raises:
+        EngineDeadError: the engine died while the stream was open.
+    """
+    context = zmq.asyncio.Context.instance()
+    socket = context.socket(zmq.SUB)
+    try:
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        for source in ranks:
+            socket.connect(source.endpoint)
+        if on_subscribed is not None:
+            await on_subscribed()
+        decode = BatchDecoder()
+        while True:
+            # poll first: a cancelled recv future can lose a dequeued message.
+            if not await socket.poll(timeout=int(_IDLE_CHECK_S * 1000)):
+                if engine_dead():
+                    raise EngineDeadError()
+                continue
+            batch = decode(await socket.recv_multipart())
+            if batch is not None and batch.sequence_number >= start_sequence_number:
+                yield batch
+    finally:
+        socket.close(linger=0)

@@ -1,0 +1,203 @@
+"""GetLoads: per data-parallel rank load, read from the engine's own scheduler stats.
+
+vLLM's `AsyncLLM` has no "current stats" call: each engine core sends a
+`SchedulerStats` with its step outputs, and the frontend hands it to the stat
+loggers of `engine.logger_manager`. `attach()` adds one small logger there,
+`SchedulerStatsTap`, that keeps the latest snapshot of each rank (plus a short
+window of generated tokens and prefix-cache lookups), so GetLoads reads a
+dictionary and never waits on the engine.
+
+A rank with no snapshot yet (no step since the tap was attached, or stats
+turned off with `--disable-log-stats`) gets no entry: zeros would read as an
+idle rank to a router, which is worse than no figure.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Iterable
+from datetime import datetime, timezone
+from typing import Any, NamedTuple
+
+import vllm
+from vllm.v1.metrics.loggers import AggregateStatLoggerBase
+
+from .errors import InvalidRequestError
+from .proto import vllm_engine_pb2 as pb
+
+logger = logging.getLogger("vllm_servicer")
+
+VLLM_VERSION: str = getattr(vllm, "__version__", "")
+# Seconds of history behind gen_throughput and cache_hit_rate.
+RATE_WINDOW = 5.0
+# Trailing-metadata key listing the ranks GetLoads had no figures for.
+MISSING_RANKS_KEY = "vllm-servicer-loads-missing-ranks"
+
+
+class _Sample(NamedTuple):
+    at: float
+    generated_tokens: int
+    prefix_queries: int
+    prefix_hits: int
+
+
+class _Rank:
+    __slots__ = ("samples", "stats", "stats_at")
+
+    def __init__(self) -> None:
+        self.stats: Any = None  # the latest SchedulerStats
+        self.stats_at = 0.0
+        self.samples: deque[_Sample] = deque()
+
+    def trim(self, now: float) -> None:
+        samples = self.samples
+        while samples and now - samples[0].at > RATE_WINDOW:
+            samples.popleft()
+
+
+class SchedulerStatsTap(AggregateStatLoggerBase):
+    """A vLLM stat logger that keeps the latest `SchedulerStats` of each rank.
+
+    Runs inside the engine's output loop on every step, so `record` does a
+    dictionary lookup and a deque append, nothing more.
+
+    Args:
+        vllm_config: the engine's config (unused; vLLM's logger signature).
+        engine_indexes: the data-parallel ranks this frontend manages.
+    """
+
+    def __init__(self, vllm_config: Any, engine_indexes: Iterable[int]) -> None:
+        self.engine_indexes = list(engine_indexes)
+        self._ranks: dict[int, _Rank] = {}
+
+    def record(
+        self,
+        scheduler_stats: Any,
+        iteration_stats: Any,
+        mm_cache_stats: Any = None,
+        engine_idx: int = 0,
+    ) -> None:
+        """Keep `engine_idx`'s snapshot and this step's token and cache counts."""
+        rank = self._ranks.get(engine_idx)
+        if rank is None:
+            rank = self._ranks[engine_idx] = _Rank()
+        now = time.monotonic()
+        generated = iteration_stats.num_generation_tokens if iteration_stats is not None else 0
+        queries = hits = 0
+        if scheduler_stats is not None:
+            rank.stats = scheduler_stats
+            rank.stats_at = now
+            prefix = scheduler_stats.prefix_cache_stats
+            if prefix is not None:
+                queries, hits = prefix.queries, prefix.hits
+        if generated or queries:
+            rank.samples.append(_Sample(now, generated, queries, hits))
+            rank.trim(now)
+
+    def log_engine_initialized(self) -> None:
+        """Nothing to log: this logger only keeps figures for GetLoads."""
+
+    def snapshot(self, rank: int) -> tuple[Any, float, float] | None:
+        """`rank`'s latest SchedulerStats, tokens/s and prefix hit rate (None if none yet)."""
+        state = self._ranks.get(rank)
+        if state is None or state.stats is None:
+            return None
+        state.trim(time.monotonic())
+        generated = sum(s.generated_tokens for s in state.samples)
+        queries = sum(s.prefix_queries for s in state.samples)
+        hits = sum(s.prefix_hits for s in state.samples)
+        return state.stats, generated / RATE_WINDOW, (hits / queries if queries else 0.0)
+
+
+def attach(engine: Any) -> SchedulerStatsTap | None:
+    """Add a `SchedulerStatsTap` to a running engine's stat loggers (once).
+
+    Returns None when the engine collects no stats (`--disable-log-stats`, or
+    an engine without vLLM's `logger_manager`): the engine core then sends no
+    SchedulerStats at all.
+    """
+    manager = getattr(engine, "logger_manager", None)
+    loggers = getattr(manager, "stat_loggers", None)
+    if not isinstance(loggers, list):
+        return None
+    for existing in loggers:
+        if isinstance(existing, SchedulerStatsTap):
+            return existing
+    tap = SchedulerStatsTap(engine.vllm_config, managed_ranks(engine))
+    loggers.append(tap)
+    return tap
+
+
+def managed_ranks(engine: Any) -> list[int]:
+    """The data-parallel ranks this frontend serves, in order."""
+    managed = getattr(getattr(engine, "engine_core", None), "engine_ranks_managed", None)
+    if managed:
+        return sorted(int(r) for r in managed)
+    parallel = getattr(getattr(engine, "vllm_config", None), "parallel_config", None)
+    return [int(getattr(parallel, "data_parallel_rank", 0) or 0)]
+
+
+class LoadReport(NamedTuple):
+    """A GetLoads answer and the ranks it has no figures for."""
+
+    response: pb.GetLoadsResponse
+    missing_ranks: list[int]
+
+
+def load_report(engine: Any, tap: SchedulerStatsTap | None, dp_rank: int | None) -> LoadReport:
+    """The GetLoads response for one rank (`dp_rank`) or all ranks (None).
+
+    Raises:
+        InvalidRequestError: `dp_rank` is not a rank this frontend serves.
+    """
+    ranks = managed_ranks(engine)
+    if dp_rank is not None:
+        if dp_rank not in ranks:
+            raise InvalidRequestError(
+                "dp_rank", f"rank {dp_rank} is not served here; served ranks: {ranks}"
+            )
+        wanted = [dp_rank]
+    else:
+        wanted = ranks
+    config = getattr(engine, "vllm_config", None)
+    cache = getattr(config, "cache_config", None)
+    scheduler = getattr(config, "scheduler_config", None)
+    # num_gpu_blocks is summed over the frontend's engines (see vLLM's core client).
+    blocks = int(getattr(cache, "num_gpu_blocks", 0) or 0) // max(1, len(ranks))
+    capacity = blocks * int(getattr(cache, "block_size", 0) or 0)
+    max_running = int(getattr(scheduler, "max_num_seqs", 0) or 0)
+
+    loads, missing = [], []
+    for rank in wanted:
+        figures = tap.snapshot(rank) if tap is not None else None
+        if figures is None:
+            missing.append(rank)
+            continue
+        stats, throughput, hit_rate = figures
+        running = int(stats.num_running_reqs)
+        waiting = int(stats.num_waiting_reqs) + int(stats.num_skipped_waiting_reqs)
+        usage = float(stats.kv_cache_usage)
+        loads.append(
+            pb.SchedulerLoad(
+                dp_rank=rank,
+                num_running_reqs=running,
+                num_waiting_reqs=waiting,
+                num_total_reqs=running + waiting,
+                num_used_tokens=round(usage * capacity),
+                max_total_num_tokens=capacity,
+                token_usage=usage,
+                utilization=usage,
+                gen_throughput=throughput,
+                cache_hit_rate=hit_rate,
+                max_running_requests=max_running,
+            )
+        )
+    response = pb.GetLoadsResponse(
+        timestamp=datetime.now(timezone.utc).isoformat(),
+        version=VLLM_VERSION,
+        dp_rank_count=len(ranks),
+        loads=loads,
+    )
+    return LoadReport(response, missing)

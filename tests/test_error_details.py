@@ -1,0 +1,116 @@
+"""Typed error details: a google.rpc.Status with ErrorInfo and BadRequest, decoded client-side."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+from helpers import collect, request
+from vllm.v1.engine.exceptions import EngineDeadError
+
+from vllm_servicer.errors import ERROR_DOMAIN, ERROR_TABLE, message_for, rich_status, rule_for
+from vllm_servicer.proto import common_pb2
+from vllm_servicer.proto import vllm_engine_pb2 as pb
+
+
+def _details(err: grpc.aio.AioRpcError) -> tuple[Any, Any, Any]:
+    """(status, ErrorInfo, BadRequest or None) from the call's trailers."""
+    status = rpc_status.from_call(err)  # type: ignore[arg-type]
+    assert status is not None, "no google.rpc.Status in the trailers"
+    assert status.code == err.code().value[0] and status.message == err.details()
+    info = bad = None
+    for detail in status.details:
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+        elif detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad = error_details_pb2.BadRequest()
+            detail.Unpack(bad)
+    assert info is not None and info.domain == ERROR_DOMAIN
+    return status, info, bad
+
+
+@pytest.mark.parametrize(
+    ("name", "call", "field", "words"),
+    [
+        (
+            "negative temperature",
+            request(temperature=-1.0),
+            "sampling_params.temperature",
+            "temperature",
+        ),
+        ("too many logprobs", request(logprobs=50), "sampling_params.logprobs", "logprobs"),
+        ("empty prompt", request(prompt=[]), "tokenized.input_ids", "empty"),
+    ],
+)
+@pytest.mark.parametrize("stream", [False, True])
+async def test_invalid_generate_carries_field_violations(
+    stub: Any, name: str, call: pb.GenerateRequest, field: str, words: str, stream: bool
+) -> None:
+    message = pb.GenerateRequest()
+    message.CopyFrom(call)
+    message.stream = stream
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await collect(stub.Generate(message))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    _, info, bad = _details(err.value)
+    assert info.reason == "INVALID_ARGUMENT" and info.metadata["method"] == "Generate"
+    assert bad is not None and len(bad.field_violations) == 1
+    violation = bad.field_violations[0]
+    assert violation.field == field
+    assert words in violation.description
+
+
+async def test_invalid_flush_timeout_names_the_field(stub: Any) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.FlushCache(common_pb2.FlushCacheRequest(timeout_s=float("nan")))
+    _, info, bad = _details(err.value)
+    assert info.reason == "INVALID_ARGUMENT"
+    assert [v.field for v in bad.field_violations] == ["timeout_s"]
+
+
+async def test_other_errors_carry_a_stable_reason_only(stub: Any) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.StartProfile(common_pb2.StartProfileRequest())
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    _, info, bad = _details(err.value)
+    assert (info.reason, info.metadata["method"], bad) == ("UNSUPPORTED", "StartProfile", None)
+
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await collect(stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest()))
+    _, info, bad = _details(err.value)
+    assert (info.reason, bad) == ("NOT_ENABLED", None)
+
+
+async def test_the_service_keeps_serving_after_errors(stub: Any) -> None:
+    with pytest.raises(grpc.aio.AioRpcError):
+        await collect(stub.Generate(request(top_p=2.0)))
+    replies = await collect(stub.Generate(request(max_tokens=3, ignore_eos=True)))
+    assert replies[-1].complete.finish_reason == "length"
+
+
+def test_every_reason_is_a_stable_upper_case_token() -> None:
+    for rule in ERROR_TABLE:
+        assert rule.reason.isupper() and " " not in rule.reason
+
+
+@pytest.mark.parametrize(
+    ("exc", "code", "reason"),
+    [
+        (RuntimeError("boom"), grpc.StatusCode.INTERNAL, "INTERNAL"),
+        (EngineDeadError(), grpc.StatusCode.UNAVAILABLE, "ENGINE_DEAD"),
+    ],
+)
+def test_server_side_faults_have_reasons_and_no_violations(
+    exc: BaseException, code: grpc.StatusCode, reason: str
+) -> None:
+    rule = rule_for(exc)
+    status = rich_status(exc, rule, message_for(exc, rule.code, "r1"), "Generate")
+    assert status.code == code.value[0] and "boom" not in status.message
+    assert len(status.details) == 1
+    info = error_details_pb2.ErrorInfo()
+    status.details[0].Unpack(info)
+    assert info.reason == reason

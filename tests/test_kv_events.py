@@ -1,0 +1,218 @@
+"""SubscribeKvEvents and profiling on a real engine started with those features on.
+
+This module builds its own engine (the tiny model with prefix caching, vLLM's
+ZMQ KV-event publisher and the torch profiler configured); the relay's mapping
+is also checked on recorded publisher messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import msgspec
+import pytest
+from helpers import collect, request, wait_until_idle
+from smg_grpc_proto.generated import common_pb2 as ref_common
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as ref_grpc
+from vllm.config.kv_events import KVEventsConfig
+from vllm.config.profiler import ProfilerConfig
+from vllm.distributed.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    ZmqEventPublisher,
+)
+
+from vllm_servicer import mount
+from vllm_servicer.kv_events import BatchDecoder, Source, relay, to_int64
+from vllm_servicer.proto import common_pb2, vllm_engine_pb2_grpc
+
+
+@pytest.fixture(scope="module")
+async def featured(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[tuple[Any, grpc.aio.Channel, Path]]:
+    from helpers import build_engine
+
+    work = tmp_path_factory.mktemp("featured")
+    traces = work / "traces"
+    engine = build_engine(
+        tiny_model_dir,
+        enable_prefix_caching=True,
+        kv_events_config=KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", endpoint=f"ipc://{work}/kv-events"
+        ),
+        profiler_config=ProfilerConfig(profiler="torch", torch_profiler_dir=str(traces)),
+    )
+    server = grpc.aio.server()
+    mounted = mount(server, engine, health=False)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield engine, channel, traces
+    finally:
+        assert mounted.health is None
+        await server.stop(None)
+        engine.shutdown()
+
+
+def _stub(channel: grpc.aio.Channel, kind: str) -> tuple[Any, Any]:
+    if kind == "own":
+        return vllm_engine_pb2_grpc.VllmEngineStub(channel), common_pb2
+    return ref_grpc.VllmEngineStub(channel), ref_common
+
+
+async def _next_event(call: Any, kind: str, timeout: float = 20.0) -> tuple[Any, Any]:
+    """The next (batch, event) of the given kind ("stored", "removed", "cleared")."""
+
+    async def scan() -> tuple[Any, Any]:
+        while True:
+            batch = await call.read()
+            assert batch is not grpc.aio.EOF
+            for event in batch.events:
+                if event.WhichOneof("data") == kind:
+                    return batch, event
+
+    return await asyncio.wait_for(scan(), timeout)
+
+
+@pytest.mark.parametrize("kind", ["own", "reference"])
+async def test_kv_events_from_a_real_engine(featured: Any, kind: str) -> None:
+    engine, channel, _ = featured
+    stub, common = _stub(channel, kind)
+    own = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+    block_size = engine.vllm_config.cache_config.block_size
+    prompt = [(7 * i + (kind == "own")) % 300 + 3 for i in range(block_size + 5)]
+
+    call = stub.SubscribeKvEvents(common.SubscribeKvEventsRequest())
+    await call.initial_metadata()  # the servicer is subscribed
+    await asyncio.sleep(0.5)  # ZMQ subscriptions reach the publisher asynchronously
+    try:
+        await collect(own.Generate(request(prompt, max_tokens=2)))
+        batch, event = await _next_event(call, "stored")
+        assert batch.dp_rank == 0 and batch.timestamp > 0 and event.event_id > 0
+        first = event.stored.blocks[0]
+        assert list(first.token_ids) == prompt[:block_size]
+        assert first.block_size == block_size
+
+        assert await wait_until_idle(engine) == 0
+        flushed = await own.FlushCache(common_pb2.FlushCacheRequest(timeout_s=5))
+        assert flushed.success
+        # vLLM publishes the queued "cleared" event with its next engine step.
+        await collect(own.Generate(request(max_tokens=1)))
+        await _next_event(call, "cleared")
+    finally:
+        call.cancel()
+    assert await call.code() == grpc.StatusCode.CANCELLED
+
+
+@pytest.mark.parametrize("kind", ["own", "reference"])
+async def test_profiler_start_and_stop(featured: Any, kind: str) -> None:
+    _, channel, traces = featured
+    stub, common = _stub(channel, kind)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.StartProfile(common.StartProfileRequest(output_dir="/tmp/elsewhere"))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "output_dir" in (err.value.details() or "")
+
+    started = await stub.StartProfile(common.StartProfileRequest())
+    assert started.success
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.StartProfile(common.StartProfileRequest())
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+    await collect(vllm_engine_pb2_grpc.VllmEngineStub(channel).Generate(request(max_tokens=2)))
+    stopped = await stub.StopProfile(common.StopProfileRequest())
+    assert stopped.success
+    assert any(traces.rglob("*")), "no trace written"
+
+
+# ----- the mapping, on recorded publisher messages --------------------------------
+
+
+def _frames(batch: KVEventBatch, seq: int) -> list[bytes]:
+    return [b"", seq.to_bytes(8, "big"), msgspec.msgpack.encode(batch)]
+
+
+def _stored(**overrides: Any) -> BlockStored:
+    fields: dict[str, Any] = {
+        "block_hashes": [b"\xff" * 32, 12345],
+        "parent_block_hash": 7,
+        "token_ids": [1, 2, 3, 4],
+        "block_size": 2,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+    }
+    fields.update(overrides)
+    return BlockStored(**fields)
+
+
+def test_recorded_batch_maps_every_event_kind() -> None:
+    batch = KVEventBatch(
+        ts=12.5,
+        events=[
+            _stored(group_idx=1, locality="LOCAL"),
+            BlockRemoved(block_hashes=[2**63 + 5], medium="CPU"),
+            AllBlocksCleared(),
+        ],
+        data_parallel_rank=2,
+    )
+    out = BatchDecoder()(_frames(batch, 41))
+    assert out is not None
+    assert (out.sequence_number, out.timestamp, out.dp_rank) == (41, 12.5, 2)
+    stored, removed, cleared = out.events
+    assert [e.event_id for e in out.events] == [1, 2, 3]
+    assert [list(b.token_ids) for b in stored.stored.blocks] == [[1, 2], [3, 4]]
+    assert [b.block_hash for b in stored.stored.blocks] == [-1, 12345]
+    assert stored.stored.parent_block_hash == 7 and stored.stored.group_idx == 1
+    assert stored.stored.tier == common_pb2.KV_CACHE_TIER_DEVICE
+    assert stored.stored.locality == common_pb2.KV_CACHE_LOCALITY_LOCAL
+    assert list(removed.removed.block_hashes) == [to_int64(2**63 + 5)] == [-(2**63) + 5]
+    assert removed.removed.tier == common_pb2.KV_CACHE_TIER_HOST
+    assert cleared.WhichOneof("data") == "cleared"
+
+
+def test_unmappable_events_and_frames_are_skipped() -> None:
+    decode = BatchDecoder()
+    ragged = KVEventBatch(ts=1.0, events=[_stored(token_ids=[1, 2, 3]), AllBlocksCleared()])
+    out = decode(_frames(ragged, 0))
+    assert out is not None and not out.HasField("dp_rank")
+    # The ragged store is dropped, yet ids still count it: gaps show skipped events.
+    assert [e.event_id for e in out.events] == [2]
+    assert decode([b"", b"\x00" * 8, b"not msgpack"]) is None
+    assert decode([b"only one frame"]) is None
+
+
+async def test_relay_streams_a_live_publisher(tmp_path: Path) -> None:
+    endpoint = f"ipc://{tmp_path}/pub"
+    publisher = ZmqEventPublisher(0, endpoint=endpoint, topic="kv")
+    subscribed = asyncio.Event()
+
+    async def mark() -> None:
+        subscribed.set()
+
+    stream = relay(
+        [Source(0, endpoint)],
+        topic="kv",
+        start_sequence_number=1,
+        engine_dead=lambda: False,
+        on_subscribed=mark,
+    )
+    try:
+        first = asyncio.ensure_future(stream.__anext__())
+        await subscribed.wait()
+        await asyncio.sleep(0.3)
+        for ts in (1.0, 2.0):  # sequence 0 is below start_sequence_number
+            publisher.publish(KVEventBatch(ts=ts, events=[AllBlocksCleared()]))
+        batch = await asyncio.wait_for(first, 10)
+        assert (batch.sequence_number, batch.timestamp, batch.dp_rank) == (1, 2.0, 0)
+    finally:
+        await stream.aclose()
+        publisher.shutdown()
