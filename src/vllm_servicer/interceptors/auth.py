@@ -1,0 +1,549 @@
+"""Authentication and authorization for the served methods.
+
+`AuthInterceptor` asks a *verifier* who is calling, then whether that identity
+may call the method, before the handler runs:
+
+- missing or malformed credentials, or credentials nobody issued:
+  UNAUTHENTICATED;
+- a known identity without permission for the method: PERMISSION_DENIED.
+
+A rejected call never reaches the servicer, so no engine work is done for it.
+Health (`grpc.health.v1.Health`) and reflection (`grpc.reflection.*`) are
+exempt by default: probes carry no credentials.
+
+Verifiers are small async callables `(metadata, auth_context) -> Identity`
+that raise `Unauthenticated` or `PermissionDenied` to reject:
+
+- `ApiKeyVerifier`: `authorization: Bearer <key>`, several keys at once so
+  keys can rotate, from a list, a file (re-read when it changes) or an
+  environment variable;
+- `MtlsVerifier`: the client certificate the TLS handshake verified;
+- `CallableVerifier`: any async function (JWT, a host's identity system);
+- `AllOf`: every verifier must accept (e.g. mTLS plus a key).
+
+The accepted identity is in `current_identity` (a context variable) while the
+handler runs, for the servicer, the engine calls it makes and interceptors
+further in; `AuthInterceptor` keeps it in its own `call.state` too.
+Secrets are never logged: keys are named by a label.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import hashlib
+import hmac
+import inspect
+import logging
+import os
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import grpc
+
+from ._base import Call, CallInterceptor, MethodFilter
+
+__all__ = [
+    "DEFAULT_MAX_TOKEN_LENGTH",
+    "AllOf",
+    "ApiKeyVerifier",
+    "AuthError",
+    "AuthInterceptor",
+    "CallableVerifier",
+    "Identity",
+    "MtlsVerifier",
+    "PermissionDenied",
+    "Unauthenticated",
+    "Verifier",
+    "current_identity",
+    "key_label",
+    "requires_auth_by_default",
+]
+
+logger = logging.getLogger(__name__)
+
+Metadata = Sequence[tuple[str, str | bytes]]
+AuthContext = Mapping[str, Sequence[bytes]]
+
+# Far above any real API key, far below grpc's own metadata limit (8 KiB by
+# default): a bound that keeps hashing and logging cheap for hostile input.
+DEFAULT_MAX_TOKEN_LENGTH = 1024
+
+# RFC 6750 b64token: no whitespace, no commas, no quotes.
+_TOKEN = re.compile(r"[A-Za-z0-9\-._~+/]+=*")
+_SCHEME = "Bearer "
+_EXEMPT_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Identity:
+    """Who is calling, as a verifier established it.
+
+    Attributes:
+        name: a stable, non-secret name (a key's label, a certificate subject,
+            a JWT subject); permissions and logs use it.
+        kind: how it was established: "api_key", "mtls", "custom" or "all_of".
+        attributes: extra non-secret facts (certificate SANs, JWT claims).
+        parts: for `AllOf`, the identity each verifier returned.
+    """
+
+    name: str
+    kind: str = "custom"
+    attributes: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    parts: tuple[Identity, ...] = ()
+
+
+current_identity: contextvars.ContextVar[Identity | None] = contextvars.ContextVar(
+    "vllm_servicer_identity", default=None
+)
+"""The identity of the call being served (None outside an authenticated call)."""
+
+
+class AuthError(Exception):
+    """A verifier's rejection. The message goes to the client: never put a secret in it."""
+
+    code: grpc.StatusCode = grpc.StatusCode.UNAUTHENTICATED
+
+
+class Unauthenticated(AuthError):
+    """Credentials are missing, malformed or unknown (UNAUTHENTICATED)."""
+
+
+class PermissionDenied(AuthError):
+    """The caller is known but may not call this method (PERMISSION_DENIED)."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class Verifier(Protocol):
+    """Establishes who is calling, or rejects the call.
+
+    Must be async (or return quickly): it runs on the server's event loop.
+    """
+
+    async def __call__(self, metadata: Metadata, auth_context: AuthContext) -> Identity:
+        """Return the caller's identity; raise `Unauthenticated` or `PermissionDenied`."""
+        ...
+
+
+def requires_auth_by_default(method: str) -> bool:
+    """The default method filter: everything except health and reflection."""
+    return not method.startswith(_EXEMPT_PREFIXES)
+
+
+Permissions = Callable[[Identity, str], bool] | Mapping[str, MethodFilter]
+
+
+class AuthInterceptor(CallInterceptor):
+    """Rejects calls whose credentials a verifier does not accept.
+
+    Works server-wide (`grpc.aio.server(interceptors=[auth, ...])`) and for the
+    mounted services only (`mount(server, engine, interceptors=[auth])`). Put
+    it first so that no other interceptor does work for a rejected call.
+
+    Args:
+        verifier: establishes the caller's identity (see `Verifier`).
+        methods: which methods need credentials; default: all but health
+            and reflection.
+        permissions: which identity may call which method: a function
+            `(identity, method) -> bool`, or a mapping from identity name to a
+            method filter (names not in it may call nothing). None: every
+            authenticated identity may call every method.
+    """
+
+    def __init__(
+        self,
+        verifier: Verifier,
+        *,
+        methods: MethodFilter = requires_auth_by_default,
+        permissions: Permissions | None = None,
+    ) -> None:
+        super().__init__(methods=methods)
+        self._verifier = verifier
+        if permissions is None or callable(permissions):
+            self._allowed: Callable[[Identity, str], bool] | None = permissions
+        else:
+            table = dict(permissions)
+
+            def allowed(identity: Identity, method: str) -> bool:
+                methods_filter = table.get(identity.name)
+                return methods_filter is not None and methods_filter(method)
+
+            self._allowed = allowed
+
+    async def on_start(self, call: Call) -> None:
+        context = call.context
+        try:
+            identity = await self._verifier(call.metadata, _auth_context(context))
+            if not isinstance(identity, Identity):
+                raise TypeError(f"verifier returned {type(identity).__name__}, not Identity")
+            if self._allowed is not None and not self._allowed(identity, call.method):
+                raise PermissionDenied(f"{identity.name!r} may not call {call.method}")
+        except AuthError as rejection:
+            logger.info(
+                "rejected %s from %s: %s (%s)",
+                call.method,
+                _peer(context),
+                rejection,
+                rejection.code.name,
+            )
+            await context.abort(rejection.code, str(rejection) or "not authorized")
+        except Exception:
+            # A verifier bug or an identity provider outage: fail closed.
+            logger.exception("verifier failed for %s from %s", call.method, _peer(context))
+            await context.abort(grpc.StatusCode.INTERNAL, "authentication failed")
+        call.state = identity
+        current_identity.set(identity)
+
+    def on_finish(self, call: Call) -> None:
+        if call.state is not None:
+            # grpc.aio serves each call in a task of its own, whose context
+            # ends with it; clearing keeps the identity from outliving the call.
+            current_identity.set(None)
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> Any:
+        found: list[Any] = []
+
+        async def recording(details: grpc.HandlerCallDetails) -> Any:
+            handler = await continuation(details)
+            found.append(handler)
+            return handler
+
+        handler = await super().intercept_service(recording, handler_call_details)
+        method: str = handler_call_details.method
+        if handler is not None and handler is found[0] and self.applies_to(method):
+            # The base passes plain (sync) handlers through without hooks:
+            # fail closed rather than serve them unauthenticated.
+            logger.error("%s has a sync handler, which cannot be authenticated: refused", method)
+            return _refusing(handler)
+        return handler
+
+
+def _refusing(handler: Any) -> Any:
+    """A handler of the same kind as `handler` that aborts before reading a request."""
+
+    async def refuse(request: Any, context: Any) -> None:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "method cannot be authenticated")
+
+    async def refuse_stream(request: Any, context: Any) -> AsyncIterator[Any]:
+        await refuse(request, context)
+        yield  # pragma: no cover - makes this an async generator
+
+    if handler.request_streaming and handler.response_streaming:
+        factory: Any = grpc.stream_stream_rpc_method_handler
+    elif handler.request_streaming:
+        factory = grpc.stream_unary_rpc_method_handler
+    elif handler.response_streaming:
+        factory = grpc.unary_stream_rpc_method_handler
+    else:
+        factory = grpc.unary_unary_rpc_method_handler
+    return factory(
+        refuse_stream if handler.response_streaming else refuse,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
+
+
+def _auth_context(context: Any) -> AuthContext:
+    try:
+        return context.auth_context() or {}
+    except Exception:  # pragma: no cover - a context without transport security
+        return {}
+
+
+def _peer(context: Any) -> str:
+    try:
+        return str(context.peer())
+    except Exception:  # pragma: no cover
+        return "?"
+
+
+# ----- API keys ---------------------------------------------------------------
+
+
+def _digest(secret: str) -> bytes:
+    return hashlib.sha256(secret.encode("ascii")).digest()
+
+
+def key_label(key: str) -> str:
+    """The default non-secret name of a key: `key-` and 8 hex digits of its SHA-256."""
+    return "key-" + hashlib.sha256(key.encode("ascii")).hexdigest()[:8]
+
+
+def _check_key(key: str, max_length: int, where: str) -> str:
+    if not key or len(key) > max_length or not _TOKEN.fullmatch(key):
+        raise ValueError(
+            f"{where}: an API key must be 1-{max_length} characters of "
+            "A-Z a-z 0-9 - . _ ~ + / (optionally ending in '=')"
+        )
+    return key
+
+
+def _parse_keys(text: str, where: str, max_length: int) -> dict[str, str]:
+    """Keys of a key file: one per line, `label: key` or `key`; '#' comments."""
+    keys: dict[str, str] = {}
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        label, sep, key = line.partition(":")
+        if sep:
+            label, key = label.strip(), key.strip()
+            if not label:
+                raise ValueError(f"{where}:{number}: empty label before ':'")
+        else:
+            label, key = "", line
+        key = _check_key(key, max_length, f"{where}:{number}")
+        keys[key] = label or key_label(key)
+    return keys
+
+
+class ApiKeyVerifier:
+    """Accepts `authorization: Bearer <key>` for any of a set of keys.
+
+    The accepted form is strict on purpose, so exactly one spelling works:
+    the metadata key `authorization` (present once), the scheme `Bearer`
+    exactly as written (HTTP treats schemes case-insensitively, but every
+    gRPC client, grpc's own `access_token_call_credentials` included, sends
+    `Bearer`), one space, and an RFC 6750 token with no surrounding
+    whitespace, at most `max_token_length` characters. Keys in any other
+    header, `-bin` metadata or another scheme are not looked at.
+
+    The presented key is compared with every configured key in constant time
+    (SHA-256 digests, so the comparison is also independent of key length).
+    Several keys at once let clients move to a new key before the old one is
+    removed. The identity names the key by its label, never the key.
+
+    Args:
+        keys: the accepted keys: strings (labelled `key-<sha256 prefix>`) or
+            a mapping `label -> key`.
+        max_token_length: longer tokens are rejected unread.
+    """
+
+    def __init__(
+        self,
+        keys: Iterable[str] | Mapping[str, str],
+        *,
+        max_token_length: int = DEFAULT_MAX_TOKEN_LENGTH,
+    ) -> None:
+        self._max = max_token_length
+        if isinstance(keys, Mapping):
+            pairs = {_check_key(k, self._max, f"key {label!r}"): label for label, k in keys.items()}
+        else:
+            pairs = {_check_key(k, self._max, "key"): key_label(k) for k in keys}
+        self._set_keys(pairs, "keys")
+        self._path: Path | None = None
+        self._signature: tuple[int, int, int] | None = None
+
+    @classmethod
+    def from_file(
+        cls, path: str | os.PathLike[str], *, max_token_length: int = DEFAULT_MAX_TOKEN_LENGTH
+    ) -> ApiKeyVerifier:
+        """Keys from a file, re-read whenever it changes (no restart to rotate).
+
+        One key per line, optionally labelled `label: key`; blank lines and
+        `#` comments are ignored. If a changed file cannot be read or holds no
+        valid key, the previous keys stay in force and an error is logged (a
+        half-written file must not lock every client out or let anyone in).
+
+        Raises:
+            OSError: the file cannot be read.
+            ValueError: it holds a malformed key or no key at all.
+        """
+        file = Path(path)
+        verifier = cls.__new__(cls)
+        verifier._max = max_token_length
+        verifier._path = file
+        # Taken before reading: a change in between is picked up on the next call.
+        verifier._signature = _signature(file)
+        verifier._set_keys(_parse_keys(file.read_text("utf-8"), str(file), max_token_length), file)
+        return verifier
+
+    @classmethod
+    def from_env(
+        cls, var: str, *, max_token_length: int = DEFAULT_MAX_TOKEN_LENGTH
+    ) -> ApiKeyVerifier:
+        """Keys from an environment variable, comma-separated (read once).
+
+        Raises:
+            ValueError: the variable is unset, empty or malformed.
+        """
+        value = os.environ.get(var, "")
+        keys = [k.strip() for k in value.split(",") if k.strip()]
+        if not keys:
+            raise ValueError(f"environment variable {var} holds no API key")
+        return cls(keys, max_token_length=max_token_length)
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        """The labels of the keys in force."""
+        self._maybe_reload()
+        return tuple(label for _, label in self._keys)
+
+    def _set_keys(self, pairs: Mapping[str, str], where: object) -> None:
+        if not pairs:
+            raise ValueError(f"{where}: no API key given")
+        self._keys = [(_digest(key), label) for key, label in pairs.items()]
+
+    def _maybe_reload(self) -> None:
+        if self._path is None:
+            return
+        try:
+            signature = _signature(self._path)
+            if signature == self._signature:
+                return
+            pairs = _parse_keys(self._path.read_text("utf-8"), str(self._path), self._max)
+            self._set_keys(pairs, self._path)
+        except (OSError, ValueError) as exc:
+            logger.error("API key file %s not reloaded, keeping previous keys: %s", self._path, exc)
+            return
+        self._signature = signature
+        logger.info("API key file %s reloaded: %d key(s)", self._path, len(self._keys))
+
+    async def __call__(self, metadata: Metadata, auth_context: AuthContext) -> Identity:
+        self._maybe_reload()
+        token = self._token(metadata)
+        presented = _digest(token)
+        label = None
+        for digest, name in self._keys:
+            # No early exit: every key is compared whichever one matches.
+            if hmac.compare_digest(presented, digest):
+                label = name
+        if label is None:
+            raise Unauthenticated("invalid API key")
+        return Identity(name=label, kind="api_key")
+
+    def _token(self, metadata: Metadata) -> str:
+        values = [value for key, value in metadata if key == "authorization"]
+        if not values:
+            raise Unauthenticated("missing credentials: send 'authorization: Bearer <key>'")
+        if len(values) > 1:
+            raise Unauthenticated("more than one authorization header")
+        value = values[0]
+        if not isinstance(value, str):
+            raise Unauthenticated("malformed authorization header")
+        if not value.startswith(_SCHEME):
+            raise Unauthenticated("authorization scheme must be 'Bearer'")
+        token = value[len(_SCHEME) :]
+        if len(token) > self._max:
+            raise Unauthenticated("bearer token too long")
+        if not _TOKEN.fullmatch(token):
+            raise Unauthenticated("malformed bearer token")
+        return token
+
+
+def _signature(path: Path) -> tuple[int, int, int]:
+    # Inode too: an atomic rename over the file may keep size and mtime.
+    st = path.stat()
+    return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+
+# ----- custom and composed ----------------------------------------------------
+
+
+class CallableVerifier:
+    """A verifier from a function (JWT validation, a host's identity system).
+
+    `fn(metadata, auth_context)` may be async or a fast plain function. It
+    returns an `Identity`, a name (str, made into an `Identity` of kind
+    "custom") or None (rejected as UNAUTHENTICATED), or raises
+    `Unauthenticated` / `PermissionDenied` with a message for the client.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[[Metadata, AuthContext], Identity | str | None]
+        | Callable[[Metadata, AuthContext], Awaitable[Identity | str | None]],
+    ) -> None:
+        self._fn = fn
+
+    async def __call__(self, metadata: Metadata, auth_context: AuthContext) -> Identity:
+        result: Any = self._fn(metadata, auth_context)
+        if inspect.isawaitable(result):
+            result = await result
+        if result is None:
+            raise Unauthenticated("invalid credentials")
+        if isinstance(result, str):
+            return Identity(name=result, kind="custom")
+        return result  # type: ignore[no-any-return]
+
+
+class AllOf:
+    """Every verifier must accept, in order (the first rejection wins).
+
+    The identity is the first verifier's (so `AllOf(MtlsVerifier(), keys)`
+    is named by the certificate), with each verifier's identity in `parts`.
+    """
+
+    def __init__(self, *verifiers: Verifier) -> None:
+        if not verifiers:
+            raise ValueError("AllOf needs at least one verifier")
+        self._verifiers = verifiers
+
+    async def __call__(self, metadata: Metadata, auth_context: AuthContext) -> Identity:
+        parts = [await verifier(metadata, auth_context) for verifier in self._verifiers]
+        first = parts[0]
+        return Identity(
+            name=first.name, kind="all_of", attributes=first.attributes, parts=tuple(parts)
+        )
+
+
+# ----- mTLS -------------------------------------------------------------------
+
+
+class MtlsVerifier:
+    """The identity of the client certificate the TLS handshake verified.
+
+    Use it with a server that requires and verifies client certificates
+    (`vllm_servicer.tls.server_credentials(..., client_ca_file=...)`): the
+    certificate's chain is checked there, this verifier reads the result from
+    the call's auth context. The identity is named by the certificate's
+    common name (or its first SAN when it has none).
+
+    Args:
+        allowed_subjects: subjects allowed to call, each a common name
+            ("router") or a whole subject as grpc writes it ("CN=router,O=Acme");
+            None: any.
+        allowed_sans: subject alternative names (DNS, URI, e-mail, IP as
+            grpc reports them) of which the certificate must carry at least
+            one; None: any.
+
+    A call without a verified certificate is UNAUTHENTICATED; a verified
+    certificate outside the allowed names is PERMISSION_DENIED.
+    """
+
+    def __init__(
+        self,
+        allowed_subjects: Iterable[str] | None = None,
+        allowed_sans: Iterable[str] | None = None,
+    ) -> None:
+        self._subjects = None if allowed_subjects is None else frozenset(allowed_subjects)
+        self._sans = None if allowed_sans is None else frozenset(allowed_sans)
+
+    async def __call__(self, metadata: Metadata, auth_context: AuthContext) -> Identity:
+        if b"ssl" not in auth_context.get("transport_security_type", ()):
+            raise Unauthenticated("a client certificate is required (TLS)")
+        if not auth_context.get("x509_pem_cert"):
+            raise Unauthenticated("a client certificate is required")
+        common = [v.decode("utf-8", "replace") for v in auth_context.get("x509_common_name", ())]
+        sans = [
+            v.decode("utf-8", "replace")
+            for v in auth_context.get("x509_subject_alternative_name", ())
+        ]
+        name = common[0] if common else (sans[0] if sans else "")
+        if not name:
+            raise Unauthenticated("the client certificate names no subject")
+        subjects = common + [
+            v.decode("utf-8", "replace") for v in auth_context.get("x509_subject", ())
+        ]
+        if self._subjects is not None and not self._subjects.intersection(subjects):
+            raise PermissionDenied(f"certificate subject {name!r} is not allowed")
+        if self._sans is not None and not self._sans.intersection(sans):
+            raise PermissionDenied(f"certificate {name!r} carries no allowed name")
+        return Identity(name=name, kind="mtls", attributes={"common_name": common, "sans": sans})

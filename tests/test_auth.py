@@ -1,0 +1,408 @@
+"""AuthInterceptor against a real engine: keys, hostile attempts, exemptions, permissions."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from helpers import collect, completes, request, unfinished
+
+from vllm_servicer import SERVICE_NAME, mount, server_options
+from vllm_servicer.interceptors._base import methods_of
+from vllm_servicer.interceptors.auth import (
+    ApiKeyVerifier,
+    AuthInterceptor,
+    CallableVerifier,
+    Identity,
+    Unauthenticated,
+    current_identity,
+    key_label,
+)
+from vllm_servicer.proto import vllm_engine_pb2 as pb
+from vllm_servicer.proto import vllm_engine_pb2_grpc
+
+ALICE = "alice-0123456789abcdefABCDEF"
+BOB = "bob-0123456789abcdefABCDEF"
+RETIRED = "retired-0123456789abcdef"
+MAX_BYTES = 1 << 20
+
+
+class SpyEngine:
+    """The real engine, recording every call that would make it work and who made it."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+        self.calls: list[str] = []
+        self.identities: list[Identity | None] = []
+
+    def _saw(self, name: str) -> None:
+        self.calls.append(name)
+        self.identities.append(current_identity.get())
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        self._saw("generate")
+        return self._engine.generate(*args, **kwargs)
+
+    def encode(self, *args: Any, **kwargs: Any) -> Any:
+        self._saw("encode")
+        return self._engine.encode(*args, **kwargs)
+
+    async def abort(self, *args: Any, **kwargs: Any) -> None:
+        self._saw("abort")
+        await self._engine.abort(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+
+class Served:
+    def __init__(self, channel: grpc.aio.Channel, spy: SpyEngine, mounted: Any, engine: Any):
+        self.channel = channel
+        self.stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+        self.spy = spy
+        self.mounted = mounted
+        self.engine = engine
+        self.verifications = 0
+
+    def snapshot(self) -> tuple[Any, ...]:
+        servicer = self.mounted.servicer
+        return (
+            len(self.spy.calls),
+            servicer.active_requests,
+            servicer._last_receive_timestamp,
+            unfinished(self.engine),
+        )
+
+
+def bearer(key: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {key}"),)
+
+
+@pytest.fixture(scope="module", params=["server-wide", "mount"])
+async def served(
+    request: pytest.FixtureRequest, engine: Any, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[Served]:
+    key_file = tmp_path_factory.mktemp("keys") / "keys.txt"
+    key_file.write_text(f"# rotated keys\nalice: {ALICE}\n\n{BOB}\nold: {RETIRED}\n")
+    keys = ApiKeyVerifier.from_file(key_file)
+    holder: list[Served] = []
+
+    async def verify(metadata: Any, auth_context: Any) -> Identity:
+        holder[0].verifications += 1
+        if ("x-slow", "1") in tuple(metadata):
+            await asyncio.sleep(1.0)
+        return await keys(metadata, auth_context)
+
+    auth = AuthInterceptor(
+        CallableVerifier(verify),
+        permissions={
+            "alice": lambda method: True,
+            key_label(BOB): methods_of(SERVICE_NAME),
+            "old": methods_of(SERVICE_NAME),
+        },
+    )
+    spy = SpyEngine(engine)
+    server_wide = request.param == "server-wide"
+    server = grpc.aio.server(
+        interceptors=[auth] if server_wide else None,
+        options=server_options(max_message_bytes=MAX_BYTES),
+    )
+    mounted = mount(server, spy, interceptors=() if server_wide else [auth])
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        served = Served(channel, spy, mounted, engine)
+        holder.append(served)
+        # The retired key works until the file drops it (rotation without restart).
+        await served.stub.HealthCheck(pb.HealthCheckRequest(), metadata=bearer(RETIRED))
+        key_file.write_text(f"alice: {ALICE}\n{BOB}\n")
+        yield served
+    await mounted.health.close()
+    await server.stop(None)
+
+
+async def test_valid_key_generates_and_identity_reaches_the_engine(served: Served) -> None:
+    before = len(served.spy.calls)
+    messages = await collect(
+        served.stub.Generate(request(max_tokens=3, ignore_eos=True), metadata=bearer(ALICE))
+    )
+    assert len(completes(messages)[0].output_ids) == 3
+    # The servicer's handler ran with the identity in its context.
+    assert served.spy.calls[before:] == ["generate"]
+    identity = served.spy.identities[before]
+    assert identity is not None and identity.name == "alice" and identity.kind == "api_key"
+    assert current_identity.get() is None  # nothing leaked into the client's context
+
+
+HOSTILE = {
+    "no metadata": (),
+    "basic scheme": (("authorization", "Basic YWxpY2U6c2VjcmV0"),),
+    "empty token": (("authorization", "Bearer "),),
+    "scheme only": (("authorization", "Bearer"),),
+    "lowercase scheme": (("authorization", f"bearer {ALICE}"),),
+    "uppercase scheme": (("authorization", f"BEARER {ALICE}"),),
+    "two spaces": (("authorization", f"Bearer  {ALICE}"),),
+    "trailing space": (("authorization", f"Bearer {ALICE} "),),
+    "space inside": (("authorization", f"Bearer {ALICE[:5]} {ALICE[5:]}"),),
+    "rotated-out key": bearer(RETIRED),
+    "unknown key": bearer("mallory-0123456789abcdef"),
+    "key prefix": bearer(ALICE[:-1]),
+    "key in x-api-key": (("x-api-key", ALICE),),
+    "key in api-key with scheme": (("api-key", f"Bearer {ALICE}"),),
+    "very long token": bearer("a" * 4000),
+    "binary metadata": (("authorization-bin", f"Bearer {ALICE}".encode()),),
+    "two authorization headers": (
+        ("authorization", f"Bearer {ALICE}"),
+        ("authorization", "Bearer x"),
+    ),
+}
+
+
+@pytest.mark.parametrize("metadata", list(HOSTILE.values()), ids=list(HOSTILE))
+async def test_hostile_credentials_are_unauthenticated_before_any_engine_work(
+    served: Served, metadata: Any
+) -> None:
+    before = served.snapshot()
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await collect(served.stub.Generate(request(max_tokens=3, stream=True), metadata=metadata))
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, err.value.details()
+    assert ALICE not in (err.value.details() or "")
+    assert served.snapshot() == before
+
+
+async def test_oversized_token_never_reaches_the_engine(served: Served) -> None:
+    # Above grpc's own metadata limit: grpc or the verifier rejects it; nothing runs.
+    before = served.snapshot()
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await collect(served.stub.Generate(request(max_tokens=3), metadata=bearer("a" * 100_000)))
+    assert err.value.code() != grpc.StatusCode.OK
+    assert served.snapshot() == before
+    await served.stub.HealthCheck(pb.HealthCheckRequest(), metadata=bearer(ALICE))
+
+
+async def test_generate_embed_abort_need_credentials(served: Served) -> None:
+    before = served.snapshot()
+    calls = {
+        "Generate": lambda: collect(served.stub.Generate(request(max_tokens=2))),
+        "Embed": lambda: served.stub.Embed(
+            pb.EmbedRequest(request_id="e", tokenized=pb.TokenizedInput(input_ids=[1, 2]))
+        ),
+        "Abort": lambda: served.stub.Abort(pb.AbortRequest(request_ids=["x"])),
+        "HealthCheck": lambda: served.stub.HealthCheck(pb.HealthCheckRequest()),
+        "GetModelInfo": lambda: served.stub.GetModelInfo(pb.GetModelInfoRequest()),
+    }
+    for name, call in calls.items():
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await call()
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, name
+    assert served.snapshot() == before
+    # With a key, Abort reaches the engine.
+    await served.stub.Abort(pb.AbortRequest(request_ids=["x"]), metadata=bearer(ALICE))
+    assert served.spy.calls[-1] == "abort"
+
+
+async def test_health_and_reflection_answer_without_credentials(served: Served) -> None:
+    health = health_pb2_grpc.HealthStub(served.channel)
+    reply = await health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    watch = health.Watch(health_pb2.HealthCheckRequest())
+    assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+    watch.cancel()
+    reflection = reflection_pb2_grpc.ServerReflectionStub(served.channel)
+    replies = reflection.ServerReflectionInfo(
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+    )
+    listed = [s.name async for r in replies for s in r.list_services_response.service]
+    assert SERVICE_NAME in listed
+
+
+async def test_known_identity_without_permission_is_denied(served: Served) -> None:
+    bob = bearer(BOB)
+    # Bob may use the VllmEngine service, nothing else that needs credentials.
+    assert (await served.stub.HealthCheck(pb.HealthCheckRequest(), metadata=bob)).healthy
+    deny = AuthInterceptor(
+        ApiKeyVerifier([BOB]), permissions=lambda identity, method: method.endswith("/Abort")
+    )
+    server = grpc.aio.server(interceptors=[deny])
+    mounted = mount(server, served.spy, health=False, reflection_service=False)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+            before = len(served.spy.calls)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await collect(stub.Generate(request(max_tokens=2), metadata=bob))
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert key_label(BOB) in (err.value.details() or "")
+            assert len(served.spy.calls) == before
+            assert mounted.servicer.active_requests == 0
+            await stub.Abort(pb.AbortRequest(request_ids=["y"]), metadata=bob)
+    finally:
+        await server.stop(None)
+
+
+async def test_oversized_request_is_resource_exhausted_and_server_keeps_serving(
+    served: Served,
+) -> None:
+    before = served.snapshot()
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await collect(
+            served.stub.Generate(
+                request("x" * (2 * MAX_BYTES), max_tokens=2), metadata=bearer(ALICE)
+            )
+        )
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert served.snapshot() == before
+    messages = await collect(
+        served.stub.Generate(request(max_tokens=2, ignore_eos=True), metadata=bearer(ALICE))
+    )
+    assert len(completes(messages)[0].output_ids) == 2
+
+
+async def test_slow_verifier_does_not_stall_a_concurrent_stream(served: Served) -> None:
+    arrivals: list[float] = []
+    stop = asyncio.Event()
+    first = asyncio.Event()
+
+    async def keep_streaming() -> None:
+        while not stop.is_set():
+            call = served.stub.Generate(
+                request(max_tokens=400, ignore_eos=True, stream=True), metadata=bearer(ALICE)
+            )
+            async for _ in call:
+                arrivals.append(time.monotonic())
+                first.set()
+                if stop.is_set():
+                    call.cancel()
+                    break
+
+    streamer = asyncio.create_task(keep_streaming())
+    await first.wait()
+    started = time.monotonic()
+    reply = await served.stub.HealthCheck(
+        pb.HealthCheckRequest(), metadata=(*bearer(ALICE), ("x-slow", "1"))
+    )
+    ended = time.monotonic()
+    stop.set()
+    await streamer
+    assert reply.healthy
+    assert ended - started >= 1.0
+    during = [t for t in arrivals if started + 0.1 < t < started + 0.9]
+    # The stream kept making steady progress while the verifier slept.
+    assert len(during) >= 5, f"{len(during)} chunks during the 1 s verification"
+    gaps = [b - a for a, b in zip(during, during[1:], strict=False)]
+    assert max(gaps, default=0) < 0.5
+
+
+async def test_rejections_are_logged_without_the_secret(
+    served: Served, caplog: pytest.LogCaptureFixture
+) -> None:
+    near_miss = ALICE[:-1] + "X"
+    with caplog.at_level(logging.INFO, logger="vllm_servicer.interceptors.auth"):
+        with pytest.raises(grpc.aio.AioRpcError):
+            await served.stub.HealthCheck(pb.HealthCheckRequest(), metadata=bearer(near_miss))
+    text = caplog.text
+    assert "rejected /vllm.grpc.engine.VllmEngine/HealthCheck from ipv4:127.0.0.1:" in text
+    assert "invalid API key" in text and "UNAUTHENTICATED" in text
+    assert near_miss not in text and ALICE not in text
+
+
+# ----- verifiers on their own ---------------------------------------------------
+
+
+async def test_key_file_reloads_on_change_and_keeps_last_good_keys(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "keys"
+    path.write_text("# comment\n\nfirst: key-one   # trailing comment\nkey-two\n")
+    verifier = ApiKeyVerifier.from_file(path)
+    assert verifier.labels == ("first", key_label("key-two"))
+    assert (await verifier(bearer("key-one"), {})).name == "first"
+
+    path.write_text("second: key-three\n")
+    assert verifier.labels == ("second",)
+    with pytest.raises(Exception, match="invalid API key"):
+        await verifier(bearer("key-one"), {})
+    assert (await verifier(bearer("key-three"), {})).name == "second"
+
+    # A broken or empty rewrite keeps the keys in force and says so.
+    for broken in ("", "has space in key\n"):
+        path.write_text(broken)
+        with caplog.at_level(logging.ERROR):
+            assert (await verifier(bearer("key-three"), {})).name == "second"
+        assert "not reloaded" in caplog.text and "key-three" not in caplog.text
+        caplog.clear()
+
+
+def test_keys_are_validated_and_labels_hide_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    for bad in ("", "with space", "tab\tkey", "a" * 2000, "comma,key"):
+        with pytest.raises(ValueError):
+            ApiKeyVerifier([bad])
+    with pytest.raises(ValueError):
+        ApiKeyVerifier([])
+    monkeypatch.setenv("TEST_KEYS", "k1, k2")
+    verifier = ApiKeyVerifier.from_env("TEST_KEYS")
+    assert verifier.labels == (key_label("k1"), key_label("k2"))
+    assert all("k1" not in label[4:] and len(label) == 12 for label in verifier.labels)
+    monkeypatch.delenv("TEST_KEYS")
+    with pytest.raises(ValueError):
+        ApiKeyVerifier.from_env("TEST_KEYS")
+
+
+async def test_values_grpc_clients_refuse_to_send_are_rejected_too() -> None:
+    # grpc's own client will not send these; other clients might.
+    verifier = ApiKeyVerifier([ALICE])
+    for value in (
+        f"Bearer\t{ALICE}",
+        f" Bearer {ALICE}",
+        f"Bearer {ALICE}\n",
+        f"Bearer {ALICE}\x00",
+    ):
+        with pytest.raises(Unauthenticated):
+            await verifier((("authorization", value),), {})
+    with pytest.raises(Unauthenticated):
+        await verifier((("authorization", f"Bearer {ALICE}".encode()),), {})
+    assert (await verifier(bearer(ALICE), {})).name == key_label(ALICE)
+
+
+async def test_callable_verifier_results() -> None:
+    assert (await CallableVerifier(lambda md, ac: "svc")((), {})).name == "svc"
+
+    async def none(md: Any, ac: Any) -> None:
+        return None
+
+    with pytest.raises(Exception, match="invalid credentials"):
+        await CallableVerifier(none)((), {})
+
+
+async def test_sync_handlers_are_refused_not_served_unauthenticated() -> None:
+    def say(request: bytes, context: Any) -> bytes:  # a plain function: grpc's thread pool
+        return b"served"
+
+    server = grpc.aio.server(interceptors=[AuthInterceptor(ApiKeyVerifier([ALICE]))])
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                "host.Sync", {"Say": grpc.unary_unary_rpc_method_handler(say)}
+            ),
+        )
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            for metadata in ((), bearer(ALICE)):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await channel.unary_unary("/host.Sync/Say")(b"x", metadata=metadata)
+                assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    finally:
+        await server.stop(None)
