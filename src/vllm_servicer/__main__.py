@@ -2,7 +2,8 @@
 
 Builds an `AsyncLLM` from vLLM's own engine arguments (every vLLM engine flag
 passes through), mounts the servicer on a new grpc.aio server with the
-recommended options and serves until SIGTERM/SIGINT. With no `--model`, it
+recommended options, optional metrics, authentication, TLS and tracing, and
+serves until SIGTERM/SIGINT, then drains gracefully. With no `--model`, it
 serves the built-in tiny model (random weights, no download).
 """
 
@@ -21,6 +22,7 @@ logger = logging.getLogger("vllm_servicer.serve")
 
 
 def build_parser() -> Any:
+    """The launcher's argument parser: its own flags plus every vLLM engine flag."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -29,22 +31,71 @@ def build_parser() -> Any:
     parser = FlexibleArgumentParser(prog="vllm-servicer", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="serve a model over vLLM's gRPC protocol")
-    own = serve.add_argument_group("vllm-servicer")
-    own.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
-    own.add_argument("--port", type=int, default=50051, help="port to bind (0: any free port)")
-    own.add_argument(
+
+    net = serve.add_argument_group("vllm-servicer: serving")
+    net.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    net.add_argument("--port", type=int, default=50051, help="port to bind (0: any free port)")
+    net.add_argument(
         "--max-message-bytes",
         type=int,
         default=DEFAULT_MAX_MESSAGE_BYTES,
-        help="largest request or response message accepted (bytes)",
+        help="largest request or response message accepted, in bytes",
     )
-    own.add_argument(
+    net.add_argument(
+        "--max-inflight",
+        type=int,
+        default=None,
+        help="most Generate/Embed calls in flight; beyond it calls get RESOURCE_EXHAUSTED",
+    )
+    net.add_argument(
+        "--max-connection-age",
+        type=float,
+        default=None,
+        help="seconds after which clients are asked to reconnect (re-spreads load)",
+    )
+    net.add_argument("--no-reflection", action="store_true", help="do not serve reflection")
+
+    drain = serve.add_argument_group("vllm-servicer: shutdown")
+    drain.add_argument(
         "--drain-grace",
         type=float,
         default=2.0,
         help="seconds the server keeps answering after health turns NOT_SERVING on SIGTERM",
     )
-    own.add_argument("--no-reflection", action="store_true", help="do not serve reflection")
+
+    obs = serve.add_argument_group("vllm-servicer: observability")
+    obs.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics on this port (off by default)",
+    )
+    obs.add_argument(
+        "--metrics-host",
+        default=None,
+        help="address of the metrics endpoint (default: the same as --host)",
+    )
+
+    sec = serve.add_argument_group("vllm-servicer: security")
+    sec.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help="accept `authorization: Bearer <key>`; repeat for several keys (rotation)",
+    )
+    sec.add_argument(
+        "--api-key-file",
+        default=None,
+        help="file of accepted keys, one per line (re-read when it changes)",
+    )
+    sec.add_argument("--tls-cert", default=None, help="server certificate chain (PEM)")
+    sec.add_argument("--tls-key", default=None, help="server private key (PEM)")
+    sec.add_argument(
+        "--tls-client-ca",
+        default=None,
+        help="CA bundle (PEM) for client certificates; when given, clients must present one",
+    )
+
     AsyncEngineArgs.add_cli_args(serve)
     # Our drain waits this long for in-flight calls (vLLM's default 0 would cut them).
     serve.set_defaults(model=None, shutdown_timeout=30)
@@ -57,6 +108,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.api_key and args.api_key_file:
+        parser.error("give --api-key or --api-key-file, not both")
+    if bool(args.tls_cert) != bool(args.tls_key):
+        parser.error("--tls-cert and --tls-key go together")
+    if args.tls_client_ca and not args.tls_cert:
+        parser.error("--tls-client-ca needs --tls-cert and --tls-key")
     if args.model is None:
         # Re-parse with the tiny model's settings as defaults, so flags the
         # user gave still win over them.
@@ -64,44 +121,117 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         serve.set_defaults(**TINY_ENGINE_KWARGS)
         args = parser.parse_args(argv)
         apply_cpu_env_defaults()
-        logger.info("no --model given: serving the built-in tiny model (random weights)")
+        logger.info("no --model given: writing the built-in tiny model (random weights)")
         args.model = str(ensure_tiny_model())
         if args.tokenizer is None:
             args.tokenizer = args.model
     return args
 
 
+def build_interceptors(args: argparse.Namespace) -> tuple[list[Any], Any]:
+    """The launcher's interceptor stack, outermost first, and its metrics interceptor.
+
+    Tracing outermost (its span covers everything), then metrics (rejected calls
+    are counted too), then authentication, then in-flight counting (only
+    authenticated calls take a slot).
+    """
+    from .interceptors import InflightInterceptor, MetricsInterceptor
+
+    stack: list[Any] = []
+    tracer_provider = _tracing_from_env()
+    if tracer_provider is not None:
+        from .interceptors.tracing import TracingInterceptor
+
+        stack.append(TracingInterceptor(tracer_provider=tracer_provider))
+    metrics = MetricsInterceptor() if args.metrics_port is not None else None
+    if metrics is not None:
+        stack.append(metrics)
+    if args.api_key or args.api_key_file:
+        from .interceptors.auth import ApiKeyVerifier, AuthInterceptor
+
+        verifier = (
+            ApiKeyVerifier.from_file(args.api_key_file)
+            if args.api_key_file
+            else ApiKeyVerifier(args.api_key)
+        )
+        stack.append(AuthInterceptor(verifier))
+    stack.append(InflightInterceptor(args.max_inflight))
+    return stack, metrics
+
+
+def _tracing_from_env() -> Any:
+    """A TracerProvider when OTEL_* variables ask for export; None costs nothing."""
+    try:
+        from .interceptors.tracing import configure_tracing_from_env
+    except ImportError:
+        return None
+    return configure_tracing_from_env()
+
+
 async def serve(args: argparse.Namespace) -> int:
-    """Run the server until a signal; return the process exit code."""
+    """Run the server until a signal, drain it; return the process exit code."""
     import grpc
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from .drain import GracefulShutdown
+    from .interceptors import start_metrics_server
     from .mount import mount
     from .options import server_options
+    from .tls import server_credentials, warn_if_exposed
+
+    interceptors, metrics = build_interceptors(args)
+    credentials = (
+        server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)
+        if args.tls_cert
+        else None
+    )
+    warn_if_exposed(
+        args.host, tls=credentials is not None, auth=bool(args.api_key or args.api_key_file)
+    )
 
     started = time.monotonic()
     logger.info("starting the vLLM engine for %s (loading the model)...", args.model)
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs.from_cli_args(args))
     logger.info("engine ready in %.1f s", time.monotonic() - started)
+    metrics_http = None
     try:
-        server = grpc.aio.server(options=server_options(args.max_message_bytes))
+        server = grpc.aio.server(
+            interceptors=interceptors,
+            options=server_options(
+                args.max_message_bytes, max_connection_age=args.max_connection_age
+            ),
+        )
         mounted = mount(server, engine, reflection_service=not args.no_reflection)
         address = f"{args.host}:{args.port}"
-        port = server.add_insecure_port(address)
+        if credentials is not None:
+            port = server.add_secure_port(address, credentials)
+        else:
+            port = server.add_insecure_port(address)
         if port == 0:
             logger.error("could not bind %s", address)
             return 1
+        if metrics is not None:
+            metrics_http, _ = start_metrics_server(
+                args.metrics_port, addr=args.metrics_host or args.host
+            )
+            print(
+                f"vllm-servicer metrics on http://{args.metrics_host or args.host}:"
+                f"{metrics_http.server_port}/metrics",
+                flush=True,
+            )
         shutdown = GracefulShutdown(
             server,
             mounted,
             grace_period=args.drain_grace,
             timeout=float(args.shutdown_timeout or 0),
+            on_drain=[metrics.mark_shutdown] if metrics is not None else [],
         )
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, shutdown.request_stop)
+        # The port opens only now, with the engine ready: a probe never sees
+        # SERVING before a request can succeed.
         await server.start()
         # Printed (not only logged) so scripts and tests can read the bound port.
         print(f"vllm-servicer listening on {args.host}:{port}", flush=True)
@@ -111,6 +241,9 @@ async def serve(args: argparse.Namespace) -> int:
     finally:
         logger.info("shutting down the engine")
         engine.shutdown()
+        if metrics_http is not None:
+            metrics_http.shutdown()
+        logger.info("stopped")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -118,9 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     # vLLM's own --log-level (when given) sets ours too.
     level = str(getattr(args, "log_level", "info")).upper()
-    logging.basicConfig(
-        level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         import uvloop  # optional: a faster event loop when installed
     except ImportError:

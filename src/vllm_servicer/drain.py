@@ -103,14 +103,10 @@ class GracefulShutdown:
             self._timeout,
             servicer.active_requests,
         )
-        stopped = asyncio.ensure_future(
-            self._server.stop(self._timeout + _ABORT_FLUSH_SECONDS)
-        )
+        stopped = asyncio.ensure_future(self._server.stop(self._timeout + _ABORT_FLUSH_SECONDS))
         if not await self._wait_idle(self._timeout):
             running = servicer.running_request_ids
-            logger.warning(
-                "aborting %d calls still running after the drain timeout", len(running)
-            )
+            logger.warning("aborting %d calls still running after the drain timeout", len(running))
             await servicer.abort_running()
             await self._wait_idle(_ABORT_FLUSH_SECONDS)
         if self._hurry.is_set() and not stopped.done():

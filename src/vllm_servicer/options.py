@@ -5,7 +5,12 @@ from __future__ import annotations
 DEFAULT_MAX_MESSAGE_BYTES = 32 * 1024 * 1024
 
 
-def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+def server_options(
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    *,
+    max_connection_age: float | None = None,
+    max_connection_age_grace: float = 30.0,
+) -> list[tuple[str, int]]:
     """grpc.aio server options that suit LLM serving, for `grpc.aio.server(options=...)`.
 
     - Message sizes are bounded (32 MiB each way by default; vLLM's own gRPC
@@ -17,13 +22,26 @@ def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[t
       on the connection.
     - Routers ping every ~30 s, also between requests: allow pings without
       data every 10 s and without calls.
+    - `max_connection_age` (seconds, off by default): the server asks clients
+      to reconnect after this long (GOAWAY), letting calls in flight run for
+      `max_connection_age_grace` more seconds. Client-side and proxy
+      balancing then re-spread load after a scale-up instead of keeping every
+      long-lived HTTP/2 connection on the old replicas.
     """
     if max_message_bytes <= 0:
         raise ValueError("max_message_bytes must be positive; unlimited sizes are unsafe")
-    return [
+    options = [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.http2.max_ping_strikes", 0),
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
         ("grpc.keepalive_permit_without_calls", 1),
     ]
+    if max_connection_age is not None:
+        if max_connection_age <= 0:
+            raise ValueError("max_connection_age must be positive")
+        options += [
+            ("grpc.max_connection_age_ms", int(max_connection_age * 1000)),
+            ("grpc.max_connection_age_grace_ms", int(max_connection_age_grace * 1000)),
+        ]
+    return options

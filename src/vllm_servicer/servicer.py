@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import time
@@ -59,6 +60,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self._engine = engine
         self._started_monotonic = time.monotonic()
         self._active_requests = 0
+        # Request ids in flight (a multiset: clients may reuse ids), for drains.
+        self._running: collections.Counter[str] = collections.Counter()
         self._last_receive_timestamp = 0.0
         self._model_info: pb.GetModelInfoResponse | None = None
         self._supported_tasks: tuple[str, ...] | None = None
@@ -77,8 +80,28 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         """Generate and Embed calls currently being served."""
         return self._active_requests
 
-    def _received(self) -> None:
+    @property
+    def running_request_ids(self) -> list[str]:
+        """Ids of the Generate and Embed calls being served now."""
+        return list(self._running)
+
+    async def abort_running(self) -> None:
+        """Abort every request in flight in the engine (their streams end with "abort")."""
+        ids = self.running_request_ids
+        if ids:
+            await self._engine.abort(ids)
+
+    def _received(self, request_id: str) -> None:
+        self._running[request_id] += 1
         self._active_requests += 1
+
+    def _done(self, request_id: str) -> None:
+        self._active_requests -= 1
+        left = self._running[request_id] - 1
+        if left > 0:
+            self._running[request_id] = left
+        else:
+            del self._running[request_id]
         self._last_receive_timestamp = time.time()
 
     # ----- generation -------------------------------------------------------
@@ -87,7 +110,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self, request: pb.GenerateRequest, context: Context
     ) -> AsyncIterator[pb.GenerateResponse]:
         request_id = _request_id(request.request_id, "generate")
-        self._received()
+        self._received(request_id)
         try:
             params = request.sampling_params
             stream = request.stream
@@ -116,11 +139,11 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         except Exception as exc:
             await abort_for_exception(context, exc, method="Generate", request_id=request_id)
         finally:
-            self._active_requests -= 1
+            self._done(request_id)
 
     async def Embed(self, request: pb.EmbedRequest, context: Context) -> pb.EmbedResponse:
         request_id = _request_id(request.request_id, "embed")
-        self._received()
+        self._received(request_id)
         try:
             if "embed" not in await self._tasks():
                 raise UnsupportedError(
@@ -149,7 +172,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         except Exception as exc:
             await abort_for_exception(context, exc, method="Embed", request_id=request_id)
         finally:
-            self._active_requests -= 1
+            self._done(request_id)
 
     async def Abort(self, request: pb.AbortRequest, context: Context) -> pb.AbortResponse:
         # Idempotent: vLLM ignores ids it does not know (finished or never seen).
