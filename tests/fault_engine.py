@@ -1,0 +1,131 @@
+"""A stand-in engine for tests: shaped like vLLM's `AsyncLLM`, and able to die on demand.
+
+A real engine cannot be made to die at a chosen moment, mid-stream, from a
+test; this stand-in can. It implements the `EngineClient` protocol from
+`vllm_servicer.engine` and produces synthetic tokens (real `RequestOutput`
+objects) at a fixed pace. After `die()`, it behaves as vLLM's `AsyncLLM` does
+when its EngineCore process is gone: `errored` is True, every running
+`generate()` raises `EngineDeadError`, and so does every new call.
+It is used only for engine-death tests; everything else runs a real engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, Iterable, Mapping
+from types import SimpleNamespace
+from typing import Any
+
+from vllm.outputs import CompletionOutput, RequestOutput
+from vllm.sampling_params import RequestOutputKind
+from vllm.v1.engine.exceptions import EngineDeadError
+
+
+class FaultEngine:
+    """Stand-in for `AsyncLLM` that dies mid-stream when told to (tests only).
+
+    Args:
+        step_interval: seconds between synthetic tokens.
+        max_model_len: the context length it claims.
+    """
+
+    def __init__(self, step_interval: float = 0.02, max_model_len: int = 512) -> None:
+        self._step_interval = step_interval
+        self._dead = asyncio.Event()
+        self.running: set[str] = set()
+        self.generate_calls = 0
+        self.model_config = SimpleNamespace(
+            model="fault-engine",
+            served_model_name="fault-engine",
+            tokenizer="",
+            max_model_len=max_model_len,
+            runner_type="generate",
+            dtype="float32",
+            hf_config=SimpleNamespace(
+                model_type="fault", architectures=[], eos_token_id=2, pad_token_id=0, bos_token_id=1
+            ),
+            get_vocab_size=lambda: 320,
+        )
+        self.vllm_config = SimpleNamespace()
+
+    @property
+    def errored(self) -> bool:
+        return self._dead.is_set()
+
+    def die(self) -> None:
+        """Kill the stand-in: running and future calls raise EngineDeadError."""
+        self._dead.set()
+
+    async def _step_or_die(self) -> None:
+        # Either the next token is due, or the engine died first.
+        try:
+            await asyncio.wait_for(self._dead.wait(), self._step_interval)
+        except asyncio.TimeoutError:
+            return
+        raise EngineDeadError()
+
+    async def generate(
+        self,
+        prompt: Any,
+        sampling_params: Any,
+        request_id: str,
+        *,
+        tokenization_kwargs: dict[str, Any] | None = None,
+        trace_headers: Mapping[str, str] | None = None,
+        data_parallel_rank: int | None = None,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        self.generate_calls += 1
+        if self.errored:
+            raise EngineDeadError()
+        prompt_ids = list(prompt["prompt_token_ids"]) if isinstance(prompt, dict) else [1]
+        limit = sampling_params.max_tokens or 16
+        delta = sampling_params.output_kind != RequestOutputKind.FINAL_ONLY
+        produced: list[int] = []
+        self.running.add(request_id)
+        try:
+            for i in range(limit):
+                await self._step_or_die()
+                token = 3 + i % 300
+                produced.append(token)
+                last = i == limit - 1
+                if delta or last:
+                    yield RequestOutput(
+                        request_id=request_id,
+                        prompt=None,
+                        prompt_token_ids=prompt_ids,
+                        prompt_logprobs=None,
+                        outputs=[
+                            CompletionOutput(
+                                index=0,
+                                text="",
+                                token_ids=[token] if delta else list(produced),
+                                cumulative_logprob=None,
+                                logprobs=None,
+                                finish_reason="length" if last else None,
+                            )
+                        ],
+                        finished=last,
+                    )
+        finally:
+            self.running.discard(request_id)
+
+    async def encode(
+        self,
+        prompt: Any,
+        pooling_params: Any,
+        request_id: str,
+        *,
+        trace_headers: Mapping[str, str] | None = None,
+    ) -> AsyncGenerator[Any, None]:
+        raise EngineDeadError() if self.errored else NotImplementedError("no pooling here")
+        yield  # pragma: no cover - makes this an async generator
+
+    async def get_supported_tasks(self) -> tuple[str, ...]:
+        # AsyncLLM asks the EngineCore process, so this fails once it is gone.
+        if self.errored:
+            raise EngineDeadError()
+        return ("generate", "embed")
+
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        if self.errored:
+            raise EngineDeadError()
