@@ -48,6 +48,7 @@ lint: setup
 	$(PY) -m ruff format --check src tests examples benchmarks protos
 
 bench: setup
+	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) benchmarks/run.py $(ARGS)
 
 clean:

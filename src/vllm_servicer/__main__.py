@@ -31,6 +31,8 @@ def build_parser() -> Any:
     parser = FlexibleArgumentParser(prog="vllm-servicer", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="serve a model over vLLM's gRPC protocol")
+    # vLLM's parser rewrites `serve --model X` into `serve X` (its positional form).
+    serve.add_argument("model_tag", nargs="?", default=None, help="the model (same as --model)")
 
     net = serve.add_argument_group("vllm-servicer: serving")
     net.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
@@ -108,6 +110,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.model_tag is not None:
+        args.model = args.model_tag
     if args.api_key and args.api_key_file:
         parser.error("give --api-key or --api-key-file, not both")
     if bool(args.tls_cert) != bool(args.tls_key):

@@ -1,0 +1,83 @@
+"""The launcher's command line, and the Kubernetes manifests that use it (no engine needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from vllm_servicer import SERVICE_NAME
+from vllm_servicer.__main__ import parse_args
+
+ROOT = Path(__file__).resolve().parent.parent
+K8S = ROOT / "examples" / "kubernetes"
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_SERVICER_CACHE", str(tmp_path))
+
+
+def test_model_flag_and_positional_both_work() -> None:
+    assert parse_args(["serve", "--model", "/models/x"]).model == "/models/x"
+    assert parse_args(["serve", "/models/y"]).model == "/models/y"
+
+
+def test_without_model_the_tiny_model_settings_apply_and_user_flags_win() -> None:
+    args = parse_args(["serve", "--max-model-len", "256"])
+    assert Path(args.model, "config.json").exists()
+    assert args.load_format == "dummy" and args.gpu_memory_utilization == 0.2
+    assert args.max_model_len == 256
+
+
+def test_safe_defaults() -> None:
+    args = parse_args(["serve", "--model", "m"])
+    assert args.host == "127.0.0.1"
+    assert args.max_message_bytes == 32 * 1024 * 1024
+    assert args.shutdown_timeout == 30
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--api-key", "a", "--api-key-file", "f"],
+        ["--tls-cert", "c.pem"],
+        ["--tls-client-ca", "ca.pem"],
+    ],
+    ids=["two-key-sources", "cert-without-key", "client-ca-without-cert"],
+)
+def test_contradictory_flags_are_refused(argv: list[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["serve", "--model", "m", *argv])
+
+
+def _load(name: str) -> Any:
+    return yaml.safe_load((K8S / name).read_text())
+
+
+def test_deployment_probes_drain_budget_and_flags() -> None:
+    deployment = _load("deployment.yaml")
+    pod = deployment["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    args = parse_args(container["args"])  # every flag the manifest passes exists
+    grpc_port = next(p["containerPort"] for p in container["ports"] if p["name"] == "grpc")
+    assert args.port == grpc_port and args.host == "0.0.0.0"
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["grpc"]["port"] == grpc_port
+    assert container["readinessProbe"]["grpc"]["service"] == SERVICE_NAME
+    pre_stop = container["lifecycle"]["preStop"]["sleep"]["seconds"]
+    budget = pre_stop + args.drain_grace + args.shutdown_timeout
+    assert pod["terminationGracePeriodSeconds"] > budget
+    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+    assert int(annotations["prometheus.io/port"]) == args.metrics_port
+
+
+def test_service_is_headless_and_monitor_matches() -> None:
+    service = _load("service.yaml")
+    assert service["spec"]["clusterIP"] == "None"
+    names = {p["name"] for p in service["spec"]["ports"]}
+    monitor = _load("servicemonitor.yaml")
+    assert monitor["spec"]["endpoints"][0]["port"] in names
+    assert monitor["spec"]["selector"]["matchLabels"] == service["metadata"]["labels"]
