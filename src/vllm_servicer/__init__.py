@@ -7,6 +7,7 @@
 from .engine import EngineClient
 from .errors import ERROR_TABLE, InvalidRequestError
 from .health import EngineHealthServicer
+from .interceptors import InflightInterceptor, MetricsInterceptor
 from .mount import MountedServices, MountError, mount
 from .options import server_options
 from .proto import SERVICE_NAME
@@ -19,8 +20,10 @@ __all__ = [
     "SERVICE_NAME",
     "EngineClient",
     "EngineHealthServicer",
+    "InflightInterceptor",
     "InvalidRequestError",
     "MountError",
+    "MetricsInterceptor",
     "MountedServices",
     "VllmEngineServicer",
     "__version__",

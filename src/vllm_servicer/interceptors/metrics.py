@@ -63,6 +63,8 @@ _GENERATE = f"/{SERVICE_NAME}/Generate"
 _ENGINE_METHODS = frozenset((_GENERATE, f"/{SERVICE_NAME}/Embed"))
 _GRPC_LABELS = ("grpc_type", "grpc_service", "grpc_method")
 _CANCELLED = grpc.StatusCode.CANCELLED
+# How stale the message and token counters of a running Generate stream may get.
+_FLUSH_INTERVAL_S = 1.0
 _DEADLINE = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
@@ -94,13 +96,27 @@ class _MethodMetrics:
 class _GenerateCall:
     """Per-call state of one Generate call."""
 
-    __slots__ = ("aborted", "first_token_at", "last_chunk_at", "method", "prompt_counted", "sent")
+    __slots__ = (
+        "aborted",
+        "first_token_at",
+        "flushed_at",
+        "last_chunk_at",
+        "method",
+        "prompt_counted",
+        "unflushed_sent",
+        "unflushed_tokens",
+    )
 
     generate = True
 
-    def __init__(self, method: _MethodMetrics) -> None:
+    def __init__(self, method: _MethodMetrics, started: float) -> None:
         self.method = method
-        self.sent = method.sent
+        # Counted here and added to the shared counters at most once per
+        # _FLUSH_INTERVAL_S (and at the end): a lock-taking inc per message is
+        # the largest cost of the hot path.
+        self.unflushed_sent = 0
+        self.unflushed_tokens = 0
+        self.flushed_at = started
         self.first_token_at: float | None = None
         # When each choice (index) last streamed tokens; None before its first chunk.
         self.last_chunk_at: list[float | None] = [None]
@@ -222,8 +238,8 @@ class MetricsInterceptor(CallInterceptor):
         )
         self.requests_in_flight = Gauge(
             "vllm_servicer_requests_in_flight",
-            "Generate and Embed calls in flight (OTel: gen_ai.server.request.active "
-            "has no GenAI instrument yet; this mirrors the servicer's active_requests).",
+            "Generate and Embed calls in flight, as the servicer's active_requests "
+            "(no OTel GenAI instrument).",
             registry=reg,
         )
         # Bound once: the hot path below never calls .labels().
@@ -251,7 +267,7 @@ class MetricsInterceptor(CallInterceptor):
         method.started.inc()
         if method.engine:
             self.requests_in_flight.inc()
-        call.state = _GenerateCall(method) if method.generate else method
+        call.state = _GenerateCall(method, call.started) if method.generate else method
 
     def on_request(self, call: Call, message: Any) -> None:
         state = call.state
@@ -259,9 +275,10 @@ class MetricsInterceptor(CallInterceptor):
 
     def on_response(self, call: Call, message: Any) -> None:
         state = call.state
-        state.sent.inc()
         if state.generate:
             self._generated(call, state, message)
+        else:
+            state.sent.inc()
 
     def on_finish(self, call: Call) -> None:
         state = call.state
@@ -279,6 +296,7 @@ class MetricsInterceptor(CallInterceptor):
         if method.engine:
             self.requests_in_flight.dec()
         if state.generate:
+            self._flush(state, now)
             self.request_duration.observe(now - call.started)
             cause = None
             if code is _CANCELLED:
@@ -292,7 +310,17 @@ class MetricsInterceptor(CallInterceptor):
 
     # ----- Generate -------------------------------------------------------------
 
+    def _flush(self, state: _GenerateCall, now: float) -> None:
+        state.flushed_at = now
+        if state.unflushed_sent:
+            state.method.sent.inc(state.unflushed_sent)
+            state.unflushed_sent = 0
+        if state.unflushed_tokens:
+            self._generation_inc(state.unflushed_tokens)
+            state.unflushed_tokens = 0
+
     def _generated(self, call: Call, state: _GenerateCall, message: Any) -> None:
+        state.unflushed_sent += 1
         if message.WhichOneof("response") == "chunk":
             chunk = message.chunk
             if not state.prompt_counted:
@@ -302,7 +330,7 @@ class MetricsInterceptor(CallInterceptor):
             if not tokens:
                 return
             now = time.perf_counter()
-            self._generation_inc(tokens)
+            state.unflushed_tokens += tokens
             if state.first_token_at is None:
                 state.first_token_at = now
                 self._ttft_observe(now - call.started)
@@ -314,6 +342,8 @@ class MetricsInterceptor(CallInterceptor):
             last[index] = now
             if previous is not None:
                 self._tpot_observe((now - previous) / tokens)
+            if now - state.flushed_at >= _FLUSH_INTERVAL_S:
+                self._flush(state, now)
             return
         complete = message.complete
         if not state.prompt_counted:
@@ -325,7 +355,7 @@ class MetricsInterceptor(CallInterceptor):
         ):
             # Not streamed: the complete carries all of the choice's tokens. (Streamed,
             # it repeats the last chunk's, which were counted then.)
-            self._generation_inc(len(complete.output_ids))
+            state.unflushed_tokens += len(complete.output_ids)
         reason = complete.finish_reason
         child = self._finish_children.get(reason)
         if child is None:
