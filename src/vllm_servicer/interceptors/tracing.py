@@ -1,0 +1,360 @@
+"""OpenTelemetry tracing: one server span per RPC, with GenAI attributes.
+
+`TracingInterceptor` composes two layers around each traced handler:
+
+1. **outer**: `opentelemetry-instrumentation-grpc`'s aio server interceptor.
+   It extracts the caller's W3C context from the metadata, starts the SERVER
+   span (name "/package.Service/Method", `rpc.*` and `net.peer.*` attributes),
+   makes it current for the handler, and sets the span status when the handler
+   aborts.
+2. **inner**: a `CallInterceptor` (the package's shared hook plumbing), which
+   runs inside that span and adds what the instrumentation lacks: GenAI
+   attributes on Generate and Embed, a `gen_ai.first_token` event, and the
+   real `rpc.grpc.status_code` and status for calls that end without an abort
+   (the instrumentation leaves code 0 on a client cancel, and no status for a
+   deadline or an unhandled exception).
+
+Composing in this order rather than installing the two side by side is what
+makes it sound: the instrumentation only ever wraps the inner layer's handler,
+which is an `async def` or an async generator whatever the real handler is. Its
+known gap (it iterates every streaming handler as an async generator, so a
+`context.write` handler such as health `Watch` breaks) therefore never applies;
+handlers run as sync code in grpc's thread pool, which it cannot wrap either,
+pass through untraced.
+
+Status follows the OpenTelemetry RPC conventions for servers: UNKNOWN,
+DEADLINE_EXCEEDED, UNIMPLEMENTED, INTERNAL, UNAVAILABLE and DATA_LOSS mark the
+span ERROR; every other code (INVALID_ARGUMENT, CANCELLED, NOT_FOUND, ...) is
+the client's business and leaves it UNSET. The instrumentation applies the same
+table on aborts; the inner layer applies it to the other endings.
+
+The `opentelemetry-*` packages are the `otel` extra: this module imports
+without them, and `TracingInterceptor` then raises ImportError saying so.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from ..proto import SERVICE_NAME
+from ._base import Call, CallInterceptor, MethodFilter
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.trace import TracerProvider as AnyTracerProvider
+
+__all__ = [
+    "DEFAULT_METHODS",
+    "FIRST_TOKEN_EVENT",
+    "SERVER_FAULT_CODES",
+    "TracingInterceptor",
+    "configure_tracing_from_env",
+    "served_model_name",
+]
+
+logger = logging.getLogger("vllm_servicer.interceptors")
+
+_MISSING_EXTRA = "tracing needs the OpenTelemetry packages: pip install 'vllm-servicer[otel]'"
+
+HEALTH_WATCH = "/grpc.health.v1.Health/Watch"
+_GENERATE = f"/{SERVICE_NAME}/Generate"
+_EMBED = f"/{SERVICE_NAME}/Embed"
+
+FIRST_TOKEN_EVENT = "gen_ai.first_token"
+"""Event added to the Generate span when the first response message is sent."""
+
+SERVER_FAULT_CODES: frozenset[grpc.StatusCode] = frozenset(
+    {
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.UNIMPLEMENTED,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DATA_LOSS,
+    }
+)
+"""Codes that mark a server span ERROR (OpenTelemetry RPC conventions)."""
+
+
+def DEFAULT_METHODS(method: str) -> bool:  # noqa: N802 - a constant-like default
+    """Every method except health `Watch`.
+
+    A Watch stream lives as long as the client's connection, so its span would
+    be one endless span per watcher; tracing it would not break it.
+    """
+    return method != HEALTH_WATCH
+
+
+def _require_otel() -> None:
+    try:
+        import opentelemetry.instrumentation.grpc  # noqa: F401
+        import opentelemetry.trace  # noqa: F401
+    except ImportError as exc:
+        raise ImportError(_MISSING_EXTRA) from exc
+
+
+def served_model_name(engine: Any) -> str:
+    """The model name the engine serves (`--served-model-name`, else the model path).
+
+    Args:
+        engine: an `AsyncLLM` or anything with a vLLM `model_config`.
+    """
+    config = getattr(engine, "model_config", None)
+    served = getattr(config, "served_model_name", None) or getattr(config, "model", "")
+    if isinstance(served, (list, tuple)):
+        served = served[0] if served else ""
+    return str(served or "")
+
+
+class _GenAiState:
+    """What one Generate/Embed call has told the span so far."""
+
+    __slots__ = ("chunked", "finish_reasons", "first_token", "input_tokens", "output_tokens")
+
+    def __init__(self) -> None:
+        self.first_token = False
+        self.chunked = False  # streaming: usage comes from the chunks
+        self.input_tokens = -1
+        self.output_tokens = 0
+        self.finish_reasons: dict[int, str] = {}
+
+
+class TracingInterceptor(CallInterceptor):
+    """A grpc.aio server interceptor that traces RPCs with OpenTelemetry.
+
+    Pass it to `grpc.aio.server(interceptors=[...])` (every service of the
+    server) or to `mount(..., interceptors=[...])` (the mounted services only).
+
+    Args:
+        tracer_provider: the provider to create spans with; None uses the
+            global one (`opentelemetry.trace.set_tracer_provider`).
+        model: the served model name for `gen_ai.request.model`;
+            `served_model_name(engine)` gives it.
+        methods: which methods to trace (default: all but health `Watch`).
+
+    Raises:
+        ImportError: the `otel` extra is not installed.
+    """
+
+    def __init__(
+        self,
+        tracer_provider: AnyTracerProvider | None = None,
+        *,
+        model: str | None = None,
+        methods: MethodFilter = DEFAULT_METHODS,
+    ) -> None:
+        _require_otel()
+        from opentelemetry import trace
+        from opentelemetry.instrumentation.grpc import aio_server_interceptor
+        from opentelemetry.trace import Status, StatusCode
+
+        super().__init__(methods=methods)
+        self._rpc_spans = aio_server_interceptor(tracer_provider=tracer_provider)
+        self._model = model
+        self._current_span = trace.get_current_span
+        self._status = Status
+        self._error = StatusCode.ERROR
+
+    @classmethod
+    def for_engine(
+        cls,
+        engine: Any,
+        tracer_provider: AnyTracerProvider | None = None,
+        *,
+        methods: MethodFilter = DEFAULT_METHODS,
+    ) -> TracingInterceptor:
+        """A TracingInterceptor naming the model `engine` serves."""
+        return cls(tracer_provider, model=served_model_name(engine), methods=methods)
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        method: str = handler_call_details.method  # type: ignore[attr-defined]
+        if not self.applies_to(method):
+            return await continuation(handler_call_details)
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        inner: Any = await super().intercept_service(_returning(handler), handler_call_details)
+        if inner is handler or not _wrappable(inner):
+            # A sync handler (the base passes those through): the span layer
+            # would run it on the event loop.
+            return handler
+        return await self._rpc_spans.intercept_service(  # type: ignore[no-any-return]
+            _returning(inner), handler_call_details
+        )
+
+    # ----- hooks (run inside the RPC span) ------------------------------------
+
+    async def on_start(self, call: Call) -> None:
+        span = self._current_span()
+        # The span object, not the context: on_finish may run after the
+        # handler's context was detached.
+        call.state = (span, _GenAiState()) if call.method in (_GENERATE, _EMBED) else (span, None)
+
+    def on_request(self, call: Call, message: Any) -> None:
+        span, state = call.state
+        if state is None or not span.is_recording():
+            return
+        attrs: dict[str, Any] = {}
+        if call.method == _GENERATE:
+            attrs["gen_ai.operation.name"] = "text_completion"
+            params = message.sampling_params
+            if params.HasField("max_tokens"):
+                attrs["gen_ai.request.max_tokens"] = params.max_tokens
+            if params.HasField("temperature"):
+                attrs["gen_ai.request.temperature"] = params.temperature
+            if params.top_p != 0.0:  # proto3 zero means "unset" (top_p 1)
+                attrs["gen_ai.request.top_p"] = params.top_p
+            if params.n > 1:
+                attrs["gen_ai.request.choice.count"] = params.n
+        else:
+            attrs["gen_ai.operation.name"] = "embeddings"
+        if self._model:
+            attrs["gen_ai.request.model"] = self._model
+        if message.request_id:
+            # The name vLLM's own engine spans use for the same id.
+            attrs["gen_ai.request.id"] = message.request_id
+        span.set_attributes(attrs)
+
+    def on_response(self, call: Call, message: Any) -> None:
+        span, state = call.state
+        if state is None:
+            return
+        if call.method == _EMBED:
+            state.input_tokens = message.prompt_tokens
+            if span.is_recording():
+                span.set_attribute("gen_ai.embeddings.dimension.count", message.embedding_dim)
+            return
+        if not state.first_token:
+            state.first_token = True
+            if span.is_recording():
+                span.add_event(
+                    FIRST_TOKEN_EVENT,
+                    {"gen_ai.server.time_to_first_token": time.perf_counter() - call.started},
+                )
+        kind = message.WhichOneof("response")
+        if kind == "chunk":
+            state.chunked = True
+            state.input_tokens = message.chunk.prompt_tokens
+            state.output_tokens += message.chunk.completion_tokens
+        elif kind == "complete":
+            done = message.complete
+            state.input_tokens = done.prompt_tokens
+            state.finish_reasons[done.index] = done.finish_reason
+            if not state.chunked:  # streaming completes repeat the last chunk's tokens
+                state.output_tokens += done.completion_tokens
+
+    def on_finish(self, call: Call) -> None:
+        span, state = call.state
+        if not span.is_recording():
+            # Ended already (a stream dropped while grpc was writing is closed
+            # by the garbage collector, outer layer first), or not sampled.
+            return
+        code = call.code
+        assert code is not None
+        attrs: dict[str, Any] = {"rpc.grpc.status_code": code.value[0]}
+        if state is not None:
+            if state.input_tokens >= 0:
+                attrs["gen_ai.usage.input_tokens"] = state.input_tokens
+            if call.method == _GENERATE:
+                attrs["gen_ai.usage.output_tokens"] = state.output_tokens
+                if state.finish_reasons:
+                    reasons = state.finish_reasons
+                    attrs["gen_ai.response.finish_reasons"] = [reasons[i] for i in sorted(reasons)]
+        span.set_attributes(attrs)
+        if code in SERVER_FAULT_CODES and span.status.status_code is not self._error:
+            details = (
+                call.context.details() if code is not grpc.StatusCode.DEADLINE_EXCEEDED else ""
+            )
+            span.set_status(self._status(self._error, f"{code}:{details or ''}"))
+
+
+def _returning(handler: Any) -> Callable[[grpc.HandlerCallDetails], Awaitable[Any]]:
+    async def continuation(details: grpc.HandlerCallDetails) -> Any:
+        return handler
+
+    return continuation
+
+
+def _wrappable(handler: Any) -> bool:
+    """Whether the span layer can run this handler (it awaits or iterates it)."""
+    if handler.response_streaming:
+        behaviour = handler.stream_stream if handler.request_streaming else handler.unary_stream
+        return inspect.isasyncgenfunction(behaviour)
+    behaviour = handler.stream_unary if handler.request_streaming else handler.unary_unary
+    return inspect.iscoroutinefunction(behaviour)
+
+
+def configure_tracing_from_env() -> TracerProvider | None:
+    """A TracerProvider exporting over OTLP, when the standard OTEL_* variables ask for one.
+
+    Tracing is on when `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` or
+    `OTEL_EXPORTER_OTLP_ENDPOINT` is set and `OTEL_TRACES_EXPORTER` is unset or
+    includes "otlp" (and `OTEL_SDK_DISABLED` is not "true"). The provider
+    batches spans to an OTLP exporter (gRPC, or HTTP when
+    `OTEL_EXPORTER_OTLP[_TRACES]_PROTOCOL` is "http/protobuf"), which reads
+    its endpoint, headers, TLS and timeout settings from the same variables;
+    `OTEL_SERVICE_NAME` (default "vllm-servicer"), `OTEL_RESOURCE_ATTRIBUTES`
+    and `OTEL_TRACES_SAMPLER[_ARG]` apply as usual. The global provider is left
+    alone.
+
+    Returns:
+        The provider (flushed and shut down at interpreter exit), or None when
+        tracing is off: nothing is imported and nothing costs anything.
+
+    Raises:
+        ImportError: tracing was asked for but the `otel` extra is missing.
+    """
+    env = os.environ
+    endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get(
+        "OTEL_EXPORTER_OTLP_ENDPOINT"
+    )
+    exporters = {e.strip().lower() for e in env.get("OTEL_TRACES_EXPORTER", "otlp").split(",")}
+    if (
+        not endpoint
+        or "none" in exporters
+        or env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true"
+    ):
+        return None
+    if "otlp" not in exporters:
+        logger.warning(
+            "OTEL_TRACES_EXPORTER=%s: only 'otlp' is built in; tracing stays off",
+            env["OTEL_TRACES_EXPORTER"],
+        )
+        return None
+    protocol = (
+        env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+        or env.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+        or ""
+    )
+    try:
+        from opentelemetry.sdk.resources import SERVICE_NAME as SERVICE_NAME_KEY
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+        if protocol.strip().lower().startswith("http"):
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+                OTLPSpanExporter,
+            )
+        else:
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (  # type: ignore[assignment]
+                OTLPSpanExporter,
+            )
+    except ImportError as exc:
+        raise ImportError(_MISSING_EXTRA) from exc
+    resource = Resource.create({SERVICE_NAME_KEY: env.get("OTEL_SERVICE_NAME") or "vllm-servicer"})
+    provider = TracerProvider(resource=resource)
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    logger.info("tracing: exporting spans over OTLP to %s", endpoint)
+    return provider

@@ -1,0 +1,534 @@
+"""TracingInterceptor against a real engine: spans, attributes, status, propagation.
+
+Each placement (the interceptor passed to `grpc.aio.server(interceptors=...)`,
+and to `mount(..., interceptors=...)`) gets a server of its own on the session
+engine, with a TracerProvider of its own exporting to memory; the global
+OpenTelemetry provider is never set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator, Mapping
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from helpers import collect, completes, request, wait_until_idle
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from vllm_servicer import SERVICE_NAME, mount
+from vllm_servicer.interceptors._base import all_methods
+from vllm_servicer.interceptors.tracing import (
+    DEFAULT_METHODS,
+    FIRST_TOKEN_EVENT,
+    TracingInterceptor,
+    configure_tracing_from_env,
+    served_model_name,
+)
+from vllm_servicer.proto import vllm_engine_pb2 as pb
+from vllm_servicer.proto import vllm_engine_pb2_grpc
+
+GENERATE = f"/{SERVICE_NAME}/Generate"
+ABORT = f"/{SERVICE_NAME}/Abort"
+EMBED = f"/{SERVICE_NAME}/Embed"
+WATCH = "/grpc.health.v1.Health/Watch"
+CHECK = "/grpc.health.v1.Health/Check"
+
+
+@dataclasses.dataclass
+class Traced:
+    placement: str
+    address: str
+    stub: vllm_engine_pb2_grpc.VllmEngineStub
+    exporter: InMemorySpanExporter
+    model: str
+
+
+def _provider() -> tuple[TracerProvider, InMemorySpanExporter]:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()  # sampler: always on (no OTEL_TRACES_SAMPLER set)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return provider, exporter
+
+
+@dataclasses.dataclass
+class _Server:
+    server: grpc.aio.Server
+    address: str
+    mounted: Any
+
+    async def close(self) -> None:
+        if self.mounted.health is not None:
+            await self.mounted.health.close()
+        await self.server.stop(None)
+
+
+async def _serve(
+    engine: Any,
+    *,
+    server_wide: tuple[grpc.aio.ServerInterceptor, ...] = (),
+    mounted: tuple[grpc.aio.ServerInterceptor, ...] = (),
+) -> _Server:
+    server = grpc.aio.server(interceptors=server_wide)
+    services = mount(server, engine, interceptors=mounted)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return _Server(server, f"127.0.0.1:{port}", services)
+
+
+@pytest.fixture(scope="module", params=["server_wide", "mounted"])
+async def traced(request: pytest.FixtureRequest, engine: Any) -> AsyncIterator[Traced]:
+    provider, exporter = _provider()
+    tracing = TracingInterceptor.for_engine(engine, provider)
+    if request.param == "server_wide":
+        running = await _serve(engine, server_wide=(tracing,))
+    else:
+        running = await _serve(engine, mounted=(tracing,))
+    async with grpc.aio.insecure_channel(running.address) as channel:
+        yield Traced(
+            request.param,
+            running.address,
+            vllm_engine_pb2_grpc.VllmEngineStub(channel),
+            exporter,
+            served_model_name(engine),
+        )
+    await running.close()
+    provider.shutdown()
+
+
+async def _spans(
+    exporter: InMemorySpanExporter, match: Any, *, count: int = 1, timeout: float = 10.0
+) -> list[ReadableSpan]:
+    """The finished spans `match` accepts, once there are `count` (the server
+    ends a span after the client may already have its status)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = [s for s in exporter.get_finished_spans() if match(s)]
+        if len(found) >= count or time.monotonic() > deadline:
+            return found
+        await asyncio.sleep(0.02)
+
+
+def _by_request_id(rid: str) -> Any:
+    return lambda span: (span.attributes or {}).get("gen_ai.request.id") == rid
+
+
+async def _one_span(exporter: InMemorySpanExporter, rid: str) -> ReadableSpan:
+    spans = await _spans(exporter, _by_request_id(rid))
+    await asyncio.sleep(0.05)  # a duplicate would arrive about now
+    spans = [s for s in exporter.get_finished_spans() if _by_request_id(rid)(s)]
+    assert len(spans) == 1, [s.name for s in spans]
+    return spans[0]
+
+
+def _attrs(span: ReadableSpan) -> Mapping[str, Any]:
+    return span.attributes or {}
+
+
+# ----- Generate: success, invalid argument, client cancel, Abort -----------------
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "unary"])
+async def test_generate_span_has_genai_attributes(traced: Traced, stream: bool) -> None:
+    req = request(stream=stream, max_tokens=4, ignore_eos=True, top_p=0.9)
+    messages = await collect(traced.stub.Generate(req))
+    assert completes(messages)[0].finish_reason == "length"
+
+    span = await _one_span(traced.exporter, req.request_id)
+    attrs = _attrs(span)
+    assert span.name == GENERATE
+    assert span.kind is SpanKind.SERVER
+    assert span.status.status_code is StatusCode.UNSET
+    # What the instrumentation sets...
+    assert attrs["rpc.system"] == "grpc"
+    assert attrs["rpc.service"] == SERVICE_NAME
+    assert attrs["rpc.method"] == "Generate"
+    assert attrs["rpc.grpc.status_code"] == grpc.StatusCode.OK.value[0]
+    # ... and what this package adds.
+    assert attrs["gen_ai.operation.name"] == "text_completion"
+    assert attrs["gen_ai.request.model"] == traced.model != ""
+    assert attrs["gen_ai.request.max_tokens"] == 4
+    assert attrs["gen_ai.request.temperature"] == 0.0
+    assert attrs["gen_ai.request.top_p"] == pytest.approx(0.9, rel=1e-6)
+    assert attrs["gen_ai.usage.input_tokens"] == len(req.tokenized.input_ids)
+    assert attrs["gen_ai.usage.output_tokens"] == 4
+    assert tuple(attrs["gen_ai.response.finish_reasons"]) == ("length",)
+    events = [e for e in span.events if e.name == FIRST_TOKEN_EVENT]
+    assert len(events) == 1
+    assert 0 < (events[0].attributes or {})["gen_ai.server.time_to_first_token"] < 60
+
+
+async def test_generate_n2_counts_every_choice(traced: Traced) -> None:
+    req = request(stream=True, max_tokens=3, ignore_eos=True, n=2, temperature=1.0, seed=7)
+    await collect(traced.stub.Generate(req))
+    attrs = _attrs(await _one_span(traced.exporter, req.request_id))
+    assert attrs["gen_ai.usage.output_tokens"] == 6
+    assert tuple(attrs["gen_ai.response.finish_reasons"]) == ("length", "length")
+    assert attrs["gen_ai.request.choice.count"] == 2
+
+
+async def test_invalid_argument_leaves_status_unset(traced: Traced) -> None:
+    req = request(stream=True, top_p=1.5)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await collect(traced.stub.Generate(req))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+    span = await _one_span(traced.exporter, req.request_id)
+    attrs = _attrs(span)
+    assert attrs["rpc.grpc.status_code"] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert span.status.status_code is StatusCode.UNSET  # the client's mistake
+    assert attrs["gen_ai.request.top_p"] == pytest.approx(1.5)
+    assert not [e for e in span.events if e.name == FIRST_TOKEN_EVENT]
+
+
+async def test_client_cancel_records_cancelled(traced: Traced, engine: Any) -> None:
+    req = request(stream=True, max_tokens=400, ignore_eos=True)
+    call = traced.stub.Generate(req)
+    first = await call.read()
+    assert first.WhichOneof("response") == "chunk"
+    call.cancel()
+
+    span = await _one_span(traced.exporter, req.request_id)
+    attrs = _attrs(span)
+    assert attrs["rpc.grpc.status_code"] == grpc.StatusCode.CANCELLED.value[0]
+    assert span.status.status_code is StatusCode.UNSET
+    assert "gen_ai.response.finish_reasons" not in attrs
+    assert attrs["gen_ai.usage.output_tokens"] >= 1
+    assert [e for e in span.events if e.name == FIRST_TOKEN_EVENT]
+    assert await wait_until_idle(engine) == 0
+
+
+async def test_abort_ends_with_finish_reason_abort(traced: Traced, engine: Any) -> None:
+    req = request(stream=True, max_tokens=400, ignore_eos=True)
+    call = traced.stub.Generate(req)
+    messages = [await call.read()]
+    await traced.stub.Abort(pb.AbortRequest(request_ids=[req.request_id]))
+    while (message := await call.read()) is not grpc.aio.EOF:
+        messages.append(message)
+    assert await call.code() == grpc.StatusCode.OK
+    assert completes(messages)[0].finish_reason == "abort"
+
+    span = await _one_span(traced.exporter, req.request_id)
+    attrs = _attrs(span)
+    assert attrs["rpc.grpc.status_code"] == grpc.StatusCode.OK.value[0]
+    assert span.status.status_code is StatusCode.UNSET
+    assert tuple(attrs["gen_ai.response.finish_reasons"]) == ("abort",)
+    abort_spans = await _spans(traced.exporter, lambda s: s.name == ABORT)
+    assert abort_spans and _attrs(abort_spans[-1])["rpc.grpc.status_code"] == 0
+    assert await wait_until_idle(engine) == 0
+
+
+async def test_embed_span_on_a_generate_engine(traced: Traced) -> None:
+    rid = f"embed-{traced.placement}"
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await traced.stub.Embed(
+            pb.EmbedRequest(request_id=rid, tokenized=pb.TokenizedInput(input_ids=[1, 2, 3]))
+        )
+    code = info.value.code()
+    span = await _one_span(traced.exporter, rid)
+    attrs = _attrs(span)
+    assert span.name == EMBED
+    assert attrs["gen_ai.operation.name"] == "embeddings"
+    assert attrs["gen_ai.request.model"] == traced.model
+    assert attrs["rpc.grpc.status_code"] == code.value[0]
+
+
+# ----- propagation --------------------------------------------------------------
+
+
+async def test_parent_is_the_clients_span(traced: Traced) -> None:
+    client_provider, client_exporter = _provider()
+    tracer = client_provider.get_tracer("test-client")
+    req = request(stream=True, max_tokens=2, ignore_eos=True)
+    with tracer.start_as_current_span("gateway", kind=SpanKind.CLIENT) as client_span:
+        carrier: dict[str, str] = {}
+        TraceContextTextMapPropagator().inject(carrier)
+        await collect(traced.stub.Generate(req, metadata=tuple(carrier.items())))
+    client_ctx = client_span.get_span_context()
+
+    span = await _one_span(traced.exporter, req.request_id)
+    assert span.parent is not None and span.parent.is_remote
+    assert span.parent.span_id == client_ctx.span_id
+    assert span.context.trace_id == client_ctx.trace_id
+    client_provider.shutdown()
+
+
+async def test_no_traceparent_makes_a_root_span(traced: Traced) -> None:
+    req = request(max_tokens=1)
+    await collect(traced.stub.Generate(req))
+    assert (await _one_span(traced.exporter, req.request_id)).parent is None
+
+
+class RecordingEngine:
+    """The real engine, with the `trace_headers` of each generate call recorded."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+        self.trace_headers: dict[str, Mapping[str, str] | None] = {}
+
+    model_config = property(lambda self: self._engine.model_config)
+    vllm_config = property(lambda self: self._engine.vllm_config)
+    errored = property(lambda self: self._engine.errored)
+
+    def generate(self, prompt: Any, params: Any, request_id: str, **kwargs: Any) -> Any:
+        self.trace_headers[request_id] = kwargs.get("trace_headers")
+        return self._engine.generate(prompt, params, request_id, **kwargs)
+
+    def encode(self, prompt: Any, params: Any, request_id: str, **kwargs: Any) -> Any:
+        self.trace_headers[request_id] = kwargs.get("trace_headers")
+        return self._engine.encode(prompt, params, request_id, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+
+async def test_engine_receives_the_clients_trace(engine: Any) -> None:
+    recording = RecordingEngine(engine)
+    provider, exporter = _provider()
+    running = await _serve(recording, server_wide=(TracingInterceptor(provider),))
+    client_provider, _ = _provider()
+    try:
+        req = request(stream=True, max_tokens=2, ignore_eos=True)
+        with client_provider.get_tracer("t").start_as_current_span("gateway") as client_span:
+            carrier: dict[str, str] = {}
+            TraceContextTextMapPropagator().inject(carrier)
+            async with grpc.aio.insecure_channel(running.address) as channel:
+                stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+                await collect(stub.Generate(req, metadata=tuple(carrier.items())))
+        headers = recording.trace_headers[req.request_id]
+        assert headers and "traceparent" in headers
+        engine_ctx = TraceContextTextMapPropagator().extract(dict(headers))
+        from opentelemetry.trace import get_current_span
+
+        trace_id = get_current_span(engine_ctx).get_span_context().trace_id
+        assert trace_id == client_span.get_span_context().trace_id
+    finally:
+        await running.close()
+        provider.shutdown()
+        client_provider.shutdown()
+
+
+# ----- handlers the instrumentation alone would break ------------------------------
+
+
+@pytest.mark.parametrize("watch_traced", [False, True], ids=["default", "all_methods"])
+async def test_health_watch_streams_with_tracing_server_wide(
+    engine: Any, watch_traced: bool
+) -> None:
+    provider, exporter = _provider()
+    methods = all_methods if watch_traced else DEFAULT_METHODS
+    running = await _serve(engine, server_wide=(TracingInterceptor(provider, methods=methods),))
+    try:
+        async with grpc.aio.insecure_channel(running.address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            check = await health.Check(health_pb2.HealthCheckRequest(service=""))
+            assert check.status == health_pb2.HealthCheckResponse.SERVING
+            watch = health.Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
+            first = await asyncio.wait_for(watch.read(), 10)
+            assert first.status == health_pb2.HealthCheckResponse.SERVING
+            watch.cancel()
+        assert await _spans(exporter, lambda s: s.name == CHECK)
+        watch_spans = await _spans(
+            exporter, lambda s: s.name == WATCH, timeout=1 if not watch_traced else 10
+        )
+        if watch_traced:
+            assert len(watch_spans) == 1
+            assert _attrs(watch_spans[0])["rpc.grpc.status_code"] == 1  # CANCELLED
+            assert watch_spans[0].status.status_code is StatusCode.UNSET
+        else:
+            assert watch_spans == []
+    finally:
+        await running.close()
+        provider.shutdown()
+
+
+async def test_reflection_stream_is_traced(traced: Traced) -> None:
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    async with grpc.aio.insecure_channel(traced.address) as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+
+        async def one() -> AsyncIterator[Any]:
+            yield reflection_pb2.ServerReflectionRequest(list_services="")
+
+        responses = await collect(stub.ServerReflectionInfo(one()))
+    names = {s.name for s in responses[0].list_services_response.service}
+    assert SERVICE_NAME in names
+    spans = await _spans(traced.exporter, lambda s: s.name.endswith("/ServerReflectionInfo"))
+    assert spans and _attrs(spans[-1])["rpc.grpc.status_code"] == 0
+
+
+# ----- the extra, and the launcher's env configuration ------------------------------
+
+_HIDE_OTEL = """
+import sys
+sys.modules["opentelemetry"] = None  # every opentelemetry.* import now fails
+import vllm_servicer, vllm_servicer.interceptors
+from vllm_servicer.interceptors import tracing
+try:
+    tracing.TracingInterceptor()
+except ImportError as exc:
+    print("ImportError:", exc)
+else:
+    raise SystemExit("TracingInterceptor() worked without opentelemetry")
+import os
+os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = "http://127.0.0.1:4317"
+try:
+    tracing.configure_tracing_from_env()
+except ImportError as exc:
+    print("ImportError:", exc)
+"""
+
+
+def test_without_the_otel_extra() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", _HIDE_OTEL], capture_output=True, text=True, timeout=240
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("ImportError:")]
+    assert len(lines) == 2
+    for line in lines:
+        assert "pip install 'vllm-servicer[otel]'" in line
+
+
+@pytest.fixture
+def otel_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
+    for name in list(os.environ):
+        if name.startswith("OTEL_"):
+            monkeypatch.delenv(name)
+    yield monkeypatch
+
+
+def test_configure_tracing_from_env_off_by_default(otel_env: pytest.MonkeyPatch) -> None:
+    assert configure_tracing_from_env() is None
+    otel_env.setenv("OTEL_SERVICE_NAME", "svc")
+    assert configure_tracing_from_env() is None  # no endpoint: nowhere to send
+    otel_env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4317")
+    otel_env.setenv("OTEL_TRACES_EXPORTER", "none")
+    assert configure_tracing_from_env() is None
+
+
+@pytest.mark.parametrize(
+    "variable", ["OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"]
+)
+def test_configure_tracing_from_env_builds_an_otlp_provider(
+    otel_env: pytest.MonkeyPatch, variable: str
+) -> None:
+    from opentelemetry import trace
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    otel_env.setenv(variable, "http://127.0.0.1:1")
+    otel_env.setenv("OTEL_SERVICE_NAME", "edge-gateway-llm")
+    global_before = trace.get_tracer_provider()
+    provider = configure_tracing_from_env()
+    try:
+        assert isinstance(provider, TracerProvider)
+        assert provider.resource.attributes["service.name"] == "edge-gateway-llm"
+        processors = provider._active_span_processor._span_processors
+        assert len(processors) == 1 and isinstance(processors[0], BatchSpanProcessor)
+        assert isinstance(processors[0].span_exporter, OTLPSpanExporter)
+        assert trace.get_tracer_provider() is global_before
+    finally:
+        if provider is not None:
+            provider.shutdown()
+
+
+# ----- overhead -------------------------------------------------------------------
+
+_LOAD = """
+import asyncio, json, sys, time
+import grpc
+from vllm_servicer.proto import vllm_engine_pb2 as pb, vllm_engine_pb2_grpc
+
+addresses = dict(json.loads(sys.argv[1]))
+rounds, concurrency, per_round, max_tokens = (int(a) for a in sys.argv[2:6])
+
+async def one(stub, i):
+    req = pb.GenerateRequest(
+        request_id=f"load-{i}", tokenized=pb.TokenizedInput(input_ids=[5, 17, 42, 99, 7, 63]),
+        sampling_params=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+        stream=True)
+    n = 0
+    async for m in stub.Generate(req):
+        n += len(m.chunk.token_ids) if m.WhichOneof("response") == "chunk" else 0
+    return n
+
+async def round_(stub, tag):
+    sem = asyncio.Semaphore(concurrency)
+    async def bounded(i):
+        async with sem:
+            return await one(stub, f"{tag}-{i}")
+    t = time.perf_counter()
+    tokens = sum(await asyncio.gather(*(bounded(i) for i in range(per_round))))
+    return tokens, time.perf_counter() - t
+
+async def main():
+    channels = {k: grpc.aio.insecure_channel(a) for k, a in addresses.items()}
+    stubs = {k: vllm_engine_pb2_grpc.VllmEngineStub(c) for k, c in channels.items()}
+    for k in stubs:  # warm-up
+        await round_(stubs[k], f"warm-{k}")
+    out = {k: [] for k in stubs}
+    for r in range(rounds):
+        order = list(stubs) if r % 2 == 0 else list(reversed(list(stubs)))
+        for k in order:
+            tokens, secs = await round_(stubs[k], f"{k}-{r}")
+            out[k].append(tokens / secs)
+    print(json.dumps(out))
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+async def test_streaming_throughput_with_and_without_tracing(engine: Any) -> None:
+    """Tokens/s streamed with tracing on (always-on sampler, in-memory export) and off."""
+    provider, exporter = _provider()
+    on = await _serve(engine, server_wide=(TracingInterceptor.for_engine(engine, provider),))
+    off = await _serve(engine)
+    rounds = int(os.environ.get("TRACING_BENCH_ROUNDS", "6"))
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-c",
+            _LOAD,
+            json.dumps([["off", off.address], ["on", on.address]]),
+            str(rounds),
+            "16",  # concurrency
+            "32",  # requests per round
+            "32",  # max_tokens
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        stdout, stderr = await asyncio.wait_for(proc.communicate(), 600)
+        assert proc.returncode == 0, stderr.decode()[-3000:]
+    finally:
+        await on.close()
+        await off.close()
+    result = json.loads(stdout.decode().strip().splitlines()[-1])
+    median = {k: sorted(v)[len(v) // 2] for k, v in result.items()}
+    spans = len([s for s in exporter.get_finished_spans() if s.name == GENERATE])
+    provider.shutdown()
+    report = {
+        "tokens_per_s": result,
+        "median": median,
+        "on_vs_off": median["on"] / median["off"],
+        "generate_spans": spans,
+    }
+    print("tracing overhead:", json.dumps(report))
+    assert spans == (rounds + 1) * 32
+    # Only a gross regression fails: the machine is shared and noisy.
+    assert median["on"] > 0.5 * median["off"]
