@@ -191,23 +191,8 @@ GENERATE_ROWS: dict[str, Row] = {
     "kv_transfer_params_json_malformed": Row(raw(_top("kv_transfer_params_json", "{nope")), FINE),
 }
 
-# Rows whose current behaviour is a bug in the servicer; see docs/reliability.md.
-_CONSTRAINT_BUG = (
-    "the backend's compile error does not name the constraint field; the servicer should "
-    "re-raise a plain ValueError from a constrained request as "
-    "InvalidRequestError('sampling_params.<constraint>', ...)"
-)
-GENERATE_BUGS: dict[str, str] = {
-    "truncate_prompt_tokens_negative": (
-        "values below -1 are accepted silently; convert.tokenization_kwargs should reject them"
-    ),
-    "truncate_prompt_tokens_zero": (
-        "0 truncates the prompt to nothing and vLLM answers 'The decoder prompt cannot be "
-        "empty', which names no field; convert.tokenization_kwargs should reject 0"
-    ),
-    "json_schema_wrong_type": _CONSTRAINT_BUG,
-    "structural_tag_malformed": _CONSTRAINT_BUG,
-}
+# Rows whose current behaviour is a known bug in the servicer (none open).
+GENERATE_BUGS: dict[str, str] = {}
 
 
 def _param(name: str) -> Any:
@@ -253,12 +238,6 @@ async def test_generate_edge(name: str, channel: grpc.aio.Channel, engine: Any) 
     await good_request_still_works(stub)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="grpc.aio answers a request its deserializer rejects with UNKNOWN "
-    "('Unexpected DecodeError'); mount() should register a deserializer that turns "
-    "DecodeError into INVALID_ARGUMENT",
-)
 async def test_invalid_utf8_text_is_rejected(channel: grpc.aio.Channel) -> None:
     """protobuf will not build a str field holding invalid UTF-8, so send the bytes raw."""
     good = request("hello", max_tokens=2).SerializeToString()

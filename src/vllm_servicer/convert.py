@@ -117,8 +117,37 @@ def sampling_params_from_proto(params: pb.SamplingParams, *, stream: bool) -> Sa
 def tokenization_kwargs(params: pb.SamplingParams) -> dict[str, int] | None:
     """Prompt truncation settings, when the request asks for any."""
     if params.HasField("truncate_prompt_tokens"):
-        return {"truncate_prompt_tokens": params.truncate_prompt_tokens}
+        keep = params.truncate_prompt_tokens
+        if keep == 0 or keep < -1:
+            raise InvalidRequestError(
+                "sampling_params.truncate_prompt_tokens",
+                f"must be -1 (the model's maximum) or at least 1, got {keep}",
+            )
+        return {"truncate_prompt_tokens": keep}
     return None
+
+
+# Words in vLLM's structured-output error messages, which do not name the field.
+_CONSTRAINT_WORDS = ("grammar", "schema", "regex", "structural", "choice", "json")
+
+
+def constraint_error(exc: Exception, params: pb.SamplingParams) -> Exception:
+    """`exc` restated to name the constraint field, when it is a constraint's fault.
+
+    vLLM rejects a bad JSON schema or grammar with messages such as "Grammar
+    error: ..." that do not say which request field was at fault.
+    """
+    kind = params.WhichOneof("constraint")
+    if kind is None or isinstance(exc, InvalidRequestError):
+        return exc
+    if getattr(exc, "parameter", None):  # vLLM already named the parameter
+        return exc
+    text = str(exc)
+    if not any(word in text.lower() for word in _CONSTRAINT_WORDS):
+        return exc
+    error = InvalidRequestError(f"sampling_params.{kind}", text)
+    error.__cause__ = exc
+    return error
 
 
 def _top_logprobs(entry: dict[int, Any] | None, k: int) -> pb.TopLogProbs:

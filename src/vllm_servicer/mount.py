@@ -11,7 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2 as _reflection_pb2  # noqa: F401
 
-from ._registration import HandlerRecorder, register, server_started
+from ._registration import HandlerRecorder, register, reject_undecodable, server_started
 from .engine import EngineClient
 from .health import EngineHealthServicer
 from .proto import SERVICE_NAME, vllm_engine_pb2_grpc
@@ -95,6 +95,9 @@ def mount(
         )
 
     wrap = _interceptor_chain(interceptors)
+    engine_handlers = recorder.services[SERVICE_NAME]
+    for method, handler in engine_handlers.items():
+        engine_handlers[method] = reject_undecodable(f"/{SERVICE_NAME}/{method}", handler)
     for service_name, handlers in recorder.services.items():
         if wrap is not None:
             handlers = {

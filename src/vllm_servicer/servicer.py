@@ -10,6 +10,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+from vllm.exceptions import VLLMClientError
 from vllm.inputs import TokensPrompt
 from vllm.pooling_params import PoolingParams
 
@@ -137,6 +138,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                     for completion in output.outputs:
                         yield complete(output, completion)
         except Exception as exc:
+            if isinstance(exc, (ValueError, VLLMClientError)):
+                exc = convert.constraint_error(exc, request.sampling_params)
             await abort_for_exception(context, exc, method="Generate", request_id=request_id)
         finally:
             self._done(request_id)
