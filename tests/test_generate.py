@@ -9,10 +9,9 @@ from typing import Any
 
 import grpc
 import pytest
+from helpers import collect, completes, request, streamed_tokens, wait_until_idle
 
 from vllm_servicer.proto import vllm_engine_pb2 as pb
-
-from helpers import collect, completes, request, streamed_tokens, wait_until_idle
 
 LONG = {"max_tokens": 400, "ignore_eos": True}
 
@@ -168,9 +167,7 @@ async def test_json_schema_constraint(stub: Any, engine: Any) -> None:
         "required": ["ok"],
         "additionalProperties": False,
     }
-    messages = await collect(
-        stub.Generate(request(max_tokens=40, json_schema=json.dumps(schema)))
-    )
+    messages = await collect(stub.Generate(request(max_tokens=40, json_schema=json.dumps(schema))))
     [done] = completes(messages).values()
     text = engine.get_tokenizer().decode(list(done.output_ids), skip_special_tokens=True)
     assert isinstance(json.loads(text)["ok"], bool), text
@@ -278,7 +275,9 @@ async def test_invalid_parameters_are_invalid_argument(
     [([], "prompt"), ([5, 999_999], "token"), (list(range(1, 300)) * 2, "length")],
     ids=["empty", "out-of-vocab", "too-long"],
 )
-async def test_invalid_prompts_are_invalid_argument(stub: Any, prompt: list[int], needle: str) -> None:
+async def test_invalid_prompts_are_invalid_argument(
+    stub: Any, prompt: list[int], needle: str
+) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await collect(stub.Generate(request(prompt)))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -8,17 +8,16 @@ from typing import Any
 
 import grpc
 import pytest
+from google.protobuf import descriptor_pool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
-from google.protobuf import descriptor_pool
+from helpers import collect, completes, request
 
 from vllm_servicer import SERVICE_NAME, MountError, mount
 from vllm_servicer.proto import vllm_engine_pb2 as pb
 from vllm_servicer.proto import vllm_engine_pb2_grpc
-
-from helpers import collect, completes, request
 
 # The host's own service: grpc's standard health service stands in for "any
 # service the host already had", registered under a name of the host's choosing

@@ -10,7 +10,9 @@ GENERATED = ROOT / "src" / "vllm_servicer" / "proto"
 
 
 def _generator():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("generate_protos", ROOT / "protos" / "generate.py")
+    spec = importlib.util.spec_from_file_location(
+        "generate_protos", ROOT / "protos" / "generate.py"
+    )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -20,8 +22,12 @@ def _generator():  # type: ignore[no-untyped-def]
 def test_generated_code_is_up_to_date(tmp_path: Path) -> None:
     written = _generator().generate(tmp_path)
     assert {p.name for p in written} == {
-        "common_pb2.py", "common_pb2.pyi", "common_pb2_grpc.py",
-        "vllm_engine_pb2.py", "vllm_engine_pb2.pyi", "vllm_engine_pb2_grpc.py",
+        "common_pb2.py",
+        "common_pb2.pyi",
+        "common_pb2_grpc.py",
+        "vllm_engine_pb2.py",
+        "vllm_engine_pb2.pyi",
+        "vllm_engine_pb2_grpc.py",
     }
     stale = [p.name for p in written if p.read_text() != (GENERATED / p.name).read_text()]
     assert not stale, f"run `make proto`: {stale} differ from protos/"

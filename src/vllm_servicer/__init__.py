@@ -1,13 +1,18 @@
 """vllm-servicer: serve vLLM's gRPC engine protocol from any grpc.aio server.
 
-    from vllm_servicer import mount
-    mount(server, async_llm)
+from vllm_servicer import mount
+mount(server, async_llm)
 """
 
 from .engine import EngineClient
 from .errors import ERROR_TABLE, InvalidRequestError
 from .health import EngineHealthServicer
-from .interceptors import InflightInterceptor, MetricsInterceptor
+from .interceptors import (
+    AuthInterceptor,
+    InflightInterceptor,
+    MetricsInterceptor,
+    TracingInterceptor,
+)
 from .mount import MountedServices, MountError, mount
 from .options import server_options
 from .proto import SERVICE_NAME
@@ -20,10 +25,12 @@ __all__ = [
     "SERVICE_NAME",
     "EngineClient",
     "EngineHealthServicer",
+    "AuthInterceptor",
     "InflightInterceptor",
     "InvalidRequestError",
-    "MountError",
     "MetricsInterceptor",
+    "MountError",
+    "TracingInterceptor",
     "MountedServices",
     "VllmEngineServicer",
     "__version__",

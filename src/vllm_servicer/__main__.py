@@ -146,7 +146,8 @@ def build_interceptors(args: argparse.Namespace) -> tuple[list[Any], Any]:
     if tracer_provider is not None:
         from .interceptors.tracing import TracingInterceptor
 
-        stack.append(TracingInterceptor(tracer_provider=tracer_provider))
+        model = (args.served_model_name or [args.model])[0]
+        stack.append(TracingInterceptor(tracer_provider=tracer_provider, model=str(model)))
     metrics = MetricsInterceptor() if args.metrics_port is not None else None
     if metrics is not None:
         stack.append(metrics)

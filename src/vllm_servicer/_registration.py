@@ -74,9 +74,7 @@ def _tolerant(deserializer: Any) -> Any:
 async def _reject(context: Any, request: UndecodableRequest, method: str) -> None:
     from .errors import InvalidRequestError, abort_for_exception
 
-    error = InvalidRequestError(
-        "request", f"not a valid {request.message_name}: {request.error}"
-    )
+    error = InvalidRequestError("request", f"not a valid {request.message_name}: {request.error}")
     await abort_for_exception(context, error, method=method)
 
 

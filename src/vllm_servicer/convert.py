@@ -167,7 +167,7 @@ def output_logprobs(
     if not logprobs:
         return None
     out = pb.OutputLogProbs()
-    for token_id, entry in zip(token_ids, logprobs):
+    for token_id, entry in zip(token_ids, logprobs, strict=False):
         lp = entry.get(token_id)
         if lp is None:
             continue
@@ -185,7 +185,7 @@ def input_logprobs(
     if not logprobs:
         return None
     out = pb.InputLogProbs()
-    for token_id, entry in zip(prompt_ids, logprobs):
+    for token_id, entry in zip(prompt_ids, logprobs, strict=False):
         value = pb.InputTokenLogProb()
         if entry is not None and token_id in entry:
             value.value = entry[token_id].logprob

@@ -1,6 +1,6 @@
 """Generated protocol modules for `vllm.grpc.engine.VllmEngine` (run `make proto`).
 
-    from vllm_servicer.proto import vllm_engine_pb2, vllm_engine_pb2_grpc
+from vllm_servicer.proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 """
 
 from . import common_pb2, common_pb2_grpc, vllm_engine_pb2, vllm_engine_pb2_grpc
