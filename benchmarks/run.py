@@ -322,13 +322,22 @@ class Bench:
                 # No --model: the launcher applies the tiny model's settings itself
                 # (the same TINY_ENGINE_KWARGS the other server gets spelled out).
                 cmd = [sys.executable, "-m", "vllm_servicer", "serve", *own, *self.extra]
+        elif self.args.against_src:
+            # Before/after: the same launcher, from another source tree (e.g. a
+            # worktree of the commit before a hot-path change).
+            own = ["--host", "127.0.0.1", "--port", str(port), "--drain-grace", "0"]
+            cmd = [sys.executable, "-m", "vllm_servicer", "serve", *own, *self.extra]
         else:
             cmd = [sys.executable, "-m", "vllm.entrypoints.launchers.grpc_server"]
             cmd += ["--host", "127.0.0.1", "--port", str(port), *self.flags]
         m = self._managed(name, cmd)
         m.port = port
         self.log(f"starting {LABELS[name]} on port {port} (log: {m.log_path})")
-        m.start()
+        if name == THEIRS and self.args.against_src:
+            src = str(Path(self.args.against_src).resolve() / "src")
+            m.start(env={**os.environ, "PYTHONPATH": src})
+        else:
+            m.start()
         return m
 
     def wait_ready(self, servers: dict[str, Managed], loadgen: LineChannel) -> None:
@@ -704,6 +713,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--pause", type=float, default=0.2, help="seconds between bursts")
     p.add_argument("--start-timeout", type=float, default=600.0)
+    p.add_argument(
+        "--against-src",
+        default=None,
+        help="compare with this project's launcher from another source tree (a checkout "
+        "of an earlier commit) instead of vLLM's server: before/after a change",
+    )
     return p
 
 
@@ -717,7 +732,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.quick:
         args.concurrency, args.modes, args.prompt_lens, args.rounds = [64], ["stream"], [8], 3
-    problem = check_reference_server()
+    if args.against_src:
+        LABELS[OURS], LABELS[THEIRS] = "after (this tree)", f"before ({args.against_src})"
+    problem = None if args.against_src else check_reference_server()
     if problem:
         print(problem, file=sys.stderr)
         return 2

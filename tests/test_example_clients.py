@@ -71,3 +71,51 @@ async def test_python_client_tour(server: Any) -> None:
     assert "aborted stream: abort" in text
     assert "embed: FAILED_PRECONDITION" in text
     assert "server: vllm-grpc" in text
+
+
+async def test_host_server_example(engine: Any) -> None:
+    """examples/host_server.py: own service + own interceptor + mounted, metered, authenticated."""
+    import importlib.util
+
+    import grpc
+    from prometheus_client import CollectorRegistry
+
+    from vllm_servicer.proto import vllm_engine_pb2 as pb
+    from vllm_servicer.proto import vllm_engine_pb2_grpc
+
+    spec = importlib.util.spec_from_file_location("host_server", NODE_DIR.parent / "host_server.py")
+    assert spec is not None and spec.loader is not None
+    host = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(host)
+
+    registry = CollectorRegistry()
+    server, mounted, access_log = host.build_server(engine, ["k1"], registry)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            assert await channel.unary_unary("/host.Echo/Say")(b"hi") == b"echo:hi"
+            stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.GetModelInfo(pb.GetModelInfoRequest())
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            info = await stub.GetModelInfo(
+                pb.GetModelInfoRequest(), metadata=(("authorization", "Bearer k1"),)
+            )
+            assert info.max_context_length > 0
+        handled = registry.get_sample_value(
+            "grpc_server_handled_total",
+            {
+                "grpc_type": "unary",
+                "grpc_service": "vllm.grpc.engine.VllmEngine",
+                "grpc_method": "GetModelInfo",
+                "grpc_code": "UNAUTHENTICATED",
+            },
+        )
+        assert handled == 1
+        assert "/host.Echo/Say" in access_log.methods
+        assert "/vllm.grpc.engine.VllmEngine/GetModelInfo" in access_log.methods
+    finally:
+        if mounted.health is not None:
+            await mounted.health.close()
+        await server.stop(None)

@@ -221,27 +221,37 @@ class ResponseBuilder:
     def chunk(self, output: RequestOutput, completion: CompletionOutput) -> GenerateResponse:
         """A streaming chunk: this step's new tokens for one choice."""
         token_ids = completion.token_ids
-        chunk = GenerateStreamChunk(
-            token_ids=token_ids,
-            prompt_tokens=self._prompt_tokens(output),
-            completion_tokens=len(token_ids),
-            cached_tokens=output.num_cached_tokens or 0,
-            index=completion.index,
-        )
+        prompt_len = self._prompt_len
+        if prompt_len < 0:
+            prompt_len = self._prompt_tokens(output)
+        # Built from a dict in one call (no separate sub-message to copy), and
+        # zero fields left out: this runs once per engine step of every stream.
+        fields: dict[str, Any] = {
+            "token_ids": token_ids,
+            "prompt_tokens": prompt_len,
+            "completion_tokens": len(token_ids),
+        }
+        cached = output.num_cached_tokens
+        if cached:
+            fields["cached_tokens"] = cached
+        index = completion.index
+        if index:
+            fields["index"] = index
+        response = GenerateResponse(chunk=fields)
         if self._want_out:
             lps = output_logprobs(completion.logprobs, token_ids, self._k_out)  # type: ignore[arg-type]
             if lps is not None:
-                chunk.output_logprobs.CopyFrom(lps)
-        if self._want_prompt and completion.index not in self._first_seen:
-            self._first_seen.add(completion.index)
+                response.chunk.output_logprobs.CopyFrom(lps)
+        if self._want_prompt and index not in self._first_seen:
+            self._first_seen.add(index)
             ilps = input_logprobs(
                 output.prompt_logprobs,  # type: ignore[arg-type]
                 list(output.prompt_token_ids or ()),
                 self._k_prompt,
             )
             if ilps is not None:
-                chunk.input_logprobs.CopyFrom(ilps)
-        return GenerateResponse(chunk=chunk)
+                response.chunk.input_logprobs.CopyFrom(ilps)
+        return response
 
     def complete(self, output: RequestOutput, completion: CompletionOutput) -> GenerateResponse:
         """The end of one choice, with its finish reason and matched stop.

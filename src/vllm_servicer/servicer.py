@@ -66,6 +66,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self._last_receive_timestamp = 0.0
         self._model_info: pb.GetModelInfoResponse | None = None
         self._supported_tasks: tuple[str, ...] | None = None
+        # vLLM's renderer turns a token prompt into engine input synchronously.
+        self._render = getattr(getattr(engine, "renderer", None), "process_for_engine", None)
         # Reads the engine's own per-step scheduler stats for GetLoads.
         self._stats_tap = loads.attach(engine)
         self._tokenizer_bundle: TokenizerBundle | None = None
@@ -121,6 +123,11 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             tokenization = convert.tokenization_kwargs(params)
             if tokenization is not None:
                 kwargs["tokenization_kwargs"] = tokenization
+            elif self._render is not None and not isinstance(prompt, str):
+                # Token ids need no tokenizer: render them here, which spares
+                # the engine's hop through a worker thread for raw prompts.
+                # The engine still validates the rendered input.
+                prompt = self._render(prompt, time.time())
             if request.HasField("data_parallel_rank"):
                 kwargs["data_parallel_rank"] = request.data_parallel_rank
             trace = _trace_headers(context)
