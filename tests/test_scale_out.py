@@ -1,0 +1,441 @@
+"""Two launcher replicas behind nginx (examples/nginx/nginx.conf), seen from outside.
+
+The tests share two replicas and one nginx and run in order: spreading,
+streaming and cancellation, connection age, drain, then the dead replica.
+Replica A drains (SIGTERM) in the drain test; replica B has
+--max-connection-age 2 and serves until the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+import re
+import shutil
+import signal
+import socket
+import time
+import urllib.request
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from helpers import request
+from prometheus_client.parser import text_string_to_metric_families
+from test_examples import START_TIMEOUT, _drain_output, _spawn
+
+from vllm_servicer.proto import vllm_engine_pb2_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+TEMPLATE = ROOT / "examples" / "nginx" / "nginx.conf"
+NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
+
+pytestmark = [
+    pytest.mark.skipif(not Path(NGINX).exists(), reason="nginx is not installed"),
+    pytest.mark.timeout(START_TIMEOUT + 300),
+]
+
+GENERATE_OK = {"grpc_method": "Generate", "grpc_code": "OK"}
+
+
+@dataclasses.dataclass
+class Replica:
+    proc: asyncio.subprocess.Process
+    address: str
+    metrics_url: str
+    output: asyncio.Future[None]
+
+
+@dataclasses.dataclass
+class Cluster:
+    a: Replica
+    b: Replica
+    nginx: asyncio.subprocess.Process
+    address: str
+    prefix: Path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _launch(env: dict[str, str], *flags: str) -> Replica:
+    """Start a launcher and wait for both its metrics and listening lines."""
+    proc = await _spawn(
+        "-m", "vllm_servicer", "serve", "--port", "0", "--metrics-port", "0", *flags, env=env
+    )
+    assert proc.stdout is not None
+    seen: list[str] = []
+    found: dict[str, str] = {}
+
+    async def scan() -> None:
+        while "listen" not in found or "metrics" not in found:
+            line = (await proc.stdout.readline()).decode(errors="replace")  # type: ignore[union-attr]
+            if not line:
+                raise AssertionError("launcher ended before it served:\n" + "".join(seen[-40:]))
+            seen.append(line)
+            if m := re.search(r"listening on (\S+:\d+)", line):
+                found["listen"] = m.group(1)
+            if m := re.search(r"metrics on (http://\S+)", line):
+                found["metrics"] = m.group(1)
+
+    try:
+        await asyncio.wait_for(scan(), START_TIMEOUT)
+    except BaseException:
+        output = asyncio.ensure_future(_drain_output(proc))
+        await _stop(proc, 30)
+        output.cancel()
+        raise
+    return Replica(
+        proc, found["listen"], found["metrics"], asyncio.ensure_future(_drain_output(proc))
+    )
+
+
+def _render(prefix: Path, listen: str, upstreams: list[str]) -> Path:
+    servers = "\n        ".join(f"server {u} max_fails=1 fail_timeout=10s;" for u in upstreams)
+    text = TEMPLATE.read_text().replace("@LISTEN@", listen).replace("@UPSTREAMS@", servers)
+    conf = prefix / "nginx.conf"
+    conf.write_text(text)
+    return conf
+
+
+async def _start_nginx(prefix: Path, upstreams: list[str]) -> tuple[Any, str]:
+    port = _free_port()
+    conf = _render(prefix, f"127.0.0.1:{port}", upstreams)
+    directives = f"daemon off; pid {prefix}/nginx.pid;"
+    if os.geteuid() == 0:  # as root, workers would otherwise run as nobody
+        directives += " user root;"
+    proc = await asyncio.create_subprocess_exec(
+        NGINX, "-p", str(prefix), "-c", str(conf), "-e", str(prefix / "error.log"), "-g", directives
+    )
+    deadline = time.monotonic() + 30
+    while True:
+        with contextlib.suppress(OSError):
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.close()
+            return proc, f"127.0.0.1:{port}"
+        if proc.returncode is not None or time.monotonic() > deadline:
+            await _stop(proc, 10)
+            raise AssertionError("nginx did not start:\n" + (prefix / "error.log").read_text())
+        await asyncio.sleep(0.1)
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every descendant of a process (a launcher's engine core and workers)."""
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
+            with contextlib.suppress(OSError, ValueError):
+                kids = {int(k) for k in (task / "children").read_text().split()} - found
+                todo.extend(kids)
+                found |= kids
+    return found
+
+
+async def _stop(proc: asyncio.subprocess.Process | None, timeout: float) -> None:
+    """SIGTERM, then SIGKILL to the process and its descendants after `timeout` s."""
+    if proc is None or proc.returncode is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        await asyncio.wait_for(proc.wait(), timeout)
+    except TimeoutError:
+        for pid in _descendants(proc.pid) | {proc.pid}:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        await asyncio.wait_for(proc.wait(), 30)
+
+
+@pytest.fixture(scope="module")
+async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Cluster]:
+    env = {
+        **os.environ,
+        "VLLM_SERVICER_CACHE": str(tmp_path_factory.mktemp("cache")),
+        "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1",
+    }
+    common = ("--max-model-len", "65536")
+    started = await asyncio.gather(
+        _launch(env, *common, "--drain-grace", "1", "--shutdown-timeout", "20"),
+        _launch(env, *common, "--max-connection-age", "2"),
+        return_exceptions=True,
+    )
+    replicas = [r for r in started if isinstance(r, Replica)]
+    nginx = None
+    try:
+        for r in started:
+            if isinstance(r, BaseException):
+                raise r
+        a, b = replicas
+        prefix = tmp_path_factory.mktemp("nginx")
+        nginx, address = await _start_nginx(prefix, [a.address, b.address])
+        yield Cluster(a, b, nginx, address, prefix)
+    finally:
+        await _stop(nginx, 10)
+        # Their output is read until they exit: their engines share the pipe.
+        await asyncio.gather(*(_stop(r.proc, 90) for r in replicas), return_exceptions=True)
+        for r in replicas:
+            r.output.cancel()
+
+
+def _scrape(replica: Replica) -> list[Any]:
+    with urllib.request.urlopen(replica.metrics_url, timeout=10) as reply:
+        return list(text_string_to_metric_families(reply.read().decode()))
+
+
+async def _metric(replica: Replica, sample: str, **labels: str) -> float:
+    """Sum of the samples named `sample` whose labels include `labels`."""
+    families = await asyncio.to_thread(_scrape, replica)
+    return sum(
+        s.value
+        for f in families
+        for s in f.samples
+        if s.name == sample and labels.items() <= s.labels.items()
+    )
+
+
+async def _handled(replica: Replica) -> float:
+    return await _metric(replica, "grpc_server_handled_total", **GENERATE_OK)
+
+
+async def _settle(replicas: list[Replica], sample: str, expect: float, **labels: str) -> float:
+    """Poll until the summed metric reaches `expect` (metrics land just after replies)."""
+    deadline = time.monotonic() + 15
+    while True:
+        total = sum([await _metric(r, sample, **labels) for r in replicas])
+        if total >= expect or time.monotonic() > deadline:
+            return total
+        await asyncio.sleep(0.1)
+
+
+async def _unary(stub: Any, max_tokens: int = 4) -> grpc.StatusCode:
+    call = stub.Generate(request(max_tokens=max_tokens), timeout=120)
+    async for _ in call:
+        pass
+    return await call.code()
+
+
+async def _stream(stub: Any, max_tokens: int, started: asyncio.Event | None = None) -> Any:
+    call = stub.Generate(request(stream=True, max_tokens=max_tokens, ignore_eos=True))
+    tokens, chunks, finish = 0, 0, None
+    async for message in call:
+        if message.HasField("chunk"):
+            tokens += len(message.chunk.token_ids)
+            chunks += 1
+            if started is not None:
+                started.set()
+        else:
+            finish = message.complete.finish_reason
+    return await call.code(), tokens, chunks, finish
+
+
+async def test_calls_spread_over_both_replicas(cluster: Cluster) -> None:
+    before = [await _handled(cluster.a), await _handled(cluster.b)]
+    async with grpc.aio.insecure_channel(cluster.address) as channel:
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+        limit = asyncio.Semaphore(4)
+
+        async def one() -> grpc.StatusCode:
+            async with limit:
+                return await _unary(stub)
+
+        codes = await asyncio.gather(*(one() for _ in range(20)))
+    assert codes == [grpc.StatusCode.OK] * 20
+    await _settle(
+        [cluster.a, cluster.b], "grpc_server_handled_total", sum(before) + 20, **GENERATE_OK
+    )
+    served = [await _handled(cluster.a) - before[0], await _handled(cluster.b) - before[1]]
+    print(f"20 calls through nginx: replica A served {served[0]:.0f}, B {served[1]:.0f}")
+    assert sum(served) == 20 and min(served) > 0, served
+
+
+async def test_streaming_and_cancellation_pass_through(cluster: Cluster) -> None:
+    both = [cluster.a, cluster.b]
+    cancelled = sum(
+        [
+            await _metric(r, "vllm_servicer_request_cancelled_total", cause="client_cancel")
+            for r in both
+        ]
+    )
+    async with grpc.aio.insecure_channel(cluster.address) as channel:
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+        code, tokens, chunks, finish = await _stream(stub, 32)
+        assert (code, tokens, finish) == (grpc.StatusCode.OK, 32, "length")
+        assert chunks > 1, "the stream came through nginx in one piece"
+
+        call = stub.Generate(request(stream=True, max_tokens=60_000, ignore_eos=True))
+        received = 0
+        async for message in call:
+            received += message.HasField("chunk")
+            if received == 3:
+                break
+        assert sum([await _metric(r, "vllm_servicer_requests_in_flight") for r in both]) == 1
+        call.cancel()
+    total = await _settle(
+        both, "vllm_servicer_request_cancelled_total", cancelled + 1, cause="client_cancel"
+    )
+    assert total == cancelled + 1, "the client's cancel did not reach the replica"
+    deadline = time.monotonic() + 15
+    while sum([await _metric(r, "vllm_servicer_requests_in_flight") for r in both]) > 0:
+        assert time.monotonic() < deadline, "the cancelled call stayed in flight"
+        await asyncio.sleep(0.1)
+
+
+class _TcpBalancer:
+    """A connection-level (L4) round-robin balancer, like a TCP load balancer or DNS.
+
+    It chooses a replica once per TCP connection, so an HTTP/2 channel stays on
+    the replica it was first given until that connection ends.
+    """
+
+    def __init__(self, backends: list[str]) -> None:
+        self.backends = backends
+        self.chosen: list[str] = []
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return f"127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        backend = self.backends[len(self.chosen) % len(self.backends)]
+        self.chosen.append(backend)
+        host, port = backend.rsplit(":", 1)
+        up_reader, up_writer = await asyncio.open_connection(host, int(port))
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(OSError):
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            dst.close()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+
+async def test_max_connection_age_moves_a_long_lived_channel(cluster: Cluster) -> None:
+    """One channel through a per-connection balancer: B (age 2 s) first, then A.
+
+    Without an age limit the channel would stay on its first replica for its
+    whole life; B's GOAWAY after 2 s makes it reconnect, and the balancer's
+    next choice (A, which has no age limit) keeps every later call.
+    """
+    balancer = _TcpBalancer([cluster.b.address, cluster.a.address])
+    address = await balancer.start()
+    phases: dict[str, list[float]] = {}
+    try:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+            await asyncio.wait_for(channel.channel_ready(), 30)
+            opened = time.monotonic()
+
+            async def phase(name: str, until: float) -> None:
+                a0, b0 = await _handled(cluster.a), await _handled(cluster.b)
+                calls = 0
+                while time.monotonic() - opened < until or calls == 0:
+                    assert await _unary(stub, max_tokens=2) == grpc.StatusCode.OK
+                    calls += 1
+                await _settle(
+                    [cluster.a, cluster.b],
+                    "grpc_server_handled_total",
+                    a0 + b0 + calls,
+                    **GENERATE_OK,
+                )
+                phases[name] = [
+                    calls,
+                    await _handled(cluster.a) - a0,
+                    await _handled(cluster.b) - b0,
+                ]
+
+            await phase("before", 1.5)  # inside the age
+            await asyncio.sleep(max(0.0, 4.0 - (time.monotonic() - opened)))  # age + jitter
+            await phase("after", 7.0)
+    finally:
+        await balancer.close()
+    for name, (calls, on_a, on_b) in phases.items():
+        print(f"{name} the age: {calls:.0f} calls, {on_a:.0f} on A, {on_b:.0f} on B")
+    print(
+        "connections the balancer saw:",
+        ["A" if c == cluster.a.address else "B" for c in balancer.chosen],
+    )
+    calls, on_a, on_b = phases["before"]
+    assert (on_a, on_b) == (0, calls), phases
+    calls, on_a, on_b = phases["after"]
+    assert (on_a, on_b) == (calls, 0), phases
+    assert balancer.chosen[:2] == [cluster.b.address, cluster.a.address]
+
+
+async def test_draining_replica_takes_no_new_calls_and_finishes_its_streams(
+    cluster: Cluster,
+) -> None:
+    a, b = cluster.a, cluster.b
+    async with grpc.aio.insecure_channel(cluster.address) as channel:
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+        # Streams that last about 8 s at the rate these machines manage now.
+        t0 = time.monotonic()
+        probe = await asyncio.gather(*(_stream(stub, 200) for _ in range(4)))
+        rate = 200 / (time.monotonic() - t0)
+        assert all(p[0] == grpc.StatusCode.OK for p in probe)
+        length = int(min(20_000, max(200, rate * 8)))
+
+        started = [asyncio.Event() for _ in range(4)]
+        streams = [asyncio.ensure_future(_stream(stub, length, e)) for e in started]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)
+        on_a = await _metric(a, "vllm_servicer_requests_in_flight")
+        assert on_a >= 1, "no stream landed on the replica about to drain"
+
+        new_calls: list[grpc.StatusCode] = []
+        b_before = await _handled(b)
+        a.proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        a_started_after_grace = None
+        a_started_late = None
+        while not all(s.done() for s in streams) or a.proc.returncode is None:
+            new_calls.append(await _unary(stub))
+            if a.proc.returncode is None and time.monotonic() - signalled > 2.0:
+                with contextlib.suppress(OSError):
+                    count = await _metric(a, "grpc_server_started_total", grpc_method="Generate")
+                    if a_started_after_grace is None:
+                        a_started_after_grace = count
+                    a_started_late = count
+            assert time.monotonic() - signalled < 90, "replica A did not finish draining"
+        results = await asyncio.gather(*streams)
+        drained = time.monotonic() - signalled
+        b_served = (
+            await _settle([b], "grpc_server_handled_total", b_before + 1, **GENERATE_OK) - b_before
+        )
+    print(
+        f"drain: {len(streams)} streams of {length} tokens, {on_a:.0f} on A; A exited after "
+        f"{drained:.1f} s; {len(new_calls)} new calls during the drain, {b_served:.0f} served by B"
+    )
+    assert await a.proc.wait() == 0
+    assert new_calls and set(new_calls) == {grpc.StatusCode.OK}, new_calls
+    for code, tokens, _, finish in results:
+        assert (code, tokens, finish) == (grpc.StatusCode.OK, length, "length")
+    assert a_started_after_grace is not None and a_started_late == a_started_after_grace, (
+        "replica A took new calls after its grace period"
+    )
+
+
+async def test_calls_keep_succeeding_after_a_replica_is_gone(cluster: Cluster) -> None:
+    assert cluster.a.proc.returncode is not None, "run after the drain test"
+    before = await _handled(cluster.b)
+    async with grpc.aio.insecure_channel(cluster.address) as channel:
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+        codes = [await _unary(stub) for _ in range(10)]
+        code, tokens, _, _ = await _stream(stub, 16)
+    assert codes == [grpc.StatusCode.OK] * 10 and (code, tokens) == (grpc.StatusCode.OK, 16)
+    assert (
+        await _settle([cluster.b], "grpc_server_handled_total", before + 11, **GENERATE_OK)
+        == before + 11
+    )
