@@ -75,10 +75,10 @@ class GracefulShutdown:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._hurry.wait(), seconds)
 
-    async def _wait_idle(self, seconds: float) -> bool:
+    async def _wait_idle(self, seconds: float, *, interruptible: bool = True) -> bool:
         servicer = self._mounted.servicer
         deadline = time.monotonic() + seconds
-        while servicer.active_requests and not self._hurry.is_set():
+        while servicer.active_requests and not (interruptible and self._hurry.is_set()):
             if time.monotonic() >= deadline:
                 return False
             await asyncio.sleep(0.05)
@@ -106,11 +106,15 @@ class GracefulShutdown:
         stopped = asyncio.ensure_future(self._server.stop(self._timeout + _ABORT_FLUSH_SECONDS))
         if not await self._wait_idle(self._timeout):
             running = servicer.running_request_ids
-            logger.warning("aborting %d calls still running after the drain timeout", len(running))
+            logger.warning(
+                "aborting %d calls still running (%s)",
+                len(running),
+                "second stop request" if self._hurry.is_set() else "drain timeout",
+            )
             await servicer.abort_running()
-            await self._wait_idle(_ABORT_FLUSH_SECONDS)
+            # The aborted streams still send their final "abort" message.
+            await self._wait_idle(_ABORT_FLUSH_SECONDS, interruptible=False)
         if self._hurry.is_set() and not stopped.done():
-            await servicer.abort_running()
             await self._server.stop(0)
         await stopped
         if health is not None:
