@@ -285,10 +285,6 @@ class Bench:
     managed: list[Managed] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
-    @property
-    def extra_has_model(self) -> bool:
-        return has_model_flag(self.extra)
-
     def log(self, message: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
@@ -312,19 +308,11 @@ class Bench:
     def start_server(self, name: str) -> Managed:
         """Launches one server on a free port (readiness: `wait_ready`)."""
         port = free_port()
-        if name == OURS:
-            own = ["--host", "127.0.0.1", "--port", str(port), "--drain-grace", "0"]
-            if self.extra_has_model:
-                # The launcher's parser turns `serve --model X` into vLLM's positional
-                # form, which it does not accept; this wrapper runs the same serve().
-                cmd = [sys.executable, str(HERE / "serve_ours.py"), *own, *self.flags]
-            else:
-                # No --model: the launcher applies the tiny model's settings itself
-                # (the same TINY_ENGINE_KWARGS the other server gets spelled out).
-                cmd = [sys.executable, "-m", "vllm_servicer", "serve", *own, *self.extra]
-        elif self.args.against_src:
-            # Before/after: the same launcher, from another source tree (e.g. a
-            # worktree of the commit before a hot-path change).
+        if name == OURS or self.args.against_src:
+            # This project's launcher (for --against-src, from the other source
+            # tree: see the PYTHONPATH below). Without --model it applies the tiny
+            # model's settings itself, the same TINY_ENGINE_KWARGS the other
+            # server gets spelled out.
             own = ["--host", "127.0.0.1", "--port", str(port), "--drain-grace", "0"]
             cmd = [sys.executable, "-m", "vllm_servicer", "serve", *own, *self.extra]
         else:
