@@ -36,8 +36,11 @@ MethodFilter = Callable[[str], bool]
 _is_async = inspect.iscoroutinefunction
 _is_async_gen = inspect.isasyncgenfunction
 
-# A cancel this close to the deadline is the deadline (see _ended_code).
-_DEADLINE_SLACK_S = 0.1
+# A cancel this close to the deadline is the deadline (see _ended_code): a
+# fixed allowance plus a share of the call's age, since the server learns its
+# deadline only when the call arrives, later than the client started its timer.
+_DEADLINE_SLACK_S = 0.25
+_DEADLINE_SLACK_SHARE = 0.1
 
 
 def all_methods(method: str) -> bool:
@@ -103,7 +106,7 @@ class Call:
         self.state: Any = None
 
 
-def _ended_code(context: Any, exc: BaseException | None) -> grpc.StatusCode:
+def _ended_code(context: Any, exc: BaseException | None, started: float) -> grpc.StatusCode:
     if exc is None:
         code = context.code()
         # A handler may set a code without raising (context.set_code).
@@ -116,7 +119,8 @@ def _ended_code(context: Any, exc: BaseException | None) -> grpc.StatusCode:
         # deadline; only the time left tells them apart. The client's own timer
         # usually fires first and its cancel arrives a transit time before ours.
         remaining = context.time_remaining()
-        if remaining is not None and remaining <= _DEADLINE_SLACK_S:
+        slack = _DEADLINE_SLACK_S + _DEADLINE_SLACK_SHARE * (time.perf_counter() - started)
+        if remaining is not None and remaining <= slack:
             return grpc.StatusCode.DEADLINE_EXCEEDED
         return grpc.StatusCode.CANCELLED
     return grpc.StatusCode.UNKNOWN
@@ -346,7 +350,7 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
     def _finish(self, call: Call, exc: BaseException | None) -> None:
         if call.code is not None:
             return
-        call.code = _ended_code(call.context, exc)
+        call.code = _ended_code(call.context, exc, call.started)
         try:
             self.on_finish(call)
         except Exception:
