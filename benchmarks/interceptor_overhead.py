@@ -75,21 +75,12 @@ async def _client(args: argparse.Namespace) -> None:
 
 async def _serve_and_drive(args: argparse.Namespace) -> None:
     from prometheus_client import CollectorRegistry
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.v1.engine.async_llm import AsyncLLM
 
     from vllm_servicer import mount
     from vllm_servicer.interceptors import InflightInterceptor, MetricsInterceptor
-    from vllm_servicer.tiny_model import (
-        TINY_ENGINE_KWARGS,
-        apply_cpu_env_defaults,
-        ensure_tiny_model,
-    )
+    from vllm_servicer.tiny_model import build_tiny_engine
 
-    apply_cpu_env_defaults()
-    engine = AsyncLLM.from_engine_args(
-        AsyncEngineArgs(model=str(ensure_tiny_model()), **TINY_ENGINE_KWARGS)
-    )
+    engine = build_tiny_engine()
     servers = []
     addresses = []
     try:

@@ -7,17 +7,12 @@ from pathlib import Path
 from typing import Any
 
 from vllm_servicer.proto import vllm_engine_pb2 as pb
-from vllm_servicer.tiny_model import TINY_ENGINE_KWARGS, apply_cpu_env_defaults
+from vllm_servicer.tiny_model import build_tiny_engine
 
 
 def build_engine(model_dir: Path, **overrides: Any) -> Any:
     """A real AsyncLLM on a tiny model directory."""
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    apply_cpu_env_defaults()
-    kwargs = {**TINY_ENGINE_KWARGS, **overrides}
-    return AsyncLLM.from_engine_args(AsyncEngineArgs(model=str(model_dir), **kwargs))
+    return build_tiny_engine(model_dir, **overrides)
 
 
 def unfinished(engine: Any) -> int:

@@ -7,6 +7,7 @@ descriptors field by field.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import grpc
@@ -110,9 +111,12 @@ async def test_reference_unary_rpcs(ref_stub: Any, engine: Any) -> None:
 
 
 async def test_server_info_counts_active_requests(ref_stub: Any, engine: Any) -> None:
+    sent = time.time()
     call = ref_stub.Generate(_ref_request("ref-active", True, max_tokens=5000, ignore_eos=True))
     await call.read()
     info = await ref_stub.GetServerInfo(ref.GetServerInfoRequest())
     assert info.active_requests == 1
+    # Stamped when the call arrived, not when it ends.
+    assert sent <= info.last_receive_timestamp <= time.time()
     call.cancel()
     assert await wait_until_idle(engine) == 0

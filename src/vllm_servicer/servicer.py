@@ -60,8 +60,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     def __init__(self, engine: EngineClient) -> None:
         self._engine = engine
         self._started_monotonic = time.monotonic()
-        self._active_requests = 0
-        # Request ids in flight (a multiset: clients may reuse ids), for drains.
+        # Request ids in flight, a multiset (clients may reuse ids): its total is
+        # the active count, its keys what a drain aborts.
         self._running: collections.Counter[str] = collections.Counter()
         self._last_receive_timestamp = 0.0
         self._model_info: pb.GetModelInfoResponse | None = None
@@ -81,7 +81,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     @property
     def active_requests(self) -> int:
         """Generate and Embed calls currently being served."""
-        return self._active_requests
+        return self._running.total()
 
     @property
     def running_request_ids(self) -> list[str]:
@@ -96,16 +96,14 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     def _received(self, request_id: str) -> None:
         self._running[request_id] += 1
-        self._active_requests += 1
+        self._last_receive_timestamp = time.time()
 
     def _done(self, request_id: str) -> None:
-        self._active_requests -= 1
         left = self._running[request_id] - 1
         if left > 0:
             self._running[request_id] = left
         else:
             del self._running[request_id]
-        self._last_receive_timestamp = time.time()
 
     # ----- generation -------------------------------------------------------
 
@@ -223,7 +221,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         if callable(probe):
             is_paused = bool(await probe())
         return pb.GetServerInfoResponse(
-            active_requests=self._active_requests,
+            active_requests=self.active_requests,
             is_paused=is_paused,
             last_receive_timestamp=self._last_receive_timestamp,
             uptime_seconds=time.monotonic() - self._started_monotonic,

@@ -8,19 +8,9 @@ structured output and pooling are all the real engine's.
 
 Typical use in a test suite::
 
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm_servicer.tiny_model import build_tiny_engine
 
-    from vllm_servicer.tiny_model import (
-        TINY_ENGINE_KWARGS,
-        apply_cpu_env_defaults,
-        ensure_tiny_model,
-    )
-
-    apply_cpu_env_defaults()
-    engine = AsyncLLM.from_engine_args(
-        AsyncEngineArgs(model=str(ensure_tiny_model()), **TINY_ENGINE_KWARGS)
-    )
+    engine = build_tiny_engine()  # AsyncLLM with TINY_ENGINE_KWARGS and the CPU env
 
 ``AsyncLLM`` starts its engine processes with the spawn method, so a script that
 builds one needs an ``if __name__ == "__main__":`` guard, and must call
@@ -149,6 +139,27 @@ def default_model_dir() -> Path:
 def default_embedding_model_dir() -> Path:
     """Returns where :func:`ensure_tiny_embedding_model` keeps the tiny embedding model."""
     return _cache_root() / "tiny-llama-embed"
+
+
+def build_tiny_engine(model_dir: str | os.PathLike[str] | None = None, **overrides: Any) -> Any:
+    """A real vLLM ``AsyncLLM`` on the tiny model, with the CPU settings applied.
+
+    Args:
+        model_dir: a directory from :func:`write_tiny_model` (or the embedding
+            variant); default :func:`ensure_tiny_model`.
+        overrides: ``AsyncEngineArgs`` fields that replace :data:`TINY_ENGINE_KWARGS`.
+
+    Call ``engine.shutdown()`` when done; the caller needs a ``__main__`` guard
+    (vLLM spawns its engine processes).
+    """
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    apply_cpu_env_defaults()
+    model = str(model_dir if model_dir is not None else ensure_tiny_model())
+    return AsyncLLM.from_engine_args(
+        AsyncEngineArgs(model=model, **{**TINY_ENGINE_KWARGS, **overrides})
+    )
 
 
 def ensure_tiny_model() -> Path:
