@@ -11,12 +11,11 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from vllm.exceptions import VLLMClientError
-from vllm.inputs import TokensPrompt
 from vllm.pooling_params import PoolingParams
 
 from . import admin, convert, kv_events, loads
 from .engine import EngineClient
-from .errors import InvalidRequestError, NotEnabledError, UnsupportedError, abort_for_exception
+from .errors import NotEnabledError, UnsupportedError, abort_for_exception
 from .proto import common_pb2, vllm_engine_pb2_grpc
 from .proto import vllm_engine_pb2 as pb
 from .tokenizer_bundle import TokenizerBundle, chunks, tokenizer_dir
@@ -158,12 +157,9 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                     "this server's engine does not serve embeddings; start it as a pooling "
                     "model (vLLM: --runner pooling --convert embed)"
                 )
-            ids = list(request.tokenized.input_ids)
-            if not ids:
-                raise InvalidRequestError("tokenized.input_ids", "the prompt is empty")
             final = None
             async for output in self._engine.encode(
-                TokensPrompt(prompt_token_ids=ids),
+                convert.prompt_from_request(request),
                 PoolingParams(task="embed"),
                 request_id,
                 trace_headers=_trace_headers(context),
