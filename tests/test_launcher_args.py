@@ -81,3 +81,31 @@ def test_service_is_headless_and_monitor_matches() -> None:
     monitor = _load("servicemonitor.yaml")
     assert monitor["spec"]["endpoints"][0]["port"] in names
     assert monitor["spec"]["selector"]["matchLabels"] == service["metadata"]["labels"]
+
+
+def test_launcher_process_reads_vllm_env_once_and_freezes_start_up_heap() -> None:
+    # In a child process: both effects are process-wide and must not leak into this one.
+    import subprocess
+    import sys
+
+    probe = "\n".join(
+        [
+            "import gc, os",
+            "import vllm.envs as envs",
+            "from vllm_servicer.__main__ import settle_process_for_serving",
+            "os.environ['VLLM_COMPUTE_NANS_IN_LOGITS'] = '0'",
+            "assert envs.VLLM_COMPUTE_NANS_IN_LOGITS is False",
+            "os.environ['VLLM_COMPUTE_NANS_IN_LOGITS'] = '1'",
+            "assert envs.VLLM_COMPUTE_NANS_IN_LOGITS is True  # re-read per access",
+            "settle_process_for_serving()",
+            "os.environ['VLLM_COMPUTE_NANS_IN_LOGITS'] = '0'",
+            "assert envs.VLLM_COMPUTE_NANS_IN_LOGITS is True  # now read once",
+            "assert gc.get_freeze_count() > 0",
+            "print('ok')",
+        ]
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().endswith("ok")
