@@ -1,51 +1,106 @@
-"""What metrics and in-flight counting cost in streaming throughput.
+"""What each interceptor costs the serving process: metrics, in-flight, auth, tracing, the stack.
 
-One engine on the built-in tiny model, two grpc.aio servers in this process:
-the bare mount, and the mount with `MetricsInterceptor` + `InflightInterceptor`.
-A load generator in a subprocess, pinned to one core, drives N concurrent
-streams of T tokens (ignore_eos) against each server in turn, alternating the
-order every round, and prints tokens/s per round, the medians and the ratio.
+One engine on the built-in tiny model and one grpc.aio server per configuration,
+all in this process: the bare mount, then the mount with one interceptor each
+(`MetricsInterceptor`, `InflightInterceptor`, `AuthInterceptor` with an API key,
+`TracingInterceptor` exporting to the OpenTelemetry SDK), and the full stack
+(auth + metrics + in-flight, as the launcher runs it). A load generator in a
+subprocess, pinned to one core, drives N concurrent streams of T tokens
+(ignore_eos) against one server at a time, rotating the order every round. This
+process's CPU time around each burst is the serving CPU that configuration
+spent; its ratio to the bare mount's, per round, is the interceptor's cost.
 
     .venv/bin/python benchmarks/interceptor_overhead.py --rounds 6
 
-`--micro` measures the same interceptors without engine or network: the CPU
-time per streamed GenerateResponse spent in the interceptor path, which is
-what end-to-end numbers on a busy machine cannot resolve below a few percent.
+Serving CPU per token resolves a few percent where tokens/s on a busy 2-core
+machine cannot (tokens/s is printed too). `--micro` measures the interceptor
+path alone, without engine or network: CPU time per streamed message.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import os
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
 
+API_KEY = "bench-key-0123456789"
+CONFIGS = ("bare", "metrics", "inflight", "auth", "tracing", "stack")
 
-async def _one_round(address: str, streams: int, tokens: int, tag: str) -> float:
+
+def build_interceptors(name: str) -> tuple[Sequence[Any], Callable[[], None]]:
+    """The interceptors of a configuration, and what to call between rounds."""
+    from prometheus_client import CollectorRegistry
+
+    from vllm_servicer.interceptors import AuthInterceptor, InflightInterceptor, MetricsInterceptor
+    from vllm_servicer.interceptors.auth import ApiKeyVerifier
+
+    def nothing() -> None:
+        pass
+
+    if name == "bare":
+        return (), nothing
+    if name == "metrics":
+        return (MetricsInterceptor(CollectorRegistry()),), nothing
+    if name == "inflight":
+        return (InflightInterceptor(),), nothing
+    if name == "auth":
+        return (AuthInterceptor(ApiKeyVerifier([API_KEY])),), nothing
+    if name == "stack":
+        return (
+            AuthInterceptor(ApiKeyVerifier([API_KEY])),
+            MetricsInterceptor(CollectorRegistry()),
+            InflightInterceptor(),
+        ), nothing
+    if name == "tracing":
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+        from vllm_servicer.interceptors.tracing import TracingInterceptor
+
+        exporter = InMemorySpanExporter()
+        provider = TracerProvider()
+        provider.add_span_processor(BatchSpanProcessor(exporter))
+        return (TracingInterceptor(provider, model="tiny"),), exporter.clear
+    raise ValueError(f"unknown configuration {name!r}; choose from {', '.join(CONFIGS)}")
+
+
+# ----- the load generator (a subprocess) -----------------------------------------
+
+
+async def _burst(address: str, streams: int, tokens: int, tag: str) -> dict[str, float]:
     from vllm_servicer.proto import vllm_engine_pb2 as pb
     from vllm_servicer.proto import vllm_engine_pb2_grpc
 
+    metadata = (("authorization", f"Bearer {API_KEY}"),)
     async with grpc.aio.insecure_channel(address) as channel:
         stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
 
+        messages = 0
+
         async def one(i: int) -> int:
+            nonlocal messages
             request = pb.GenerateRequest(
                 request_id=f"{tag}-{i}",
-                tokenized=pb.TokenizedInput(input_ids=[5, 17, 42, 99, 7, 63, 21, 88]),
+                tokenized=pb.TokenizedInput(input_ids=[5, 17, 42, 99, 7, 63, 21, i % 250 + 3]),
                 sampling_params=pb.SamplingParams(
                     temperature=0.0, max_tokens=tokens, ignore_eos=True
                 ),
                 stream=True,
             )
             received = 0
-            async for message in stub.Generate(request):
+            async for message in stub.Generate(request, metadata=metadata):
+                messages += 1
                 if message.HasField("chunk"):
                     received += len(message.chunk.token_ids)
             return received
@@ -54,84 +109,120 @@ async def _one_round(address: str, streams: int, tokens: int, tag: str) -> float
         counts = await asyncio.gather(*(one(i) for i in range(streams)))
         elapsed = time.perf_counter() - started
     assert sum(counts) == streams * tokens, counts
-    return sum(counts) / elapsed
+    return {"tokens": sum(counts), "messages": messages, "tokens_per_s": sum(counts) / elapsed}
 
 
 async def _client(args: argparse.Namespace) -> None:
-    if hasattr(os, "sched_setaffinity") and os.cpu_count() and os.cpu_count() > 1:  # type: ignore[operator]
+    """Reads one JSON burst request per line on stdin, answers one JSON line each."""
+    if hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > 1:
         os.sched_setaffinity(0, {args.core})
-    targets = {"bare": args.bare, "intercepted": args.intercepted}
-    await _one_round(args.bare, args.streams, args.tokens, "warm-a")
-    await _one_round(args.intercepted, args.streams, args.tokens, "warm-b")
-    for r in range(args.rounds):
-        order = ("bare", "intercepted") if r % 2 == 0 else ("intercepted", "bare")
-        result: dict[str, Any] = {"round": r}
-        for name in order:
-            result[name] = await _one_round(
-                targets[name], args.streams, args.tokens, f"r{r}-{name}"
-            )
+    loop = asyncio.get_running_loop()
+    while line := await loop.run_in_executor(None, sys.stdin.readline):
+        ask = json.loads(line)
+        result = await _burst(ask["target"], args.streams, args.tokens, ask["tag"])
         print(json.dumps(result), flush=True)
 
 
-async def _serve_and_drive(args: argparse.Namespace) -> None:
-    from prometheus_client import CollectorRegistry
+# ----- the servers (this process) ---------------------------------------------------
 
+
+async def _serve_and_drive(args: argparse.Namespace) -> None:
     from vllm_servicer import mount
-    from vllm_servicer.interceptors import InflightInterceptor, MetricsInterceptor
     from vllm_servicer.tiny_model import build_tiny_engine
 
     engine = build_tiny_engine()
-    servers = []
-    addresses = []
+    servers: list[Any] = []
+    targets: dict[str, str] = {}
+    between_rounds: list[Callable[[], None]] = []
+    process = None
     try:
-        for interceptors in ((), (MetricsInterceptor(CollectorRegistry()), InflightInterceptor())):
+        for name in args.configs:
+            interceptors, reset = build_interceptors(name)
+            between_rounds.append(reset)
             server = grpc.aio.server()
             mount(server, engine, interceptors=interceptors)
-            addresses.append(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
+            targets[name] = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
             await server.start()
             servers.append(server)
-        command = [
-            sys.executable,
-            __file__,
-            "--client",
-            f"--bare={addresses[0]}",
-            f"--intercepted={addresses[1]}",
-            f"--rounds={args.rounds}",
-            f"--streams={args.streams}",
-            f"--tokens={args.tokens}",
-            f"--core={args.core}",
-        ]
-        process = await asyncio.create_subprocess_exec(*command, stdout=subprocess.PIPE)
-        assert process.stdout is not None
-        rounds = []
-        while line := await process.stdout.readline():
-            result = json.loads(line)
-            rounds.append(result)
+        command = [sys.executable, __file__, "--client", f"--streams={args.streams}"]
+        command += [f"--tokens={args.tokens}", f"--core={args.core}"]
+        process = await asyncio.create_subprocess_exec(
+            *command, stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        )
+        assert process.stdin is not None and process.stdout is not None
+
+        async def burst(name: str, tag: str) -> dict[str, float]:
+            started, started_loop = time.process_time(), time.thread_time()
+            process.stdin.write((json.dumps({"target": targets[name], "tag": tag}) + "\n").encode())  # type: ignore[union-attr]
+            line = await process.stdout.readline()  # type: ignore[union-attr]
+            if not line:
+                raise SystemExit("load generator failed")
+            result: dict[str, float] = json.loads(line)
+            # The interceptors run on the event loop's thread; the process total
+            # also holds grpc's and vLLM's own threads, which add noise.
+            loop_cpu = time.thread_time() - started_loop
+            result["cpu_ms_per_1k"] = (time.process_time() - started) / result["tokens"] * 1e6
+            result["loop_us_per_message"] = loop_cpu / result["messages"] * 1e6
+            return result
+
+        for name in args.configs:  # warm-up: connections, first-call paths
+            await burst(name, f"warm-{name}")
+        rounds: list[dict[str, dict[str, float]]] = []
+        names = list(args.configs)
+        for r in range(args.rounds):
+            order = names[r % len(names) :] + names[: r % len(names)]
+            if r % 2:
+                order.reverse()
+            results = {name: await burst(name, f"r{r}-{name}") for name in order}
+            rounds.append(results)
+            for reset in between_rounds:
+                reset()
             print(
-                f"round {result['round']}: bare {result['bare']:8.0f} tok/s   "
-                f"intercepted {result['intercepted']:8.0f} tok/s   "
-                f"ratio {result['intercepted'] / result['bare']:.3f}",
+                f"round {r}: "
+                + "  ".join(f"{n} {results[n]['loop_us_per_message']:.0f}" for n in names)
+                + "  (event-loop CPU-us per message)",
                 flush=True,
             )
-        if await process.wait() != 0:
-            raise SystemExit("load generator failed")
-        bare = statistics.median(r["bare"] for r in rounds)
-        intercepted = statistics.median(r["intercepted"] for r in rounds)
-        ratios = statistics.median(r["intercepted"] / r["bare"] for r in rounds)
-        print(
-            f"median: bare {bare:.0f} tok/s, intercepted {intercepted:.0f} tok/s, "
-            f"ratio of medians {intercepted / bare:.3f}, median of per-round ratios {ratios:.3f}"
-        )
+        _report(names, rounds, args)
     finally:
+        if process is not None and process.returncode is None:
+            process.stdin.close()  # type: ignore[union-attr]
+            await process.wait()
         for server in servers:
             await server.stop(None)
         engine.shutdown()
 
 
-def _micro(messages: int = 1000, calls: int = 200) -> None:
-    from prometheus_client import CollectorRegistry
+def _report(names: list[str], rounds: list[dict[str, dict[str, float]]], args: Any) -> None:
+    print(
+        f"\n{args.streams} streams x {args.tokens} tokens, {len(rounds)} rounds. Event-loop "
+        "thread CPU per message (where the interceptors run) and serving-process CPU per 1k "
+        "tokens; cost = median over rounds of (configuration / bare) loop CPU per message - 1"
+    )
+    print(
+        f"{'configuration':<14}{'tok/s':>8}{'loop us/msg':>12}{'ms/1k tok':>11}"
+        f"{'cost':>9}{'[min..max]':>18}"
+    )
+    for name in names:
+        tps = statistics.median(r[name]["tokens_per_s"] for r in rounds)
+        per_message = statistics.median(r[name]["loop_us_per_message"] for r in rounds)
+        per_1k = statistics.median(r[name]["cpu_ms_per_1k"] for r in rounds)
+        line = f"{name:<14}{tps:>8.0f}{per_message:>12.1f}{per_1k:>11.1f}"
+        if name == "bare":
+            print(line)
+            continue
+        costs = [
+            r[name]["loop_us_per_message"] / r["bare"]["loop_us_per_message"] - 1 for r in rounds
+        ]
+        spread = f"{min(costs):+.1%}..{max(costs):+.1%}"
+        print(f"{line}{statistics.median(costs):>+9.1%}{spread:>18}")
 
-    from vllm_servicer.interceptors import InflightInterceptor, MetricsInterceptor
+
+# ----- the interceptor path alone ----------------------------------------------------
+
+
+def _micro(names: Sequence[str], messages: int = 64, calls: int = 2000) -> None:
+    """CPU per streamed message through each configuration's interceptors, in-process."""
     from vllm_servicer.interceptors._apply import apply_interceptors
     from vllm_servicer.proto import SERVICE_NAME
     from vllm_servicer.proto import vllm_engine_pb2 as pb
@@ -143,6 +234,9 @@ def _micro(messages: int = 1000, calls: int = 200) -> None:
     complete = pb.GenerateResponse(
         complete=pb.GenerateComplete(output_ids=[1], finish_reason="length", prompt_tokens=8)
     )
+    # grpc.aio hands metadata over as (key, value) named tuples.
+    metadatum = collections.namedtuple("metadatum", ["key", "value"])
+    metadata = (metadatum("authorization", f"Bearer {API_KEY}"),)
 
     async def generate(request: Any, context: Any) -> Any:
         for chunk in chunks:
@@ -150,44 +244,64 @@ def _micro(messages: int = 1000, calls: int = 200) -> None:
         yield complete
 
     class Context:
-        def invocation_metadata(self) -> tuple[()]:
-            return ()
+        """The parts of a grpc.aio servicer context the interceptors read."""
+
+        def invocation_metadata(self) -> tuple[Any, ...]:
+            return metadata
 
         def code(self) -> None:
+            return None
+
+        def details(self) -> None:
             return None
 
         def time_remaining(self) -> None:
             return None
 
+        def peer(self) -> str:
+            return "ipv4:127.0.0.1:40000"
+
+        def auth_context(self) -> dict[str, Any]:
+            return {}
+
+        def trailing_metadata(self) -> tuple[()]:
+            return ()
+
+        def set_code(self, code: Any) -> None:
+            pass
+
+        def set_details(self, details: str) -> None:
+            pass
+
     handler = grpc.unary_stream_rpc_method_handler(generate)
     method = f"/{SERVICE_NAME}/Generate"
-    wrapped = apply_interceptors(
-        [MetricsInterceptor(CollectorRegistry()), InflightInterceptor()], method, handler
-    ).unary_stream
-    bare = apply_interceptors([], method, handler).unary_stream
+    behaviours = {
+        name: apply_interceptors(build_interceptors(name)[0], method, handler).unary_stream
+        for name in names
+    }
 
     async def run(behaviour: Any) -> float:
         started = time.process_time()
         for _ in range(calls):
-            async for _message in behaviour(None, Context()):
+            async for _message in behaviour(pb.GenerateRequest(), Context()):
                 pass
         return (time.process_time() - started) / (calls * (messages + 1))
 
-    async def both() -> None:
-        await run(bare), await run(wrapped)  # warm up
-        costs = {name: [] for name in ("bare", "intercepted")}  # type: dict[str, list[float]]
+    async def all_of_them() -> None:
+        for behaviour in behaviours.values():
+            await run(behaviour)  # warm up
+        costs: dict[str, list[float]] = {name: [] for name in names}
         for _ in range(5):
-            costs["bare"].append(await run(bare))
-            costs["intercepted"].append(await run(wrapped))
-        b = statistics.median(costs["bare"]) * 1e6
-        i = statistics.median(costs["intercepted"]) * 1e6
-        print(
-            f"per message: handler path {b:.2f} us, with metrics+inflight {i:.2f} us, "
-            f"interceptor cost {i - b:.2f} us/message "
-            f"(= {(i - b) * 1e-6 * 10000:.1%} of one core at 10k messages/s)"
-        )
+            for name, behaviour in behaviours.items():
+                costs[name].append(await run(behaviour))
+        base = statistics.median(costs["bare"]) * 1e6 if "bare" in costs else 0.0
+        print(f"per message of a {messages}-token stream (call costs spread over its messages):")
+        for name in names:
+            us = statistics.median(costs[name]) * 1e6
+            extra = "" if name == "bare" else f"   +{us - base:.2f} us over bare"
+            print(f"  {name:<10}{us:7.2f} us{extra}")
 
-    asyncio.run(both())
+    asyncio.run(all_of_them())
 
 
 def main() -> None:
@@ -195,14 +309,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--streams", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
     parser.add_argument("--core", type=int, default=1, help="the core the load generator uses")
     parser.add_argument("--micro", action="store_true", help="the in-process cost per message")
     parser.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--bare", help=argparse.SUPPRESS)
-    parser.add_argument("--intercepted", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if "bare" not in args.configs:
+        args.configs.insert(0, "bare")
     if args.micro:
-        _micro()
+        _micro(args.configs)
         return
     asyncio.run(_client(args) if args.client else _serve_and_drive(args))
 

@@ -1,0 +1,74 @@
+"""The benchmark tools work: the load generator against a real server, the interceptor costs.
+
+Their numbers are for `make bench`; these tests check that the tools run and
+that they check what they claim to (token counts, finish reasons).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+async def _loadgen(*args: str) -> dict[str, Any]:
+    # A child process, awaited without blocking the loop that serves the session's server.
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        str(BENCHMARKS / "loadgen.py"),
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(process.communicate(), timeout=180)
+    assert process.returncode == 0, err.decode()[-2000:]
+    return json.loads(out)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "unary"])
+async def test_load_generator_counts_every_token_of_every_request(
+    server: Any, stream: bool
+) -> None:
+    args = ["--target", server.address, "-c", "3", "-n", "5", "--max-tokens", "6", "--cpu", "-1"]
+    result = await _loadgen(*args, *([] if stream else ["--no-stream"]))
+    assert result["errors"] == 0, result["error_samples"]
+    assert result["output_tokens"] == 5 * 6
+    assert result["tokens_per_s"] > 0
+    assert result["ttft_p50_ms"] is not None and result["latency_p50_ms"] is not None
+    if stream:
+        # Each request's tokens arrive in one or more chunks: between 1 and 6 per request.
+        assert 5 <= result["messages"] <= 5 * 6 + 5
+        assert result["itl_p50_ms"] is not None
+
+
+async def test_load_generator_reports_a_wrong_token_count(server: Any) -> None:
+    # max_tokens beyond the context: the engine stops at the context's end, short
+    # of the count asked for, and the burst says so.
+    args = ["--target", server.address, "-c", "1", "-n", "1", "--max-tokens", "100000"]
+    result = await _loadgen(*args, "--cpu", "-1")
+    assert result["errors"] == 1
+    assert 0 < result["output_tokens"] < 100000
+    assert str(result["output_tokens"]) in result["error_samples"][0]
+
+
+def test_every_interceptor_configuration_runs_the_streaming_path(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    spec = importlib.util.spec_from_file_location(
+        "interceptor_overhead", BENCHMARKS / "interceptor_overhead.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module._micro(module.CONFIGS, messages=4, calls=3)
+    lines = capsys.readouterr().out.splitlines()
+    measured = {line.split()[0]: float(line.split()[1]) for line in lines[1:]}
+    assert set(measured) == set(module.CONFIGS)
+    assert all(us > 0 for us in measured.values())
