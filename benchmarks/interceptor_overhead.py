@@ -1,27 +1,34 @@
 """What each interceptor costs the serving process: metrics, in-flight, auth, tracing, the stack.
 
-One engine on the built-in tiny model and one grpc.aio server per configuration,
-all in this process: the bare mount, then the mount with one interceptor each
-(`MetricsInterceptor`, `InflightInterceptor`, `AuthInterceptor` with an API key,
-`TracingInterceptor` exporting to the OpenTelemetry SDK), and the full stack
-(auth + metrics + in-flight, as the launcher runs it). A load generator in a
-subprocess, pinned to one core, drives N concurrent streams of T tokens
-(ignore_eos) against one server at a time, rotating the order every round. This
-process's CPU time around each burst is the serving CPU that configuration
-spent; its ratio to the bare mount's, per round, is the interceptor's cost.
+One grpc.aio server per configuration, all in this process: the bare mount, a
+second bare mount (its "cost" is the run's noise floor), the mount with one
+interceptor each (`MetricsInterceptor`, `InflightInterceptor`, `AuthInterceptor`
+with an API key, `TracingInterceptor` exporting to the OpenTelemetry SDK), and
+the stack the launcher runs (auth + metrics + in-flight). A load generator in a
+subprocess, pinned to one core, drives N concurrent streams of T tokens against
+one server at a time, rotating the order every round. The CPU time of this
+process's event-loop thread (where interceptors run) per message sent is each
+configuration's cost; its ratio to the bare mount's, per round, is the
+interceptor's share.
 
-    .venv/bin/python benchmarks/interceptor_overhead.py --rounds 6
+    .venv/bin/python benchmarks/interceptor_overhead.py --micro --rounds 12
+    .venv/bin/python benchmarks/interceptor_overhead.py --rounds 10
 
-Serving CPU per token resolves a few percent where tokens/s on a busy 2-core
-machine cannot (tokens/s is printed too). `--micro` measures the interceptor
-path alone, without engine or network: CPU time per streamed message.
+`--micro` serves a stand-in Generate handler (prebuilt messages, no engine) on
+the cores the load generator does not use: what is left is grpc's own cost per
+message and the interceptors', which this resolves to about a microsecond.
+Without it the servers mount a real engine (the tiny model); there, engine
+work makes per-round CPU swing by tens of percent.
+
+Measure through a real server, not by calling the handler in a loop: between
+two messages of a stream the server runs everything else, so per-message code
+runs cache-cold and costs several times what a tight loop shows.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
 import json
 import os
 import statistics
@@ -34,7 +41,8 @@ from typing import Any
 import grpc
 
 API_KEY = "bench-key-0123456789"
-CONFIGS = ("bare", "metrics", "inflight", "auth", "tracing", "stack")
+# "bare-again" is a second bare mount: its "cost" is the noise floor of the run.
+CONFIGS = ("bare", "bare-again", "metrics", "inflight", "auth", "tracing", "stack")
 
 
 def build_interceptors(name: str) -> tuple[Sequence[Any], Callable[[], None]]:
@@ -47,7 +55,7 @@ def build_interceptors(name: str) -> tuple[Sequence[Any], Callable[[], None]]:
     def nothing() -> None:
         pass
 
-    if name == "bare":
+    if name in ("bare", "bare-again"):
         return (), nothing
     if name == "metrics":
         return (MetricsInterceptor(CollectorRegistry()),), nothing
@@ -78,7 +86,7 @@ def build_interceptors(name: str) -> tuple[Sequence[Any], Callable[[], None]]:
 # ----- the load generator (a subprocess) -----------------------------------------
 
 
-async def _burst(address: str, streams: int, tokens: int, tag: str) -> dict[str, float]:
+async def _burst(address: str, streams: int, tokens: int, waves: int, tag: str) -> dict[str, float]:
     from vllm_servicer.proto import vllm_engine_pb2 as pb
     from vllm_servicer.proto import vllm_engine_pb2_grpc
 
@@ -106,31 +114,70 @@ async def _burst(address: str, streams: int, tokens: int, tag: str) -> dict[str,
             return received
 
         started = time.perf_counter()
-        counts = await asyncio.gather(*(one(i) for i in range(streams)))
+        counts: list[int] = []
+        for wave in range(waves):
+            counts += await asyncio.gather(*(one(wave * streams + i) for i in range(streams)))
         elapsed = time.perf_counter() - started
-    assert sum(counts) == streams * tokens, counts
+    assert sum(counts) == waves * streams * tokens, counts
     return {"tokens": sum(counts), "messages": messages, "tokens_per_s": sum(counts) / elapsed}
 
 
 async def _client(args: argparse.Namespace) -> None:
     """Reads one JSON burst request per line on stdin, answers one JSON line each."""
-    if hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > 1:
+    if args.core >= 0 and hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > 1:
         os.sched_setaffinity(0, {args.core})
     loop = asyncio.get_running_loop()
     while line := await loop.run_in_executor(None, sys.stdin.readline):
         ask = json.loads(line)
-        result = await _burst(ask["target"], args.streams, args.tokens, ask["tag"])
+        result = await _burst(ask["target"], args.streams, args.tokens, args.waves, ask["tag"])
         print(json.dumps(result), flush=True)
 
 
 # ----- the servers (this process) ---------------------------------------------------
 
 
+def _stand_in_generate(tokens: int) -> Any:
+    """A Generate handler streaming `tokens` one-token chunks and a complete, no engine."""
+    from vllm_servicer.proto import vllm_engine_pb2 as pb
+
+    chunks = [
+        pb.GenerateResponse(
+            chunk=pb.GenerateStreamChunk(token_ids=[i + 3], prompt_tokens=8, completion_tokens=1)
+        )
+        for i in range(tokens)
+    ]
+    complete = pb.GenerateResponse(
+        complete=pb.GenerateComplete(output_ids=[3], finish_reason="length", prompt_tokens=8)
+    )
+
+    async def generate(request: Any, context: Any) -> Any:
+        for chunk in chunks:
+            await asyncio.sleep(0)  # streams interleave, as engine steps make them
+            yield chunk
+        yield complete
+
+    return grpc.unary_stream_rpc_method_handler(
+        generate, pb.GenerateRequest.FromString, pb.GenerateResponse.SerializeToString
+    )
+
+
 async def _serve_and_drive(args: argparse.Namespace) -> None:
     from vllm_servicer import mount
+    from vllm_servicer.interceptors._apply import apply_interceptors
+    from vllm_servicer.proto import SERVICE_NAME
     from vllm_servicer.tiny_model import build_tiny_engine
 
-    engine = build_tiny_engine()
+    engine = None
+    if args.micro:
+        if args.core >= 0 and len(os.sched_getaffinity(0)) > 1:
+            os.sched_setaffinity(0, os.sched_getaffinity(0) - {args.core})
+    else:
+        engine = build_tiny_engine()
+        if args.core >= 0:
+            # As in run.py: keep the engine's spinning processes off the load generator's core.
+            from run import keep_engine_off
+
+            keep_engine_off(os.getpid(), args.core)
     servers: list[Any] = []
     targets: dict[str, str] = {}
     between_rounds: list[Callable[[], None]] = []
@@ -140,12 +187,20 @@ async def _serve_and_drive(args: argparse.Namespace) -> None:
             interceptors, reset = build_interceptors(name)
             between_rounds.append(reset)
             server = grpc.aio.server()
-            mount(server, engine, interceptors=interceptors)
+            if engine is not None:
+                mount(server, engine, interceptors=interceptors)
+            else:
+                # What mount() does for Generate, around the stand-in handler.
+                method = f"/{SERVICE_NAME}/Generate"
+                handler = apply_interceptors(interceptors, method, _stand_in_generate(args.tokens))
+                server.add_generic_rpc_handlers(
+                    (grpc.method_handlers_generic_handler(SERVICE_NAME, {"Generate": handler}),)
+                )
             targets[name] = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
             await server.start()
             servers.append(server)
         command = [sys.executable, __file__, "--client", f"--streams={args.streams}"]
-        command += [f"--tokens={args.tokens}", f"--core={args.core}"]
+        command += [f"--tokens={args.tokens}", f"--waves={args.waves}", f"--core={args.core}"]
         process = await asyncio.create_subprocess_exec(
             *command, stdin=subprocess.PIPE, stdout=subprocess.PIPE
         )
@@ -190,12 +245,14 @@ async def _serve_and_drive(args: argparse.Namespace) -> None:
             await process.wait()
         for server in servers:
             await server.stop(None)
-        engine.shutdown()
+        if engine is not None:
+            engine.shutdown()
 
 
 def _report(names: list[str], rounds: list[dict[str, dict[str, float]]], args: Any) -> None:
     print(
-        f"\n{args.streams} streams x {args.tokens} tokens, {len(rounds)} rounds. Event-loop "
+        f"\n{args.waves} x {args.streams} streams x {args.tokens} tokens per burst, "
+        f"{len(rounds)} rounds. Event-loop "
         "thread CPU per message (where the interceptors run) and serving-process CPU per 1k "
         "tokens; cost = median over rounds of (configuration / bare) loop CPU per message - 1"
     )
@@ -218,108 +275,34 @@ def _report(names: list[str], rounds: list[dict[str, dict[str, float]]], args: A
         print(f"{line}{statistics.median(costs):>+9.1%}{spread:>18}")
 
 
-# ----- the interceptor path alone ----------------------------------------------------
-
-
-def _micro(names: Sequence[str], messages: int = 64, calls: int = 2000) -> None:
-    """CPU per streamed message through each configuration's interceptors, in-process."""
-    from vllm_servicer.interceptors._apply import apply_interceptors
-    from vllm_servicer.proto import SERVICE_NAME
-    from vllm_servicer.proto import vllm_engine_pb2 as pb
-
-    chunks = [
-        pb.GenerateResponse(chunk=pb.GenerateStreamChunk(token_ids=[i], prompt_tokens=8))
-        for i in range(messages)
-    ]
-    complete = pb.GenerateResponse(
-        complete=pb.GenerateComplete(output_ids=[1], finish_reason="length", prompt_tokens=8)
-    )
-    # grpc.aio hands metadata over as (key, value) named tuples.
-    metadatum = collections.namedtuple("metadatum", ["key", "value"])
-    metadata = (metadatum("authorization", f"Bearer {API_KEY}"),)
-
-    async def generate(request: Any, context: Any) -> Any:
-        for chunk in chunks:
-            yield chunk
-        yield complete
-
-    class Context:
-        """The parts of a grpc.aio servicer context the interceptors read."""
-
-        def invocation_metadata(self) -> tuple[Any, ...]:
-            return metadata
-
-        def code(self) -> None:
-            return None
-
-        def details(self) -> None:
-            return None
-
-        def time_remaining(self) -> None:
-            return None
-
-        def peer(self) -> str:
-            return "ipv4:127.0.0.1:40000"
-
-        def auth_context(self) -> dict[str, Any]:
-            return {}
-
-        def trailing_metadata(self) -> tuple[()]:
-            return ()
-
-        def set_code(self, code: Any) -> None:
-            pass
-
-        def set_details(self, details: str) -> None:
-            pass
-
-    handler = grpc.unary_stream_rpc_method_handler(generate)
-    method = f"/{SERVICE_NAME}/Generate"
-    behaviours = {
-        name: apply_interceptors(build_interceptors(name)[0], method, handler).unary_stream
-        for name in names
-    }
-
-    async def run(behaviour: Any) -> float:
-        started = time.process_time()
-        for _ in range(calls):
-            async for _message in behaviour(pb.GenerateRequest(), Context()):
-                pass
-        return (time.process_time() - started) / (calls * (messages + 1))
-
-    async def all_of_them() -> None:
-        for behaviour in behaviours.values():
-            await run(behaviour)  # warm up
-        costs: dict[str, list[float]] = {name: [] for name in names}
-        for _ in range(5):
-            for name, behaviour in behaviours.items():
-                costs[name].append(await run(behaviour))
-        base = statistics.median(costs["bare"]) * 1e6 if "bare" in costs else 0.0
-        print(f"per message of a {messages}-token stream (call costs spread over its messages):")
-        for name in names:
-            us = statistics.median(costs[name]) * 1e6
-            extra = "" if name == "bare" else f"   +{us - base:.2f} us over bare"
-            print(f"  {name:<10}{us:7.2f} us{extra}")
-
-    asyncio.run(all_of_them())
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--streams", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument(
+        "--waves", type=int, default=None, help="bursts of streams per measurement (default 4, 1)"
+    )
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
-    parser.add_argument("--core", type=int, default=1, help="the core the load generator uses")
-    parser.add_argument("--micro", action="store_true", help="the in-process cost per message")
+    parser.add_argument("--core", type=int, default=1, help="load generator's core (-1: none)")
+    parser.add_argument(
+        "--micro",
+        action="store_true",
+        help="a stand-in Generate handler instead of the engine: the interceptors' cost alone",
+    )
     parser.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if "bare" not in args.configs:
         args.configs.insert(0, "bare")
-    if args.micro:
-        _micro(args.configs)
-        return
-    asyncio.run(_client(args) if args.client else _serve_and_drive(args))
+    if args.waves is None:
+        args.waves = 4 if args.micro else 1
+    main_coroutine = _client(args) if args.client else _serve_and_drive(args)
+    try:
+        import uvloop  # the loop the launcher serves on, when installed
+    except ImportError:
+        asyncio.run(main_coroutine)
+    else:
+        uvloop.run(main_coroutine)
 
 
 if __name__ == "__main__":

@@ -81,16 +81,17 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def pin_engine(pid: int, cpus: set[int]) -> int:
-    """Pins every thread of every engine process below `pid` to `cpus`; returns how many.
+def keep_engine_off(pid: int, core: int) -> int:
+    """Takes `core` out of the allowed cores of every engine thread below `pid`.
 
     vLLM binds its CPU worker to core 0 and leaves the next core to the serving
     process, but its EngineCore process floats; while a request runs it spins
     (sched_yield) for a second after each step, and on the load generator's
-    core that spinning delays the client's reads by a whole generation
-    (seen as c=1 TTFTs of ~250 ms with every token arriving at once).
+    core that spinning delayed the client's reads by a whole generation (c=1
+    TTFTs of ~250 ms with every token arriving at once). Threads bound to other
+    cores already are left as they are. Returns how many threads moved.
     """
-    pinned = 0
+    moved = 0
     for child in descendants(pid):
         try:
             threads = os.listdir(f"/proc/{child}/task")
@@ -98,11 +99,13 @@ def pin_engine(pid: int, cpus: set[int]) -> int:
             continue
         for tid in threads:
             try:
-                os.sched_setaffinity(int(tid), cpus)
-                pinned += 1
+                allowed = os.sched_getaffinity(int(tid))
+                if core in allowed and len(allowed) > 1:
+                    os.sched_setaffinity(int(tid), allowed - {core})
+                    moved += 1
             except OSError:  # the thread ended meanwhile
                 continue
-    return pinned
+    return moved
 
 
 @dataclass
@@ -371,10 +374,10 @@ class Bench:
                 time.sleep(1.0)
 
     def place_engine(self, name: str, pid: int) -> None:
-        cpus = self.args.engine_cpus
-        if cpus:
-            threads = pin_engine(pid, cpus)
-            self.log(f"{LABELS[name]}: {threads} engine threads pinned to cores {sorted(cpus)}")
+        core = self.args.loadgen_cpu
+        if core >= 0:
+            moved = keep_engine_off(pid, core)
+            self.log(f"{LABELS[name]}: {moved} engine threads moved off core {core}")
 
     def burst(
         self, channel: LineChannel, pid: int, name: str, cell: Cell, rnd: int, pos: int, target: str
@@ -680,10 +683,6 @@ def plot(summary: dict[str, Any], path: Path, title: str) -> None:
 # ----- entry point ------------------------------------------------------------------
 
 
-def _cores(text: str) -> set[int]:
-    return set() if text == "none" else {int(c) for c in text.split(",")}
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
@@ -734,14 +733,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="only redraw the plot (and tables) from a results file",
     )
     p.add_argument(
-        "--loadgen-cpu", type=int, default=1, help="core the load generator is pinned to (-1: none)"
-    )
-    p.add_argument(
-        "--engine-cpus",
-        type=_cores,
-        default=None,
-        help="cores for the engine processes, comma-separated (default: every core but "
-        "the load generator's; 'none': leave them where vLLM puts them)",
+        "--loadgen-cpu",
+        type=int,
+        default=1,
+        help="core the load generator is pinned to, and engine processes kept off (-1: none)",
     )
     p.add_argument("--pause", type=float, default=0.2, help="seconds between bursts")
     p.add_argument("--start-timeout", type=float, default=600.0)
@@ -764,10 +759,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.quick:
         args.concurrency, args.modes, args.prompt_lens, args.rounds = [64], ["stream"], [8], 3
-    if args.engine_cpus is None:
-        # Every core but the load generator's, when there is one to spare.
-        cores = set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set()
-        args.engine_cpus = cores - {args.loadgen_cpu} if len(cores) > 1 else set()
     if args.against_src:
         LABELS[OURS], LABELS[THEIRS] = "after (this tree)", f"before ({args.against_src})"
     problem = None if args.against_src else check_reference_server()

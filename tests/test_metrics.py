@@ -131,6 +131,32 @@ async def test_successes_exact(served: Served, engine: Any) -> None:
     assert await wait_until_idle(engine) == 0
 
 
+async def test_a_running_stream_shows_up_within_about_a_second(served: Served, engine: Any) -> None:
+    # Per-message bookkeeping is batched per call; a long stream must still be
+    # visible while it runs, not only when it ends.
+    delta = served.snapshot()
+    call = served.stub.Generate(request(stream=True, max_tokens=480, ignore_eos=True))
+    received = 0
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    seen_at = None
+    while (message := await call.read()) is not grpc.aio.EOF:
+        received += len(message.chunk.token_ids) if message.HasField("chunk") else 0
+        if seen_at is None and delta("vllm_servicer_generation_tokens_total") > 0:
+            seen_at = loop.time() - started
+            assert delta("vllm_servicer_time_to_first_token_seconds_count") == 1
+            assert delta("grpc_server_msg_sent_total", **GENERATE) > 0
+            assert delta("vllm_servicer_request_duration_seconds_count") == 0  # still running
+    duration = loop.time() - started
+    await served.settle()
+    if duration < 1.5:
+        pytest.skip(f"the stream took only {duration:.1f} s: too short to see batching")
+    assert seen_at is not None, f"nothing counted during a {duration:.1f} s stream"
+    assert seen_at < 1.5 + 0.5 * duration  # ~1 s batching, with slack for a loaded machine
+    assert delta("vllm_servicer_generation_tokens_total") == received == 480
+    assert await wait_until_idle(engine) == 0
+
+
 async def test_failures_exact(served: Served, engine: Any) -> None:
     delta = served.snapshot()
     stub = served.stub
