@@ -285,6 +285,10 @@ class Burst:
         tokens = self.result["output_tokens"]
         return round(cpu / tokens * 1000, 4) if tokens else None
 
+    def per_message_us(self) -> float | None:
+        messages = self.result["messages"]
+        return round(self.server_cpu_s / messages * 1e6, 1) if messages else None
+
     def to_json(self) -> dict[str, Any]:
         return {
             "server": self.server,
@@ -295,6 +299,7 @@ class Burst:
             "engine_cpu_s": round(self.engine_cpu_s, 3),
             "server_cpu_s_per_1k_tokens": self.per_1k(self.server_cpu_s),
             "engine_cpu_s_per_1k_tokens": self.per_1k(self.engine_cpu_s),
+            "server_cpu_us_per_message": self.per_message_us(),
             **self.result,
         }
 
@@ -547,6 +552,7 @@ def summarize(bursts: list[Burst], cells: list[Cell]) -> dict[str, Any]:
             } | {
                 "server_cpu_s_per_1k_tokens": _median(b.per_1k(b.server_cpu_s) for b in own),
                 "engine_cpu_s_per_1k_tokens": _median(b.per_1k(b.engine_cpu_s) for b in own),
+                "server_cpu_us_per_message": _median(b.per_message_us() for b in own),
                 "bursts": len(own),
             }
         ratios, aa = [], []
@@ -606,15 +612,17 @@ def print_tables(summary: dict[str, Any]) -> None:
         )
     print(
         "\nLatency (ms, medians over bursts of the per-burst p50/p99) and server CPU "
-        "(CPU-s per 1,000 output tokens: serving process | engine processes)"
+        "(CPU-s per 1,000 output tokens: serving process | engine processes; and the serving "
+        "process's CPU-us per message sent, which does not move with how many tokens vLLM "
+        "merged into one message)"
     )
     print(
         f"{'cell':<20}{'TTFT p50':>16}{'TTFT p99':>16}{'ITL p50':>14}{'ITL p99':>14}"
-        f"{'server CPU':>16}{'engine CPU':>16}"
+        f"{'server CPU':>16}{'engine CPU':>16}{'server us/msg':>16}"
     )
     print(
         f"{'':<20}{'ours / vLLM':>16}{'ours / vLLM':>16}{'ours / vLLM':>14}"
-        f"{'ours / vLLM':>14}{'ours / vLLM':>16}{'ours / vLLM':>16}"
+        f"{'ours / vLLM':>14}{'ours / vLLM':>16}{'ours / vLLM':>16}{'ours / vLLM':>16}"
     )
     for key, e in summary.items():
         o, t = e.get(OURS, {}), e.get(THEIRS, {})
@@ -627,6 +635,7 @@ def print_tables(summary: dict[str, Any]) -> None:
             f"{pair('itl_p50_ms', '.1f'):>14}{pair('itl_p99_ms', '.0f'):>14}"
             f"{pair('server_cpu_s_per_1k_tokens', '.3f'):>16}"
             f"{pair('engine_cpu_s_per_1k_tokens', '.3f'):>16}"
+            f"{pair('server_cpu_us_per_message', '.0f'):>16}"
         )
 
 
