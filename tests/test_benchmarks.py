@@ -72,8 +72,9 @@ def test_interceptor_benchmark_runs_every_configuration_through_a_real_server() 
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    table = done.stdout.split("configuration", 1)[1].splitlines()[1:]
-    measured = {line.split()[0]: line.split() for line in table if line.strip()}
+    lines = done.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("configuration"))
+    measured = {line.split()[0]: line.split() for line in lines[header + 1 :] if line.strip()}
     configs = ("bare", "bare-again", "metrics", "inflight", "auth", "tracing", "stack")
     assert set(measured) == set(configs)
     for name in configs:
