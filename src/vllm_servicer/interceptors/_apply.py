@@ -77,23 +77,8 @@ def apply_interceptors(
             unary_unary, h.request_deserializer, h.response_serializer
         )
     if not h.request_streaming:
-
-        async def unary_stream(request: Any, context: Any) -> AsyncIterator[Any]:
-            result = (await resolve(context)).unary_stream(request, context)
-            if inspect.isasyncgen(result):
-                # Inline, not through _responses: one generator hop less per message.
-                try:
-                    async for message in result:
-                        yield message
-                except BaseException:
-                    await result.aclose()
-                    raise
-            else:
-                async for message in _responses(result):
-                    yield message
-
         return grpc.unary_stream_rpc_method_handler(
-            unary_stream, h.request_deserializer, h.response_serializer
+            _streaming(resolve, "unary_stream"), h.request_deserializer, h.response_serializer
         )
     if not h.response_streaming:
 
@@ -104,28 +89,32 @@ def apply_interceptors(
             stream_unary, h.request_deserializer, h.response_serializer
         )
 
-    async def stream_stream(requests: Any, context: Any) -> AsyncIterator[Any]:
-        result = (await resolve(context)).stream_stream(requests, context)
-        async for message in _responses(result):
-            yield message
-
     return grpc.stream_stream_rpc_method_handler(
-        stream_stream, h.request_deserializer, h.response_serializer
+        _streaming(resolve, "stream_stream"), h.request_deserializer, h.response_serializer
     )
 
 
-async def _responses(result: Any) -> AsyncIterator[Any]:
-    """Messages of a streaming behaviour, whether it yields or calls context.write."""
-    if inspect.isasyncgen(result):
-        try:
-            async for message in result:
+def _streaming(resolve: Callable[[Any], Awaitable[Any]], kind: str) -> Any:
+    """The wrapper of a response-streaming handler: relays the resolved behaviour's messages.
+
+    The relay is inline (not a helper generator) so that each message makes one
+    generator hop here, whether the behaviour yields or calls context.write.
+    """
+
+    async def streaming(request: Any, context: Any) -> AsyncIterator[Any]:
+        result = getattr(await resolve(context), kind)(request, context)
+        if inspect.isasyncgen(result):
+            try:
+                async for message in result:
+                    yield message
+            except BaseException:
+                # Cancelled at our `yield`: close the handler's generator now, not at GC.
+                await result.aclose()
+                raise
+        elif inspect.isawaitable(result):
+            await result
+        else:  # a sync iterator is the only other shape grpc accepts
+            for message in result:
                 yield message
-        except BaseException:
-            # Cancelled at our `yield`: close the handler's generator now, not at GC.
-            await result.aclose()
-            raise
-    elif inspect.isawaitable(result):
-        await result
-    else:  # a sync iterator is the only other shape grpc accepts
-        for message in result:
-            yield message
+
+    return streaming
