@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -85,9 +87,6 @@ def test_service_is_headless_and_monitor_matches() -> None:
 
 def test_launcher_process_reads_vllm_env_once_and_freezes_start_up_heap() -> None:
     # In a child process: both effects are process-wide and must not leak into this one.
-    import subprocess
-    import sys
-
     probe = "\n".join(
         [
             "import gc, os",

@@ -104,8 +104,6 @@ class _GenerateCall:
         "method",
         "pending",
         "prompt_counted",
-        "unflushed_sent",
-        "unflushed_tokens",
     )
 
     generate = True
@@ -118,8 +116,6 @@ class _GenerateCall:
         # runs cache-cold there and costs several times what it does in a
         # batch; and the shared counters and histograms take a lock per update.
         self.pending: list[tuple[float, Any]] = []
-        self.unflushed_sent = 0
-        self.unflushed_tokens = 0
         self.flushed_at = started
         self.first_token_at: float | None = None
         # When each choice (index) last streamed tokens; None before its first chunk.
@@ -318,23 +314,20 @@ class MetricsInterceptor(CallInterceptor):
     # ----- Generate -------------------------------------------------------------
 
     def _catch_up(self, call: Call, state: _GenerateCall, now: float) -> None:
-        """Reads the messages sent since the last catch-up, then updates the shared metrics."""
+        """Reads the messages sent since the last catch-up into the shared metrics."""
         pending, state.pending = state.pending, []
-        for sent_at, message in pending:
-            self._generated(call, state, message, sent_at)
-        self._flush(state, now)
-
-    def _flush(self, state: _GenerateCall, now: float) -> None:
         state.flushed_at = now
-        if state.unflushed_sent:
-            state.method.sent.inc(state.unflushed_sent)
-            state.unflushed_sent = 0
-        if state.unflushed_tokens:
-            self._generation_inc(state.unflushed_tokens)
-            state.unflushed_tokens = 0
+        if not pending:
+            return
+        tokens = 0
+        for sent_at, message in pending:
+            tokens += self._generated(call, state, message, sent_at)
+        state.method.sent.inc(len(pending))
+        if tokens:
+            self._generation_inc(tokens)
 
-    def _generated(self, call: Call, state: _GenerateCall, message: Any, now: float) -> None:
-        state.unflushed_sent += 1
+    def _generated(self, call: Call, state: _GenerateCall, message: Any, now: float) -> int:
+        """Observes one sent message; returns the output tokens it adds to the count."""
         if message.WhichOneof("response") == "chunk":
             chunk = message.chunk
             if not state.prompt_counted:
@@ -342,8 +335,7 @@ class MetricsInterceptor(CallInterceptor):
                 self._prompt_inc(chunk.prompt_tokens)
             tokens = len(chunk.token_ids)
             if not tokens:
-                return
-            state.unflushed_tokens += tokens
+                return 0
             if state.first_token_at is None:
                 state.first_token_at = now
                 self._ttft_observe(now - call.started)
@@ -355,18 +347,17 @@ class MetricsInterceptor(CallInterceptor):
             last[index] = now
             if previous is not None:
                 self._tpot_observe((now - previous) / tokens)
-            return
+            return tokens
         complete = message.complete
         if not state.prompt_counted:
             state.prompt_counted = True
             self._prompt_inc(complete.prompt_tokens)
-        if (
-            len(state.last_chunk_at) <= complete.index
-            or state.last_chunk_at[complete.index] is None
-        ):
-            # Not streamed: the complete carries all of the choice's tokens. (Streamed,
-            # it repeats the last chunk's, which were counted then.)
-            state.unflushed_tokens += len(complete.output_ids)
+        # Not streamed, the complete carries all of the choice's tokens; streamed,
+        # it repeats the last chunk's, which were counted then.
+        streamed = (
+            len(state.last_chunk_at) > complete.index
+            and state.last_chunk_at[complete.index] is not None
+        )
         reason = complete.finish_reason
         child = self._finish_children.get(reason)
         if child is None:
@@ -374,6 +365,7 @@ class MetricsInterceptor(CallInterceptor):
         child.inc()
         if reason == "abort":
             state.aborted = True
+        return 0 if streamed else len(complete.output_ids)
 
 
 def start_metrics_server(
