@@ -4,21 +4,22 @@ One grpc.aio server per configuration, all in this process: the bare mount, a
 second bare mount (its "cost" is the run's noise floor), the mount with one
 interceptor each (`MetricsInterceptor`, `InflightInterceptor`, `AuthInterceptor`
 with an API key, `TracingInterceptor` exporting to the OpenTelemetry SDK), and
-the stack the launcher runs (auth + metrics + in-flight). A load generator in a
-subprocess, pinned to one core, drives N concurrent streams of T tokens against
-one server at a time, rotating the order every round. The CPU time of this
-process's event-loop thread (where interceptors run) per message sent is each
-configuration's cost; its ratio to the bare mount's, per round, is the
-interceptor's share.
+the stack the launcher runs (auth + metrics + in-flight). The benchmarks' load
+generator (`loadgen.py`) in a subprocess, pinned to one core, drives N
+concurrent streams of T tokens against one server at a time, rotating the order
+every round. The CPU time of this process's event-loop thread (where
+interceptors run) per message sent is each configuration's cost; its ratio to
+the bare mount's, per round, is the interceptor's share.
 
     .venv/bin/python benchmarks/interceptor_overhead.py --micro --rounds 12
     .venv/bin/python benchmarks/interceptor_overhead.py --rounds 10
 
 `--micro` serves a stand-in Generate handler (prebuilt messages, no engine) on
 the cores the load generator does not use: what is left is grpc's own cost per
-message and the interceptors', which this resolves to about a microsecond.
-Without it the servers mount a real engine (the tiny model); there, engine
-work makes per-round CPU swing by tens of percent.
+message and the interceptors'. Without it the servers mount a real engine (the
+tiny model), where engine work adds to the noise; on 2 shared cores single
+rounds still swing by tens of percent either way, so read the median and the
+second bare mount's figure beside it.
 
 Measure through a real server, not by calling the handler in a loop: between
 two messages of a stream the server runs everything else, so per-message code
@@ -36,6 +37,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -81,56 +83,6 @@ def build_interceptors(name: str) -> tuple[Sequence[Any], Callable[[], None]]:
         provider.add_span_processor(BatchSpanProcessor(exporter))
         return (TracingInterceptor(provider, model="tiny"),), exporter.clear
     raise ValueError(f"unknown configuration {name!r}; choose from {', '.join(CONFIGS)}")
-
-
-# ----- the load generator (a subprocess) -----------------------------------------
-
-
-async def _burst(address: str, streams: int, tokens: int, waves: int, tag: str) -> dict[str, float]:
-    from vllm_servicer.proto import vllm_engine_pb2 as pb
-    from vllm_servicer.proto import vllm_engine_pb2_grpc
-
-    metadata = (("authorization", f"Bearer {API_KEY}"),)
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
-
-        messages = 0
-
-        async def one(i: int) -> int:
-            nonlocal messages
-            request = pb.GenerateRequest(
-                request_id=f"{tag}-{i}",
-                tokenized=pb.TokenizedInput(input_ids=[5, 17, 42, 99, 7, 63, 21, i % 250 + 3]),
-                sampling_params=pb.SamplingParams(
-                    temperature=0.0, max_tokens=tokens, ignore_eos=True
-                ),
-                stream=True,
-            )
-            received = 0
-            async for message in stub.Generate(request, metadata=metadata):
-                messages += 1
-                if message.HasField("chunk"):
-                    received += len(message.chunk.token_ids)
-            return received
-
-        started = time.perf_counter()
-        counts: list[int] = []
-        for wave in range(waves):
-            counts += await asyncio.gather(*(one(wave * streams + i) for i in range(streams)))
-        elapsed = time.perf_counter() - started
-    assert sum(counts) == waves * streams * tokens, counts
-    return {"tokens": sum(counts), "messages": messages, "tokens_per_s": sum(counts) / elapsed}
-
-
-async def _client(args: argparse.Namespace) -> None:
-    """Reads one JSON burst request per line on stdin, answers one JSON line each."""
-    if args.core >= 0 and hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > 1:
-        os.sched_setaffinity(0, {args.core})
-    loop = asyncio.get_running_loop()
-    while line := await loop.run_in_executor(None, sys.stdin.readline):
-        ask = json.loads(line)
-        result = await _burst(ask["target"], args.streams, args.tokens, args.waves, ask["tag"])
-        print(json.dumps(result), flush=True)
 
 
 # ----- the servers (this process) ---------------------------------------------------
@@ -190,7 +142,7 @@ async def _serve_and_drive(args: argparse.Namespace) -> None:
             if engine is not None:
                 mount(server, engine, interceptors=interceptors)
             else:
-                # What mount() does for Generate, around the stand-in handler.
+                # The interceptor wrapping mount() gives Generate, around the stand-in.
                 method = f"/{SERVICE_NAME}/Generate"
                 handler = apply_interceptors(interceptors, method, _stand_in_generate(args.tokens))
                 server.add_generic_rpc_handlers(
@@ -199,36 +151,49 @@ async def _serve_and_drive(args: argparse.Namespace) -> None:
             targets[name] = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
             await server.start()
             servers.append(server)
-        command = [sys.executable, __file__, "--client", f"--streams={args.streams}"]
-        command += [f"--tokens={args.tokens}", f"--waves={args.waves}", f"--core={args.core}"]
+        # The benchmarks' load generator, sending the API key the auth configurations check.
+        command = [sys.executable, str(Path(__file__).with_name("loadgen.py")), "--serve-stdin"]
+        command += ["--cpu", str(args.core), "--api-key", API_KEY]
         process = await asyncio.create_subprocess_exec(
             *command, stdin=subprocess.PIPE, stdout=subprocess.PIPE
         )
         assert process.stdin is not None and process.stdout is not None
 
-        async def burst(name: str, tag: str) -> dict[str, float]:
+        spec = {
+            "concurrency": args.streams,
+            "requests": args.streams * args.waves,
+            "stream": True,
+            "max_tokens": args.tokens,
+        }
+
+        async def burst(name: str) -> dict[str, Any]:
             started, started_loop = time.process_time(), time.thread_time()
-            process.stdin.write((json.dumps({"target": targets[name], "tag": tag}) + "\n").encode())  # type: ignore[union-attr]
+            ask = json.dumps({**spec, "target": targets[name]}) + "\n"
+            process.stdin.write(ask.encode())  # type: ignore[union-attr]
             line = await process.stdout.readline()  # type: ignore[union-attr]
             if not line:
                 raise SystemExit("load generator failed")
-            result: dict[str, float] = json.loads(line)
+            result: dict[str, Any] = json.loads(line)
+            if result["errors"]:
+                raise SystemExit(f"{name}: {result['errors']} bad calls: {result['error_samples']}")
             # The interceptors run on the event loop's thread; the process total
             # also holds grpc's and vLLM's own threads, which add noise.
             loop_cpu = time.thread_time() - started_loop
-            result["cpu_ms_per_1k"] = (time.process_time() - started) / result["tokens"] * 1e6
+            result["cpu_ms_per_1k"] = (
+                (time.process_time() - started) / result["output_tokens"] * 1e6
+            )
             result["loop_us_per_message"] = loop_cpu / result["messages"] * 1e6
             return result
 
         for name in args.configs:  # warm-up: connections, first-call paths
-            await burst(name, f"warm-{name}")
+            await burst(name)
         rounds: list[dict[str, dict[str, float]]] = []
         names = list(args.configs)
         for r in range(args.rounds):
             order = names[r % len(names) :] + names[: r % len(names)]
             if r % 2:
                 order.reverse()
-            results = {name: await burst(name, f"r{r}-{name}") for name in order}
+            results = {name: await burst(name) for name in order}
             rounds.append(results)
             for reset in between_rounds:
                 reset()
@@ -290,19 +255,17 @@ def main() -> None:
         action="store_true",
         help="a stand-in Generate handler instead of the engine: the interceptors' cost alone",
     )
-    parser.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if "bare" not in args.configs:
         args.configs.insert(0, "bare")
     if args.waves is None:
         args.waves = 4 if args.micro else 1
-    main_coroutine = _client(args) if args.client else _serve_and_drive(args)
     try:
         import uvloop  # the loop the launcher serves on, when installed
     except ImportError:
-        asyncio.run(main_coroutine)
+        asyncio.run(_serve_and_drive(args))
     else:
-        uvloop.run(main_coroutine)
+        uvloop.run(_serve_and_drive(args))
 
 
 if __name__ == "__main__":

@@ -133,7 +133,7 @@ def summarize(spec: BurstSpec, rec: Recorder, wall: float) -> dict[str, Any]:
 class Client:
     """Drives servers with the reference stubs; one channel per target, kept open."""
 
-    def __init__(self) -> None:
+    def __init__(self, api_key: str | None = None) -> None:
         from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
         self._pb = vllm_engine_pb2
@@ -141,6 +141,7 @@ class Client:
         self._stubs: dict[str, Any] = {}
         self._channels: list[Any] = []
         self._burst = 0
+        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
 
     def _stub(self, target: str) -> Any:
         import grpc
@@ -201,7 +202,7 @@ class Client:
                 note = ""
                 sent = clock()
                 try:
-                    async for response in stub.Generate(request):
+                    async for response in stub.Generate(request, metadata=self._metadata):
                         if response.HasField("chunk"):
                             n = len(response.chunk.token_ids)
                             total += n
@@ -252,7 +253,7 @@ async def _serve_stdin(client: Client) -> None:
 
 
 async def _main(args: argparse.Namespace) -> None:
-    client = Client()
+    client = Client(args.api_key)
     if args.serve_stdin:
         await _serve_stdin(client)
         return
@@ -280,6 +281,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--cpu", type=int, default=1, help="core to pin to (-1: no pinning)")
+    parser.add_argument("--api-key", help="sent as `authorization: Bearer <key>` on every call")
     args = parser.parse_args()
     pin_to_cpu(args.cpu)
     try:
