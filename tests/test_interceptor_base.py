@@ -54,6 +54,11 @@ async def unary_unary(request: bytes, context: Any) -> bytes:
 
 
 async def unary_stream(request: bytes, context: Any) -> AsyncIterator[bytes]:
+    if request == b"flood":
+        # Never awaits itself: a client that stops reading leaves grpc awaiting a
+        # write, and an end of the call lands there, not inside the handler.
+        while True:
+            yield b"f" * 4096
     for i in range(3):
         yield b"us%d" % i
         if i == 0:
@@ -305,6 +310,24 @@ async def test_client_cancel(svc: Running, name: str) -> None:
     with pytest.raises(asyncio.CancelledError):
         await task
     assert (await svc.recorder.finish_of(name)).code == CANCELLED
+
+
+async def test_deadline_while_grpc_awaits_a_write(svc: Running) -> None:
+    call = _callable(svc.channel, "UnaryStream")(b"flood", timeout=0.5)
+    await call.read()  # then read no more: flow control blocks the server's writes
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await asyncio.sleep(1.0)
+        await call.read()
+    assert err.value.code() == DEADLINE
+    assert (await svc.recorder.finish_of("UnaryStream")).code == DEADLINE
+
+
+async def test_client_cancel_while_grpc_awaits_a_write(svc: Running) -> None:
+    call = _callable(svc.channel, "UnaryStream")(b"flood")
+    await call.read()
+    await asyncio.sleep(0.3)  # the server fills the flow-control window and waits
+    call.cancel()
+    assert (await svc.recorder.finish_of("UnaryStream")).code == CANCELLED
 
 
 # ----- rejection in on_start --------------------------------------------------

@@ -114,10 +114,12 @@ def _ended_code(context: Any, exc: BaseException | None, started: float) -> grpc
     if isinstance(exc, grpc.aio.AbortError):
         code = context.code()
         return code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.UNKNOWN
-    if isinstance(exc, asyncio.CancelledError):
+    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
         # grpc cancels the handler task both for a client cancel and at the
         # deadline; only the time left tells them apart. The client's own timer
         # usually fires first and its cancel arrives a transit time before ours.
+        # A cancel that lands while grpc awaits a write leaves the response
+        # generators suspended: they are closed (GeneratorExit), not cancelled.
         remaining = context.time_remaining()
         slack = _DEADLINE_SLACK_S + _DEADLINE_SLACK_SHARE * (time.perf_counter() - started)
         if remaining is not None and remaining <= slack:
