@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
+import itertools
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -53,12 +55,31 @@ async def unary_unary(request: bytes, context: Any) -> bytes:
     return b"uu:" + request
 
 
+# Set when unary_stream's generator for a request ends (cleanup ran).
+STREAM_ENDED: dict[bytes, asyncio.Event] = {}
+
+
+_tags = itertools.count()
+
+
+def _ended(request: bytes) -> asyncio.Event:
+    return STREAM_ENDED.setdefault(request, asyncio.Event())
+
+
 async def unary_stream(request: bytes, context: Any) -> AsyncIterator[bytes]:
-    if request == b"flood":
-        # Never awaits itself: a client that stops reading leaves grpc awaiting a
-        # write, and an end of the call lands there, not inside the handler.
-        while True:
-            yield b"f" * 4096
+    try:
+        if request.startswith(b"flood"):
+            # Never awaits itself: a client that stops reading leaves grpc awaiting a
+            # write, and an end of the call lands there, not inside the handler.
+            while True:
+                yield b"f" * 4096
+        if request.startswith(b"hold-first"):
+            await asyncio.sleep(30)  # before the first message
+        if request.startswith(b"hold-between"):
+            yield b"first"
+            await asyncio.sleep(30)  # between two messages
+    finally:
+        _ended(request).set()
     for i in range(3):
         yield b"us%d" % i
         if i == 0:
@@ -328,6 +349,47 @@ async def test_client_cancel_while_grpc_awaits_a_write(svc: Running) -> None:
     await asyncio.sleep(0.3)  # the server fills the flow-control window and waits
     call.cancel()
     assert (await svc.recorder.finish_of("UnaryStream")).code == CANCELLED
+
+
+CANCEL_POINTS = {
+    "before_first_message": (b"hold-first", 0),
+    "between_messages": (b"hold-between", 1),
+    "during_blocked_write": (b"flood", 1),
+}
+
+
+@pytest.mark.parametrize("point", list(CANCEL_POINTS))
+async def test_client_cancel_counts_once_and_ends_the_handler_at_once(
+    svc: Running, point: str
+) -> None:
+    """Wherever a cancel lands, the call ends as CANCELLED once and its handler stops.
+
+    The garbage collector is off: nothing may wait for it to close a handler
+    that grpc left suspended (its cleanup, e.g. the engine abort, would wait too).
+    """
+    command, reads = CANCEL_POINTS[point]
+    gc.disable()
+    try:
+        for i in range(10):
+            svc.recorder.reset()
+            tag = command + b"-%d" % next(_tags)
+            call = _callable(svc.channel, "UnaryStream")(tag)
+            for _ in range(reads):
+                await call.read()
+            await asyncio.wait_for(svc.recorder.any_started.wait(), 5)
+            await asyncio.sleep(0.2)  # the server settles where the point says
+            assert not _ended(tag).is_set()
+            call.cancel()
+            finished = await svc.recorder.finish_of("UnaryStream", timeout=2.0)
+            assert finished.code == CANCELLED, (i, finished)
+            try:
+                await asyncio.wait_for(_ended(tag).wait(), 2.0)
+            except asyncio.TimeoutError:
+                raise AssertionError(f"call {i}: the handler was left running") from None
+            await asyncio.sleep(0.05)
+            assert len(svc.recorder.finished) == 1, svc.recorder.finished
+    finally:
+        gc.enable()
 
 
 # ----- rejection in on_start --------------------------------------------------

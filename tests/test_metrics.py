@@ -4,6 +4,7 @@ and a real Prometheus server scraping it."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import shutil
 import socket
@@ -62,11 +63,13 @@ class Served:
         assert self.value("vllm_servicer_requests_in_flight") == 0
 
 
-async def _serve(engine: Any, placement: str) -> tuple[grpc.aio.Server, Any, Served, Any]:
+async def _serve(
+    engine: Any, placement: str, outer: tuple[Any, ...] = ()
+) -> tuple[grpc.aio.Server, Any, Served, Any]:
     metrics = MetricsInterceptor(CollectorRegistry())
     # Inside metrics, so metrics sees the limit's rejections too.
     inflight = InflightInterceptor()
-    chain = [metrics, inflight]
+    chain = [*outer, metrics, inflight]
     if placement == "server_wide":
         server = grpc.aio.server(interceptors=chain)
         mounted = mount(server, engine)
@@ -194,6 +197,67 @@ async def test_failures_exact(served: Served, engine: Any) -> None:
     # The cancelled and aborted streams had sent tokens: one TTFT each.
     assert delta("vllm_servicer_time_to_first_token_seconds_count") >= 2
     assert await wait_until_idle(engine) == 0
+
+
+async def _cancel_at(served: Served, point: str) -> None:
+    """One streaming Generate, cancelled by the client at `point` once it started."""
+    started = served.value("grpc_server_started_total", **GENERATE)
+    # Top-20 logprobs make each message a few hundred bytes: a client that stops
+    # reading fills the flow-control window within a fraction of a second.
+    call = served.stub.Generate(request(stream=True, logprobs=20, **LONG))
+    if point == "before_first_message":
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 5
+        while served.value("grpc_server_started_total", **GENERATE) == started:
+            assert loop.time() < deadline, "the call never reached the server"
+            await asyncio.sleep(0.001)
+    elif point == "between_messages":
+        for _ in range(2):
+            await call.read()
+    else:  # during a blocked write
+        await call.read()
+        await asyncio.sleep(0.5)
+    call.cancel()
+
+
+@pytest.mark.parametrize(
+    "point", ["before_first_message", "between_messages", "during_blocked_write"]
+)
+@pytest.mark.parametrize("traced", [False, True], ids=["metrics", "traced"])
+async def test_client_cancel_counted_once_wherever_it_lands(
+    engine: Any, point: str, traced: bool
+) -> None:
+    """Each cancel is one CANCELLED, promptly, and leaves the engine.
+
+    The garbage collector is off: the count and the engine abort may not wait
+    for it to close a response generator that grpc left suspended. Traced, the
+    stack is the launcher's: OpenTelemetry's own wrapper outermost.
+    """
+    outer: tuple[Any, ...] = ()
+    if traced:
+        from opentelemetry.sdk.trace import TracerProvider
+
+        from vllm_servicer.interceptors import TracingInterceptor
+
+        outer = (TracingInterceptor(tracer_provider=TracerProvider()),)
+    server, mounted, served, channel = await _serve(engine, "server_wide", outer)
+    calls = 6
+    delta = served.snapshot()
+    gc.disable()
+    try:
+        for _ in range(calls):
+            await _cancel_at(served, point)
+        assert await served.inflight.wait_idle(5, include_all=True), "calls left in flight"
+        assert await wait_until_idle(engine, timeout=5) == 0, "cancelled requests left running"
+    finally:
+        gc.enable()
+        await channel.close()
+        await mounted.health.close()
+        await server.stop(None)
+    assert delta("grpc_server_handled_total", **GENERATE, grpc_code="CANCELLED") == calls
+    assert delta("grpc_server_handled_total", **GENERATE, grpc_code="OK") == 0
+    assert delta("vllm_servicer_request_cancelled_total", cause="client_cancel") == calls
+    assert delta("vllm_servicer_requests_in_flight") == 0
 
 
 async def test_limit_rejections_are_counted(served: Served, engine: Any) -> None:
