@@ -216,3 +216,74 @@ async def test_relay_streams_a_live_publisher(tmp_path: Path) -> None:
     finally:
         await stream.aclose()
         publisher.shutdown()
+
+
+async def test_subscribers_past_the_limit_are_resource_exhausted(featured: Any) -> None:
+    engine, _, _ = featured
+    server = grpc.aio.server()
+    mounted = mount(server, engine, health=False, reflection_service=False, max_kv_subscribers=2)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+            open_calls = [stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest())]
+            open_calls.append(stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest()))
+            for call in open_calls:
+                await call.initial_metadata()  # subscribed
+            refused = stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest())
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await refused.read()
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "limit is 2" in (err.value.details() or "")
+
+            # A closed stream gives its place back at once.
+            open_calls[0].cancel()
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 5
+            while mounted.servicer.kv_subscribers.active > 1:  # noqa: ASYNC110
+                assert loop.time() < deadline, "the cancelled stream kept its place"
+                await asyncio.sleep(0.02)
+            again = stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest())
+            await asyncio.wait_for(again.initial_metadata(), 10)
+            again.cancel()
+            open_calls[1].cancel()
+    finally:
+        await server.stop(None)
+    assert mounted.servicer.kv_subscribers.active == 0
+
+
+async def test_a_slow_subscriber_keeps_the_newest_batches_not_the_engines_memory(
+    tmp_path: Path,
+) -> None:
+    """The socket is drained while the caller does not read; past the backlog the oldest go."""
+    endpoint = f"ipc://{tmp_path}/pub"
+    publisher = ZmqEventPublisher(0, endpoint=endpoint, topic="kv")
+    subscribed = asyncio.Event()
+
+    async def mark() -> None:
+        subscribed.set()
+
+    stream = relay(
+        [Source(0, endpoint)],
+        topic="kv",
+        start_sequence_number=0,
+        engine_dead=lambda: False,
+        on_subscribed=mark,
+        backlog=10,
+    )
+    try:
+        first = asyncio.ensure_future(stream.__anext__())
+        await subscribed.wait()
+        await asyncio.sleep(0.3)
+        publisher.publish(KVEventBatch(ts=0.0, events=[AllBlocksCleared()]))
+        assert (await asyncio.wait_for(first, 10)).sequence_number == 0
+        # The caller reads nothing while 200 batches are published.
+        for ts in range(1, 201):
+            publisher.publish(KVEventBatch(ts=float(ts), events=[AllBlocksCleared()]))
+        await asyncio.sleep(1.0)
+        got = [(await asyncio.wait_for(stream.__anext__(), 10)).sequence_number for _ in range(10)]
+        assert got == list(range(191, 201)), got
+    finally:
+        await stream.aclose()
+        publisher.shutdown()

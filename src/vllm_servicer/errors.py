@@ -69,6 +69,10 @@ class NotEnabledError(RuntimeError):
     """The RPC needs an engine feature that is switched off (e.g. KV-cache events)."""
 
 
+class TooManySubscribersError(RuntimeError):
+    """A streaming subscription past the server's limit on concurrent subscribers."""
+
+
 class ErrorRule(NamedTuple):
     """One row of ERROR_TABLE: an exception class, its status and a stable reason."""
 
@@ -85,6 +89,7 @@ ERROR_TABLE: tuple[ErrorRule, ...] = (
     # Admission limits: this replica is full, another may not be.
     ErrorRule(QueueOverflowError, grpc.StatusCode.UNAVAILABLE, "ENGINE_BUSY"),
     ErrorRule(MaxQueuedTokensError, grpc.StatusCode.UNAVAILABLE, "ENGINE_BUSY"),
+    ErrorRule(TooManySubscribersError, grpc.StatusCode.RESOURCE_EXHAUSTED, "TOO_MANY_SUBSCRIBERS"),
     ErrorRule(ProfilerAlreadyActiveError, grpc.StatusCode.FAILED_PRECONDITION, "PROFILER_ACTIVE"),
     ErrorRule(UnsupportedError, grpc.StatusCode.FAILED_PRECONDITION, "UNSUPPORTED"),
     ErrorRule(NotEnabledError, grpc.StatusCode.UNIMPLEMENTED, "NOT_ENABLED"),

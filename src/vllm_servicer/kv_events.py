@@ -9,8 +9,10 @@ number and carry the rank they came from.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, NamedTuple
 
 import msgspec
@@ -25,7 +27,7 @@ from vllm.distributed.kv_events import (
 )
 from vllm.v1.engine.exceptions import EngineDeadError
 
-from .errors import NotEnabledError
+from .errors import NotEnabledError, TooManySubscribersError
 from .loads import managed_ranks
 from .proto import common_pb2
 
@@ -38,6 +40,14 @@ ENABLE_HINT = (
 )
 # How often an idle stream checks that the engine is still alive.
 _IDLE_CHECK_S = 1.0
+# Concurrent SubscribeKvEvents streams: each holds a socket here and a send
+# queue in every engine core's publisher.
+DEFAULT_MAX_SUBSCRIBERS = 16
+# Batches kept for a subscriber whose client reads slower than the engine
+# publishes. The socket is drained regardless (so the queue builds neither in
+# the engine nor in ZMQ); past this the oldest are dropped, and the client sees
+# the gap in sequence numbers.
+DEFAULT_BACKLOG = 1024
 
 _U64 = 1 << 64
 _TIERS = {
@@ -49,6 +59,38 @@ _LOCALITIES = {
     "LOCAL": common_pb2.KV_CACHE_LOCALITY_LOCAL,
     "REMOTE": common_pb2.KV_CACHE_LOCALITY_REMOTE,
 }
+
+
+class SubscriberLimit:
+    """Caps the SubscribeKvEvents streams open at once.
+
+    Args:
+        maximum: streams allowed at once; the next one gets RESOURCE_EXHAUSTED.
+    """
+
+    def __init__(self, maximum: int = DEFAULT_MAX_SUBSCRIBERS) -> None:
+        if maximum < 1:
+            raise ValueError(f"the subscriber limit must be at least 1, got {maximum}")
+        self.maximum = maximum
+        self.active = 0
+
+    @contextlib.contextmanager
+    def slot(self) -> Iterator[None]:
+        """Holds one stream's place while the block runs.
+
+        Raises:
+            TooManySubscribersError: `maximum` streams are open already.
+        """
+        if self.active >= self.maximum:
+            raise TooManySubscribersError(
+                f"{self.active} KV-event subscribers are connected, the limit is "
+                f"{self.maximum}; close one or raise the server's subscriber limit"
+            )
+        self.active += 1
+        try:
+            yield
+        finally:
+            self.active -= 1
 
 
 class Source(NamedTuple):
@@ -201,8 +243,12 @@ async def relay(
     start_sequence_number: int,
     engine_dead: Callable[[], bool],
     on_subscribed: Callable[[], Any] | None = None,
+    backlog: int = DEFAULT_BACKLOG,
 ) -> AsyncIterator[common_pb2.KvEventBatch]:
     """Stream every rank's published batches until the caller stops iterating.
+
+    A reader task drains the socket as batches arrive, whatever the caller's
+    pace, into a queue of at most `backlog` batches (the oldest go first).
 
     Args:
         ranks: the publishers to subscribe to.
@@ -211,28 +257,67 @@ async def relay(
         engine_dead: checked while idle; a dead engine ends the stream.
         on_subscribed: awaited once the socket is connected (e.g. to send
             the call's initial metadata, so the client knows it is live).
+        backlog: batches held for a caller that reads slower than they arrive.
 
     Raises:
         EngineDeadError: the engine died while the stream was open.
     """
     context = zmq.asyncio.Context.instance()
     socket = context.socket(zmq.SUB)
+    received: asyncio.Queue[list[bytes]] = asyncio.Queue(maxsize=backlog)
+    reader: asyncio.Future[None] | None = None
     try:
         socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.RCVHWM, backlog)
         socket.setsockopt(zmq.SUBSCRIBE, topic.encode())
         for source in ranks:
             socket.connect(source.endpoint)
         if on_subscribed is not None:
             await on_subscribed()
+        reader = asyncio.ensure_future(_read(socket, received, engine_dead))
         decode = BatchDecoder()
         while True:
-            # poll first: a cancelled recv future can lose a dequeued message.
-            if not await socket.poll(timeout=int(_IDLE_CHECK_S * 1000)):
-                if engine_dead():
-                    raise EngineDeadError()
-                continue
-            batch = decode(await socket.recv_multipart())
+            batch = decode(await _next(received, reader))
             if batch is not None and batch.sequence_number >= start_sequence_number:
                 yield batch
     finally:
+        if reader is not None:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, EngineDeadError):
+                await reader
         socket.close(linger=0)
+
+
+async def _read(
+    socket: Any, received: asyncio.Queue[list[bytes]], engine_dead: Callable[[], bool]
+) -> None:
+    dropped = 0
+    while True:
+        # poll first: a cancelled recv future can lose a dequeued message.
+        if not await socket.poll(timeout=int(_IDLE_CHECK_S * 1000)):
+            if engine_dead():
+                raise EngineDeadError()
+            continue
+        frames = await socket.recv_multipart()
+        if received.full():
+            received.get_nowait()
+            dropped += 1
+            if dropped == 1 or dropped % 1000 == 0:
+                logger.warning("KV-event subscriber reads too slowly: %d batches dropped", dropped)
+        received.put_nowait(frames)
+
+
+async def _next(received: asyncio.Queue[list[bytes]], reader: asyncio.Future[None]) -> list[bytes]:
+    """The next received frames, or the reader's error once it ended."""
+    if not received.empty():
+        return received.get_nowait()
+    getter = asyncio.ensure_future(received.get())
+    try:
+        await asyncio.wait((getter, reader), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not getter.done():
+            getter.cancel()
+    if getter.done() and not getter.cancelled():
+        return getter.result()
+    reader.result()  # raises what ended the reader
+    raise EngineDeadError()  # pragma: no cover - the reader only ends by raising

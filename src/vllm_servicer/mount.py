@@ -14,6 +14,7 @@ from grpc_reflection.v1alpha import reflection_pb2 as _reflection_pb2  # noqa: F
 from ._registration import HandlerRecorder, register, reject_undecodable, server_started
 from .engine import EngineClient
 from .health import EngineHealthServicer
+from .kv_events import DEFAULT_MAX_SUBSCRIBERS
 from .proto import SERVICE_NAME, vllm_engine_pb2_grpc
 from .reflection import ChainedPool
 from .servicer import VllmEngineServicer
@@ -48,6 +49,7 @@ def mount(
     health: bool = True,
     reflection_service: bool = True,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    max_kv_subscribers: int = DEFAULT_MAX_SUBSCRIBERS,
 ) -> MountedServices:
     """Serve `vllm.grpc.engine.VllmEngine` from `engine` on the host's `server`.
 
@@ -65,6 +67,8 @@ def mount(
             services and any service whose descriptors are in protobuf's default pool.
         interceptors: grpc.aio server interceptors applied to the services
             mounted here only, outermost first.
+        max_kv_subscribers: SubscribeKvEvents streams allowed at once; the
+            next one is answered RESOURCE_EXHAUSTED.
 
     Returns:
         The servicers and service names mounted.
@@ -78,7 +82,7 @@ def mount(
             "added after start only through a slow fallback path"
         )
     recorder = HandlerRecorder()
-    servicer = VllmEngineServicer(engine)
+    servicer = VllmEngineServicer(engine, max_kv_subscribers=max_kv_subscribers)
     vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(servicer, recorder)
     names = [SERVICE_NAME]
 

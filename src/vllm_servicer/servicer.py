@@ -54,10 +54,14 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     Args:
         engine: the host's engine client, usually `vllm.v1.engine.async_llm.AsyncLLM`.
+        max_kv_subscribers: SubscribeKvEvents streams allowed at once.
     """
 
-    def __init__(self, engine: EngineClient) -> None:
+    def __init__(
+        self, engine: EngineClient, *, max_kv_subscribers: int = kv_events.DEFAULT_MAX_SUBSCRIBERS
+    ) -> None:
         self._engine = engine
+        self._kv_subscribers = kv_events.SubscriberLimit(max_kv_subscribers)
         self._started_monotonic = time.monotonic()
         # Request ids in flight, a multiset (clients may reuse ids): its total is
         # the active count, its keys what a drain aborts.
@@ -76,6 +80,11 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     def engine(self) -> EngineClient:
         """The engine this servicer drives."""
         return self._engine
+
+    @property
+    def kv_subscribers(self) -> kv_events.SubscriberLimit:
+        """The SubscribeKvEvents streams open now, and their limit."""
+        return self._kv_subscribers
 
     @property
     def active_requests(self) -> int:
@@ -266,16 +275,21 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             config = kv_events.publisher_config(self._engine)
             if config is None:
                 raise NotEnabledError(kv_events.ENABLE_HINT)
-            stream = kv_events.relay(
-                kv_events.sources(self._engine, config),
-                topic=config.topic or "",
-                start_sequence_number=request.start_sequence_number,
-                engine_dead=lambda: bool(self._engine.errored),
-                # Headers out once subscribed: the client's first read means "live".
-                on_subscribed=lambda: context.send_initial_metadata(()),
-            )
-            async for batch in stream:
-                yield batch
+            with self._kv_subscribers.slot():
+                stream = kv_events.relay(
+                    kv_events.sources(self._engine, config),
+                    topic=config.topic or "",
+                    start_sequence_number=request.start_sequence_number,
+                    engine_dead=lambda: bool(self._engine.errored),
+                    # Headers out once subscribed: the client's first read means "live".
+                    on_subscribed=lambda: context.send_initial_metadata(()),
+                )
+                try:
+                    async for batch in stream:
+                        yield batch
+                finally:
+                    # Closed here, not at garbage collection: the slot and socket go now.
+                    await stream.aclose()
         except Exception as exc:
             await abort_for_exception(context, exc, method="SubscribeKvEvents")
 
