@@ -11,7 +11,14 @@ from grpc_status import rpc_status
 from helpers import collect, request
 from vllm.v1.engine.exceptions import EngineDeadError
 
-from vllm_servicer.errors import ERROR_DOMAIN, ERROR_TABLE, message_for, rich_status, rule_for
+from vllm_servicer.errors import (
+    ERROR_DOMAIN,
+    ERROR_TABLE,
+    UnsupportedError,
+    message_for,
+    rich_status,
+    rule_for,
+)
 from vllm_servicer.proto import common_pb2
 from vllm_servicer.proto import vllm_engine_pb2 as pb
 
@@ -114,3 +121,54 @@ def test_server_side_faults_have_reasons_and_no_violations(
     info = error_details_pb2.ErrorInfo()
     status.details[0].Unpack(info)
     assert info.reason == reason
+
+
+def test_type_errors_are_server_faults_and_keep_their_text_out() -> None:
+    exc = TypeError("unsupported operand type(s) for +: 'int' and 'NoneType'")
+    rule = rule_for(exc)
+    message = message_for(exc, rule.code, "r2")
+    assert rule.code == grpc.StatusCode.INTERNAL and "NoneType" not in message
+
+
+def test_messages_leave_out_this_servers_paths(tmp_path: Any) -> None:
+    model = tmp_path / "models" / "tiny"
+    model.mkdir(parents=True)
+    exc = UnsupportedError(f"no tokenizer files in {str(model)!r} on this server")
+    missing = ValueError(f"cannot read {model / 'tokenizer.json'}: not found")
+    foreign = ValueError("regex /a+b/ and url path /v1/models are the client's own")
+    for given, hidden in ((exc, str(model)), (missing, str(model))):
+        message = message_for(given, rule_for(given).code, "r3")
+        assert hidden not in message and "<path>" in message, message
+    assert message_for(foreign, rule_for(foreign).code, "r4") == str(foreign)
+
+
+async def test_tokenizer_errors_on_the_wire_name_no_server_path(tmp_path: Any) -> None:
+    """GetTokenizer's refusal from a real server, when its tokenizer folder holds no files."""
+    from vllm_servicer import mount
+    from vllm_servicer.proto import vllm_engine_pb2_grpc
+
+    empty = tmp_path / "srv" / "tokenizer"
+    empty.mkdir(parents=True)
+
+    class NoTokenizerFiles:
+        """Stand-in engine: only the model config GetTokenizer reads (a real
+        engine with an empty tokenizer folder would not start)."""
+
+        errored = False
+
+        class model_config:  # noqa: N801
+            tokenizer = str(empty)
+
+    server = grpc.aio.server()
+    mount(server, NoTokenizerFiles(), health=False, reflection_service=False)  # type: ignore[arg-type]
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await collect(stub.GetTokenizer(common_pb2.GetTokenizerRequest()))
+    finally:
+        await server.stop(None)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert str(tmp_path) not in (err.value.details() or "") and "<path>" in err.value.details()

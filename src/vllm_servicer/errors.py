@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import re
 from typing import TYPE_CHECKING, NamedTuple, NoReturn
 
 import grpc
@@ -101,10 +103,10 @@ ERROR_TABLE: tuple[ErrorRule, ...] = (
     # distinct class from TimeoutError before Python 3.11.
     ErrorRule(asyncio.TimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED, "TIMEOUT"),
     ErrorRule(TimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED, "TIMEOUT"),
-    # vLLM also validates with plain ValueError/TypeError/OverflowError
-    # (e.g. SamplingParams checks, tokenizer limits): the client's fault.
+    # vLLM also validates with plain ValueError/OverflowError (e.g.
+    # SamplingParams checks, tokenizer limits): the client's fault. A TypeError
+    # is not: request fields arrive typed, so it is a server bug (INTERNAL).
     ErrorRule(ValueError, grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ARGUMENT"),
-    ErrorRule(TypeError, grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ARGUMENT"),
     ErrorRule(OverflowError, grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ARGUMENT"),
 )
 _INTERNAL = ErrorRule(BaseException, grpc.StatusCode.INTERNAL, "INTERNAL")
@@ -128,12 +130,37 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
 
 
 def message_for(exc: BaseException, code: grpc.StatusCode, request_id: str) -> str:
-    """What the client is told: the exception's own words unless the fault is ours."""
+    """What the client is told: the exception's own words unless the fault is ours.
+
+    Paths of this server's files (a model or tokenizer directory in a
+    tokenizer's error, say) are left out: they tell a client how the host is laid out.
+    """
     if code is grpc.StatusCode.INTERNAL or isinstance(exc, EngineGenerateError):
         return _INTERNAL_MESSAGE.format(request_id=request_id)
     if isinstance(exc, EngineDeadError):
         return "engine is not running; retry on another replica"
-    return str(exc) or type(exc).__name__
+    return redact_paths(str(exc)) or type(exc).__name__
+
+
+# An absolute path inside a message: up to whitespace, a quote or a bracket.
+_ABSOLUTE_PATH = re.compile(r"(?<![\w.:/])/[^\s'\"()\[\]{},;]+")
+
+
+def redact_paths(text: str) -> str:
+    """`text` with every absolute path of this machine's files replaced by "<path>".
+
+    A path counts when it, or the directory meant to hold it, exists here; other
+    slashes (a client's regex, a URL path) are left as they are.
+    """
+
+    def hide(match: re.Match[str]) -> str:
+        path = match.group(0).rstrip(".")
+        parent = os.path.dirname(path)
+        if os.path.exists(path) or (parent not in ("", "/") and os.path.isdir(parent)):
+            return "<path>" + match.group(0)[len(path) :]
+        return match.group(0)
+
+    return _ABSOLUTE_PATH.sub(hide, text)
 
 
 def field_violation(exc: BaseException) -> tuple[str, str] | None:
