@@ -114,6 +114,35 @@ async def test_reflection_lists_and_resolves_every_service(host: Any) -> None:
     assert common_resolves
 
 
+async def test_reflection_reveals_nothing_but_the_mounted_services(host: Any) -> None:
+    """Reflection needs no credentials: the rest of the process's descriptors stay unseen."""
+    _, _, address = host
+    # In this process's default pool (the error details module loaded it), not served.
+    hidden = "google.rpc.BadRequest"
+    assert descriptor_pool.Default().FindMessageTypeByName(hidden)
+
+    def lookups() -> tuple[bool, bool, bool]:
+        with grpc.insecure_channel(address) as sync_channel:
+            database = ProtoReflectionDescriptorDatabase(sync_channel)
+            pool = descriptor_pool.DescriptorPool(database)
+
+            def found(find: Any, name: str) -> bool:
+                try:
+                    find(name)
+                except KeyError:
+                    return False
+                return True
+
+            return (
+                found(pool.FindServiceByName, SERVICE_NAME),
+                found(pool.FindMessageTypeByName, hidden),
+                found(pool.FindFileByName, "google/rpc/error_details.proto"),
+            )
+
+    served, by_symbol, by_file = await asyncio.to_thread(lookups)
+    assert served and not by_symbol and not by_file
+
+
 async def test_mount_after_start_is_an_error(engine: Any) -> None:
     server = grpc.aio.server()
     server.add_insecure_port("127.0.0.1:0")

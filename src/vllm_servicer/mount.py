@@ -64,7 +64,7 @@ def mount(
         health: mount `grpc.health.v1.Health`. Turn off when the host runs its
             own; `MountedServices.health` is then None.
         reflection_service: mount server reflection (v1alpha) for the mounted
-            services and any service whose descriptors are in protobuf's default pool.
+            services: it resolves their files and imports, nothing else of the process.
         interceptors: grpc.aio server interceptors applied to the services
             mounted here only, outermost first.
         max_kv_subscribers: SubscribeKvEvents streams allowed at once; the
@@ -95,7 +95,8 @@ def mount(
     if reflection_service:
         names.append(REFLECTION_SERVICE_NAME)
         reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
-            reflection.aio.ReflectionServicer(tuple(names), pool=ChainedPool()), recorder
+            reflection.aio.ReflectionServicer(tuple(names), pool=ChainedPool(services=names)),
+            recorder,
         )
 
     wrap = _interceptor_chain(interceptors)

@@ -1,13 +1,16 @@
-"""Server reflection over this package's descriptor pool and the default one.
+"""Server reflection over the mounted services' descriptors, and nothing else.
 
 The protocol's descriptors live in a private pool (see vllm_servicer.proto);
-health, reflection and the host's own services live in protobuf's default
-pool. Reflection looks in both, so `grpcurl` resolves every service mounted
-on the server.
+health and reflection live in protobuf's default pool. Reflection looks in
+both, so `grpcurl` resolves every service mounted here. It answers only for the
+files that define the mounted services and the files they import: reflection
+needs no credentials, and the default pool also holds whatever else the host
+process loaded (its own services, their internal messages).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from google.protobuf import descriptor_pool
@@ -16,10 +19,41 @@ from .proto import POOL
 
 
 class ChainedPool:
-    """A read-only view that answers descriptor lookups from several pools in order."""
+    """A read-only view that answers descriptor lookups from several pools in order.
 
-    def __init__(self, *pools: descriptor_pool.DescriptorPool) -> None:
+    Args:
+        pools: where to look, first match wins (default: this package's pool,
+            then protobuf's default pool).
+        services: when given, only the files defining these services (full
+            names) and their imports are visible; any other lookup is a KeyError.
+    """
+
+    def __init__(
+        self, *pools: descriptor_pool.DescriptorPool, services: Iterable[str] | None = None
+    ) -> None:
         self._pools = pools or (POOL, descriptor_pool.Default())
+        self._files: frozenset[str] | None = None
+        if services is not None:
+            self._files = frozenset(self._closure(services))
+
+    def _closure(self, services: Iterable[str]) -> set[str]:
+        seen: set[str] = set()
+        todo = []
+        for service in services:
+            try:
+                todo.append(self._first("FindFileContainingSymbol", service))
+            except KeyError:
+                continue
+        while todo:
+            file = todo.pop()
+            if file.name not in seen:
+                seen.add(file.name)
+                todo.extend(file.dependencies)
+        return seen
+
+    def _visible(self, file: Any, key: Any) -> None:
+        if self._files is not None and file.name not in self._files:
+            raise KeyError(key)
 
     def _first(self, method: str, *args: Any) -> Any:
         last: Exception | None = None
@@ -31,16 +65,24 @@ class ChainedPool:
         raise last if last is not None else KeyError(args)
 
     def FindFileByName(self, name: str) -> Any:  # noqa: N802 - DescriptorPool's API
-        return self._first("FindFileByName", name)
+        found = self._first("FindFileByName", name)
+        self._visible(found, name)
+        return found
 
     def FindFileContainingSymbol(self, symbol: str) -> Any:  # noqa: N802
-        return self._first("FindFileContainingSymbol", symbol)
+        found = self._first("FindFileContainingSymbol", symbol)
+        self._visible(found, symbol)
+        return found
 
     def FindMessageTypeByName(self, name: str) -> Any:  # noqa: N802
-        return self._first("FindMessageTypeByName", name)
+        found = self._first("FindMessageTypeByName", name)
+        self._visible(found.file, name)
+        return found
 
     def FindExtensionByNumber(self, message: Any, number: int) -> Any:  # noqa: N802
-        return self._first("FindExtensionByNumber", message, number)
+        found = self._first("FindExtensionByNumber", message, number)
+        self._visible(found.file, number)
+        return found
 
     def FindAllExtensions(self, message: Any) -> list[Any]:  # noqa: N802
         found: list[Any] = []
@@ -49,4 +91,6 @@ class ChainedPool:
                 found.extend(pool.FindAllExtensions(message))
             except (KeyError, TypeError):
                 continue
-        return found
+        if self._files is None:
+            return found
+        return [extension for extension in found if extension.file.name in self._files]
