@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 DEFAULT_MAX_MESSAGE_BYTES = 32 * 1024 * 1024
 
 
@@ -27,6 +29,11 @@ def server_options(
       `max_connection_age_grace` more seconds. Client-side and proxy
       balancing then re-spread load after a scale-up instead of keeping every
       long-lived HTTP/2 connection on the old replicas.
+    - `so_reuseport=0`: grpc turns SO_REUSEPORT on by default, so a second
+      server started on a port that one already serves binds it too and the
+      kernel splits the traffic between them (perhaps two different models);
+      off, the second bind fails. Hosts that want several processes on one
+      port on purpose can append ("grpc.so_reuseport", 1).
     """
     if max_message_bytes <= 0:
         raise ValueError("max_message_bytes must be positive; unlimited sizes are unsafe")
@@ -36,6 +43,7 @@ def server_options(
         ("grpc.http2.max_ping_strikes", 0),
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
         ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.so_reuseport", 0),
     ]
     if max_connection_age is not None:
         if max_connection_age <= 0:
@@ -45,3 +53,28 @@ def server_options(
             ("grpc.max_connection_age_grace_ms", int(max_connection_age_grace * 1000)),
         ]
     return options
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Whether a TCP port already has a listener on `host` (False for port 0).
+
+    A check before a slow start-up (loading a model), so that a port taken by
+    another server fails at once rather than after the engine is up.
+    """
+    if port == 0:
+        return False
+    try:
+        addresses = socket.getaddrinfo(
+            host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except socket.gaierror:
+        return False  # the server's own bind reports a bad host
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as probe:
+            # As grpc binds: a port in TIME_WAIT after a restart is free.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError:
+                return True
+    return False

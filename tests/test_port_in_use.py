@@ -1,0 +1,68 @@
+"""A port that one server already serves is refused, by the options and by the launcher."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import sys
+import time
+
+import grpc
+import pytest
+
+from vllm_servicer import server_options
+
+
+async def _bind(options: list[tuple[str, int]], port: int) -> tuple[grpc.aio.Server, int]:
+    server = grpc.aio.server(options=options)
+    try:
+        bound = server.add_insecure_port(f"127.0.0.1:{port}")
+    except RuntimeError:
+        bound = 0
+    return server, bound
+
+
+@pytest.mark.parametrize(("options", "second_binds"), [([], True), (server_options(), False)])
+async def test_a_second_server_on_a_served_port(
+    options: list[tuple[str, int]], second_binds: bool
+) -> None:
+    """grpc's default (SO_REUSEPORT on) lets two servers share a port; ours does not."""
+    first, port = await _bind(options, 0)
+    await first.start()
+    try:
+        second, bound = await _bind(options, port)
+        assert (bound == port) is second_binds
+        await second.stop(None)
+    finally:
+        await first.stop(None)
+
+
+async def test_the_launcher_refuses_a_port_in_use_before_loading_the_model() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        started = time.monotonic()
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "vllm_servicer",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+        try:
+            output, _ = await asyncio.wait_for(proc.communicate(), 120)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+    text = output.decode(errors="replace")
+    assert proc.returncode == 1, text[-2000:]
+    assert f"127.0.0.1:{port} is already in use" in text
+    assert "starting the vLLM engine" not in text, "it loaded the model first"
+    print(f"refused in {time.monotonic() - started:.1f} s")
