@@ -8,9 +8,15 @@ The order matters to load balancers and clients:
    `timeout` seconds;
 4. calls still running then are aborted in the engine, so their streams end
    with finish_reason "abort" and status OK instead of being cut;
-5. the server stops; the caller then shuts the engine down.
+5. the server stops at once: what still runs then are long-lived streams
+   (health Watch, reflection, KV events) or calls of the host's own services,
+   and they are cancelled rather than waited for. The caller then shuts the
+   engine down.
 
-A second `request_stop()` (a second signal) skips the waiting in 2 and 3.
+Health Watch streams end, after their NOT_SERVING, when step 3 begins. A
+second `request_stop()` (a second signal) skips the waiting in 2 and 3. A
+`HardStop` given to `GracefulShutdown` is the owner's last resort: it fires if
+the whole sequence (engine shutdown included) overruns its ceiling.
 """
 
 from __future__ import annotations
@@ -18,16 +24,66 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .mount import MountedServices
+if TYPE_CHECKING:
+    from .mount import MountedServices
 
 logger = logging.getLogger("vllm_servicer.drain")
 
 # After aborting the stragglers in the engine: time for their final messages.
 _ABORT_FLUSH_SECONDS = 5.0
+# What a HardStop allows beyond the drain for the owner to shut the engine down.
+_ENGINE_SHUTDOWN_SECONDS = 15.0
+
+
+class HardStop:
+    """Calls `on_expiry` once a deadline passes, from a thread of its own.
+
+    A thread keeps the time so that it fires even when the event loop is
+    blocked (by a stuck shutdown step, say). `on_expiry` is meant to end the
+    process; `arm()` sets the deadline and later calls can only bring it nearer.
+    """
+
+    def __init__(self, on_expiry: Callable[[], object]) -> None:
+        self._on_expiry = on_expiry
+        self._deadline: float | None = None
+        self._wakeup = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def arm(self, seconds: float) -> None:
+        """Fire in `seconds` at the latest."""
+        with self._wakeup:
+            deadline = time.monotonic() + seconds
+            if self._deadline is None or deadline < self._deadline:
+                self._deadline = deadline
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="vllm-servicer-hard-stop", daemon=True
+                )
+                self._thread.start()
+            self._wakeup.notify()
+
+    def disarm(self) -> None:
+        """Do not fire."""
+        with self._wakeup:
+            self._deadline = None
+            self._wakeup.notify()
+
+    def _run(self) -> None:
+        with self._wakeup:
+            while self._deadline is not None:
+                left = self._deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._wakeup.wait(left)
+            else:
+                return
+        logger.error("shutdown overran its ceiling: stopping now")
+        self._on_expiry()
 
 
 class GracefulShutdown:
@@ -41,6 +97,9 @@ class GracefulShutdown:
         timeout: seconds in-flight calls get to finish once new calls are refused.
         on_drain: callables run when draining starts (e.g. a metrics
             interceptor's `mark_shutdown`).
+        hard_stop: armed by each stop request with what is left of the
+            sequence plus `_ENGINE_SHUTDOWN_SECONDS` (a second request leaves
+            only the abort flush): the process owner's ceiling.
     """
 
     def __init__(
@@ -51,12 +110,14 @@ class GracefulShutdown:
         grace_period: float = 2.0,
         timeout: float = 30.0,
         on_drain: Iterable[Callable[[], object]] = (),
+        hard_stop: HardStop | None = None,
     ) -> None:
         self._server = server
         self._mounted = mounted
         self._grace_period = grace_period
         self._timeout = timeout
         self._on_drain = tuple(on_drain)
+        self._hard_stop = hard_stop
         self._stop_requested = asyncio.Event()
         self._hurry = asyncio.Event()
 
@@ -65,14 +126,21 @@ class GracefulShutdown:
         if self._stop_requested.is_set():
             logger.warning("second stop request: skipping the wait for in-flight calls")
             self._hurry.set()
+            ceiling = _ABORT_FLUSH_SECONDS + _ENGINE_SHUTDOWN_SECONDS
+        else:
+            ceiling = self._grace_period + self._timeout + 2 * _ABORT_FLUSH_SECONDS
+            ceiling += _ENGINE_SHUTDOWN_SECONDS
         self._stop_requested.set()
+        if self._hard_stop is not None:
+            self._hard_stop.arm(ceiling)
 
     async def wait_for_stop_request(self) -> None:
         """Return once `request_stop()` was called."""
         await self._stop_requested.wait()
 
     async def _wait(self, seconds: float) -> None:
-        with contextlib.suppress(TimeoutError):
+        # asyncio's TimeoutError: not the builtin one before Python 3.11.
+        with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._hurry.wait(), seconds)
 
     async def _wait_idle(self, seconds: float, *, interruptible: bool = True) -> bool:
@@ -92,6 +160,7 @@ class GracefulShutdown:
             "draining: health now NOT_SERVING, %d calls in flight", servicer.active_requests
         )
         if health is not None:
+            # Never waits on a client (a Watch caller can stall only its own stream).
             await health.start_draining()
         for callback in self._on_drain:
             callback()
@@ -103,6 +172,8 @@ class GracefulShutdown:
             self._timeout,
             servicer.active_requests,
         )
+        if health is not None:
+            await health.close()  # Watch streams end now, after their NOT_SERVING
         stopped = asyncio.ensure_future(self._server.stop(self._timeout + _ABORT_FLUSH_SECONDS))
         if not await self._wait_idle(self._timeout):
             running = servicer.running_request_ids
@@ -114,9 +185,10 @@ class GracefulShutdown:
             await servicer.abort_running()
             # The aborted streams still send their final "abort" message.
             await self._wait_idle(_ABORT_FLUSH_SECONDS, interruptible=False)
-        if self._hurry.is_set() and not stopped.done():
+        if not stopped.done():
+            # The calls drained are all the server waits for: what runs on are
+            # long-lived streams (reflection, KV events, a Watch stuck on a
+            # client that reads nothing), which would hold it to the timeout.
             await self._server.stop(0)
         await stopped
-        if health is not None:
-            await health.close()
         logger.info("server stopped; %d calls left", servicer.active_requests)

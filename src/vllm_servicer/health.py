@@ -1,10 +1,13 @@
 """`grpc.health.v1` status that follows the engine.
 
-grpc's own asyncio HealthServicer keeps the statuses and streams changes to
-Watch callers; this adds the engine as their source. Check re-reads the engine
-on every call (one attribute read), and a small background task, started with
-the first health call, turns an engine death into a Watch update within
-`poll_interval` seconds.
+Check re-reads the engine on every call (one attribute read), and a small
+background task, started with the first Watch, turns an engine death into a
+Watch update within `poll_interval` seconds.
+
+Unlike grpc's own asyncio HealthServicer, whose Watch holds a lock shared with
+every status change while it awaits a write, no status change here ever waits
+for a client: a Watch caller that grants no flow-control window stalls its own
+stream, not the server's drain.
 """
 
 from __future__ import annotations
@@ -13,8 +16,8 @@ import asyncio
 import contextlib
 from typing import TYPE_CHECKING, Any
 
-from grpc_health.v1 import _async as health_aio
-from grpc_health.v1 import health_pb2
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from .engine import EngineClient
 
@@ -23,9 +26,10 @@ if TYPE_CHECKING:
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+SERVICE_UNKNOWN = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
 
 
-class EngineHealthServicer(health_aio.HealthServicer):
+class EngineHealthServicer(health_pb2_grpc.HealthServicer):
     """The standard health service, reporting the engine's state for `services`.
 
     Args:
@@ -37,19 +41,32 @@ class EngineHealthServicer(health_aio.HealthServicer):
     def __init__(
         self, engine: EngineClient, services: tuple[str, ...], poll_interval: float = 0.5
     ) -> None:
-        super().__init__()
         self._engine = engine
         self._services = services
         self._poll_interval = poll_interval
         self._draining = False
+        self._closed = False
         self._poller: asyncio.Task[None] | None = None
+        self._status: dict[str, int] = {}
+        # Set, then replaced, on every change: watchers wait on the current one
+        # and hold nothing that a status change would need.
+        self._changed = asyncio.Event()
         for service in services:
-            self._server_status[service] = self._engine_status()
+            self._status[service] = self._engine_status()
 
     def _engine_status(self) -> int:
         if self._draining or self._engine.errored:
             return NOT_SERVING
         return SERVING
+
+    def _publish(self, service: str, status: int) -> None:
+        if self._status.get(service) != status:
+            self._status[service] = status
+            self._wake_watchers()
+
+    def _wake_watchers(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
 
     @property
     def serving(self) -> bool:
@@ -60,13 +77,22 @@ class EngineHealthServicer(health_aio.HealthServicer):
         """Publish the engine's current state to Check and Watch callers."""
         status = self._engine_status()
         for service in self._services:
-            if self._server_status.get(service) != status:
-                await self._set(service, status)  # type: ignore[arg-type]
+            self._publish(service, status)
+
+    async def set(self, service: str, status: int) -> None:
+        """Set the status of a service of the host's (grpc_health's API); ignored once draining."""
+        if not self._draining:
+            self._publish(service, status)
 
     async def start_draining(self) -> None:
-        """Report NOT_SERVING from now on (the server is shutting down)."""
+        """Report NOT_SERVING for every service from now on (the server is shutting down)."""
         self._draining = True
-        await self.refresh()
+        for service in list(self._status):
+            self._publish(service, NOT_SERVING)
+
+    async def enter_graceful_shutdown(self) -> None:
+        """The same as `start_draining()`, under grpc_health's name."""
+        await self.start_draining()
 
     def _ensure_poller(self) -> None:
         if self._poller is None or self._poller.done():
@@ -80,7 +106,9 @@ class EngineHealthServicer(health_aio.HealthServicer):
             await asyncio.sleep(self._poll_interval)
 
     async def close(self) -> None:
-        """Stop the background engine check."""
+        """Stop the background engine check and end Watch streams after their last status."""
+        self._closed = True
+        self._wake_watchers()
         if self._poller is not None:
             self._poller.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -91,11 +119,26 @@ class EngineHealthServicer(health_aio.HealthServicer):
         self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> health_pb2.HealthCheckResponse:
         await self.refresh()
-        return await super().Check(request, context)  # type: ignore[no-any-return]
+        status = self._status.get(request.service)
+        if status is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND)
+        return health_pb2.HealthCheckResponse(status=status)
 
     async def Watch(
         self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> None:
-        self._ensure_poller()
+        if not self._closed:
+            self._ensure_poller()
         await self.refresh()
-        await super().Watch(request, context)
+        last = None
+        while True:
+            changed = self._changed
+            status = self._status.get(request.service, SERVICE_UNKNOWN)
+            if status != last:
+                # A client that grants no flow-control window blocks this write;
+                # nothing shared is held while it waits.
+                await context.write(health_pb2.HealthCheckResponse(status=status))
+                last = status
+            if self._closed:
+                return
+            await changed.wait()

@@ -1,0 +1,131 @@
+"""Shutdown building blocks on their own: health state changes, drain waits, the hard stop."""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from grpc_health.v1 import health_pb2
+
+from vllm_servicer import drain
+from vllm_servicer.drain import GracefulShutdown
+from vllm_servicer.health import EngineHealthServicer
+
+SRC = Path(__file__).resolve().parent.parent / "src" / "vllm_servicer"
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class _StuckContext:
+    """A Watch caller whose first write never completes (no flow-control window)."""
+
+    def __init__(self) -> None:
+        self.written: list[int] = []
+
+    async def write(self, message: Any) -> None:
+        self.written.append(message.status)
+        await asyncio.Event().wait()  # never set: the write blocks like a zero window
+
+
+class _Context:
+    def __init__(self) -> None:
+        self.written: list[int] = []
+        self.wrote = asyncio.Event()
+
+    async def write(self, message: Any) -> None:
+        self.written.append(message.status)
+        self.wrote.set()
+
+
+def _health() -> EngineHealthServicer:
+    return EngineHealthServicer(SimpleNamespace(errored=False), services=("", "x.Y"))
+
+
+async def test_health_state_changes_never_wait_for_a_watch_write() -> None:
+    health = _health()
+    stuck = asyncio.ensure_future(health.Watch(health_pb2.HealthCheckRequest(), _StuckContext()))
+    await asyncio.sleep(0.05)
+    # A well-behaved watcher of the same service still gets its updates.
+    context = _Context()
+    watcher = asyncio.ensure_future(health.Watch(health_pb2.HealthCheckRequest(), context))
+    await asyncio.wait_for(context.wrote.wait(), 1)
+    context.wrote.clear()
+
+    await asyncio.wait_for(health.start_draining(), 1)
+    await asyncio.wait_for(health.set("x.Y", SERVING), 1)  # ignored once draining
+    await asyncio.wait_for(context.wrote.wait(), 1)
+    assert context.written == [SERVING, NOT_SERVING]
+
+    # close() ends the watchers that can end; the stuck one is the server's to cancel.
+    await asyncio.wait_for(health.close(), 1)
+    await asyncio.wait_for(watcher, 1)
+    assert not stuck.done()
+    stuck.cancel()
+
+
+async def test_check_reports_draining_and_unknown_services() -> None:
+    health = _health()
+    context = SimpleNamespace(abort=None)
+    assert (await health.Check(health_pb2.HealthCheckRequest(service="x.Y"), context)).status == (
+        SERVING
+    )
+    await health.enter_graceful_shutdown()
+    assert (await health.Check(health_pb2.HealthCheckRequest(), context)).status == NOT_SERVING
+
+
+def _shutdown(active: int = 0) -> GracefulShutdown:
+    mounted = SimpleNamespace(servicer=SimpleNamespace(active_requests=active), health=None)
+    return GracefulShutdown(None, mounted)  # type: ignore[arg-type]
+
+
+async def test_drain_waits_time_out_quietly_and_end_early_on_a_second_request() -> None:
+    shutdown = _shutdown(active=1)
+    started = time.monotonic()
+    await shutdown._wait(0.1)  # returns at the timeout, whatever TimeoutError is
+    assert not await shutdown._wait_idle(0.1)
+    assert 0.2 <= time.monotonic() - started < 1.0
+
+    shutdown.request_stop()
+    shutdown.request_stop()  # the second request cuts every wait short
+    started = time.monotonic()
+    await shutdown._wait(30)
+    assert not await shutdown._wait_idle(30)
+    assert time.monotonic() - started < 0.5
+
+
+def test_timeouts_caught_in_src_are_asyncios() -> None:
+    """`except TimeoutError` misses asyncio's timeouts on Python 3.10 (not an alias there)."""
+    offenders = []
+    for path in SRC.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            caught: list[ast.expr] = []
+            if isinstance(node, ast.ExceptHandler) and node.type is not None:
+                caught = list(node.type.elts) if isinstance(node.type, ast.Tuple) else [node.type]
+            elif isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "suppress":
+                caught = list(node.args)
+            names = {ast.unparse(c) for c in caught}
+            if "TimeoutError" in names and "asyncio.TimeoutError" not in names:
+                offenders.append(f"{path.name}:{node.lineno}")
+    assert not offenders, f"builtin TimeoutError caught without asyncio's: {offenders}"
+
+
+def test_hard_stop_fires_at_the_deadline_and_a_later_arm_only_shortens_it() -> None:
+    fired = threading.Event()
+    hard = drain.HardStop(fired.set)
+    hard.arm(30)
+    hard.arm(60)  # later deadlines do not extend the first
+    hard.arm(0.2)
+    started = time.monotonic()
+    assert fired.wait(5)
+    assert 0.15 <= time.monotonic() - started < 2
+    quiet = threading.Event()
+    disarmed = drain.HardStop(quiet.set)
+    disarmed.arm(0.1)
+    disarmed.disarm()
+    assert not quiet.wait(0.4)
