@@ -3,17 +3,26 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
+import socket
+import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import grpc
+import h2.config
+import h2.connection
+import h2.exceptions
+import h2.settings
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from helpers import request
-from test_examples import _drain_output, _spawn, _wait_for_line
+from test_examples import ROOT, _drain_output, _spawn, _wait_for_line
 
 from vllm_servicer.proto import vllm_engine_pb2_grpc
 
@@ -43,11 +52,22 @@ def _alive(pid: int) -> bool:
     return stat.exists() and stat.read_text().split()[2] != "Z"
 
 
-async def _launch(env: dict[str, str], *flags: str) -> tuple[Any, str]:
+async def _launch(env: dict[str, str], *flags: str, session: bool = False) -> tuple[Any, str]:
     # A long context lets "long" streams outlast any drain timeout here.
-    proc = await _spawn(
-        "-m", "vllm_servicer", "serve", "--port", "0", "--max-model-len", "65536", *flags, env=env
-    )
+    args = ("-m", "vllm_servicer", "serve", "--port", "0", "--max-model-len", "65536", *flags)
+    if session:
+        # Its own session and process group, as a shell job or a service has.
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            *args,
+            cwd=ROOT,
+            env=env,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,
+        )
+    else:
+        proc = await _spawn(*args, env=env)
     match = await _wait_for_line(proc, r"listening on (\S+:\d+)")
     return proc, match.group(1)
 
@@ -139,3 +159,150 @@ async def test_second_signal_exits_promptly(env: dict[str, str]) -> None:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def _stop_and_reap(proc: Any, output: Any, engine_processes: set[int]) -> None:
+    output.cancel()
+    # Engine processes left behind hold the launcher's stdout open, and with it
+    # proc.wait(): end them too.
+    for pid in {proc.pid} | engine_processes:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(proc.wait(), 30)
+
+
+async def _gone(pids: set[int], timeout: float) -> set[int]:
+    """The processes of `pids` still alive after up to `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while (left := {p for p in pids if _alive(p)}) and time.monotonic() < deadline:  # noqa: ASYNC110 - no event for another process's exit
+        await asyncio.sleep(0.2)
+    return left
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+async def test_signal_to_the_whole_process_group_still_drains(
+    env: dict[str, str], sig: signal.Signals
+) -> None:
+    """systemd's stop and Ctrl-C signal every process of the group, the engine's too."""
+    proc, address = await _launch(env, "--drain-grace", "0.5", session=True)
+    output = asyncio.ensure_future(_drain_output(proc))
+    engine_processes = _children(proc.pid)
+    try:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+            started = [asyncio.Event() for _ in range(16)]
+            streams = [asyncio.ensure_future(_stream(stub, 200, e)) for e in started]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+            os.killpg(proc.pid, sig)
+            results = await asyncio.wait_for(asyncio.gather(*streams, return_exceptions=True), 90)
+            completed = [r for r in results if r == (grpc.StatusCode.OK, 200, "length")]
+            assert len(completed) == 16, results
+        assert await asyncio.wait_for(proc.wait(), 60) == 0
+        assert not await _gone(engine_processes, 10), "engine processes left behind"
+    finally:
+        await _stop_and_reap(proc, output, engine_processes)
+
+
+async def test_engine_processes_end_when_the_launcher_dies_hard(env: dict[str, str]) -> None:
+    proc, _ = await _launch(env)
+    output = asyncio.ensure_future(_drain_output(proc))
+    engine_processes = _children(proc.pid)
+    try:
+        assert engine_processes
+        proc.kill()  # SIGKILL to the launcher alone: no drain, no engine shutdown
+        assert not await _gone(engine_processes, 30), "engine processes outlived the launcher"
+    finally:
+        await _stop_and_reap(proc, output, engine_processes)
+
+
+class _StuckWatch:
+    """A raw HTTP/2 client that opens health Watch, grants no flow-control window and
+    never reads a message: the server's first write on that stream can never complete."""
+
+    def __init__(self, address: str) -> None:
+        host, port = address.rsplit(":", 1)
+        self._sock = socket.create_connection((host, int(port)))
+        self._conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        self._conn.initiate_connection()
+        self._conn.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0})
+        headers = [
+            (":method", "POST"),
+            (":scheme", "http"),
+            (":path", "/grpc.health.v1.Health/Watch"),
+            (":authority", address),
+            ("content-type", "application/grpc"),
+            ("te", "trailers"),
+        ]
+        self._conn.send_headers(1, headers)
+        # An empty HealthCheckRequest: uncompressed flag and a zero length.
+        self._conn.send_data(1, b"\x00\x00\x00\x00\x00", end_stream=True)
+        self._sock.sendall(self._conn.data_to_send())
+        # Frames are still read so SETTINGS and PINGs are acknowledged (a silent
+        # peer would be dropped by keepalive); WINDOW_UPDATE is never sent.
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            while data := self._sock.recv(65536):
+                self._conn.receive_data(data)
+                self._sock.sendall(self._conn.data_to_send())
+        except (OSError, h2.exceptions.ProtocolError):
+            pass
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+async def test_a_watch_client_that_never_reads_cannot_hold_the_stop(env: dict[str, str]) -> None:
+    proc, address = await _launch(env, "--shutdown-timeout", "3", "--drain-grace", "0.5")
+    output = asyncio.ensure_future(_drain_output(proc))
+    engine_processes = _children(proc.pid)
+    stuck = _StuckWatch(address)
+    try:
+        await asyncio.sleep(1.0)  # the server's write of SERVING is now blocked
+        proc.send_signal(signal.SIGTERM)
+        sent = time.perf_counter()
+        assert await asyncio.wait_for(proc.wait(), 60) == 0
+        elapsed = time.perf_counter() - sent
+        # Grace, shutdown timeout, abort flush and the engine's shutdown, at most.
+        assert elapsed < 3 + 0.5 + 5 + 10, f"stopped after {elapsed:.1f} s"
+        assert not await _gone(engine_processes, 10), "engine processes left behind"
+    finally:
+        stuck.close()
+        await _stop_and_reap(proc, output, engine_processes)
+
+
+async def test_open_watch_and_reflection_streams_do_not_delay_the_stop(
+    env: dict[str, str],
+) -> None:
+    proc, address = await _launch(env, "--shutdown-timeout", "30", "--drain-grace", "0.5")
+    output = asyncio.ensure_future(_drain_output(proc))
+    engine_processes = _children(proc.pid)
+    try:
+        async with grpc.aio.insecure_channel(address) as channel:
+            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
+            assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+            asks: asyncio.Queue[Any] = asyncio.Queue()
+
+            async def questions() -> Any:
+                while (ask := await asks.get()) is not None:
+                    yield ask
+
+            reflection = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+                questions()
+            )
+            await asks.put(reflection_pb2.ServerReflectionRequest(list_services=""))
+            assert (await reflection.read()).list_services_response.service
+
+            proc.send_signal(signal.SIGTERM)
+            sent = time.perf_counter()
+            assert (await watch.read()).status == health_pb2.HealthCheckResponse.NOT_SERVING
+            # Nothing is in flight: the stop ends both streams instead of
+            # waiting out the 30 s shutdown timeout for them.
+            assert await asyncio.wait_for(proc.wait(), 60) == 0
+            elapsed = time.perf_counter() - sent
+            assert elapsed < 10, f"stopped after {elapsed:.1f} s"
+            assert await watch.read() == grpc.aio.EOF
+    finally:
+        await _stop_and_reap(proc, output, engine_processes)

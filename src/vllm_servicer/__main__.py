@@ -197,7 +197,8 @@ async def serve(args: argparse.Namespace) -> int:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from .drain import GracefulShutdown
+    from ._engine_processes import apart_from_stop_signals, exit_now
+    from .drain import GracefulShutdown, HardStop
     from .interceptors import start_metrics_server
     from .mount import mount
     from .options import server_options
@@ -215,7 +216,9 @@ async def serve(args: argparse.Namespace) -> int:
 
     started = time.monotonic()
     logger.info("starting the vLLM engine for %s (loading the model)...", args.model)
-    engine = AsyncLLM.from_engine_args(AsyncEngineArgs.from_cli_args(args))
+    # Its processes must leave stop signals to us: we drain, then stop them.
+    with apart_from_stop_signals():
+        engine = AsyncLLM.from_engine_args(AsyncEngineArgs.from_cli_args(args))
     logger.info("engine ready in %.1f s", time.monotonic() - started)
     settle_process_for_serving()
     metrics_http = None
@@ -250,6 +253,8 @@ async def serve(args: argparse.Namespace) -> int:
             grace_period=args.drain_grace,
             timeout=float(args.shutdown_timeout or 0),
             on_drain=[metrics.mark_shutdown] if metrics is not None else [],
+            # Whatever hangs (a client, the engine), the process ends in time.
+            hard_stop=HardStop(exit_now),
         )
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
