@@ -71,6 +71,7 @@ class Served:
         self.mounted = mounted
         self.engine = engine
         self.verifications = 0
+        self.key_file: Path = Path()
 
     def snapshot(self) -> tuple[Any, ...]:
         servicer = self.mounted.servicer
@@ -120,6 +121,7 @@ async def served(
     await server.start()
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         served = Served(channel, spy, mounted, engine)
+        served.key_file = key_file
         holder.append(served)
         # The retired key works until the file drops it (rotation without restart).
         await served.stub.HealthCheck(pb.HealthCheckRequest(), metadata=bearer(RETIRED))
@@ -204,9 +206,11 @@ async def test_generate_embed_abort_need_credentials(served: Served) -> None:
             await call()
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, name
     assert served.snapshot() == before
-    # With a key, Abort reaches the engine.
+    # With a key, Abort is answered; "x" is no request of alice's, so the
+    # engine is not even asked.
+    before_abort = len(served.spy.calls)
     await served.stub.Abort(pb.AbortRequest(request_ids=["x"]), metadata=bearer(ALICE))
-    assert served.spy.calls[-1] == "abort"
+    assert served.spy.calls[before_abort:] == []
 
 
 async def test_health_and_reflection_answer_without_credentials(served: Served) -> None:
@@ -319,9 +323,7 @@ async def test_rejections_are_logged_without_the_secret(
 # ----- verifiers on their own ---------------------------------------------------
 
 
-async def test_key_file_reloads_on_change_and_keeps_last_good_keys(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+async def test_key_file_reloads_on_change(tmp_path: Path) -> None:
     path = tmp_path / "keys"
     path.write_text("# comment\n\nfirst: key-one   # trailing comment\nkey-two\n")
     verifier = ApiKeyVerifier.from_file(path)
@@ -334,13 +336,74 @@ async def test_key_file_reloads_on_change_and_keeps_last_good_keys(
         await verifier(bearer("key-one"), {})
     assert (await verifier(bearer("key-three"), {})).name == "second"
 
-    # A broken or empty rewrite keeps the keys in force and says so.
-    for broken in ("", "has space in key\n"):
-        path.write_text(broken)
-        with caplog.at_level(logging.ERROR):
-            assert (await verifier(bearer("key-three"), {})).name == "second"
-        assert "not reloaded" in caplog.text and "key-three" not in caplog.text
-        caplog.clear()
+
+def _empty(path: Path) -> None:
+    path.write_text("")
+
+
+def _comments_only(path: Path) -> None:
+    path.write_text("# every key revoked\n\n")
+
+
+def _malformed(path: Path) -> None:
+    path.write_text("good: key-three\nhas space in key\n")
+
+
+def _removed(path: Path) -> None:
+    path.unlink()
+
+
+def _unreadable(path: Path) -> None:
+    # A directory in its place: unreadable as a file even to root, who ignores modes.
+    path.unlink()
+    path.mkdir()
+
+
+def _restore(path: Path) -> None:
+    if path.is_dir():
+        path.rmdir()
+    path.write_text("second: key-three\n")
+
+
+@pytest.mark.parametrize(
+    "breakage",
+    [_empty, _comments_only, _malformed, _removed, _unreadable],
+    ids=["empty", "comments-only", "malformed", "removed", "unreadable"],
+)
+async def test_key_file_fails_closed_until_a_good_file_returns(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, breakage: Any
+) -> None:
+    path = tmp_path / "keys"
+    path.write_text("second: key-three\n")
+    verifier = ApiKeyVerifier.from_file(path)
+    assert (await verifier(bearer("key-three"), {})).name == "second"
+
+    breakage(path)
+    with caplog.at_level(logging.ERROR, logger="vllm_servicer.interceptors.auth"):
+        for _ in range(5):
+            with pytest.raises(Unauthenticated, match="invalid API key"):
+                await verifier(bearer("key-three"), {})
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1, [r.getMessage() for r in errors]  # once per state, not per call
+    assert "key-three" not in caplog.text
+
+    _restore(path)
+    assert (await verifier(bearer("key-three"), {})).name == "second"
+    assert verifier.labels == ("second",)
+
+
+async def test_emptied_key_file_refuses_the_old_key_on_the_wire(served: Served) -> None:
+    # The served fixture's verifier reads its key file at each call.
+    path = served.key_file
+    good = path.read_text()
+    path.write_text("# revoked\n")
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await served.stub.HealthCheck(pb.HealthCheckRequest(), metadata=bearer(ALICE))
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        path.write_text(good)
+    assert (await served.stub.HealthCheck(pb.HealthCheckRequest(), metadata=bearer(ALICE))).healthy
 
 
 def test_keys_are_validated_and_labels_hide_them(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,6 +7,12 @@ handler: per call, the wrapper asks the interceptor chain for the handler
 what it returns. The same interceptor objects therefore behave the same
 whether the host passes them to `grpc.aio.server(interceptors=...)` or to
 `mount(..., interceptors=...)`.
+
+A unary request reaches the wrapper as raw bytes and is parsed only after the
+chain has resolved, with the deserializer of the handler it resolved to: a
+call that an interceptor refuses (authentication) is never parsed, as with a
+server-wide interceptor. Streamed requests are read only when the resolved
+handler iterates them, which a refusing handler never does.
 """
 
 from __future__ import annotations
@@ -70,15 +76,15 @@ def apply_interceptors(
     h: Any = handler
     if not h.request_streaming and not h.response_streaming:
 
-        async def unary_unary(request: Any, context: Any) -> Any:
-            return await (await resolve(context)).unary_unary(request, context)
+        async def unary_unary(raw: bytes, context: Any) -> Any:
+            resolved = await resolve(context)
+            return await resolved.unary_unary(await _parse(resolved, raw, context), context)
 
-        return grpc.unary_unary_rpc_method_handler(
-            unary_unary, h.request_deserializer, h.response_serializer
-        )
+        # No deserializer: grpc hands over the bytes, parsed once resolved.
+        return grpc.unary_unary_rpc_method_handler(unary_unary, None, h.response_serializer)
     if not h.request_streaming:
         return grpc.unary_stream_rpc_method_handler(
-            _streaming(resolve, "unary_stream"), h.request_deserializer, h.response_serializer
+            _streaming(resolve, "unary_stream"), None, h.response_serializer
         )
     if not h.response_streaming:
 
@@ -102,7 +108,10 @@ def _streaming(resolve: Callable[[Any], Awaitable[Any]], kind: str) -> Any:
     """
 
     async def streaming(request: Any, context: Any) -> AsyncIterator[Any]:
-        result = getattr(await resolve(context), kind)(request, context)
+        resolved = await resolve(context)
+        if kind == "unary_stream":
+            request = await _parse(resolved, request, context)
+        result = getattr(resolved, kind)(request, context)
         if inspect.isasyncgen(result):
             try:
                 async for message in result:
@@ -118,3 +127,15 @@ def _streaming(resolve: Callable[[Any], Awaitable[Any]], kind: str) -> Any:
                 yield message
 
     return streaming
+
+
+async def _parse(handler: Any, raw: bytes, context: Any) -> Any:
+    """The request as `handler` reads it, from the bytes grpc received."""
+    deserializer = handler.request_deserializer
+    if deserializer is None:
+        return raw
+    try:
+        return deserializer(raw)
+    except Exception:
+        # grpc would answer UNKNOWN with the exception's class and text.
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request could not be parsed")

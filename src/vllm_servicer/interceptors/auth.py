@@ -7,7 +7,13 @@ may call the method, before the handler runs:
   UNAUTHENTICATED;
 - a known identity without permission for the method: PERMISSION_DENIED.
 
-A rejected call never reaches the servicer, so no engine work is done for it.
+The decision is made from the call's metadata while grpc looks up the
+handler, before the request message is read: a refused call gets a handler
+that never parses its bytes and aborts, so a client without credentials costs
+the server no deserialization and no engine work. (A verifier that reads the
+TLS auth context, such as `MtlsVerifier`, can only decide once the call runs,
+after grpc has parsed a unary request; with mTLS the handshake already keeps
+out clients without a certificate.)
 Health (`grpc.health.v1.Health`) and reflection (`grpc.reflection.*`) are
 exempt by default: probes carry no credentials.
 
@@ -19,7 +25,8 @@ that raise `Unauthenticated` or `PermissionDenied` to reject:
   environment variable;
 - `MtlsVerifier`: the client certificate the TLS handshake verified;
 - `CallableVerifier`: any async function (JWT, a host's identity system);
-- `AllOf`: every verifier must accept (e.g. mTLS plus a key).
+- `AllOf`: every verifier must accept (e.g. mTLS plus a key);
+- `AnyOf`: the first verifier that accepts (e.g. admin keys, then inference keys).
 
 The accepted identity is in `current_identity` (a context variable) while the
 handler runs, for the servicer, the engine calls it makes and interceptors
@@ -43,11 +50,15 @@ from typing import Any, Protocol
 
 import grpc
 
+from ..proto import SERVICE_NAME
 from ._base import Call, CallInterceptor, MethodFilter
 
 __all__ = [
     "DEFAULT_MAX_TOKEN_LENGTH",
+    "ADMIN_METHODS",
+    "ADMIN_ROLE",
     "AllOf",
+    "AnyOf",
     "ApiKeyVerifier",
     "AuthError",
     "AuthInterceptor",
@@ -60,6 +71,7 @@ __all__ = [
     "current_identity",
     "key_label",
     "requires_auth_by_default",
+    "role_permissions",
 ]
 
 logger = logging.getLogger(__name__)
@@ -76,6 +88,14 @@ _TOKEN = re.compile(r"[A-Za-z0-9\-._~+/]+=*")
 _SCHEME = "Bearer "
 _EXEMPT_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
+ADMIN_ROLE = "admin"
+"""The role of identities that administer the server (any request may be aborted)."""
+
+ADMIN_METHODS: frozenset[str] = frozenset(
+    f"/{SERVICE_NAME}/{name}" for name in ("FlushCache", "StartProfile", "StopProfile")
+)
+"""Methods that change the server for everyone or expose its internals."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Identity:
@@ -87,12 +107,15 @@ class Identity:
         kind: how it was established: "api_key", "mtls", "custom" or "all_of".
         attributes: extra non-secret facts (certificate SANs, JWT claims).
         parts: for `AllOf`, the identity each verifier returned.
+        roles: roles granted to the identity (`ADMIN_ROLE`: may abort any
+            request, not only its own); permissions may use them too.
     """
 
     name: str
     kind: str = "custom"
     attributes: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     parts: tuple[Identity, ...] = ()
+    roles: frozenset[str] = frozenset()
 
 
 current_identity: contextvars.ContextVar[Identity | None] = contextvars.ContextVar(
@@ -121,11 +144,24 @@ class Verifier(Protocol):
     """Establishes who is calling, or rejects the call.
 
     Must be async (or return quickly): it runs on the server's event loop.
+
+    A verifier that decides from the metadata alone sets the attribute
+    `reads_auth_context = False`: `AuthInterceptor` then decides before the
+    request is read and passes an empty auth context. Without it, the decision
+    waits until the call runs (the auth context exists only then).
     """
 
     async def __call__(self, metadata: Metadata, auth_context: AuthContext) -> Identity:
         """Return the caller's identity; raise `Unauthenticated` or `PermissionDenied`."""
         ...
+
+
+def role_permissions(identity: Identity, method: str) -> bool:
+    """Permissions by role: `ADMIN_METHODS` need `ADMIN_ROLE`, the rest any identity.
+
+    Pass as `AuthInterceptor(..., permissions=role_permissions)`; the launcher does.
+    """
+    return method not in ADMIN_METHODS or ADMIN_ROLE in identity.roles
 
 
 def requires_auth_by_default(method: str) -> bool:
@@ -173,22 +209,23 @@ class AuthInterceptor(CallInterceptor):
 
             self._allowed = allowed
 
+    async def _identify(
+        self, metadata: Metadata, auth_context: AuthContext, method: str
+    ) -> Identity:
+        identity = await self._verifier(metadata, auth_context)
+        if not isinstance(identity, Identity):
+            raise TypeError(f"verifier returned {type(identity).__name__}, not Identity")
+        if self._allowed is not None and not self._allowed(identity, method):
+            raise PermissionDenied(f"{identity.name!r} may not call {method}")
+        return identity
+
     async def on_start(self, call: Call) -> None:
+        # Only for verifiers that read the auth context (see intercept_service).
         context = call.context
         try:
-            identity = await self._verifier(call.metadata, _auth_context(context))
-            if not isinstance(identity, Identity):
-                raise TypeError(f"verifier returned {type(identity).__name__}, not Identity")
-            if self._allowed is not None and not self._allowed(identity, call.method):
-                raise PermissionDenied(f"{identity.name!r} may not call {call.method}")
+            identity = await self._identify(call.metadata, _auth_context(context), call.method)
         except AuthError as rejection:
-            logger.info(
-                "rejected %s from %s: %s (%s)",
-                call.method,
-                _peer(context),
-                rejection,
-                rejection.code.name,
-            )
+            _log_rejection(call.method, context, rejection)
             await context.abort(rejection.code, str(rejection) or "not authorized")
         except Exception:
             # A verifier bug or an identity provider outage: fail closed.
@@ -208,28 +245,70 @@ class AuthInterceptor(CallInterceptor):
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> Any:
-        found: list[Any] = []
-
-        async def recording(details: grpc.HandlerCallDetails) -> Any:
-            handler = await continuation(details)
-            found.append(handler)
-            return handler
-
-        handler = await super().intercept_service(recording, handler_call_details)
+        handler = await continuation(handler_call_details)
         method: str = handler_call_details.method
-        if handler is not None and handler is found[0] and self.applies_to(method):
-            # The base passes plain (sync) handlers through without hooks:
-            # fail closed rather than serve them unauthenticated.
+        if handler is None or not self.applies_to(method):
+            return handler
+        behaviour = _behaviour(handler)
+        if not (inspect.iscoroutinefunction(behaviour) or inspect.isasyncgenfunction(behaviour)):
+            # grpc runs plain (sync) handlers in its thread pool, where no
+            # async check can run first: fail closed rather than serve them.
             logger.error("%s has a sync handler, which cannot be authenticated: refused", method)
-            return _refusing(handler)
+            return _refusing(handler, method, grpc.StatusCode.UNIMPLEMENTED, None)
+        metadata = handler_call_details.invocation_metadata
+        if _reads_auth_context(self._verifier):
+            # The auth context exists only once the call runs: decide in on_start.
+            return self._wrap(handler, method, metadata)
+        # Decide now, from the metadata, before grpc reads the request: a
+        # refused call must not cost a parse of a message up to the size limit.
+        try:
+            identity = await self._identify(metadata, {}, method)
+        except AuthError as rejection:
+            return _refusing(handler, method, rejection.code, rejection)
+        except Exception:
+            logger.exception("verifier failed for %s", method)
+            return _refusing(handler, method, grpc.StatusCode.INTERNAL, None)
+        # grpc runs the handler in the task that looked it up (and mount's
+        # wrapper looks it up inside the handler), so this value is the call's
+        # own and ends with its task.
+        current_identity.set(identity)
         return handler
 
 
-def _refusing(handler: Any) -> Any:
-    """A handler of the same kind as `handler` that aborts before reading a request."""
+def _behaviour(handler: Any) -> Any:
+    if handler.request_streaming:
+        return handler.stream_stream if handler.response_streaming else handler.stream_unary
+    return handler.unary_stream if handler.response_streaming else handler.unary_unary
+
+
+def _unread(data: bytes) -> None:
+    """The request deserializer of a refused call: the bytes are never parsed."""
+    return None
+
+
+def _log_rejection(method: str, context: Any, rejection: AuthError) -> None:
+    logger.info(
+        "rejected %s from %s: %s (%s)", method, _peer(context), rejection, rejection.code.name
+    )
+
+
+def _refusing(handler: Any, method: str, code: grpc.StatusCode, rejection: AuthError | None) -> Any:
+    """A handler of the same kind as `handler` that aborts without reading a request.
+
+    Same kind, so that a client streaming requests is answered at once instead
+    of waiting; `_unread` as the deserializer, so a unary request is not parsed.
+    """
+    if rejection is not None:
+        details = str(rejection) or "not authorized"
+    elif code is grpc.StatusCode.UNIMPLEMENTED:
+        details = "method cannot be authenticated"
+    else:
+        details = "authentication failed"
 
     async def refuse(request: Any, context: Any) -> None:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "method cannot be authenticated")
+        if rejection is not None:
+            _log_rejection(method, context, rejection)
+        await context.abort(code, details)
 
     async def refuse_stream(request: Any, context: Any) -> AsyncIterator[Any]:
         await refuse(request, context)
@@ -245,7 +324,7 @@ def _refusing(handler: Any) -> Any:
         factory = grpc.unary_unary_rpc_method_handler
     return factory(
         refuse_stream if handler.response_streaming else refuse,
-        request_deserializer=handler.request_deserializer,
+        request_deserializer=_unread,
         response_serializer=handler.response_serializer,
     )
 
@@ -324,41 +403,55 @@ class ApiKeyVerifier:
         keys: the accepted keys: strings (labelled `key-<sha256 prefix>`) or
             a mapping `label -> key`.
         max_token_length: longer tokens are rejected unread.
+        roles: roles of the identities these keys establish (e.g. `ADMIN_ROLE`).
     """
+
+    # Keys travel in the metadata: the decision is made before the request is read.
+    reads_auth_context = False
 
     def __init__(
         self,
         keys: Iterable[str] | Mapping[str, str],
         *,
         max_token_length: int = DEFAULT_MAX_TOKEN_LENGTH,
+        roles: Iterable[str] = (),
     ) -> None:
         self._max = max_token_length
+        self._roles = frozenset(roles)
         if isinstance(keys, Mapping):
             pairs = {_check_key(k, self._max, f"key {label!r}"): label for label, k in keys.items()}
         else:
             pairs = {_check_key(k, self._max, "key"): key_label(k) for k in keys}
         self._set_keys(pairs, "keys")
         self._path: Path | None = None
-        self._signature: tuple[int, int, int] | None = None
+        self._signature: tuple[int, ...] | None = None
 
     @classmethod
     def from_file(
-        cls, path: str | os.PathLike[str], *, max_token_length: int = DEFAULT_MAX_TOKEN_LENGTH
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        max_token_length: int = DEFAULT_MAX_TOKEN_LENGTH,
+        roles: Iterable[str] = (),
     ) -> ApiKeyVerifier:
         """Keys from a file, re-read whenever it changes (no restart to rotate).
 
         One key per line, optionally labelled `label: key`; blank lines and
-        `#` comments are ignored. If a changed file cannot be read or holds no
-        valid key, the previous keys stay in force and an error is logged (a
-        half-written file must not lock every client out or let anyone in).
+        `#` comments are ignored. The file fails closed: once it is removed,
+        unreadable, empty, comments only or holds a malformed line, no key is
+        valid (every call UNAUTHENTICATED) until a good file is back, so
+        emptying the file revokes every key. Each change of state is logged
+        once. Replace the file atomically (write elsewhere, rename over it) so
+        that a half-written file never shows.
 
         Raises:
-            OSError: the file cannot be read.
-            ValueError: it holds a malformed key or no key at all.
+            OSError: the file cannot be read at start.
+            ValueError: it holds a malformed key or no key at all at start.
         """
         file = Path(path)
         verifier = cls.__new__(cls)
         verifier._max = max_token_length
+        verifier._roles = frozenset(roles)
         verifier._path = file
         # Taken before reading: a change in between is picked up on the next call.
         verifier._signature = _signature(file)
@@ -367,7 +460,11 @@ class ApiKeyVerifier:
 
     @classmethod
     def from_env(
-        cls, var: str, *, max_token_length: int = DEFAULT_MAX_TOKEN_LENGTH
+        cls,
+        var: str,
+        *,
+        max_token_length: int = DEFAULT_MAX_TOKEN_LENGTH,
+        roles: Iterable[str] = (),
     ) -> ApiKeyVerifier:
         """Keys from an environment variable, comma-separated (read once).
 
@@ -378,7 +475,7 @@ class ApiKeyVerifier:
         keys = [k.strip() for k in value.split(",") if k.strip()]
         if not keys:
             raise ValueError(f"environment variable {var} holds no API key")
-        return cls(keys, max_token_length=max_token_length)
+        return cls(keys, max_token_length=max_token_length, roles=roles)
 
     @property
     def labels(self) -> tuple[str, ...]:
@@ -394,16 +491,21 @@ class ApiKeyVerifier:
     def _maybe_reload(self) -> None:
         if self._path is None:
             return
+        signature = _signature(self._path)
+        if signature == self._signature:
+            return  # the same file state as last time, good or bad: nothing to log
+        self._signature = signature
         try:
-            signature = _signature(self._path)
-            if signature == self._signature:
-                return
             pairs = _parse_keys(self._path.read_text("utf-8"), str(self._path), self._max)
             self._set_keys(pairs, self._path)
-        except (OSError, ValueError) as exc:
-            logger.error("API key file %s not reloaded, keeping previous keys: %s", self._path, exc)
+        except (OSError, ValueError, UnicodeError) as exc:
+            # Fail closed: an operator who empties or removes the file to lock
+            # a leaked key out must not leave it working.
+            self._keys = []
+            logger.error(
+                "API key file %s unusable, no key is valid until it is fixed: %s", self._path, exc
+            )
             return
-        self._signature = signature
         logger.info("API key file %s reloaded: %d key(s)", self._path, len(self._keys))
 
     async def __call__(self, metadata: Metadata, auth_context: AuthContext) -> Identity:
@@ -417,7 +519,7 @@ class ApiKeyVerifier:
                 label = name
         if label is None:
             raise Unauthenticated("invalid API key")
-        return Identity(name=label, kind="api_key")
+        return Identity(name=label, kind="api_key", roles=self._roles)
 
     def _token(self, metadata: Metadata) -> str:
         values = [value for key, value in metadata if key == "authorization"]
@@ -438,10 +540,14 @@ class ApiKeyVerifier:
         return token
 
 
-def _signature(path: Path) -> tuple[int, int, int]:
-    # Inode too: an atomic rename over the file may keep size and mtime.
-    st = path.stat()
-    return (st.st_mtime_ns, st.st_size, st.st_ino)
+def _signature(path: Path) -> tuple[int, ...]:
+    # Inode too: an atomic rename over the file may keep size and mtime; the
+    # change time and mode: a chmod changes neither. () when it cannot be seen.
+    try:
+        st = path.stat()
+    except OSError:
+        return ()
+    return (st.st_mtime_ns, st.st_ctime_ns, st.st_size, st.st_ino, st.st_mode)
 
 
 # ----- custom and composed ----------------------------------------------------
@@ -454,14 +560,21 @@ class CallableVerifier:
     returns an `Identity`, a name (str, made into an `Identity` of kind
     "custom") or None (rejected as UNAUTHENTICATED), or raises
     `Unauthenticated` / `PermissionDenied` with a message for the client.
+
+    Pass `reads_auth_context=False` when `fn` decides from the metadata alone
+    (a bearer token): the call is then refused before its request is read, and
+    `fn` gets an empty auth context.
     """
 
     def __init__(
         self,
         fn: Callable[[Metadata, AuthContext], Identity | str | None]
         | Callable[[Metadata, AuthContext], Awaitable[Identity | str | None]],
+        *,
+        reads_auth_context: bool = True,
     ) -> None:
         self._fn = fn
+        self.reads_auth_context = reads_auth_context
 
     async def __call__(self, metadata: Metadata, auth_context: AuthContext) -> Identity:
         result: Any = self._fn(metadata, auth_context)
@@ -485,13 +598,45 @@ class AllOf:
         if not verifiers:
             raise ValueError("AllOf needs at least one verifier")
         self._verifiers = verifiers
+        self.reads_auth_context = any(_reads_auth_context(v) for v in verifiers)
 
     async def __call__(self, metadata: Metadata, auth_context: AuthContext) -> Identity:
         parts = [await verifier(metadata, auth_context) for verifier in self._verifiers]
         first = parts[0]
         return Identity(
-            name=first.name, kind="all_of", attributes=first.attributes, parts=tuple(parts)
+            name=first.name,
+            kind="all_of",
+            attributes=first.attributes,
+            parts=tuple(parts),
+            roles=first.roles,
         )
+
+
+class AnyOf:
+    """The first verifier that accepts, in order (e.g. admin keys, then inference keys).
+
+    When none accepts, the first verifier's rejection is raised.
+    """
+
+    def __init__(self, *verifiers: Verifier) -> None:
+        if not verifiers:
+            raise ValueError("AnyOf needs at least one verifier")
+        self._verifiers = verifiers
+        self.reads_auth_context = any(_reads_auth_context(v) for v in verifiers)
+
+    async def __call__(self, metadata: Metadata, auth_context: AuthContext) -> Identity:
+        first: AuthError | None = None
+        for verifier in self._verifiers:
+            try:
+                return await verifier(metadata, auth_context)
+            except AuthError as rejection:
+                first = first or rejection
+        assert first is not None
+        raise first
+
+
+def _reads_auth_context(verifier: Verifier) -> bool:
+    return bool(getattr(verifier, "reads_auth_context", True))
 
 
 # ----- mTLS -------------------------------------------------------------------

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from ..proto import SERVICE_NAME
+from ..proto import vllm_engine_pb2 as pb
 from ._base import Call, CallInterceptor, MethodFilter
 
 if TYPE_CHECKING:
@@ -66,6 +67,8 @@ _MISSING_EXTRA = "tracing needs the OpenTelemetry packages: pip install 'vllm-se
 HEALTH_WATCH = "/grpc.health.v1.Health/Watch"
 _GENERATE = f"/{SERVICE_NAME}/Generate"
 _EMBED = f"/{SERVICE_NAME}/Embed"
+
+_TRACED_REQUESTS = (pb.GenerateRequest, pb.EmbedRequest)
 
 FIRST_TOKEN_EVENT = "gen_ai.first_token"
 """Event added to the Generate span when the first response message is sent."""
@@ -203,7 +206,10 @@ class TracingInterceptor(CallInterceptor):
 
     def on_request(self, call: Call, message: Any) -> None:
         span, state = call.state
-        if state is None or not span.is_recording():
+        # A refused call's request is never parsed (None), and bytes that do not
+        # parse arrive as a placeholder answered INVALID_ARGUMENT further in:
+        # neither has anything to record.
+        if state is None or not isinstance(message, _TRACED_REQUESTS) or not span.is_recording():
             return
         attrs: dict[str, Any] = {}
         if call.method == _GENERATE:
