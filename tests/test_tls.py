@@ -282,7 +282,9 @@ def test_warn_if_exposed(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="vllm_servicer.tls"):
         assert warn_if_exposed("0.0.0.0", tls=False, auth=False)
         assert not warn_if_exposed("127.0.0.1", tls=False, auth=False)
-        assert not warn_if_exposed("0.0.0.0", tls=True, auth=False)
+        # Server-only TLS encrypts but lets anyone in: still a warning.
+        assert warn_if_exposed("0.0.0.0", tls=True, auth=False)
         assert not warn_if_exposed("0.0.0.0", tls=False, auth=True)
+        assert not warn_if_exposed("0.0.0.0", tls=True, auth=True)
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and "0.0.0.0" in warnings[0].getMessage()
+    assert len(warnings) == 2 and all("0.0.0.0" in w.getMessage() for w in warnings)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 import time
@@ -19,6 +20,10 @@ from collections.abc import Sequence
 from typing import Any
 
 logger = logging.getLogger("vllm_servicer.serve")
+
+# Keys from the environment stay out of the process list. The first is vLLM's own.
+API_KEY_ENV = "VLLM_API_KEY"
+ADMIN_KEY_ENV = "VLLM_SERVICER_ADMIN_API_KEY"
 
 
 def build_parser() -> Any:
@@ -83,12 +88,26 @@ def build_parser() -> Any:
         "--api-key",
         action="append",
         default=[],
-        help="accept `authorization: Bearer <key>`; repeat for several keys (rotation)",
+        help="inference key: accept `authorization: Bearer <key>`; repeat for several keys "
+        "(rotation). Visible in the process list: prefer --api-key-file or $VLLM_API_KEY",
     )
     sec.add_argument(
         "--api-key-file",
         default=None,
-        help="file of accepted keys, one per line (re-read when it changes)",
+        help="file of inference keys, one per line (re-read when it changes; "
+        "empty or unreadable: no key is valid)",
+    )
+    sec.add_argument(
+        "--admin-api-key",
+        action="append",
+        default=[],
+        help="admin key: also FlushCache, StartProfile/StopProfile and Abort of any request "
+        f"(default ${ADMIN_KEY_ENV}); prefer --admin-api-key-file",
+    )
+    sec.add_argument(
+        "--admin-api-key-file",
+        default=None,
+        help="file of admin keys, one per line (re-read when it changes)",
     )
     sec.add_argument("--tls-cert", default=None, help="server certificate chain (PEM)")
     sec.add_argument("--tls-key", default=None, help="server private key (PEM)")
@@ -114,6 +133,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.model = args.model_tag
     if args.api_key and args.api_key_file:
         parser.error("give --api-key or --api-key-file, not both")
+    if args.admin_api_key and args.admin_api_key_file:
+        parser.error("give --admin-api-key or --admin-api-key-file, not both")
     if bool(args.tls_cert) != bool(args.tls_key):
         parser.error("--tls-cert and --tls-key go together")
     if args.tls_client_ca and not args.tls_cert:
@@ -151,17 +172,49 @@ def build_interceptors(args: argparse.Namespace) -> tuple[list[Any], Any]:
     metrics = MetricsInterceptor() if args.metrics_port is not None else None
     if metrics is not None:
         stack.append(metrics)
-    if args.api_key or args.api_key_file:
-        from .interceptors.auth import ApiKeyVerifier, AuthInterceptor
+    verifier = _key_verifier(args)
+    if verifier is not None:
+        from .interceptors.auth import AuthInterceptor, role_permissions
 
-        verifier = (
-            ApiKeyVerifier.from_file(args.api_key_file)
-            if args.api_key_file
-            else ApiKeyVerifier(args.api_key)
-        )
-        stack.append(AuthInterceptor(verifier))
+        stack.append(AuthInterceptor(verifier, permissions=role_permissions))
     stack.append(InflightInterceptor(args.max_inflight))
     return stack, metrics
+
+
+def _key_verifier(args: argparse.Namespace) -> Any:
+    """Admin keys, then inference keys (flags, else the environment); None: no keys."""
+    from .interceptors.auth import ADMIN_ROLE, AnyOf, ApiKeyVerifier
+
+    def keys(flag: list[str], file: str | None, env: str, roles: tuple[str, ...]) -> Any:
+        if file:
+            return ApiKeyVerifier.from_file(file, roles=roles)
+        if flag:
+            return ApiKeyVerifier(flag, roles=roles)
+        if os.environ.get(env, "").strip():
+            return ApiKeyVerifier.from_env(env, roles=roles)
+        return None
+
+    found = [
+        keys(args.admin_api_key, args.admin_api_key_file, ADMIN_KEY_ENV, (ADMIN_ROLE,)),
+        keys(args.api_key, args.api_key_file, API_KEY_ENV, ()),
+    ]
+    verifiers = [v for v in found if v is not None]
+    if not verifiers:
+        return None
+    return verifiers[0] if len(verifiers) == 1 else AnyOf(*verifiers)
+
+
+def authenticates(args: argparse.Namespace) -> bool:
+    """Whether calls need credentials: a key from any source, or client certificates."""
+    return bool(
+        args.api_key
+        or args.api_key_file
+        or args.admin_api_key
+        or args.admin_api_key_file
+        or os.environ.get(API_KEY_ENV, "").strip()
+        or os.environ.get(ADMIN_KEY_ENV, "").strip()
+        or args.tls_client_ca
+    )
 
 
 def _tracing_from_env() -> Any:
@@ -210,9 +263,7 @@ async def serve(args: argparse.Namespace) -> int:
         if args.tls_cert
         else None
     )
-    warn_if_exposed(
-        args.host, tls=credentials is not None, auth=bool(args.api_key or args.api_key_file)
-    )
+    warn_if_exposed(args.host, tls=credentials is not None, auth=authenticates(args))
 
     started = time.monotonic()
     logger.info("starting the vLLM engine for %s (loading the model)...", args.model)

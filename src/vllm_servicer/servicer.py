@@ -16,6 +16,7 @@ from vllm.pooling_params import PoolingParams
 from . import admin, convert, kv_events, loads
 from .engine import EngineClient
 from .errors import NotEnabledError, UnsupportedError, abort_for_exception
+from .interceptors.auth import ADMIN_ROLE, current_identity
 from .proto import common_pb2, vllm_engine_pb2_grpc
 from .proto import vllm_engine_pb2 as pb
 from .tokenizer_bundle import TokenizerBundle, chunks, tokenizer_dir
@@ -66,6 +67,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         # Request ids in flight, a multiset (clients may reuse ids): its total is
         # the active count, its keys what a drain aborts.
         self._running: collections.Counter[str] = collections.Counter()
+        # (request id, identity name) of calls made with credentials: whom Abort may touch.
+        self._owned: collections.Counter[tuple[str, str]] = collections.Counter()
         self._last_receive_timestamp = 0.0
         self._model_info: pb.GetModelInfoResponse | None = None
         self._supported_tasks: tuple[str, ...] | None = None
@@ -102,16 +105,20 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         if ids:
             await self._engine.abort(ids)
 
-    def _received(self, request_id: str) -> None:
+    def _received(self, request_id: str) -> tuple[str, str] | None:
         self._running[request_id] += 1
         self._last_receive_timestamp = time.time()
+        identity = current_identity.get()
+        if identity is None:
+            return None
+        owned = (request_id, identity.name)
+        self._owned[owned] += 1
+        return owned
 
-    def _done(self, request_id: str) -> None:
-        left = self._running[request_id] - 1
-        if left > 0:
-            self._running[request_id] = left
-        else:
-            del self._running[request_id]
+    def _done(self, request_id: str, owned: tuple[str, str] | None) -> None:
+        _discard(self._running, request_id)
+        if owned is not None:
+            _discard(self._owned, owned)
 
     # ----- generation -------------------------------------------------------
 
@@ -119,7 +126,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self, request: pb.GenerateRequest, context: Context
     ) -> AsyncIterator[pb.GenerateResponse]:
         request_id = _request_id(request.request_id, "generate")
-        self._received(request_id)
+        owned = self._received(request_id)
         try:
             params = request.sampling_params
             stream = request.stream
@@ -155,11 +162,11 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 exc = convert.constraint_error(exc, request.sampling_params)
             await abort_for_exception(context, exc, method="Generate", request_id=request_id)
         finally:
-            self._done(request_id)
+            self._done(request_id, owned)
 
     async def Embed(self, request: pb.EmbedRequest, context: Context) -> pb.EmbedResponse:
         request_id = _request_id(request.request_id, "embed")
-        self._received(request_id)
+        owned = self._received(request_id)
         try:
             if "embed" not in await self._tasks():
                 raise UnsupportedError(
@@ -185,11 +192,16 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         except Exception as exc:
             await abort_for_exception(context, exc, method="Embed", request_id=request_id)
         finally:
-            self._done(request_id)
+            self._done(request_id, owned)
 
     async def Abort(self, request: pb.AbortRequest, context: Context) -> pb.AbortResponse:
         # Idempotent: vLLM ignores ids it does not know (finished or never seen).
         ids = [i for i in request.request_ids if i]
+        identity = current_identity.get()
+        if identity is not None and ADMIN_ROLE not in identity.roles:
+            # A tenant stops only what it started: another's id is skipped like
+            # an unknown one (no engine call, no error that would confirm it runs).
+            ids = [i for i in ids if (i, identity.name) in self._owned]
         if ids:
             try:
                 await self._engine.abort(ids)
@@ -363,6 +375,15 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             max_req_input_len=max_len,
             default_sampling_params_json=_default_sampling_json(mc),
         )
+
+
+def _discard(counter: collections.Counter[Any], key: Any) -> None:
+    """Take one `key` out of a multiset, dropping it at zero."""
+    left = counter[key] - 1
+    if left > 0:
+        counter[key] = left
+    else:
+        del counter[key]
 
 
 def _default_sampling_json(model_config: Any) -> str:

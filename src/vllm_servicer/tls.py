@@ -167,20 +167,23 @@ def is_loopback(host: str) -> bool:
 def warn_if_exposed(host: str, tls: bool, auth: bool) -> bool:
     """Log a WARNING when serving beyond this machine with neither TLS nor auth.
 
+    Server-only TLS does not silence it: it encrypts, but lets any client in.
+
     Args:
         host: the host part of the address bound.
         tls: the port uses TLS credentials.
-        auth: calls need credentials (an `AuthInterceptor` is installed).
+        auth: calls need credentials (API keys, or client certificates).
 
     Returns:
         True when it warned.
     """
-    if is_loopback(host) or tls or auth:
+    if is_loopback(host) or auth:
         return False
     logger.warning(
-        "serving on %s without TLS or authentication: anyone who can reach this address "
-        "can run and abort requests on the engine. Add --api-key/--api-key-file and "
-        "--tls-cert/--tls-key, or bind 127.0.0.1.",
+        "serving on %s without authentication%s: anyone who can reach this address "
+        "can run and abort requests on the engine. Add --api-key-file (or $VLLM_API_KEY) "
+        "or --tls-client-ca, or bind 127.0.0.1.",
         host,
+        " (TLS encrypts but does not check clients)" if tls else " or TLS",
     )
     return True

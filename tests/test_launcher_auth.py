@@ -1,0 +1,191 @@
+"""The launcher's keys: inference keys and an admin key, from flags, files and the environment.
+
+The interceptor stack is the one `python -m vllm_servicer serve` builds, on a
+real server with the real engine: an inference key serves and routes (loads,
+KV events, Abort of its own requests), only the admin key flushes the cache,
+profiles, and aborts anyone's requests.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from helpers import request
+
+from vllm_servicer import mount
+from vllm_servicer.__main__ import authenticates, build_interceptors, parse_args
+from vllm_servicer.proto import common_pb2, vllm_engine_pb2_grpc
+from vllm_servicer.proto import vllm_engine_pb2 as pb
+from vllm_servicer.tls import warn_if_exposed
+
+TENANT_A = "tenant-a-0123456789abcdefABCDEF"
+TENANT_B = "tenant-b-0123456789abcdefABCDEF"
+ADMIN = "admin-0123456789abcdefABCDEF"
+
+
+def bearer(key: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {key}"),)
+
+
+@pytest.fixture(autouse=True)
+def _no_key_in_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    monkeypatch.delenv("VLLM_SERVICER_ADMIN_API_KEY", raising=False)
+
+
+async def _serve(engine: Any, argv: list[str]) -> tuple[grpc.aio.Server, Any, str]:
+    stack, _ = build_interceptors(parse_args(["serve", "--model", "m", *argv]))
+    server = grpc.aio.server(interceptors=stack)
+    mounted = mount(server, engine)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, mounted, f"127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+async def stub(
+    engine: Any, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[vllm_engine_pb2_grpc.VllmEngineStub]:
+    admin_file = tmp_path_factory.mktemp("admin") / "admin-keys"
+    admin_file.write_text(f"ops: {ADMIN}\n")
+    argv = ["--api-key", TENANT_A, "--api-key", TENANT_B, "--admin-api-key-file", str(admin_file)]
+    server, mounted, address = await _serve(engine, argv)
+    async with grpc.aio.insecure_channel(address) as channel:
+        yield vllm_engine_pb2_grpc.VllmEngineStub(channel)
+    await mounted.health.close()
+    await server.stop(None)
+
+
+async def _code(call: Any) -> grpc.StatusCode:
+    """The status a unary call or the first read of a stream ends with."""
+    try:
+        if hasattr(call, "read"):
+            await call.read()
+            call.cancel()
+        else:
+            await call
+    except grpc.aio.AioRpcError as err:
+        return err.code()
+    return grpc.StatusCode.OK
+
+
+def _admin_calls(stub: Any, metadata: Any) -> dict[str, Any]:
+    return {
+        "FlushCache": lambda: stub.FlushCache(common_pb2.FlushCacheRequest(), metadata=metadata),
+        "StartProfile": lambda: stub.StartProfile(
+            common_pb2.StartProfileRequest(), metadata=metadata
+        ),
+        "StopProfile": lambda: stub.StopProfile(common_pb2.StopProfileRequest(), metadata=metadata),
+    }
+
+
+async def test_inference_key_serves_and_routes_but_cannot_administer(
+    stub: vllm_engine_pb2_grpc.VllmEngineStub,
+) -> None:
+    tenant = bearer(TENANT_A)
+    assert (await stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=tenant)).model_path
+    # What a router in front needs, with the key it is given.
+    assert await _code(stub.GetLoads(pb.GetLoadsRequest(), metadata=tenant)) == grpc.StatusCode.OK
+    kv = stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(), metadata=tenant)
+    assert await _code(kv) not in (
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.UNAUTHENTICATED,
+    )
+    for name, call in _admin_calls(stub, tenant).items():
+        assert await _code(call()) == grpc.StatusCode.PERMISSION_DENIED, name
+    for name, call in _admin_calls(stub, bearer(ADMIN)).items():
+        # Allowed (whether the engine can profile here is another matter).
+        assert await _code(call()) not in (
+            grpc.StatusCode.PERMISSION_DENIED,
+            grpc.StatusCode.UNAUTHENTICATED,
+        ), name
+    # The admin key does everything an inference key does.
+    assert (await stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=bearer(ADMIN))).model_path
+
+
+async def _finish_reason_after_abort(
+    stub: vllm_engine_pb2_grpc.VllmEngineStub, request_id: str, aborter: str
+) -> str:
+    """Start a long stream as tenant A, Abort its id with `aborter`'s key, read it to the end."""
+    call = stub.Generate(
+        request(max_tokens=400, ignore_eos=True, stream=True, request_id=request_id),
+        metadata=bearer(TENANT_A),
+    )
+    assert (await call.read()).HasField("chunk")
+    await stub.Abort(pb.AbortRequest(request_ids=[request_id]), metadata=bearer(aborter))
+    if aborter == TENANT_B:
+        # Long after an abort would have landed the stream still runs; then its owner stops it.
+        for _ in range(30):
+            assert (await call.read()).HasField("chunk")
+        await stub.Abort(pb.AbortRequest(request_ids=[request_id]), metadata=bearer(TENANT_A))
+    reasons = []
+    while (message := await call.read()) is not grpc.aio.EOF:
+        if message.HasField("complete"):
+            reasons.append(message.complete.finish_reason)
+    return reasons[-1]
+
+
+@pytest.mark.parametrize("aborter", [TENANT_A, TENANT_B, ADMIN], ids=["own", "other", "admin"])
+async def test_abort_reaches_own_requests_only_unless_admin(
+    stub: vllm_engine_pb2_grpc.VllmEngineStub, aborter: str
+) -> None:
+    rid = f"shared-id-{aborter[:8]}"
+    assert await _finish_reason_after_abort(stub, rid, aborter) == "abort"
+
+
+async def test_abort_of_unknown_ids_is_quietly_ok(
+    stub: vllm_engine_pb2_grpc.VllmEngineStub,
+) -> None:
+    await stub.Abort(pb.AbortRequest(request_ids=["never-seen", ""]), metadata=bearer(TENANT_B))
+
+
+async def test_api_key_from_the_environment(engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_API_KEY", TENANT_A)
+    args = parse_args(["serve", "--model", "m"])
+    assert authenticates(args)
+    server, mounted, address = await _serve(engine, [])
+    try:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+            assert (
+                await stub.HealthCheck(pb.HealthCheckRequest(), metadata=bearer(TENANT_A))
+            ).healthy
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.HealthCheck(pb.HealthCheckRequest())
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        await mounted.health.close()
+        await server.stop(None)
+
+
+def test_server_only_tls_does_not_silence_the_exposure_warning(
+    caplog: pytest.LogCaptureFixture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tls_only = parse_args(["serve", "--model", "m", "--tls-cert", "c.pem", "--tls-key", "k.pem"])
+    assert not authenticates(tls_only)
+    with caplog.at_level(logging.WARNING, logger="vllm_servicer.tls"):
+        assert warn_if_exposed("0.0.0.0", tls=True, auth=authenticates(tls_only))
+    assert "authentication" in caplog.text
+    mtls = ["--tls-cert", "c.pem", "--tls-key", "k.pem", "--tls-client-ca", "ca.pem"]
+    assert authenticates(parse_args(["serve", "--model", "m", *mtls]))
+    assert authenticates(parse_args(["serve", "--model", "m", "--admin-api-key", ADMIN]))
+    key_file = tmp_path / "keys"
+    key_file.write_text(TENANT_A)
+    assert authenticates(parse_args(["serve", "--model", "m", "--api-key-file", str(key_file)]))
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--api-key", "a", "--api-key-file", "f"],
+        ["--admin-api-key", "a", "--admin-api-key-file", "f"],
+    ],
+)
+def test_one_source_per_role(argv: list[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["serve", "--model", "m", *argv])
