@@ -328,3 +328,21 @@ async def test_embed_edge(name: str, embed_stub: Any) -> None:
         assert reply.embedding_dim == len(reply.embedding) > 0
     good = await embed_stub.Embed(embed([5, 6, 7]), timeout=60)
     assert good.prompt_tokens == 3
+
+
+async def test_a_prompt_past_the_context_is_refused_by_its_length(
+    channel: grpc.aio.Channel, engine: Any
+) -> None:
+    """Two million token ids: refused by the servicer's count, not the engine's."""
+    stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+    for stream in (False, True):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await collect(stub.Generate(request([7] * 2_000_000, stream=stream)))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        details = err.value.details() or ""
+        assert "tokenized.input_ids" in details and f"context of {MAX_LEN}" in details, details
+    # Truncation asked for: the engine keeps the prompt's last tokens and serves it.
+    long_prompt = request([7] * (MAX_LEN + 100), max_tokens=2, truncate_prompt_tokens=MAX_LEN - 8)
+    replies = await collect(stub.Generate(long_prompt))
+    assert completes(replies)[0].finish_reason == "length"
+    assert await wait_until_idle(engine) == 0

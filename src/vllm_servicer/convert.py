@@ -25,10 +25,24 @@ GenerateStreamChunk = pb.GenerateStreamChunk
 GenerateComplete = pb.GenerateComplete
 
 
-def prompt_from_request(request: pb.GenerateRequest | pb.EmbedRequest) -> Any:
-    """The engine prompt for a request: token ids (the main path) or text."""
+def prompt_from_request(
+    request: pb.GenerateRequest | pb.EmbedRequest, max_prompt_tokens: int | None = None
+) -> Any:
+    """The engine prompt for a request: token ids (the main path) or text.
+
+    Args:
+        request: the Generate or Embed request.
+        max_prompt_tokens: refuse token prompts longer than this (the model's
+            context) by their length, before a list of them is built.
+    """
     kind = request.WhichOneof("input") if isinstance(request, pb.GenerateRequest) else "tokenized"
     if kind == "tokenized":
+        count = len(request.tokenized.input_ids)
+        if max_prompt_tokens is not None and count > max_prompt_tokens:
+            raise InvalidRequestError(
+                "tokenized.input_ids",
+                f"{count} prompt tokens, more than this model's context of {max_prompt_tokens}",
+            )
         ids = list(request.tokenized.input_ids)
         if not ids:
             raise InvalidRequestError("tokenized.input_ids", "the prompt is empty")

@@ -63,6 +63,9 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     ) -> None:
         self._engine = engine
         self._kv_subscribers = kv_events.SubscriberLimit(max_kv_subscribers)
+        # A token prompt past the model's context is refused by its length alone.
+        max_len = getattr(getattr(engine, "model_config", None), "max_model_len", None)
+        self._max_prompt_tokens: int | None = int(max_len) if max_len else None
         self._started_monotonic = time.monotonic()
         # Request ids in flight, a multiset (clients may reuse ids): its total is
         # the active count, its keys what a drain aborts.
@@ -131,9 +134,11 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             params = request.sampling_params
             stream = request.stream
             sampling = convert.sampling_params_from_proto(params, stream=stream)
-            prompt = convert.prompt_from_request(request)
-            kwargs: dict[str, Any] = {}
             tokenization = convert.tokenization_kwargs(params)
+            # With truncation asked for, a longer prompt is the engine's to cut.
+            limit = None if tokenization is not None else self._max_prompt_tokens
+            prompt = convert.prompt_from_request(request, limit)
+            kwargs: dict[str, Any] = {}
             if tokenization is not None:
                 kwargs["tokenization_kwargs"] = tokenization
             elif self._render is not None and not isinstance(prompt, str):
@@ -175,7 +180,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 )
             final = None
             async for output in self._engine.encode(
-                convert.prompt_from_request(request),
+                convert.prompt_from_request(request, self._max_prompt_tokens),
                 PoolingParams(task="embed"),
                 request_id,
                 trace_headers=_trace_headers(context),
