@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import functools
+import shutil
+import subprocess
 import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 from grpc_health.v1 import health_pb2
 
 from vllm_servicer import drain
@@ -129,3 +133,40 @@ def test_hard_stop_fires_at_the_deadline_and_a_later_arm_only_shortens_it() -> N
     disarmed.arm(0.1)
     disarmed.disarm()
     assert not quiet.wait(0.4)
+
+
+@functools.cache
+def _python310() -> str | None:
+    """A Python 3.10 interpreter that runs (a pyenv shim on PATH may not)."""
+    candidates = [str(p) for p in sorted(Path.home().glob(".pyenv/versions/3.10*/bin/python3.10"))]
+    candidates.append(shutil.which("python3.10") or "")
+    for python in filter(None, candidates):
+        if subprocess.run([python, "-c", ""], capture_output=True).returncode == 0:
+            return python
+    return None
+
+
+@pytest.mark.skipif(_python310() is None, reason="no Python 3.10 here")
+def test_drain_waits_on_python_3_10() -> None:
+    """On 3.10 asyncio's TimeoutError is its own class: the waits must still time out quietly."""
+    script = (
+        "import asyncio, importlib.util, sys, time, types\n"
+        "spec = importlib.util.spec_from_file_location('drain', sys.argv[1])\n"
+        "drain = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(drain)\n"
+        "servicer = types.SimpleNamespace(active_requests=1)\n"
+        "mounted = types.SimpleNamespace(servicer=servicer, health=None)\n"
+        "shutdown = drain.GracefulShutdown(None, mounted)\n"
+        "asyncio.run(shutdown._wait(0.05))\n"
+        "assert asyncio.run(shutdown._wait_idle(0.05)) is False\n"
+        "print('ok')\n"
+    )
+    python = _python310()
+    assert python is not None
+    done = subprocess.run(
+        [python, "-I", "-c", script, str(SRC / "drain.py")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
