@@ -209,7 +209,7 @@ class TracingInterceptor(CallInterceptor):
         # A refused call's request is never parsed (None), and bytes that do not
         # parse arrive as a placeholder answered INVALID_ARGUMENT further in:
         # neither has anything to record.
-        if state is None or not isinstance(message, _TRACED_REQUESTS) or not span.is_recording():
+        if state is None or type(message) not in _TRACED_REQUESTS or not span.is_recording():
             return
         attrs: dict[str, Any] = {}
         if call.method == _GENERATE:
