@@ -164,7 +164,7 @@ def test_drain_waits_on_python_3_10() -> None:
     python = _python310()
     assert python is not None
     done = subprocess.run(
-        [python, "-I", "-c", script, str(SRC / "drain.py")],
+        [python, "-I", "-B", "-c", script, str(SRC / "drain.py")],
         capture_output=True,
         text=True,
         timeout=60,
