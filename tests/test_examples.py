@@ -8,7 +8,6 @@ import re
 import signal
 import socket
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -69,41 +68,33 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return {**os.environ, "VLLM_SERVICER_CACHE": str(tmp_path_factory.mktemp("cache"))}
 
 
-@pytest.fixture(scope="module")
-async def launched(env: dict[str, str]) -> AsyncIterator[tuple[str, asyncio.subprocess.Process]]:
+async def test_launcher_serves_the_example_client_then_stops_cleanly_on_sigterm(
+    env: dict[str, str],
+) -> None:
+    """One launcher, from start to stop: the stop consumes it, so no other test shares it."""
     proc = await _spawn("-m", "vllm_servicer", "serve", "--port", "0", env=env)
     try:
         match = await _wait_for_line(proc, r"listening on (\S+:\d+)")
+        address = match.group(1)
         drain = asyncio.ensure_future(_drain_output(proc))
-        yield match.group(1), proc
+        client = await _spawn(str(EXAMPLES / "client.py"), address, "Hello, world", env=env)
+        out, _ = await asyncio.wait_for(client.communicate(), 120)
+        text = out.decode()
+        assert client.returncode == 0, text
+        assert "model:" in text
+        assert len(re.findall(r"^tokens: \[\d+", text, flags=re.M)) >= 2, text
+        assert "finish_reason: length" in text
+
+        async with grpc.aio.insecure_channel(address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            reply = await health.Check(health_pb2.HealthCheckRequest())
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        assert await _stop(proc) == 0
         drain.cancel()
     finally:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
-
-
-async def test_launcher_serves_the_tiny_model_to_the_example_client(
-    launched: tuple[str, asyncio.subprocess.Process], env: dict[str, str]
-) -> None:
-    address, _ = launched
-    client = await _spawn(str(EXAMPLES / "client.py"), address, "Hello, world", env=env)
-    out, _ = await asyncio.wait_for(client.communicate(), 120)
-    text = out.decode()
-    assert client.returncode == 0, text
-    assert "model:" in text
-    assert len(re.findall(r"^tokens: \[\d+", text, flags=re.M)) >= 2, text
-    assert "finish_reason: length" in text
-
-
-async def test_launcher_is_healthy_and_stops_cleanly_on_sigterm(
-    launched: tuple[str, asyncio.subprocess.Process],
-) -> None:
-    address, proc = launched
-    async with grpc.aio.insecure_channel(address) as channel:
-        reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
-        assert reply.status == health_pb2.HealthCheckResponse.SERVING
-    assert await _stop(proc) == 0
 
 
 def _free_port() -> int:
