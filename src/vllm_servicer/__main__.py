@@ -254,7 +254,7 @@ async def serve(args: argparse.Namespace) -> int:
     from .drain import GracefulShutdown, HardStop
     from .interceptors import start_metrics_server
     from .mount import mount
-    from .options import server_options
+    from .options import port_in_use, server_options
     from .tls import server_credentials, warn_if_exposed
 
     interceptors, metrics = build_interceptors(args)
@@ -264,6 +264,11 @@ async def serve(args: argparse.Namespace) -> int:
         else None
     )
     warn_if_exposed(args.host, tls=credentials is not None, auth=authenticates(args))
+    if port_in_use(args.host, args.port):
+        logger.error(
+            "%s:%d is already in use (another server?); choose another --port", args.host, args.port
+        )
+        return 1
 
     started = time.monotonic()
     logger.info("starting the vLLM engine for %s (loading the model)...", args.model)
