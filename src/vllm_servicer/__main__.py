@@ -31,7 +31,7 @@ def build_parser() -> Any:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    from .options import DEFAULT_MAX_MESSAGE_BYTES
+    from .options import DEFAULT_MAX_KV_SUBSCRIBERS, DEFAULT_MAX_MESSAGE_BYTES
 
     parser = FlexibleArgumentParser(prog="vllm-servicer", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -53,6 +53,19 @@ def build_parser() -> Any:
         type=int,
         default=None,
         help="most Generate/Embed calls in flight; beyond it calls get RESOURCE_EXHAUSTED",
+    )
+    net.add_argument(
+        "--max-concurrent-rpcs",
+        type=int,
+        default=1024,
+        help="most calls of any kind (streams included) the server runs at once; past it "
+        "grpc answers RESOURCE_EXHAUSTED before any handler or key check runs",
+    )
+    net.add_argument(
+        "--max-kv-subscribers",
+        type=int,
+        default=DEFAULT_MAX_KV_SUBSCRIBERS,
+        help="most SubscribeKvEvents streams open at once",
     )
     net.add_argument(
         "--max-connection-age",
@@ -281,11 +294,17 @@ async def serve(args: argparse.Namespace) -> int:
     try:
         server = grpc.aio.server(
             interceptors=interceptors,
+            maximum_concurrent_rpcs=args.max_concurrent_rpcs,
             options=server_options(
                 args.max_message_bytes, max_connection_age=args.max_connection_age
             ),
         )
-        mounted = mount(server, engine, reflection_service=not args.no_reflection)
+        mounted = mount(
+            server,
+            engine,
+            reflection_service=not args.no_reflection,
+            max_kv_subscribers=args.max_kv_subscribers,
+        )
         address = f"{args.host}:{args.port}"
         if credentials is not None:
             port = server.add_secure_port(address, credentials)

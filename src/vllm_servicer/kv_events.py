@@ -29,6 +29,7 @@ from vllm.v1.engine.exceptions import EngineDeadError
 
 from .errors import NotEnabledError, TooManySubscribersError
 from .loads import managed_ranks
+from .options import DEFAULT_MAX_KV_SUBSCRIBERS
 from .proto import common_pb2
 
 logger = logging.getLogger("vllm_servicer")
@@ -40,9 +41,7 @@ ENABLE_HINT = (
 )
 # How often an idle stream checks that the engine is still alive.
 _IDLE_CHECK_S = 1.0
-# Concurrent SubscribeKvEvents streams: each holds a socket here and a send
-# queue in every engine core's publisher.
-DEFAULT_MAX_SUBSCRIBERS = 16
+DEFAULT_MAX_SUBSCRIBERS = DEFAULT_MAX_KV_SUBSCRIBERS
 # Batches kept for a subscriber whose client reads slower than the engine
 # publishes. The socket is drained regardless (so the queue builds neither in
 # the engine nor in ZMQ); past this the oldest are dropped, and the client sees

@@ -5,6 +5,9 @@ from __future__ import annotations
 import socket
 
 DEFAULT_MAX_MESSAGE_BYTES = 32 * 1024 * 1024
+# Concurrent SubscribeKvEvents streams: each holds a socket in the serving
+# process and a send queue in every engine core's publisher.
+DEFAULT_MAX_KV_SUBSCRIBERS = 16
 
 
 def server_options(
