@@ -41,7 +41,8 @@ def prompt_from_request(
         if max_prompt_tokens is not None and count > max_prompt_tokens:
             raise InvalidRequestError(
                 "tokenized.input_ids",
-                f"{count} prompt tokens, more than this model's context of {max_prompt_tokens}",
+                f"prompt length {count} is longer than the maximum model length "
+                f"{max_prompt_tokens}",
             )
         ids = list(request.tokenized.input_ids)
         if not ids:
