@@ -39,8 +39,8 @@ def test_safe_defaults() -> None:
     assert args.host == "127.0.0.1"
     assert args.max_message_bytes == 32 * 1024 * 1024
     assert args.shutdown_timeout == 30
-    # Bounded by default: calls of every kind at once, and KV-event subscribers.
-    assert args.max_concurrent_rpcs == 1024
+    # KV-event subscribers are bounded by default; grpc's global call cap is opt-in.
+    assert args.max_concurrent_rpcs is None
     assert args.max_kv_subscribers == 16
 
 

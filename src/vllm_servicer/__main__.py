@@ -57,9 +57,11 @@ def build_parser() -> Any:
     net.add_argument(
         "--max-concurrent-rpcs",
         type=int,
-        default=1024,
+        default=None,
         help="most calls of any kind (streams included) the server runs at once; past it "
-        "grpc answers RESOURCE_EXHAUSTED before any handler or key check runs",
+        "grpc answers RESOURCE_EXHAUSTED before any handler or key check runs (default: no "
+        "cap: with grpc 1.85's limiter on, a replica behind nginx stopped answering while a "
+        "cancelled stream was blocked on flow control)",
     )
     net.add_argument(
         "--max-kv-subscribers",
