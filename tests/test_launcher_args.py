@@ -39,7 +39,9 @@ def test_safe_defaults() -> None:
     assert args.host == "127.0.0.1"
     assert args.max_message_bytes == 32 * 1024 * 1024
     assert args.shutdown_timeout == 30
-    # KV-event subscribers are bounded by default; grpc's global call cap is opt-in.
+    # Engine calls and KV-event subscribers are bounded by default; grpc's
+    # global call cap is opt-in.
+    assert args.max_inflight == 1024
     assert args.max_concurrent_rpcs is None
     assert args.max_kv_subscribers == 16
 

@@ -51,8 +51,9 @@ def build_parser() -> Any:
     net.add_argument(
         "--max-inflight",
         type=int,
-        default=None,
-        help="most Generate/Embed calls in flight; beyond it calls get RESOURCE_EXHAUSTED",
+        default=1024,
+        help="most Generate/Embed calls in flight (default 1024); beyond it calls get "
+        "RESOURCE_EXHAUSTED with a retry hint",
     )
     net.add_argument(
         "--max-concurrent-rpcs",
