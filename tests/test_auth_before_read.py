@@ -11,6 +11,7 @@ gets a proper status whatever interceptors run before authentication.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
@@ -103,9 +104,17 @@ async def _call(channel: grpc.aio.Channel, name: str, metadata: Any) -> None:
     elif name == "UnaryStream":
         [m async for m in channel.unary_stream(method)(b"x", metadata=metadata)]
     elif name == "StreamUnary":
-        await channel.stream_unary(method)(iter([b"x", b"y"]), metadata=metadata)
+        await channel.stream_unary(method)(_late_messages(), metadata=metadata)
     else:
-        [m async for m in channel.stream_stream(method)(iter([b"x", b"y"]), metadata=metadata)]
+        [m async for m in channel.stream_stream(method)(_late_messages(), metadata=metadata)]
+
+
+async def _late_messages() -> AsyncIterator[bytes]:
+    """Two messages, sent after a refusal would have come: a client whose send
+    loses the race with the server's status gets INTERNAL from its own grpc."""
+    await asyncio.sleep(0.3)
+    yield b"x"
+    yield b"y"
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
