@@ -190,7 +190,8 @@ def test_unmappable_events_and_frames_are_skipped() -> None:
     assert decode([b"only one frame"]) is None
 
 
-async def test_relay_streams_a_live_publisher(tmp_path: Path) -> None:
+def _live_relay(tmp_path: Path, **options: Any) -> tuple[Any, Any, asyncio.Event]:
+    """A real ZMQ publisher, a relay subscribed to it, and an event set once it is."""
     endpoint = f"ipc://{tmp_path}/pub"
     publisher = ZmqEventPublisher(0, endpoint=endpoint, topic="kv")
     subscribed = asyncio.Event()
@@ -199,12 +200,13 @@ async def test_relay_streams_a_live_publisher(tmp_path: Path) -> None:
         subscribed.set()
 
     stream = relay(
-        [Source(0, endpoint)],
-        topic="kv",
-        start_sequence_number=1,
-        engine_dead=lambda: False,
-        on_subscribed=mark,
+        [Source(0, endpoint)], topic="kv", engine_dead=lambda: False, on_subscribed=mark, **options
     )
+    return publisher, stream, subscribed
+
+
+async def test_relay_streams_a_live_publisher(tmp_path: Path) -> None:
+    publisher, stream, subscribed = _live_relay(tmp_path, start_sequence_number=1)
     try:
         first = asyncio.ensure_future(stream.__anext__())
         await subscribed.wait()
@@ -262,21 +264,7 @@ async def test_a_slow_subscriber_keeps_the_newest_batches_not_the_engines_memory
     tmp_path: Path,
 ) -> None:
     """The socket is drained while the caller does not read; past the backlog the oldest go."""
-    endpoint = f"ipc://{tmp_path}/pub"
-    publisher = ZmqEventPublisher(0, endpoint=endpoint, topic="kv")
-    subscribed = asyncio.Event()
-
-    async def mark() -> None:
-        subscribed.set()
-
-    stream = relay(
-        [Source(0, endpoint)],
-        topic="kv",
-        start_sequence_number=0,
-        engine_dead=lambda: False,
-        on_subscribed=mark,
-        backlog=10,
-    )
+    publisher, stream, subscribed = _live_relay(tmp_path, start_sequence_number=0, backlog=10)
     try:
         first = asyncio.ensure_future(stream.__anext__())
         await subscribed.wait()
