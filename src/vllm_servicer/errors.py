@@ -64,7 +64,44 @@ class EngineUnavailableError(RuntimeError):
 
 
 class UnsupportedError(RuntimeError):
-    """The engine lacks a feature this RPC needs (no pooling runner, no profiler)."""
+    """The engine lacks a feature this RPC needs (no pooling runner, no profiler).
+
+    Args:
+        message: what is missing and how to enable it.
+        field: the request field that needs it, when one does (named in the message).
+    """
+
+    def __init__(self, message: str, *, field: str = "") -> None:
+        super().__init__(f"{field}: {message}" if field else message)
+        self.field = field
+
+
+class UnimplementedFieldError(NotImplementedError):
+    """A request field this server does not implement: refused, never ignored.
+
+    Args:
+        field: the request field, as a dotted path (e.g. "mm_inputs").
+        reason: why, and what would serve it instead.
+    """
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
+class FieldOutOfRangeError(LookupError):
+    """A request field whose value lies past what this server can serve (no history kept).
+
+    Args:
+        field: the request field.
+        reason: what range is served.
+    """
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
 
 
 class NotEnabledError(RuntimeError):
@@ -95,6 +132,8 @@ ERROR_TABLE: tuple[ErrorRule, ...] = (
     ErrorRule(ProfilerAlreadyActiveError, grpc.StatusCode.FAILED_PRECONDITION, "PROFILER_ACTIVE"),
     ErrorRule(UnsupportedError, grpc.StatusCode.FAILED_PRECONDITION, "UNSUPPORTED"),
     ErrorRule(NotEnabledError, grpc.StatusCode.UNIMPLEMENTED, "NOT_ENABLED"),
+    ErrorRule(UnimplementedFieldError, grpc.StatusCode.UNIMPLEMENTED, "FIELD_UNIMPLEMENTED"),
+    ErrorRule(FieldOutOfRangeError, grpc.StatusCode.OUT_OF_RANGE, "OUT_OF_RANGE"),
     ErrorRule(VLLMNotFoundError, grpc.StatusCode.NOT_FOUND, "NOT_FOUND"),
     # VLLMValidationError and the rest of the request's faults (no longer ValueError in 0.32).
     ErrorRule(VLLMClientError, grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ARGUMENT"),
@@ -179,9 +218,12 @@ def rich_status(
     exc: BaseException, rule: ErrorRule, message: str, method: str
 ) -> status_pb2.Status:
     """The `google.rpc.Status` sent with the error: ErrorInfo, and BadRequest if known."""
-    info = error_details_pb2.ErrorInfo(
-        reason=rule.reason, domain=ERROR_DOMAIN, metadata={"method": method}
-    )
+    metadata = {"method": method}
+    field = getattr(exc, "field", "")
+    if field and isinstance(field, str):
+        # A refused field is named here whatever the code, for clients to switch on.
+        metadata["field"] = field
+    info = error_details_pb2.ErrorInfo(reason=rule.reason, domain=ERROR_DOMAIN, metadata=metadata)
     details = [_pack(info)]
     if rule.code is grpc.StatusCode.INVALID_ARGUMENT:
         violation = field_violation(exc)
