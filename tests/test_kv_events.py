@@ -206,18 +206,31 @@ def _live_relay(tmp_path: Path, **options: Any) -> tuple[Any, Any, asyncio.Event
 
 
 async def test_relay_streams_a_live_publisher(tmp_path: Path) -> None:
-    publisher, stream, subscribed = _live_relay(tmp_path, start_sequence_number=1)
+    publisher, stream, subscribed = _live_relay(tmp_path)
     try:
         first = asyncio.ensure_future(stream.__anext__())
         await subscribed.wait()
         await asyncio.sleep(0.3)
-        for ts in (1.0, 2.0):  # sequence 0 is below start_sequence_number
+        for ts in (1.0, 2.0):
             publisher.publish(KVEventBatch(ts=ts, events=[AllBlocksCleared()]))
         batch = await asyncio.wait_for(first, 10)
-        assert (batch.sequence_number, batch.timestamp, batch.dp_rank) == (1, 2.0, 0)
+        assert (batch.sequence_number, batch.timestamp, batch.dp_rank) == (0, 1.0, 0)
+        batch = await asyncio.wait_for(stream.__anext__(), 10)
+        assert (batch.sequence_number, batch.timestamp) == (1, 2.0)
     finally:
         await stream.aclose()
         publisher.shutdown()
+
+
+async def test_a_resume_point_is_refused_where_events_are_published(featured: Any) -> None:
+    """Nothing is kept between subscriptions, so a non-zero start cannot be honoured."""
+    _, channel, _ = featured
+    stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+    call = stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(start_sequence_number=7))
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await call.read()
+    assert err.value.code() == grpc.StatusCode.OUT_OF_RANGE
+    assert "start_sequence_number" in (err.value.details() or "")
 
 
 async def test_subscribers_past_the_limit_are_resource_exhausted(featured: Any) -> None:
@@ -264,7 +277,7 @@ async def test_a_slow_subscriber_keeps_the_newest_batches_not_the_engines_memory
     tmp_path: Path,
 ) -> None:
     """The socket is drained while the caller does not read; past the backlog the oldest go."""
-    publisher, stream, subscribed = _live_relay(tmp_path, start_sequence_number=0, backlog=10)
+    publisher, stream, subscribed = _live_relay(tmp_path, backlog=10)
     try:
         first = asyncio.ensure_future(stream.__anext__())
         await subscribed.wait()

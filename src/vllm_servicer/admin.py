@@ -10,6 +10,7 @@ import asyncio
 import math
 from typing import Any
 
+from . import fields
 from .errors import InvalidRequestError, UnsupportedError
 from .proto import common_pb2
 
@@ -25,8 +26,6 @@ PROFILER_HINT = (
     "this engine has no profiler configured; start vLLM with "
     "--profiler-config.profiler=torch --profiler-config.torch_profiler_dir=/abs/dir"
 )
-# StartProfile options vLLM fixes when the engine starts, not per session.
-_LAUNCH_TIME_OPTIONS = ("output_dir", "with_stack", "record_shapes")
 
 
 def _budget(limit: float, time_remaining: float | None) -> float:
@@ -97,26 +96,18 @@ async def start_profile(
 
     `start_step` and `num_steps` become vLLM's delay and iteration bounds;
     the trace directory and what is recorded are fixed when the engine
-    starts, so a request that sets them is refused rather than ignored.
+    starts, so a request that sets them is refused rather than ignored (the
+    rows of `fields.REFUSED["StartProfile"]`), with or without a profiler.
 
     Raises:
-        UnsupportedError: the engine has no profiler configured.
         InvalidRequestError: the request sets an option vLLM takes only at start.
+        UnsupportedError: the engine has no profiler configured.
         TimeoutError: the profiler did not start within the call's deadline.
     """
+    # Refused whatever the engine: no profiler would take these per request.
+    fields.refuse_unserved("StartProfile", request)
     if not profiler_configured(engine):
         raise UnsupportedError(PROFILER_HINT)
-    for name in _LAUNCH_TIME_OPTIONS:
-        if request.HasField(name):
-            raise InvalidRequestError(
-                name, "set when the engine starts (--profiler-config), not per request"
-            )
-    if request.activities:
-        raise InvalidRequestError(
-            "activities", "set when the engine starts (--profiler-config), not per request"
-        )
-    if request.profile_by_stage:
-        raise InvalidRequestError("profile_by_stage", "not supported by vLLM's profiler")
     kwargs: dict[str, int] = {}
     if request.HasField("start_step"):
         kwargs["delay_iterations"] = request.start_step

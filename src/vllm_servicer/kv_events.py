@@ -239,7 +239,6 @@ async def relay(
     ranks: list[Source],
     *,
     topic: str,
-    start_sequence_number: int,
     engine_dead: Callable[[], bool],
     on_subscribed: Callable[[], Any] | None = None,
     backlog: int = DEFAULT_BACKLOG,
@@ -252,7 +251,6 @@ async def relay(
     Args:
         ranks: the publishers to subscribe to.
         topic: the publishers' topic (ZMQ prefix match).
-        start_sequence_number: batches numbered below it are dropped.
         engine_dead: checked while idle; a dead engine ends the stream.
         on_subscribed: awaited once the socket is connected (e.g. to send
             the call's initial metadata, so the client knows it is live).
@@ -277,7 +275,7 @@ async def relay(
         decode = BatchDecoder()
         while True:
             batch = decode(await _next(received, reader))
-            if batch is not None and batch.sequence_number >= start_sequence_number:
+            if batch is not None:
                 yield batch
     finally:
         if reader is not None:

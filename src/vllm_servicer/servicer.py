@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.exceptions import VLLMClientError
 from vllm.pooling_params import PoolingParams
 
-from . import admin, convert, kv_events, loads
+from . import admin, convert, fields, kv_events, loads
 from .engine import EngineClient
 from .errors import NotEnabledError, UnsupportedError, abort_for_exception
 from .interceptors.auth import ADMIN_ROLE, current_identity
@@ -131,6 +131,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         request_id = _request_id(request.request_id, "generate")
         owned = self._received(request_id)
         try:
+            fields.refuse_unserved("Generate", request)
             params = request.sampling_params
             stream = request.stream
             sampling = convert.sampling_params_from_proto(params, stream=stream)
@@ -260,6 +261,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     async def GetLoads(self, request: pb.GetLoadsRequest, context: Context) -> pb.GetLoadsResponse:
         try:
+            fields.load_sections(list(request.include))
             dp_rank = request.dp_rank if request.HasField("dp_rank") else None
             report = loads.load_report(self._engine, self._stats_tap, dp_rank)
         except Exception as exc:
@@ -289,6 +291,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self, request: common_pb2.SubscribeKvEventsRequest, context: Context
     ) -> AsyncIterator[common_pb2.KvEventBatch]:
         try:
+            # Before the engine's settings: no engine makes a resume possible here.
+            fields.refuse_unserved("SubscribeKvEvents", request)
             config = kv_events.publisher_config(self._engine)
             if config is None:
                 raise NotEnabledError(kv_events.ENABLE_HINT)
@@ -296,7 +300,6 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 stream = kv_events.relay(
                     kv_events.sources(self._engine, config),
                     topic=config.topic or "",
-                    start_sequence_number=request.start_sequence_number,
                     engine_dead=lambda: bool(self._engine.errored),
                     # Headers out once subscribed: the client's first read means "live".
                     on_subscribed=lambda: context.send_initial_metadata(()),
@@ -369,7 +372,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             is_generation=getattr(mc, "runner_type", "generate") == "generate",
             max_context_length=max_len,
             vocab_size=int(mc.get_vocab_size()),
-            supports_vision=bool(getattr(mc, "is_multimodal_model", False)),
+            # Images are refused (multimodal input is not served), whatever the model.
+            supports_vision=False,
             served_model_name=str(served),
             tokenizer_path=str(getattr(mc, "tokenizer", "") or ""),
             model_type=str(getattr(hf, "model_type", "") or ""),

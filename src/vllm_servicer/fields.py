@@ -1,0 +1,198 @@
+"""What this server does with every request field: honoured, or refused with a code.
+
+A field the server cannot serve is refused with a typed status that names it
+and says what would serve it, so a client never gets a plausible answer that
+left part of its request out. This module is the one list: the servicer
+refuses the unconditional rows through `refuse_unserved`, docs/protocol.md
+shows the same table, and a test walks the protocol's descriptors so that a
+field in neither `HONOURED` nor `REFUSED` fails the build.
+
+Paths are dotted from the RPC's request message. A message field that is
+honoured has its own fields listed too; a refused one does not (nothing in it
+is read). Map fields are listed whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import grpc
+from google.protobuf.message import Message
+
+from .errors import FieldOutOfRangeError, InvalidRequestError, UnimplementedFieldError
+
+
+class Refusal(NamedTuple):
+    """How a field is refused.
+
+    Attributes:
+        code: the status a request that uses it gets.
+        when: "" when it is refused whenever set; otherwise the condition
+            (checked where the field is read, not by `refuse_unserved`).
+        reason: what the client is told after the field's name.
+    """
+
+    code: grpc.StatusCode
+    when: str
+    reason: str
+
+
+_SAMPLING = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "max_tokens",
+    "min_tokens",
+    "stop",
+    "stop_token_ids",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "ignore_eos",
+    "n",
+    "logprobs",
+    "prompt_logprobs",
+    "seed",
+    "include_stop_str_in_output",
+    "logit_bias",
+    "truncate_prompt_tokens",
+    # vLLM starts a grammar at the first token unless a reasoning parser holds
+    # it back; when set, the request tells the engine its reasoning has ended.
+    "grammar_from_first_token",
+    "json_schema",
+    "regex",
+    "grammar",
+    "structural_tag",
+    "json_object",
+    "choice",
+    "choice.choices",
+)
+
+HONOURED: Mapping[str, frozenset[str]] = {
+    "Generate": frozenset(
+        (
+            "request_id",
+            "tokenized",
+            "tokenized.original_text",
+            "tokenized.input_ids",
+            "text",
+            "sampling_params",
+            "stream",
+            "data_parallel_rank",
+            *(f"sampling_params.{name}" for name in _SAMPLING),
+        )
+    ),
+    "Embed": frozenset(
+        ("request_id", "tokenized", "tokenized.original_text", "tokenized.input_ids")
+    ),
+    "HealthCheck": frozenset(),
+    "FlushCache": frozenset(("timeout_s",)),
+    "StartProfile": frozenset(("start_step", "num_steps")),
+    "StopProfile": frozenset(),
+    "Abort": frozenset(("request_ids",)),
+    "GetModelInfo": frozenset(),
+    "GetServerInfo": frozenset(),
+    # `include`: "core" and "all" are what this protocol's loads carry.
+    "GetLoads": frozenset(("dp_rank",)),
+    "GetTokenizer": frozenset(),
+    # A subscriber's statement that it can take load records first; this
+    # server sends none, so there is nothing to put before the first batch.
+    "SubscribeKvEvents": frozenset(("load_records_before_first_batch",)),
+}
+
+KV_CONNECTOR_HINT = (
+    "the engine has no KV connector for prefill/decode hand-off; start vLLM with "
+    '--kv-transfer-config (e.g. \'{"kv_connector": "NixlConnector", "kv_role": "kv_both"}\')'
+)
+_MULTIMODAL = "multimodal input is not supported by this server; send text or token ids only"
+_AT_START = "set when the engine starts (--profiler-config), not per request"
+LOAD_SECTIONS = ("core", "all")
+
+REFUSED: Mapping[str, Mapping[str, Refusal]] = {
+    "Generate": {
+        "mm_inputs": Refusal(grpc.StatusCode.UNIMPLEMENTED, "", _MULTIMODAL),
+        "extra_mm_inputs": Refusal(grpc.StatusCode.UNIMPLEMENTED, "", _MULTIMODAL),
+        "media_refs": Refusal(grpc.StatusCode.UNIMPLEMENTED, "", _MULTIMODAL),
+        "kv_transfer_params": Refusal(
+            grpc.StatusCode.FAILED_PRECONDITION, "the engine has no KV connector", KV_CONNECTOR_HINT
+        ),
+        "kv_transfer_params_json": Refusal(
+            grpc.StatusCode.FAILED_PRECONDITION, "the engine has no KV connector", KV_CONNECTOR_HINT
+        ),
+    },
+    "StartProfile": {
+        "output_dir": Refusal(grpc.StatusCode.INVALID_ARGUMENT, "", _AT_START),
+        "activities": Refusal(grpc.StatusCode.INVALID_ARGUMENT, "", _AT_START),
+        "with_stack": Refusal(grpc.StatusCode.INVALID_ARGUMENT, "", _AT_START),
+        "record_shapes": Refusal(grpc.StatusCode.INVALID_ARGUMENT, "", _AT_START),
+        "profile_by_stage": Refusal(
+            grpc.StatusCode.INVALID_ARGUMENT, "", "not supported by vLLM's profiler"
+        ),
+    },
+    "GetLoads": {
+        "include": Refusal(
+            grpc.StatusCode.UNIMPLEMENTED,
+            "a section other than " + " or ".join(LOAD_SECTIONS),
+            "this server's loads carry the core section only; ask for "
+            + " or ".join(LOAD_SECTIONS),
+        ),
+    },
+    "SubscribeKvEvents": {
+        "start_sequence_number": Refusal(
+            grpc.StatusCode.OUT_OF_RANGE,
+            "",
+            "this server keeps no event history to resume from; subscribe from 0 "
+            "(the current state) and resynchronise",
+        ),
+    },
+}
+
+_ERRORS = {
+    grpc.StatusCode.UNIMPLEMENTED: UnimplementedFieldError,
+    grpc.StatusCode.OUT_OF_RANGE: FieldOutOfRangeError,
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequestError,
+}
+
+
+def is_set(message: Message, path: str) -> bool:
+    """Whether the request sets the field at `path`: present, non-empty or non-zero."""
+    *parents, name = path.split(".")
+    for part in parents:
+        if not message.HasField(part):
+            return False
+        message = getattr(message, part)
+    field = message.DESCRIPTOR.fields_by_name[name]
+    if field.is_repeated:
+        return len(getattr(message, name)) > 0
+    if field.has_presence:
+        return message.HasField(name)
+    return bool(getattr(message, name) != field.default_value)
+
+
+def refuse_unserved(method: str, request: Message) -> None:
+    """Raise for the first field of `request` that `method` refuses whenever it is set.
+
+    Raises:
+        UnimplementedFieldError, FieldOutOfRangeError, InvalidRequestError: by
+            the row's code; the message names the field and what would serve it.
+    """
+    for path, refusal in REFUSED.get(method, {}).items():
+        if not refusal.when and is_set(request, path):
+            raise _ERRORS[refusal.code](path, refusal.reason)
+
+
+def load_sections(include: list[str]) -> None:
+    """Check GetLoads' `include`: only the sections this protocol's loads carry.
+
+    Raises:
+        UnimplementedFieldError: a section this server does not report.
+    """
+    for section in include:
+        if section not in LOAD_SECTIONS:
+            raise UnimplementedFieldError(
+                "include", f"section {section!r}: " + REFUSED["GetLoads"]["include"].reason
+            )
