@@ -188,7 +188,9 @@ GENERATE_ROWS: dict[str, Row] = {
     "json_object_min_tokens_contradiction": Row(
         raw(_field("json_object", True), max_tokens=3, min_tokens=3), FINE
     ),
-    "kv_transfer_params_json_malformed": Row(raw(_top("kv_transfer_params_json", "{nope")), FINE),
+    "kv_transfer_params_json_malformed": Row(
+        raw(_top("kv_transfer_params_json", "{nope")), "kv_transfer_params_json"
+    ),
 }
 
 # Rows whose current behaviour is a known bug in the servicer (none open).

@@ -8,6 +8,8 @@ no empty sub-messages).
 from __future__ import annotations
 
 import itertools
+import json
+import logging
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +21,8 @@ from .proto import vllm_engine_pb2 as pb
 
 if TYPE_CHECKING:
     from vllm.outputs import CompletionOutput, RequestOutput
+
+logger = logging.getLogger("vllm_servicer")
 
 GenerateResponse = pb.GenerateResponse
 GenerateStreamChunk = pb.GenerateStreamChunk
@@ -84,13 +88,56 @@ def _finite(name: str, value: float) -> float:
     return value
 
 
-def sampling_params_from_proto(params: pb.SamplingParams, *, stream: bool) -> SamplingParams:
+def kv_transfer_params(request: pb.GenerateRequest) -> dict[str, Any] | None:
+    """The KV-connector params a request hands the engine (prefill/decode), or None.
+
+    `kv_transfer_params_json` is the connector's own object, passed on as it
+    is; the typed `kv_transfer_params` (the older form) adds its
+    remote_host/remote_port. Routers may send both, so both are read, and a
+    host or port they disagree on is refused rather than one silently winning.
+
+    Raises:
+        InvalidRequestError: the JSON is not an object, or the typed params
+            are incomplete or contradict it.
+    """
+    params: dict[str, Any] | None = None
+    if request.HasField("kv_transfer_params_json"):
+        try:
+            loaded = json.loads(request.kv_transfer_params_json)
+        except json.JSONDecodeError as exc:
+            raise InvalidRequestError("kv_transfer_params_json", f"not valid JSON: {exc}") from None
+        if not isinstance(loaded, dict):
+            raise InvalidRequestError("kv_transfer_params_json", "must be a JSON object")
+        params = loaded
+    if request.HasField("kv_transfer_params"):
+        typed = request.kv_transfer_params
+        if not typed.remote_host or not 1 <= typed.remote_port <= 65535:
+            raise InvalidRequestError(
+                "kv_transfer_params",
+                "remote_host must be set and remote_port must be in [1, 65535]",
+            )
+        given: dict[str, Any] = {"remote_host": typed.remote_host, "remote_port": typed.remote_port}
+        for key, value in given.items():
+            if params is not None and key in params and params[key] != value:
+                raise InvalidRequestError(
+                    f"kv_transfer_params.{key}",
+                    f"{value!r} contradicts kv_transfer_params_json's {params[key]!r}",
+                )
+        params = {**given, **(params or {})}
+    return params or None
+
+
+def sampling_params_from_proto(
+    params: pb.SamplingParams, *, stream: bool, kv_transfer: dict[str, Any] | None = None
+) -> SamplingParams:
     """vLLM SamplingParams for a wire SamplingParams, with the protocol's defaults.
 
     Unset proto3 scalars mean "use the neutral value": temperature 1.0, top_p 1.0,
     repetition_penalty 1.0, n 1, max_tokens bounded only by the context. The
     model's generation-config defaults are not applied here: GetModelInfo
-    advertises them and the router applies them.
+    advertises them and the router applies them. `kv_transfer` (see
+    `kv_transfer_params`) reaches the engine's KV connector through
+    `extra_args["kv_transfer_params"]`, where vLLM's connectors read it.
     """
     stop = list(params.stop) or None
     logit_bias = dict(params.logit_bias) or None
@@ -123,6 +170,7 @@ def sampling_params_from_proto(params: pb.SamplingParams, *, stream: bool) -> Sa
         include_stop_str_in_output=params.include_stop_str_in_output,
         logit_bias=logit_bias,
         structured_outputs=_structured_outputs(params),
+        extra_args={"kv_transfer_params": kv_transfer} if kv_transfer else None,
         # Token ids are the output; text is needed only to match stop strings.
         detokenize=stop is not None,
         output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
@@ -144,6 +192,32 @@ def tokenization_kwargs(params: pb.SamplingParams) -> dict[str, int] | None:
 
 # Words in vLLM's structured-output error messages, which do not name the field.
 _CONSTRAINT_WORDS = ("grammar", "schema", "regex", "structural", "choice", "json")
+
+
+def grammar_from_first_token(params: pb.SamplingParams) -> bool:
+    """Whether to tell the engine the request's reasoning has ended before it starts.
+
+    vLLM holds a grammar back until its reasoning parser sees the end of the
+    model's thought (when the engine runs one); a request whose prompt already
+    closed the thought asks for the grammar from the first token.
+    """
+    return params.grammar_from_first_token and params.WhichOneof("constraint") is not None
+
+
+def kv_transfer_response(params: dict[str, Any], complete: pb.GenerateComplete) -> None:
+    """The engine's returned KV-connector params into `complete`, as JSON and typed.
+
+    The typed message (for older routers) is filled only when the params carry
+    a usable remote_host/remote_port.
+    """
+    try:
+        complete.kv_transfer_params_json = json.dumps(params, separators=(",", ":"))
+    except (TypeError, ValueError):
+        logger.warning("kv_transfer_params not JSON-serialisable, left out: %r", params)
+    host, port = params.get("remote_host"), params.get("remote_port")
+    if isinstance(host, str) and host and isinstance(port, int) and 1 <= port <= 65535:
+        complete.kv_transfer_params.remote_host = host
+        complete.kv_transfer_params.remote_port = port
 
 
 def constraint_error(exc: Exception, params: pb.SamplingParams) -> Exception:
@@ -301,4 +375,12 @@ class ResponseBuilder:
             )
             if ilps is not None:
                 complete.input_logprobs.CopyFrom(ilps)
+        if output.kv_transfer_params:
+            kv_transfer_response(output.kv_transfer_params, complete)
+        # Filled by vLLM only with --per-request-spec-decode-metrics (and n == 1).
+        spec = completion.spec_decode_metrics
+        if spec is not None:
+            # histogram[j]: verify steps that accepted j draft tokens.
+            complete.spec_accepted_tokens = sum(j * n for j, n in enumerate(spec.histogram))
+            complete.spec_draft_tokens = spec.num_draft_tokens
         return GenerateResponse(complete=complete)

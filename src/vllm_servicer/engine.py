@@ -29,6 +29,7 @@ class EngineClient(Protocol):
         tokenization_kwargs: dict[str, Any] | None = None,
         trace_headers: Mapping[str, str] | None = None,
         data_parallel_rank: int | None = None,
+        reasoning_ended: bool | None = None,
     ) -> AsyncGenerator[Any, None]: ...
 
     def encode(

@@ -75,6 +75,9 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self._last_receive_timestamp = 0.0
         self._model_info: pb.GetModelInfoResponse | None = None
         self._supported_tasks: tuple[str, ...] | None = None
+        # Prefill/decode hand-off needs a KV connector in the engine (--kv-transfer-config).
+        config = getattr(engine, "vllm_config", None)
+        self._kv_connector = getattr(config, "kv_transfer_config", None)
         # vLLM's renderer turns a token prompt into engine input synchronously.
         self._render = getattr(getattr(engine, "renderer", None), "process_for_engine", None)
         # Reads the engine's own per-step scheduler stats for GetLoads.
@@ -130,11 +133,20 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     ) -> AsyncIterator[pb.GenerateResponse]:
         request_id = _request_id(request.request_id, "generate")
         owned = self._received(request_id)
+        kv_transfer: dict[str, Any] | None = None
+        started = False
         try:
             fields.refuse_unserved("Generate", request)
+            kv_transfer = convert.kv_transfer_params(request)
+            if kv_transfer is not None and self._kv_connector is None:
+                json_set = request.HasField("kv_transfer_params_json")
+                name = "kv_transfer_params_json" if json_set else "kv_transfer_params"
+                raise UnsupportedError(fields.KV_CONNECTOR_HINT, field=name)
             params = request.sampling_params
             stream = request.stream
-            sampling = convert.sampling_params_from_proto(params, stream=stream)
+            sampling = convert.sampling_params_from_proto(
+                params, stream=stream, kv_transfer=kv_transfer
+            )
             tokenization = convert.tokenization_kwargs(params)
             # With truncation asked for, a longer prompt is the engine's to cut.
             limit = None if tokenization is not None else self._max_prompt_tokens
@@ -152,9 +164,12 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             trace = _trace_headers(context)
             if trace is not None:
                 kwargs["trace_headers"] = trace
+            if convert.grammar_from_first_token(params):
+                kwargs["reasoning_ended"] = True
             build = convert.ResponseBuilder(params)
             chunk, complete = build.chunk, build.complete
             async for output in self._engine.generate(prompt, sampling, request_id, **kwargs):
+                started = True
                 if stream:
                     for completion in output.outputs:
                         yield chunk(output, completion)
@@ -164,6 +179,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                     for completion in output.outputs:
                         yield complete(output, completion)
         except Exception as exc:
+            if kv_transfer is not None and not started:
+                await self._kv_transfer_rejected(request, request_id, kv_transfer)
             if isinstance(exc, (ValueError, VLLMClientError)):
                 exc = convert.constraint_error(exc, request.sampling_params)
             await abort_for_exception(context, exc, method="Generate", request_id=request_id)
@@ -338,6 +355,31 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             await abort_for_exception(context, exc, method="StopProfile")
 
     # ----- helpers ----------------------------------------------------------
+
+    async def _kv_transfer_rejected(
+        self, request: pb.GenerateRequest, request_id: str, kv_transfer: dict[str, Any]
+    ) -> None:
+        """Tell the KV connector a remote-prefill request failed before the engine ran it.
+
+        The prefill side holds the request's blocks until the decode side takes
+        them; without this they stay pinned until the connector's lease expires.
+        A cancelled call is not reported: once the engine holds the request, its
+        abort runs the connector's hook itself.
+        """
+        if self._kv_connector is None or not kv_transfer.get("do_remote_prefill"):
+            return
+        notify = getattr(self._engine, "notify_kv_transfer_request_rejected", None)
+        if notify is None:  # an engine without the hook: the lease expiry frees them
+            return
+        rank = request.data_parallel_rank if request.HasField("data_parallel_rank") else None
+        try:
+            await notify(request_id, kv_transfer, data_parallel_rank=rank)
+        except Exception:
+            logger.warning(
+                "could not tell the KV connector that request %r was rejected",
+                request_id,
+                exc_info=True,
+            )
 
     def _log_missing(self, ranks: list[int]) -> None:
         # Once per change, not per poll: routers poll GetLoads several times a second.

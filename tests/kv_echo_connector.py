@@ -1,0 +1,34 @@
+"""A KV connector for tests: vLLM's file-based ExampleConnector, handing back what it was given.
+
+vLLM's connectors return params from `request_finished` for the engine to put in
+`RequestOutput.kv_transfer_params` (NIXL: where the decode side fetches the
+blocks). ExampleConnector returns none; this one returns the request's own
+params, marked, so a test sees that what a client sent reached the connector
+inside the engine process and that what a connector returns reaches the
+client. It also appends each finished request's id and params to
+`<shared_storage_path>/finished.jsonl`, which shows requests that never
+produced output (a rejected request the connector was told about).
+Loaded by the engine through `KVTransferConfig.kv_connector_module_path`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import ExampleConnector
+
+FINISHED_LOG = "finished.jsonl"
+
+
+class EchoConnector(ExampleConnector):
+    """ExampleConnector whose finished requests hand their KV-transfer params back."""
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        params = request.kv_transfer_params
+        with open(os.path.join(self._storage_path, FINISHED_LOG), "a") as log:
+            log.write(json.dumps({"request_id": request.request_id, "params": params}) + "\n")
+        return False, ({**params, "echoed_by": "EchoConnector"} if params else None)
