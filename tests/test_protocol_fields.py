@@ -1,0 +1,336 @@
+"""No request field is ignored: each is honoured, or refused with a typed status naming it.
+
+The inventory walks the protocol's own descriptors, so a field added to the
+protocol fails here until `vllm_servicer.fields` says what happens to it. Every
+refusal is then shown over a real channel against the session's real engine,
+and the prefill/decode hand-off and speculative counts against an engine with
+a KV connector and n-gram speculative decoding (this module's own).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from google.protobuf.descriptor import Descriptor
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+from helpers import build_engine, collect, completes, request, wait_until_idle
+from kv_echo_connector import FINISHED_LOG
+
+from vllm_servicer import mount
+from vllm_servicer.fields import HONOURED, REFUSED
+from vllm_servicer.proto import common_pb2, vllm_engine_pb2_grpc
+from vllm_servicer.proto import vllm_engine_pb2 as pb
+
+SERVICE = pb.DESCRIPTOR.services_by_name["VllmEngine"]
+PROTOCOL_DOC = Path(__file__).resolve().parent.parent / "docs" / "protocol.md"
+
+
+def _paths(message: Descriptor, method: str, prefix: str = "") -> Iterator[str]:
+    """Every field path of `message` a client can set, down through honoured sub-messages."""
+    for field in message.fields:
+        path = prefix + field.name
+        yield path
+        sub = field.message_type
+        if sub is None or sub.GetOptions().map_entry or path in REFUSED.get(method, {}):
+            continue  # a map is one field; nothing inside a refused message is read
+        yield from _paths(sub, method, path + ".")
+
+
+def test_every_request_field_is_honoured_or_refused() -> None:
+    assert set(HONOURED) | set(REFUSED) == set(SERVICE.methods_by_name)
+    for method in SERVICE.methods:
+        honoured = HONOURED.get(method.name, frozenset())
+        refused = set(REFUSED.get(method.name, {}))
+        assert not honoured & refused, f"{method.name}: both honoured and refused"
+        fields = set(_paths(method.input_type, method.name))
+        unlisted = fields - honoured - refused
+        assert not unlisted, f"{method.name}: fields neither honoured nor refused: {unlisted}"
+        stale = (honoured | refused) - fields
+        assert not stale, f"{method.name}: listed but not in the protocol: {stale}"
+
+
+def test_the_protocol_page_shows_the_same_table() -> None:
+    rows = re.findall(
+        r"^\| (\w+) \| `([\w.]+)` \| (honoured|refused: `(\w+)`)", PROTOCOL_DOC.read_text(), re.M
+    )
+    documented = {(method, path): code or "honoured" for method, path, _, code in rows}
+    expected = {(m, p): "honoured" for m, paths in HONOURED.items() for p in paths}
+    expected |= {(m, p): r.code.name for m, rows in REFUSED.items() for p, r in rows.items()}
+    assert documented == expected
+
+
+# ----- every refusal, over the wire ----------------------------------------------------------
+
+
+def _generate(build: Callable[[pb.GenerateRequest], Any]) -> Callable[[Any], Awaitable[Any]]:
+    def call(stub: Any) -> Awaitable[Any]:
+        req = request(max_tokens=2)
+        build(req)
+        return collect(stub.Generate(req, timeout=30))
+
+    return call
+
+
+def _image(inputs: pb.MultimodalInputs) -> None:
+    inputs.pixel_values.inline = b"\0" * 12
+    inputs.pixel_values.shape.extend([1, 3, 2, 2])
+    inputs.pixel_values.dtype = "uint8"
+
+
+# One call per REFUSED row: (the call, what else its message must say).
+REFUSALS: dict[tuple[str, str], tuple[Callable[[Any], Awaitable[Any]], str]] = {
+    ("Generate", "mm_inputs"): (_generate(lambda r: _image(r.mm_inputs)), "multimodal"),
+    ("Generate", "extra_mm_inputs"): (
+        _generate(lambda r: _image(r.extra_mm_inputs.add())),
+        "multimodal",
+    ),
+    ("Generate", "media_refs"): (
+        _generate(lambda r: r.media_refs.items.add(url="https://example.com/a.png")),
+        "multimodal",
+    ),
+    ("Generate", "kv_transfer_params"): (
+        _generate(
+            lambda r: r.kv_transfer_params.MergeFrom(
+                pb.KvTransferParams(remote_host="10.0.0.2", remote_port=7000)
+            )
+        ),
+        "--kv-transfer-config",
+    ),
+    ("Generate", "kv_transfer_params_json"): (
+        _generate(lambda r: setattr(r, "kv_transfer_params_json", '{"do_remote_prefill": true}')),
+        "--kv-transfer-config",
+    ),
+    ("StartProfile", "output_dir"): (
+        lambda s: s.StartProfile(common_pb2.StartProfileRequest(output_dir="/tmp/traces")),
+        "--profiler-config",
+    ),
+    ("StartProfile", "activities"): (
+        lambda s: s.StartProfile(common_pb2.StartProfileRequest(activities=["CPU"])),
+        "--profiler-config",
+    ),
+    ("StartProfile", "with_stack"): (
+        lambda s: s.StartProfile(common_pb2.StartProfileRequest(with_stack=False)),
+        "--profiler-config",
+    ),
+    ("StartProfile", "record_shapes"): (
+        lambda s: s.StartProfile(common_pb2.StartProfileRequest(record_shapes=True)),
+        "--profiler-config",
+    ),
+    ("StartProfile", "profile_by_stage"): (
+        lambda s: s.StartProfile(common_pb2.StartProfileRequest(profile_by_stage=True)),
+        "not supported",
+    ),
+    ("GetLoads", "include"): (
+        lambda s: s.GetLoads(pb.GetLoadsRequest(include=["core", "memory"])),
+        "'memory'",
+    ),
+    ("SubscribeKvEvents", "start_sequence_number"): (
+        lambda s: collect(
+            s.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(start_sequence_number=42))
+        ),
+        "from 0",
+    ),
+}
+
+
+def _error_info(err: grpc.aio.AioRpcError) -> error_details_pb2.ErrorInfo:
+    status = rpc_status.from_call(err)  # type: ignore[arg-type]
+    assert status is not None
+    info = error_details_pb2.ErrorInfo()
+    assert any(d.Unpack(info) for d in status.details if d.Is(info.DESCRIPTOR))
+    return info
+
+
+def test_every_refusal_has_a_wire_test() -> None:
+    assert set(REFUSALS) == {(m, p) for m, rows in REFUSED.items() for p in rows}
+
+
+@pytest.mark.parametrize(("method", "path"), list(REFUSALS), ids=lambda v: v)
+async def test_a_refused_field_is_refused_with_its_code_and_name(
+    method: str, path: str, stub: Any, engine: Any
+) -> None:
+    call, words = REFUSALS[(method, path)]
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await call(stub)
+    expected = REFUSED[method][path].code
+    assert err.value.code() == expected, err.value.details()
+    details = err.value.details() or ""
+    assert details.startswith(f"{path}: ") and words in details, details
+    info = _error_info(err.value)
+    assert (info.metadata["field"], info.metadata["method"]) == (path, method)
+    assert await wait_until_idle(engine) == 0
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        pytest.param(lambda r: r.mm_inputs.SetInParent(), id="empty mm_inputs"),
+        pytest.param(lambda r: r.media_refs.SetInParent(), id="empty media_refs"),
+    ],
+)
+async def test_a_multimodal_message_is_refused_when_present_even_empty(
+    build: Callable[[pb.GenerateRequest], None], stub: Any
+) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await _generate(build)(stub)
+    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+@pytest.mark.parametrize(
+    ("json_text", "typed", "field"),
+    [
+        ("{nope", None, "kv_transfer_params_json"),
+        ("[1, 2]", None, "kv_transfer_params_json"),
+        (None, ("", 7000), "kv_transfer_params"),
+        (None, ("10.0.0.2", 0), "kv_transfer_params"),
+        ('{"remote_port": 7001}', ("10.0.0.2", 7000), "kv_transfer_params.remote_port"),
+    ],
+)
+async def test_malformed_kv_transfer_params_are_invalid_whatever_the_engine(
+    json_text: str | None, typed: tuple[str, int] | None, field: str, stub: Any
+) -> None:
+    req = request(max_tokens=2)
+    if json_text is not None:
+        req.kv_transfer_params_json = json_text
+    if typed is not None:
+        req.kv_transfer_params.remote_host, req.kv_transfer_params.remote_port = typed
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await collect(stub.Generate(req, timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (err.value.details() or "").startswith(f"{field}: ")
+
+
+# ----- honoured fields that had nothing to show before ---------------------------------------
+
+
+@pytest.mark.parametrize("include", [[], ["core"], ["all"], ["core", "all"]])
+async def test_the_load_sections_served_are_accepted(include: list[str], stub: Any) -> None:
+    reply = await stub.GetLoads(pb.GetLoadsRequest(include=include))
+    assert reply.dp_rank_count == 1
+
+
+async def test_vision_is_not_advertised(stub: Any) -> None:
+    assert not (await stub.GetModelInfo(pb.GetModelInfoRequest())).supports_vision
+
+
+async def test_grammar_from_first_token_constrains_from_the_first_token(stub: Any) -> None:
+    """Without a reasoning parser vLLM starts a grammar at once: set or not, the same tokens."""
+    outputs = []
+    for first in (False, True):
+        req = request(max_tokens=6, regex="(ab|cd){3}", grammar_from_first_token=first)
+        outputs.append(list(completes(await collect(stub.Generate(req, timeout=60)))[0].output_ids))
+    assert outputs[0] == outputs[1] and outputs[0]
+
+
+# ----- an engine with a KV connector and speculative decoding --------------------------------
+
+
+@pytest.fixture(scope="module")
+async def handoff(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[tuple[Any, Path]]:
+    """A stub on an engine with the echoing KV connector and n-gram speculative decoding."""
+    from vllm.config import KVTransferConfig
+
+    storage = tmp_path_factory.mktemp("kv-handoff")
+    engine = build_engine(
+        tiny_model_dir,
+        enable_prefix_caching=False,
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="EchoConnector",
+            kv_connector_module_path="kv_echo_connector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"shared_storage_path": str(storage)},
+        ),
+        speculative_config={
+            "method": "ngram",
+            "num_speculative_tokens": 3,
+            "prompt_lookup_max": 3,
+            "prompt_lookup_min": 1,
+        },
+        per_request_spec_decode_metrics="summary",
+    )
+    server = grpc.aio.server()
+    mount(server, engine, health=False, reflection_service=False)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield vllm_engine_pb2_grpc.VllmEngineStub(channel), storage
+    finally:
+        await server.stop(None)
+        engine.shutdown()
+
+
+REPEATING = [5, 6, 7] * 6  # n-gram lookup finds drafts in a repeating prompt
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_kv_transfer_params_reach_the_connector_and_come_back(
+    handoff: tuple[Any, Path], stream: bool
+) -> None:
+    stub, _ = handoff
+    sent = {"do_remote_decode": True, "remote_host": "10.0.0.2", "remote_port": 7000, "ids": [1]}
+    req = request(REPEATING, max_tokens=4, stream=stream)
+    req.kv_transfer_params_json = json.dumps(sent)
+    req.kv_transfer_params.remote_host, req.kv_transfer_params.remote_port = "10.0.0.2", 7000
+    done = completes(await collect(stub.Generate(req, timeout=60)))[0]
+    assert json.loads(done.kv_transfer_params_json) == {**sent, "echoed_by": "EchoConnector"}
+    assert (done.kv_transfer_params.remote_host, done.kv_transfer_params.remote_port) == (
+        "10.0.0.2",
+        7000,
+    )
+
+
+async def test_typed_kv_transfer_params_alone_reach_the_connector(
+    handoff: tuple[Any, Path],
+) -> None:
+    stub, _ = handoff
+    req = request(max_tokens=2)
+    req.kv_transfer_params.remote_host, req.kv_transfer_params.remote_port = "10.0.0.3", 7001
+    done = completes(await collect(stub.Generate(req, timeout=60)))[0]
+    assert json.loads(done.kv_transfer_params_json) == {
+        "remote_host": "10.0.0.3",
+        "remote_port": 7001,
+        "echoed_by": "EchoConnector",
+    }
+
+
+async def test_a_rejected_remote_prefill_request_is_reported_to_the_connector(
+    handoff: tuple[Any, Path],
+) -> None:
+    """The prefill side would otherwise hold the request's blocks until its lease ran out."""
+    stub, storage = handoff
+    req = request(max_tokens=2, temperature=-1.0, request_id="rejected-decode")
+    req.kv_transfer_params_json = '{"do_remote_prefill": true, "remote_block_ids": [3]}'
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await collect(stub.Generate(req, timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    log = storage / FINISHED_LOG
+    told: list[Any] = []
+    for _ in range(100):  # the engine core runs the connector's hook on its next step
+        lines = log.read_text().splitlines() if log.exists() else []
+        told = [e for e in map(json.loads, lines) if e["request_id"] == "rejected-decode"]
+        if told:
+            break
+        await asyncio.sleep(0.05)
+    assert [e["params"] for e in told] == [{"do_remote_prefill": True, "remote_block_ids": [3]}]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_speculative_counts_come_from_the_engine(
+    handoff: tuple[Any, Path], stream: bool
+) -> None:
+    stub, _ = handoff
+    req = request(REPEATING, max_tokens=12, ignore_eos=True, stream=stream)
+    done = completes(await collect(stub.Generate(req, timeout=60)))[0]
+    assert done.spec_draft_tokens > 0
+    assert 0 < done.spec_accepted_tokens <= done.spec_draft_tokens
