@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import re
 import signal
@@ -47,10 +48,14 @@ async def _wait_for_line(proc: asyncio.subprocess.Process, pattern: str) -> re.M
         raise AssertionError("no start-up line in time:\n" + "".join(seen[-40:])) from None
 
 
-async def _drain_output(proc: asyncio.subprocess.Process) -> None:
+async def _drain_output(
+    proc: asyncio.subprocess.Process, tail: collections.deque[str] | None = None
+) -> None:
+    """Read a process's output so that it never blocks on a full pipe; keep its tail."""
     assert proc.stdout is not None
-    while await proc.stdout.readline():
-        pass
+    while line := await proc.stdout.readline():
+        if tail is not None:
+            tail.append(line.decode(errors="replace"))
 
 
 async def _stop(proc: asyncio.subprocess.Process) -> int:
