@@ -27,6 +27,7 @@ import os
 import shutil
 import tempfile
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final, Literal
 
@@ -85,7 +86,7 @@ _CPU_ENV_DEFAULTS: Final[dict[str, str]] = {
 _MARKER_NAME: Final = ".vllm_servicer_tiny_model.json"
 _CACHE_ENV: Final = "VLLM_SERVICER_CACHE"
 
-_Kind = Literal["generate", "embed"]
+_Kind = Literal["generate", "embed", "vision"]
 
 _PAD, _BOS, _EOS = "<pad>", "<s>", "</s>"
 _VOCAB_TARGET: Final = 320
@@ -253,14 +254,14 @@ def _read_marker(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def _write(path: Path, kind: _Kind) -> Path:
+def _write(path: Path, kind: _Kind, populate: Callable[[Path, _Kind], None] | None = None) -> Path:
     path = path.expanduser().absolute()
     if _read_marker(path) == _marker(kind):
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
-        _populate(tmp, kind)
+        (populate or _populate)(tmp, kind)
         # A few rounds: another process may be swapping the directory at the same time.
         for _ in range(5):
             try:
@@ -291,29 +292,38 @@ def _write(path: Path, kind: _Kind) -> Path:
 
 
 def _populate(directory: Path, kind: _Kind) -> None:
-    tokenizer = _train_tokenizer()
-    vocab_size = tokenizer.get_vocab_size()
-    pad_id, bos_id, eos_id = (tokenizer.token_to_id(t) for t in (_PAD, _BOS, _EOS))
+    hf_tokenizer = _hf_tokenizer()
+    hf_tokenizer.save_pretrained(str(directory))
+    config = _text_config(hf_tokenizer)
+    _write_json(directory / "config.json", config)
+    _write_json(directory / "generation_config.json", _generation_config(config))
+    _finish(directory, kind)
 
+
+def _hf_tokenizer() -> Any:
+    """The tiny byte-level BPE tokenizer as a transformers fast tokenizer."""
     from transformers import PreTrainedTokenizerFast
 
     # Typed as Any: transformers' constructor is untyped in some versions.
     tokenizer_cls: Any = PreTrainedTokenizerFast
-    hf_tokenizer = tokenizer_cls(
-        tokenizer_object=tokenizer,
+    return tokenizer_cls(
+        tokenizer_object=_train_tokenizer(),
         bos_token=_BOS,
         eos_token=_EOS,
         pad_token=_PAD,
         model_max_length=_MAX_LEN,
         clean_up_tokenization_spaces=False,
     )
-    hf_tokenizer.save_pretrained(str(directory))
 
-    config = {
+
+def _text_config(hf_tokenizer: Any) -> dict[str, Any]:
+    """The tiny Llama's config.json for `hf_tokenizer`'s vocabulary (added tokens included)."""
+    pad_id, bos_id, eos_id = hf_tokenizer.convert_tokens_to_ids([_PAD, _BOS, _EOS])
+    return {
         # Without "architectures" vLLM resolves a bare LlamaModel with no LM head.
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "vocab_size": vocab_size,
+        "vocab_size": len(hf_tokenizer),
         "hidden_size": 128,
         "intermediate_size": 256,
         "num_hidden_layers": 2,
@@ -335,17 +345,21 @@ def _populate(directory: Path, kind: _Kind) -> None:
         "pad_token_id": pad_id,
         "torch_dtype": "float32",
     }
-    generation_config = {
-        "bos_token_id": bos_id,
-        "eos_token_id": eos_id,
-        "pad_token_id": pad_id,
+
+
+def _generation_config(config: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "bos_token_id": config["bos_token_id"],
+        "eos_token_id": config["eos_token_id"],
+        "pad_token_id": config["pad_token_id"],
         "do_sample": True,
         "temperature": 0.7,
         "top_p": 0.9,
         "top_k": 20,
     }
-    _write_json(directory / "config.json", config)
-    _write_json(directory / "generation_config.json", generation_config)
+
+
+def _finish(directory: Path, kind: _Kind) -> None:
     # Written last: its presence means the directory is complete.
     _write_json(directory / _MARKER_NAME, _marker(kind))
     directory.chmod(0o755)  # mkdtemp makes it 0o700.
