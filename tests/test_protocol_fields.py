@@ -94,7 +94,7 @@ REFUSALS: dict[tuple[str, str], tuple[Callable[[Any], Awaitable[Any]], str]] = {
     ),
     ("Generate", "media_refs"): (
         _generate(lambda r: r.media_refs.items.add(url="https://example.com/a.png")),
-        "multimodal",
+        "--enable-media-refs",
     ),
     ("Generate", "kv_transfer_params"): (
         _generate(

@@ -13,6 +13,7 @@ from .interceptors import (
     MetricsInterceptor,
     TracingInterceptor,
 )
+from .media import MediaRefOptions
 from .mount import MountedServices, MountError, mount
 from .options import server_options
 from .proto import SERVICE_NAME
@@ -28,6 +29,7 @@ __all__ = [
     "AuthInterceptor",
     "InflightInterceptor",
     "InvalidRequestError",
+    "MediaRefOptions",
     "MetricsInterceptor",
     "MountError",
     "TracingInterceptor",

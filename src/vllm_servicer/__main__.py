@@ -77,6 +77,12 @@ def build_parser() -> Any:
         help="seconds after which clients are asked to reconnect (re-spreads load)",
     )
     net.add_argument("--no-reflection", action="store_true", help="do not serve reflection")
+    net.add_argument(
+        "--enable-media-refs",
+        action="store_true",
+        help="resolve images that Generate names by URL (media_refs): data: URLs, file: under "
+        "--allowed-local-media-path, http(s): only to --allowed-media-domains",
+    )
 
     drain = serve.add_argument_group("vllm-servicer: shutdown")
     drain.add_argument(
@@ -269,6 +275,7 @@ async def serve(args: argparse.Namespace) -> int:
     from ._engine_processes import apart_from_stop_signals, exit_now
     from .drain import GracefulShutdown, HardStop
     from .interceptors import start_metrics_server
+    from .media import MediaRefOptions
     from .mount import mount
     from .options import port_in_use, server_options
     from .tls import server_credentials, warn_if_exposed
@@ -307,6 +314,7 @@ async def serve(args: argparse.Namespace) -> int:
             engine,
             reflection_service=not args.no_reflection,
             max_kv_subscribers=args.max_kv_subscribers,
+            media_refs=MediaRefOptions() if args.enable_media_refs else None,
         )
         address = f"{args.host}:{args.port}"
         if credentials is not None:

@@ -108,15 +108,27 @@ KV_CONNECTOR_HINT = (
     "the engine has no KV connector for prefill/decode hand-off; start vLLM with "
     '--kv-transfer-config (e.g. \'{"kv_connector": "NixlConnector", "kv_role": "kv_both"}\')'
 )
-_MULTIMODAL = "multimodal input is not supported by this server; send text or token ids only"
+_PREPROCESSED = (
+    "preprocessed multimodal tensors are not supported by this server; send images as "
+    "media_refs (served with --enable-media-refs)"
+)
+MEDIA_REFS_HINT = (
+    "this server does not resolve media references; serve a model that takes images and "
+    "start the server with --enable-media-refs (mount(..., media_refs=MediaRefOptions()))"
+)
 _AT_START = "set when the engine starts (--profiler-config), not per request"
 LOAD_SECTIONS = ("core", "all")
 
 REFUSED: Mapping[str, Mapping[str, Refusal]] = {
     "Generate": {
-        "mm_inputs": Refusal(grpc.StatusCode.UNIMPLEMENTED, "", _MULTIMODAL),
-        "extra_mm_inputs": Refusal(grpc.StatusCode.UNIMPLEMENTED, "", _MULTIMODAL),
-        "media_refs": Refusal(grpc.StatusCode.UNIMPLEMENTED, "", _MULTIMODAL),
+        "mm_inputs": Refusal(grpc.StatusCode.UNIMPLEMENTED, "", _PREPROCESSED),
+        "extra_mm_inputs": Refusal(grpc.StatusCode.UNIMPLEMENTED, "", _PREPROCESSED),
+        # Honoured when on (media.py): images by URL, decoded here.
+        "media_refs": Refusal(
+            grpc.StatusCode.UNIMPLEMENTED,
+            "media references are off, or the model takes no images",
+            MEDIA_REFS_HINT,
+        ),
         "kv_transfer_params": Refusal(
             grpc.StatusCode.FAILED_PRECONDITION, "the engine has no KV connector", KV_CONNECTOR_HINT
         ),

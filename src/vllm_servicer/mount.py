@@ -15,6 +15,7 @@ from ._registration import HandlerRecorder, register, reject_undecodable, server
 from .engine import EngineClient
 from .health import EngineHealthServicer
 from .kv_events import DEFAULT_MAX_SUBSCRIBERS
+from .media import MediaRefOptions
 from .proto import SERVICE_NAME, vllm_engine_pb2_grpc
 from .reflection import ChainedPool
 from .servicer import VllmEngineServicer
@@ -50,6 +51,7 @@ def mount(
     reflection_service: bool = True,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     max_kv_subscribers: int = DEFAULT_MAX_SUBSCRIBERS,
+    media_refs: MediaRefOptions | None = None,
 ) -> MountedServices:
     """Serve `vllm.grpc.engine.VllmEngine` from `engine` on the host's `server`.
 
@@ -69,6 +71,8 @@ def mount(
             mounted here only, outermost first.
         max_kv_subscribers: SubscribeKvEvents streams allowed at once; the
             next one is answered RESOURCE_EXHAUSTED.
+        media_refs: serve Generate's `media_refs` (images by URL) by these
+            rules; None (the default) refuses them with UNIMPLEMENTED.
 
     Returns:
         The servicers and service names mounted.
@@ -82,7 +86,9 @@ def mount(
             "added after start only through a slow fallback path"
         )
     recorder = HandlerRecorder()
-    servicer = VllmEngineServicer(engine, max_kv_subscribers=max_kv_subscribers)
+    servicer = VllmEngineServicer(
+        engine, max_kv_subscribers=max_kv_subscribers, media_refs=media_refs
+    )
     vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(servicer, recorder)
     names = [SERVICE_NAME]
 

@@ -15,8 +15,15 @@ from vllm.pooling_params import PoolingParams
 
 from . import admin, convert, fields, kv_events, loads
 from .engine import EngineClient
-from .errors import NotEnabledError, UnsupportedError, abort_for_exception
+from .errors import (
+    InvalidRequestError,
+    NotEnabledError,
+    UnimplementedFieldError,
+    UnsupportedError,
+    abort_for_exception,
+)
 from .interceptors.auth import ADMIN_ROLE, current_identity
+from .media import MediaRefOptions, MediaResolver
 from .proto import common_pb2, vllm_engine_pb2_grpc
 from .proto import vllm_engine_pb2 as pb
 from .tokenizer_bundle import TokenizerBundle, chunks, tokenizer_dir
@@ -56,12 +63,23 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     Args:
         engine: the host's engine client, usually `vllm.v1.engine.async_llm.AsyncLLM`.
         max_kv_subscribers: SubscribeKvEvents streams allowed at once.
+        media_refs: resolve images named by URL in `media_refs` by these
+            rules; None (the default) refuses them.
     """
 
     def __init__(
-        self, engine: EngineClient, *, max_kv_subscribers: int = kv_events.DEFAULT_MAX_SUBSCRIBERS
+        self,
+        engine: EngineClient,
+        *,
+        max_kv_subscribers: int = kv_events.DEFAULT_MAX_SUBSCRIBERS,
+        media_refs: MediaRefOptions | None = None,
     ) -> None:
         self._engine = engine
+        self._media = (
+            MediaResolver(media_refs, getattr(engine, "model_config", None))
+            if media_refs is not None
+            else None
+        )
         self._kv_subscribers = kv_events.SubscriberLimit(max_kv_subscribers)
         # A token prompt past the model's context is refused by its length alone.
         max_len = getattr(getattr(engine, "model_config", None), "max_model_len", None)
@@ -151,10 +169,14 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             # With truncation asked for, a longer prompt is the engine's to cut.
             limit = None if tokenization is not None else self._max_prompt_tokens
             prompt = convert.prompt_from_request(request, limit)
+            images = request.HasField("media_refs")
+            if images:
+                # vLLM's processor expands each image placeholder, off the event loop.
+                prompt = await self._with_images(request, prompt)
             kwargs: dict[str, Any] = {}
             if tokenization is not None:
                 kwargs["tokenization_kwargs"] = tokenization
-            elif self._render is not None and not isinstance(prompt, str):
+            elif self._render is not None and not isinstance(prompt, str) and not images:
                 # Token ids need no tokenizer: render them here, which spares
                 # the engine's hop through a worker thread for raw prompts.
                 # The engine still validates the rendered input.
@@ -274,6 +296,11 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             block_size=getattr(cache, "block_size", 0) or 0,
             model_dtype=str(getattr(self._engine.model_config, "dtype", "") or ""),
             max_num_seqs=getattr(scheduler, "max_num_seqs", 0) or 0,
+            # What a router reads to send media_refs here rather than tensors.
+            mm_processor="inprocess" if self._takes_images else "",
+            mm_media_ref_schemes=",".join(self._media.schemes)
+            if self._media is not None and self._takes_images
+            else "",
         )
 
     async def GetLoads(self, request: pb.GetLoadsRequest, context: Context) -> pb.GetLoadsResponse:
@@ -356,6 +383,33 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     # ----- helpers ----------------------------------------------------------
 
+    @property
+    def _takes_images(self) -> bool:
+        return self._media is not None and self._media.takes_images
+
+    async def _with_images(self, request: pb.GenerateRequest, prompt: Any) -> Any:
+        """`prompt` with the images of `request.media_refs` as its multimodal data."""
+        if self._media is None or not self._media.takes_images:
+            raise UnimplementedFieldError("media_refs", fields.MEDIA_REFS_HINT)
+        if isinstance(prompt, str):
+            # As the reference server: the router tokenizes, placeholders included.
+            raise InvalidRequestError(
+                "media_refs", "needs tokenized input (token ids with one placeholder per image)"
+            )
+        images = await self._media.images(request.media_refs)
+        prompt["multi_modal_data"] = {"image": images[0] if len(images) == 1 else images}
+        render = getattr(getattr(self._engine, "renderer", None), "process_for_engine_async", None)
+        if render is None or convert.tokenization_kwargs(request.sampling_params) is not None:
+            return prompt  # the engine processes it (truncating it first)
+        try:
+            # As the engine would; rendered here, a mismatch is named as the
+            # request's fault (vLLM asserts it, which would read as internal).
+            return await render(prompt, time.time())
+        except (AssertionError, RuntimeError, ValueError) as exc:
+            raise InvalidRequestError(
+                "media_refs", f"the images do not fit the prompt's placeholders: {exc}"
+            ) from exc
+
     async def _kv_transfer_rejected(
         self, request: pb.GenerateRequest, request_id: str, kv_transfer: dict[str, Any]
     ) -> None:
@@ -414,8 +468,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             is_generation=getattr(mc, "runner_type", "generate") == "generate",
             max_context_length=max_len,
             vocab_size=int(mc.get_vocab_size()),
-            # Images are refused (multimodal input is not served), whatever the model.
-            supports_vision=False,
+            # Only when a request can carry an image that reaches the model.
+            supports_vision=self._takes_images,
             served_model_name=str(served),
             tokenizer_path=str(getattr(mc, "tokenizer", "") or ""),
             model_type=str(getattr(hf, "model_type", "") or ""),

@@ -1,0 +1,217 @@
+"""`media_refs`: images a request names by URL, resolved by this server.
+
+Off unless the operator turns it on (`mount(..., media_refs=MediaRefOptions())`,
+the launcher's `--enable-media-refs`). Which URLs are then accepted follows
+vLLM's own options for its OpenAI server, read from the engine's model config
+unless given here:
+
+- `data:` URLs (base64), unless `data_urls=False`;
+- `file:` URLs only under `--allowed-local-media-path`, after symlinks and
+  `..` are resolved;
+- `http(s):` URLs only to the hosts in `--allowed-media-domains`, without
+  following redirects. With no domains allowed this server makes no network
+  fetch (vLLM's own server would fetch from any host).
+
+Every item is bounded by `max_item_bytes` before it is decoded and by
+`max_image_pixels` before its pixels are loaded. Reading and decoding run in a
+worker thread; the decoded images go to the engine as `multi_modal_data`,
+where vLLM's own processor turns them into model input.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import dataclasses
+import io
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+from urllib.request import url2pathname
+
+from .errors import InvalidRequestError, UnimplementedFieldError
+from .proto import common_pb2
+from .proto import vllm_engine_pb2 as pb
+
+ENABLE_FLAG = "--enable-media-refs"
+DEFAULT_MAX_ITEM_BYTES = 16 * 1024 * 1024
+# Pillow's own warning threshold for decompression bombs.
+DEFAULT_MAX_IMAGE_PIXELS = 89_478_485
+_FETCH_TIMEOUT_S = 10.0
+
+
+@dataclasses.dataclass(frozen=True)
+class MediaRefOptions:
+    """Turns on `media_refs` and bounds what the server will read.
+
+    Attributes:
+        data_urls: accept base64 `data:` URLs.
+        allowed_local_media_path: directory `file:` URLs must lie under; None
+            takes the engine's `--allowed-local-media-path` ("" there: no files).
+        allowed_media_domains: hosts `http(s):` URLs may name; None takes the
+            engine's `--allowed-media-domains` (none there: no network fetch).
+        max_item_bytes: largest encoded image accepted, in bytes.
+        max_image_pixels: largest decoded image accepted, in pixels.
+    """
+
+    data_urls: bool = True
+    allowed_local_media_path: str | None = None
+    allowed_media_domains: Sequence[str] | None = None
+    max_item_bytes: int = DEFAULT_MAX_ITEM_BYTES
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+
+    def __post_init__(self) -> None:
+        if self.max_item_bytes <= 0 or self.max_image_pixels <= 0:
+            raise ValueError("max_item_bytes and max_image_pixels must be positive")
+
+
+class MediaResolver:
+    """Turns a request's `media_refs` into PIL images, by the options' rules.
+
+    Args:
+        options: what the operator allowed.
+        model_config: the engine's `ModelConfig` (allow-lists, item limits).
+    """
+
+    def __init__(self, options: MediaRefOptions, model_config: Any) -> None:
+        local = options.allowed_local_media_path
+        if local is None:
+            local = getattr(model_config, "allowed_local_media_path", "") or ""
+        self._local_root = Path(local).resolve() if local else None
+        if self._local_root is not None and not self._local_root.is_dir():
+            raise ValueError(f"allowed local media path {local!r} is not a directory")
+        domains = options.allowed_media_domains
+        if domains is None:
+            domains = getattr(model_config, "allowed_media_domains", None) or ()
+        self._domains = frozenset(d.lower() for d in domains)
+        self._options = options
+        schemes = ["data"] if options.data_urls else []
+        if self._local_root is not None:
+            schemes.append("file")
+        if self._domains:
+            schemes += ["http", "https"]
+        self.schemes: tuple[str, ...] = tuple(schemes)
+        mm_config = getattr(model_config, "multimodal_config", None)
+        self._max_images = mm_config.get_limit_per_prompt("image") if mm_config is not None else 0
+
+    @property
+    def takes_images(self) -> bool:
+        """Whether any image can be sent: the model takes images and a scheme is open."""
+        return self._max_images > 0 and bool(self.schemes)
+
+    async def images(self, refs: pb.MediaRefs) -> list[Any]:
+        """The decoded images of `refs`, in prompt order.
+
+        Raises:
+            InvalidRequestError: an item is malformed, not allowed, too large
+                or not a decodable image; the message names the item.
+            UnimplementedFieldError: an item of a modality other than images.
+        """
+        items = list(refs.items)
+        if not items:
+            raise InvalidRequestError("media_refs.items", "is empty")
+        if len(items) > self._max_images:
+            raise InvalidRequestError(
+                "media_refs.items",
+                f"{len(items)} images, more than this model takes per prompt ({self._max_images})",
+            )
+        for index, item in enumerate(items):
+            if item.modality != common_pb2.IMAGE:
+                raise UnimplementedFieldError(
+                    f"media_refs.items[{index}].modality",
+                    f"{common_pb2.Modality.Name(item.modality)}: this server takes images only",
+                )
+            self._check_url(index, item.url)
+        return list(await asyncio.gather(*(self._image(i, it.url) for i, it in enumerate(items))))
+
+    def _check_url(self, index: int, url: str) -> None:
+        scheme = urlsplit(url).scheme.lower() if url else ""
+        if scheme not in self.schemes:
+            raise InvalidRequestError(
+                f"media_refs.items[{index}].url",
+                f"scheme {scheme or 'none'!r} is not accepted by this server (accepted: "
+                f"{', '.join(self.schemes) or 'none'}); file: needs --allowed-local-media-path, "
+                "http(s): needs --allowed-media-domains",
+            )
+        if scheme.startswith("http"):
+            host = (urlsplit(url).hostname or "").lower()
+            if host not in self._domains:
+                raise InvalidRequestError(
+                    f"media_refs.items[{index}].url",
+                    f"host {host!r} is not in --allowed-media-domains",
+                )
+
+    async def _image(self, index: int, url: str) -> Any:
+        field = f"media_refs.items[{index}].url"
+        if url[:5].lower() == "data:" or url[:5].lower() == "file:":
+            # Reading a file and base64 decoding both scale with the item.
+            data = await asyncio.to_thread(self._read_local, field, url)
+        else:
+            data = await self._fetch(field, url)
+        return await asyncio.to_thread(self._decode, field, data)
+
+    def _read_local(self, field: str, url: str) -> bytes:
+        limit = self._options.max_item_bytes
+        if url[:5].lower() == "data:":
+            header, sep, payload = url[5:].partition(",")
+            if not sep or not header.lower().endswith(";base64"):
+                raise InvalidRequestError(
+                    field, "a data: URL must be base64 (data:TYPE;base64,...)"
+                )
+            if len(payload) * 3 // 4 > limit:
+                raise InvalidRequestError(field, f"image is larger than the {limit}-byte limit")
+            try:
+                return base64.b64decode(payload, validate=True)
+            except binascii.Error as exc:
+                raise InvalidRequestError(field, f"not valid base64: {exc}") from None
+        parts = urlsplit(url)
+        path = Path(url2pathname(parts.netloc + parts.path)).resolve()
+        assert self._local_root is not None  # checked with the scheme
+        if self._local_root not in path.parents:
+            raise InvalidRequestError(
+                field, "the file is not under this server's --allowed-local-media-path"
+            )
+        try:
+            with path.open("rb") as file:
+                data = file.read(limit + 1)
+        except OSError as exc:
+            raise InvalidRequestError(field, f"cannot read the file: {exc.strerror}") from None
+        if len(data) > limit:
+            raise InvalidRequestError(field, f"image is larger than the {limit}-byte limit")
+        return data
+
+    async def _fetch(self, field: str, url: str) -> bytes:
+        from vllm.connections import global_http_connection
+
+        limit = self._options.max_item_bytes
+        try:
+            data = await global_http_connection.async_get_bytes(
+                url, timeout=_FETCH_TIMEOUT_S, allow_redirects=False, max_bytes=limit + 1
+            )
+        except Exception as exc:
+            raise InvalidRequestError(field, f"could not fetch the image: {exc}") from None
+        if len(data) > limit:
+            raise InvalidRequestError(field, f"image is larger than the {limit}-byte limit")
+        return data
+
+    def _decode(self, field: str, data: bytes) -> Any:
+        from PIL import Image
+
+        try:
+            image = Image.open(io.BytesIO(data))
+            width, height = image.size
+            if width * height > self._options.max_image_pixels:
+                raise InvalidRequestError(
+                    field,
+                    f"image is {width}x{height}, more than the "
+                    f"{self._options.max_image_pixels}-pixel limit",
+                )
+            image.load()
+            # RGB, as vLLM's own media loader hands images to the processor.
+            return image.convert("RGB")
+        except InvalidRequestError:
+            raise
+        except (OSError, ValueError, Image.DecompressionBombError) as exc:
+            raise InvalidRequestError(field, f"not a decodable image: {exc}") from None
