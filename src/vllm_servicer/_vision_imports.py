@@ -28,7 +28,7 @@ _STAND_IN = "transformers.models.pixtral.image_processing_pil_pixtral"
 
 def _torchvision_imports() -> bool:
     try:
-        import torchvision  # noqa: F401
+        importlib.import_module("torchvision")
     except Exception:  # missing, or a build that does not match this torch
         return False
     return True

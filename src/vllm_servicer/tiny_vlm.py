@@ -124,9 +124,9 @@ def _populate(directory: Path, kind: _Kind) -> None:
         # With a bias the tiny projector's output is nearly constant across images.
         multimodal_projector_bias=False,
         tie_word_embeddings=False,
+        dtype="float32",
     )
     config.architectures = ["LlavaForConditionalGeneration"]
-    config.torch_dtype = "float32"
     torch.manual_seed(0)
     model = LlavaForConditionalGeneration(config)
     # vLLM's CLIP tower keeps its layers under `vision_model`, as CLIP checkpoints do.
@@ -140,7 +140,9 @@ def _populate(directory: Path, kind: _Kind) -> None:
         size={"shortest_edge": IMAGE_SIZE},
         crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
     )
-    LlavaProcessor(
+    # Typed as Any: transformers' constructor is untyped in some versions.
+    processor_cls: Any = LlavaProcessor
+    processor_cls(
         image_processor=image_processor,
         tokenizer=tokenizer,
         patch_size=_PATCH,
