@@ -114,11 +114,19 @@ async def test_sigterm_drains_then_aborts_stragglers(env: dict[str, str]) -> Non
 
             proc.send_signal(signal.SIGTERM)
             sent = time.perf_counter()
+            # NOT_SERVING comes first, then, a grace later, the Watch stream ends
+            # as the drain stops taking calls; the listener closes just after.
+            # (How soon the signal is handled is the machine's; not timed here.)
             assert (await watch.read()).status == health_pb2.HealthCheckResponse.NOT_SERVING
-            flip = time.perf_counter() - sent
-            assert flip < 0.1, f"health took {flip:.3f} s to turn NOT_SERVING"
-
-            await asyncio.sleep(1.0)  # past the grace period: new calls are refused
+            flipped = time.perf_counter()
+            assert await asyncio.wait_for(watch.read(), 60) == grpc.aio.EOF
+            ended = time.perf_counter()
+            print(
+                f"NOT_SERVING {flipped - sent:.3f} s after SIGTERM, "
+                f"Watch ended {ended - flipped:.3f} s later"
+            )
+            assert ended - flipped >= 0.4, "the Watch ended before the grace was over"
+            await asyncio.sleep(0.5)
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await _stream(vllm_engine_pb2_grpc.VllmEngineStub(channel), 4)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE

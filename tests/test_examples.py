@@ -19,6 +19,9 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 START_TIMEOUT = 420
 
+# A test here may wait START_TIMEOUT for a launcher; the suite's default would cut it short.
+pytestmark = pytest.mark.timeout(START_TIMEOUT + 180)
+
 
 async def _spawn(*args: str, env: dict[str, str]) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(

@@ -429,7 +429,6 @@ async def test_draining_replica_takes_no_new_calls_and_serves_its_streams(
     """
     d, a = draining, cluster.a
     nginx, address = await _start_nginx(tmp_path, [d.address, a.address])
-    grace = 1.0
     try:
         async with (
             grpc.aio.insecure_channel(d.address) as direct,
@@ -450,9 +449,18 @@ async def test_draining_replica_takes_no_new_calls_and_serves_its_streams(
             after_grace = 0
             a_at_grace: float | None = None
             tokens_at_grace: list[int] = []
+            refusing_seen: float | None = None
             while not all(s.done() for s in streams) or d.proc.returncode is None:
-                # The replica starts its grace when it handles the signal: allow for lag.
-                if a_at_grace is None and time.monotonic() - signalled > grace + 1.0:
+                # "After the grace" is when the replica says it refuses new calls
+                # (its signal handling may lag on a loaded machine), plus a moment
+                # for its listener to close.
+                if refusing_seen is None and "refusing new calls" in d.log_tail():
+                    refusing_seen = time.monotonic()
+                if (
+                    a_at_grace is None
+                    and refusing_seen is not None
+                    and time.monotonic() - refusing_seen > 0.5
+                ):
                     a_at_grace = await _handled(a)
                     tokens_at_grace = [p.tokens for p in progress]
                 new_calls.append(await _unary(stub))
