@@ -14,7 +14,10 @@ The order matters to load balancers and clients:
    engine down.
 
 Health Watch streams end, after their NOT_SERVING, when step 3 begins. A
-second `request_stop()` (a second signal) skips the waiting in 2 and 3. A
+second `request_stop()` (a second signal) skips the waiting in 2 and 3.
+Companion servers on the same engine (the launcher's HTTP API) drain in step
+with it: unhealthy at 1, then from 3 they stop accepting and get the same
+`timeout` for their requests in flight. A
 `HardStop` given to `GracefulShutdown` is the owner's last resort: it fires if
 the whole sequence (engine shutdown included) overruns its ceiling.
 """
@@ -27,7 +30,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from .mount import MountedServices
@@ -86,6 +89,19 @@ class HardStop:
         self._on_expiry()
 
 
+class CompanionServer(Protocol):
+    """Another server on the same engine, drained with the gRPC one."""
+
+    def start_draining(self) -> None:
+        """Look unhealthy to probes; keep serving."""
+
+    async def stop(self, timeout: float) -> None:
+        """Stop accepting; give requests in flight `timeout` seconds, then end them."""
+
+    def hurry(self) -> None:
+        """A second stop request: end what still runs now."""
+
+
 class GracefulShutdown:
     """Drives the shutdown sequence of one server.
 
@@ -100,6 +116,7 @@ class GracefulShutdown:
         hard_stop: armed by each stop request with what is left of the
             sequence plus `_ENGINE_SHUTDOWN_SECONDS` (a second request leaves
             only the abort flush): the process owner's ceiling.
+        companions: other servers on the engine; `run()` returns once they stopped too.
     """
 
     def __init__(
@@ -111,6 +128,7 @@ class GracefulShutdown:
         timeout: float = 30.0,
         on_drain: Iterable[Callable[[], object]] = (),
         hard_stop: HardStop | None = None,
+        companions: Iterable[CompanionServer] = (),
     ) -> None:
         self._server = server
         self._mounted = mounted
@@ -118,6 +136,7 @@ class GracefulShutdown:
         self._timeout = timeout
         self._on_drain = tuple(on_drain)
         self._hard_stop = hard_stop
+        self._companions = tuple(companions)
         self._stop_requested = asyncio.Event()
         self._hurry = asyncio.Event()
 
@@ -126,6 +145,8 @@ class GracefulShutdown:
         if self._stop_requested.is_set():
             logger.warning("second stop request: skipping the wait for in-flight calls")
             self._hurry.set()
+            for companion in self._companions:
+                companion.hurry()
             ceiling = _ABORT_FLUSH_SECONDS + _ENGINE_SHUTDOWN_SECONDS
         else:
             ceiling = self._grace_period + self._timeout + 2 * _ABORT_FLUSH_SECONDS
@@ -162,6 +183,8 @@ class GracefulShutdown:
         if health is not None:
             # Never waits on a client (a Watch caller can stall only its own stream).
             await health.start_draining()
+        for companion in self._companions:
+            companion.start_draining()
         for callback in self._on_drain:
             callback()
         if self._grace_period > 0:
@@ -175,6 +198,7 @@ class GracefulShutdown:
         if health is not None:
             await health.close()  # Watch streams end now, after their NOT_SERVING
         stopped = asyncio.ensure_future(self._server.stop(self._timeout + _ABORT_FLUSH_SECONDS))
+        others = [asyncio.ensure_future(c.stop(self._timeout)) for c in self._companions]
         if not await self._wait_idle(self._timeout):
             running = servicer.running_request_ids
             logger.warning(
@@ -191,4 +215,5 @@ class GracefulShutdown:
             # client that reads nothing), which would hold it to the timeout.
             await self._server.stop(0)
         await stopped
+        await asyncio.gather(*others)
         logger.info("server stopped; %d calls left", servicer.active_requests)
