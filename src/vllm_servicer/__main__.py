@@ -3,8 +3,10 @@
 Builds an `AsyncLLM` from vLLM's own engine arguments (every vLLM engine flag
 passes through), mounts the servicer on a new grpc.aio server with the
 recommended options, optional metrics, authentication, TLS and tracing, and
-serves until SIGTERM/SIGINT, then drains gracefully. With no `--model`, it
-serves the built-in tiny model (random weights, no download).
+serves until SIGTERM/SIGINT, then drains gracefully. With `--http-port` the
+same engine also serves vLLM's own OpenAI-compatible HTTP API (`http_api.py`).
+With no `--model`, it serves the built-in tiny model (random weights, no
+download).
 """
 
 from __future__ import annotations
@@ -84,6 +86,23 @@ def build_parser() -> Any:
         "--allowed-local-media-path, http(s): only to --allowed-media-domains",
     )
 
+    http = serve.add_argument_group("vllm-servicer: vLLM's HTTP API on the same engine")
+    http.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="also serve vLLM's OpenAI-compatible HTTP API on this port (0: any free port; "
+        "off by default); same keys and TLS as gRPC",
+    )
+    http.add_argument(
+        "--http-host", default=None, help="address of the HTTP API (default: the same as --host)"
+    )
+    http.add_argument(
+        "--chat-template",
+        default=None,
+        help="chat template (file or inline Jinja) for /v1/chat/completions, as vLLM's own",
+    )
+
     drain = serve.add_argument_group("vllm-servicer: shutdown")
     drain.add_argument(
         "--drain-grace",
@@ -161,6 +180,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--tls-cert and --tls-key go together")
     if args.tls_client_ca and not args.tls_cert:
         parser.error("--tls-client-ca needs --tls-cert and --tls-key")
+    if args.http_port is None and (args.http_host or args.chat_template):
+        parser.error("--http-host and --chat-template need --http-port")
+    if (
+        args.http_port
+        and args.http_port == args.port
+        and (args.http_host or args.host) == args.host
+    ):
+        parser.error("--http-port must differ from --port")
     if args.model is None:
         # Re-parse with the tiny model's settings as defaults, so flags the
         # user gave still win over them.
@@ -175,9 +202,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def build_interceptors(args: argparse.Namespace) -> tuple[list[Any], Any]:
+def build_interceptors(args: argparse.Namespace, verifier: Any = None) -> tuple[list[Any], Any]:
     """The launcher's interceptor stack, outermost first, and its metrics interceptor.
 
+    `verifier` is the key verifier to use (default: the one the flags describe).
+    Metrics are on with a metrics port or the HTTP API (whose `/metrics` shows them).
     Tracing outermost (its span covers everything), then metrics (rejected calls
     are counted too), then authentication, then in-flight counting (only
     authenticated calls take a slot).
@@ -191,10 +220,12 @@ def build_interceptors(args: argparse.Namespace) -> tuple[list[Any], Any]:
 
         model = (args.served_model_name or [args.model])[0]
         stack.append(TracingInterceptor(tracer_provider=tracer_provider, model=str(model)))
-    metrics = MetricsInterceptor() if args.metrics_port is not None else None
+    wants_metrics = args.metrics_port is not None or args.http_port is not None
+    metrics = MetricsInterceptor() if wants_metrics else None
     if metrics is not None:
         stack.append(metrics)
-    verifier = _key_verifier(args)
+    if verifier is None:
+        verifier = _key_verifier(args)
     if verifier is not None:
         from .interceptors.auth import AuthInterceptor, role_permissions
 
@@ -274,24 +305,34 @@ async def serve(args: argparse.Namespace) -> int:
 
     from ._engine_processes import apart_from_stop_signals, exit_now
     from .drain import GracefulShutdown, HardStop
+    from .http_api import HttpApi
     from .interceptors import start_metrics_server
     from .media import MediaRefOptions
     from .mount import mount
     from .options import port_in_use, server_options
     from .tls import server_credentials, warn_if_exposed
 
-    interceptors, metrics = build_interceptors(args)
+    # One verifier for both protocols: a key file re-read for one is re-read for both.
+    verifier = _key_verifier(args)
+    interceptors, metrics = build_interceptors(args, verifier)
     credentials = (
         server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)
         if args.tls_cert
         else None
     )
+    http_host = args.http_host or args.host
     warn_if_exposed(args.host, tls=credentials is not None, auth=authenticates(args))
-    if port_in_use(args.host, args.port):
-        logger.error(
-            "%s:%d is already in use (another server?); choose another --port", args.host, args.port
-        )
-        return 1
+    if args.http_port is not None and http_host != args.host:
+        warn_if_exposed(http_host, tls=credentials is not None, auth=authenticates(args))
+    for host, port, flag in (
+        (args.host, args.port, "--port"),
+        (http_host, args.http_port, "--http-port"),
+    ):
+        if port is not None and port_in_use(host, port):
+            logger.error(
+                "%s:%d is already in use (another server?); choose another %s", host, port, flag
+            )
+            return 1
 
     started = time.monotonic()
     logger.info("starting the vLLM engine for %s (loading the model)...", args.model)
@@ -301,6 +342,7 @@ async def serve(args: argparse.Namespace) -> int:
     logger.info("engine ready in %.1f s", time.monotonic() - started)
     settle_process_for_serving()
     metrics_http = None
+    http = None
     try:
         server = grpc.aio.server(
             interceptors=interceptors,
@@ -324,7 +366,7 @@ async def serve(args: argparse.Namespace) -> int:
         if port == 0:
             logger.error("could not bind %s", address)
             return 1
-        if metrics is not None:
+        if args.metrics_port is not None:
             metrics_http, _ = start_metrics_server(
                 args.metrics_port, addr=args.metrics_host or args.host
             )
@@ -332,6 +374,11 @@ async def serve(args: argparse.Namespace) -> int:
                 f"vllm-servicer metrics on http://{args.metrics_host or args.host}:"
                 f"{metrics_http.server_port}/metrics",
                 flush=True,
+            )
+        if args.http_port is not None:
+            tls = (args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
+            http = await HttpApi.build(
+                engine, args, host=http_host, port=args.http_port, verifier=verifier, tls=tls
             )
         shutdown = GracefulShutdown(
             server,
@@ -341,19 +388,26 @@ async def serve(args: argparse.Namespace) -> int:
             on_drain=[metrics.mark_shutdown] if metrics is not None else [],
             # Whatever hangs (a client, the engine), the process ends in time.
             hard_stop=HardStop(exit_now),
+            companions=[http] if http is not None else [],
         )
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, shutdown.request_stop)
         # The port opens only now, with the engine ready: a probe never sees
         # SERVING before a request can succeed.
+        if http is not None:
+            await http.start()
         await server.start()
-        # Printed (not only logged) so scripts and tests can read the bound port.
+        # Printed (not only logged) so scripts and tests can read the bound ports.
         print(f"vllm-servicer listening on {args.host}:{port}", flush=True)
+        if http is not None:
+            print(f"vllm-servicer http on {http.scheme}://{http_host}:{http.port}", flush=True)
         await shutdown.wait_for_stop_request()
         await shutdown.run()
         return 0
     finally:
+        if http is not None:
+            await http.stop(0)  # a no-op after a drain; ends it on an error
         logger.info("shutting down the engine")
         engine.shutdown()
         if metrics_http is not None:

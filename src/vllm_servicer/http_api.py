@@ -1,0 +1,302 @@
+"""vLLM's own OpenAI-compatible HTTP API, served beside the gRPC protocol.
+
+The launcher's `--http-port` builds vLLM's FastAPI app with vLLM's own
+builders (`build_app`, `init_app_state`) on the launcher's `AsyncLLM`, and
+serves it with uvicorn on the running event loop: one engine, one process, both
+protocols. Nothing of the OpenAI API is re-implemented here; this module only
+binds the app, checks keys and drains it.
+
+Keys: the gRPC side's verifier (the very same object, so key files re-read on
+change apply to both) checks `Authorization: Bearer <key>` on every path but
+the probes (`/health`, `/ping`, `/metrics`). Any valid key reaches the
+inference paths (`/v1/...`, `/tokenize`, ...); every other path (vLLM's
+`/pause`, `/abort_requests`, `/start_profile`, ...) needs an admin key, as the
+gRPC admin methods do. vLLM's own `--api-key` middleware is not used: it takes
+a fixed key list and guards `/v1` alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import ssl
+from collections.abc import Iterator
+from typing import Any
+
+import uvicorn
+
+from .interceptors.auth import ADMIN_ROLE, AuthError, Unauthenticated
+
+__all__ = ["HttpApi", "frontend_args", "uvicorn_config"]
+
+logger = logging.getLogger(__name__)
+
+# Probes and scrapers carry no keys (the gRPC health service is exempt too).
+_PUBLIC_PATHS = frozenset({"/health", "/ping", "/metrics"})
+# vLLM's own guarded prefixes plus its other per-request endpoints.
+_INFERENCE_PREFIXES = ("/v1/", "/v2/", "/inference/", "/cohere/")
+_INFERENCE_PATHS = frozenset(
+    {
+        "/tokenize",
+        "/detokenize",
+        "/tokenizer_info",
+        "/pooling",
+        "/classify",
+        "/score",
+        "/rerank",
+        "/invocations",
+        "/load",
+        "/version",
+    }
+)
+
+
+def frontend_args(args: argparse.Namespace, host: str, port: int) -> argparse.Namespace:
+    """vLLM's serve arguments: its frontend defaults, the launcher's engine settings.
+
+    The HTTP side takes vLLM's defaults for every frontend option (CORS, chat
+    template, tool parsers...); the engine flags, model names and
+    `--chat-template` come from the launcher. vLLM's own key middleware and
+    TLS options stay off: this module does both.
+    """
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser_class: Any = FlexibleArgumentParser  # untyped in vLLM
+    served: argparse.Namespace = make_arg_parser(parser_class()).parse_args([])
+    for name, value in vars(args).items():
+        if hasattr(served, name):
+            setattr(served, name, value)
+    served.host, served.port, served.api_key = host, port, None
+    return served
+
+
+@contextlib.contextmanager
+def _root_logging_kept() -> Iterator[None]:
+    """Undo what importing vLLM's app does to the root logger.
+
+    A module it imports (model_hosting_container_standards, for SageMaker)
+    sets the root logger and its handlers to ERROR at import time, which
+    would silence the launcher's own log lines (the drain's among them).
+    """
+    root = logging.getLogger()
+    levels = (root.level, [(handler, handler.level) for handler in root.handlers])
+    try:
+        yield
+    finally:
+        root.setLevel(levels[0])
+        for handler, level in levels[1]:
+            handler.setLevel(level)
+
+
+async def _build_app(engine: Any, served: argparse.Namespace) -> Any:
+    with _root_logging_kept():
+        from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+        from vllm.entrypoints.launchers.app import build_app
+
+        tasks = await engine.get_supported_tasks()
+        app = build_app(served, tasks, engine.model_config)
+        await init_app_state(engine, app.state, served, tasks)
+    return app
+
+
+def _json(status: int, body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    payload = json.dumps(body).encode()
+    start = {
+        "type": "http.response.start",
+        "status": status,
+        "headers": [
+            (b"content-type", b"application/json"),
+            (b"content-length", b"%d" % len(payload)),
+        ],
+    }
+    return start, {"type": "http.response.body", "body": payload}
+
+
+class _Front:
+    """Pure ASGI wrapper in front of vLLM's app: drain state of /health, then keys."""
+
+    def __init__(self, app: Any, verifier: Any) -> None:
+        self.app = app
+        self.verifier = verifier
+        self.draining = False
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] not in ("http", "websocket") or scope.get("method") == "OPTIONS":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"].removeprefix(scope.get("root_path", ""))
+        if self.draining and path == "/health":
+            # Balancers probing HTTP stop sending, as gRPC probes see NOT_SERVING.
+            await self._refuse(scope, send, 503, "draining")
+            return
+        if self.verifier is not None and not _public(path):
+            refusal = await self._check(scope, path)
+            if refusal is not None:
+                await self._refuse(scope, send, *refusal)
+                return
+        await self.app(scope, receive, send)
+
+    async def _check(self, scope: Any, path: str) -> tuple[int, str] | None:
+        metadata = [
+            ("authorization", value.decode("latin-1"))
+            for name, value in scope["headers"]
+            if name == b"authorization"
+        ]
+        try:
+            identity = await self.verifier(metadata, {})
+        except Unauthenticated:
+            return 401, "Unauthorized"
+        except AuthError:
+            return 403, "Forbidden"
+        if not _inference(path) and ADMIN_ROLE not in identity.roles:
+            return 403, "Forbidden: this path needs an admin key"
+        return None
+
+    @staticmethod
+    async def _refuse(scope: Any, send: Any, status: int, message: str) -> None:
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008})  # policy violation
+            return
+        for event in _json(status, {"error": message}):
+            await send(event)
+
+
+def _public(path: str) -> bool:
+    return path in _PUBLIC_PATHS or path.startswith("/metrics/")
+
+
+def _inference(path: str) -> bool:
+    return path.startswith(_INFERENCE_PREFIXES) or path in _INFERENCE_PATHS
+
+
+def uvicorn_config(
+    app: Any, host: str, port: int, tls: tuple[str, str, str | None] | None = None
+) -> uvicorn.Config:
+    """uvicorn's settings for the HTTP API: HTTPS with the gRPC side's certificate when given.
+
+    `tls` is (certificate, key, client CA or None); with a CA, clients must
+    present a certificate it signed, as on the gRPC side.
+    """
+    ssl_options: dict[str, Any] = {}
+    if tls is not None:
+        cert, key, client_ca = tls
+        ssl_options = {"ssl_certfile": cert, "ssl_keyfile": key}
+        if client_ca:
+            ssl_options |= {"ssl_ca_certs": client_ca, "ssl_cert_reqs": ssl.CERT_REQUIRED}
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        lifespan="on",
+        # Per-request log lines cost the serving process CPU that the gRPC
+        # side does not spend either.
+        access_log=False,
+        # uvicorn's own logging config would replace the process's handlers.
+        log_config=None,
+        **ssl_options,
+    )
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its signal handlers: the launcher owns SIGTERM/SIGINT."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class HttpApi:
+    """vLLM's HTTP API on one address, drained by the launcher's `GracefulShutdown`.
+
+    Build it with `await HttpApi.build(...)`, then `await start()`; pass it to
+    `GracefulShutdown(companions=[...])`.
+    """
+
+    def __init__(self, server: _Server, front: _Front) -> None:
+        self._server = server
+        self._front = front
+        self._task: asyncio.Task[None] | None = None
+        self._hurried = False
+        self.port = 0
+
+    @classmethod
+    async def build(
+        cls,
+        engine: Any,
+        args: argparse.Namespace,
+        *,
+        host: str,
+        port: int,
+        verifier: Any = None,
+        tls: tuple[str, str, str | None] | None = None,
+    ) -> HttpApi:
+        """Build vLLM's app on `engine` and a uvicorn server for it (nothing bound yet).
+
+        Args:
+            engine: the launcher's `AsyncLLM`.
+            args: the launcher's parsed arguments (engine flags, model names).
+            host: address to bind.
+            port: port to bind; 0 picks a free one (read `port` after `start()`).
+            verifier: the gRPC side's key verifier, or None for no keys.
+            tls: (certificate, key, client CA or None): serve HTTPS, requiring
+                client certificates when a CA is given.
+        """
+        app = await _build_app(engine, frontend_args(args, host, port))
+        front = _Front(app, verifier)
+        return cls(_Server(uvicorn_config(front, host, port, tls)), front)
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self._server.config.is_ssl else "http"
+
+    async def start(self) -> None:
+        """Bind and serve; returns once the app's start-up ran and the port is open.
+
+        Raises:
+            RuntimeError: the server could not start (the port is taken, say).
+        """
+        sock = self._server.config.bind_socket()
+        self.port = sock.getsockname()[1]
+        self._task = asyncio.ensure_future(self._server.serve(sockets=[sock]))
+        while not self._server.started:
+            if self._task.done():
+                sock.close()
+                raise RuntimeError("the HTTP API did not start") from _failure(self._task)
+            await asyncio.sleep(0.05)
+
+    def start_draining(self) -> None:
+        """`/health` answers 503 from now on; requests are still served."""
+        self._front.draining = True
+
+    async def stop(self, timeout: float) -> None:
+        """Stop accepting, let requests in flight finish for `timeout` s, then cancel them.
+
+        A cancelled request is aborted in the engine by vLLM's own handler.
+        """
+        if self._task is None or self._task.done():
+            return
+        self._front.draining = True
+        self._server.config.timeout_graceful_shutdown = 0 if self._hurried else math.ceil(timeout)
+        self._server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        logger.info("HTTP API stopped")
+
+    def hurry(self) -> None:
+        """A second stop request: cancel what is still running now."""
+        self._hurried = True
+        self._server.config.timeout_graceful_shutdown = 0
+        self._server.force_exit = True
+        for task in list(self._server.server_state.tasks):
+            task.cancel()
+
+
+def _failure(task: asyncio.Task[None]) -> BaseException | None:
+    if task.cancelled():
+        return None
+    return task.exception()
