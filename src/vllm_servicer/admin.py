@@ -7,6 +7,7 @@ Errors are raised, not answered: the servicer hands them to
 from __future__ import annotations
 
 import asyncio
+import inspect
 import math
 from typing import Any
 
@@ -101,7 +102,8 @@ async def start_profile(
 
     Raises:
         InvalidRequestError: the request sets an option vLLM takes only at start.
-        UnsupportedError: the engine has no profiler configured.
+        UnsupportedError: the engine has no profiler configured, or its profiler
+            takes no step bounds (vLLM 0.31).
         TimeoutError: the profiler did not start within the call's deadline.
     """
     # Refused whatever the engine: no profiler would take these per request.
@@ -113,8 +115,19 @@ async def start_profile(
         kwargs["delay_iterations"] = request.start_step
     if request.HasField("num_steps"):
         kwargs["max_iterations"] = request.num_steps
+    if kwargs and not _takes_step_bounds(engine.start_profile):
+        raise UnsupportedError(
+            "this vLLM's profiler takes no step bounds (vLLM 0.32 and later do)",
+            field="start_step" if "delay_iterations" in kwargs else "num_steps",
+        )
     await _bounded(engine.start_profile(**kwargs), time_remaining, "start")
     return common_pb2.ProfileResponse(success=True, message="profiler started")
+
+
+def _takes_step_bounds(start_profile: Any) -> bool:
+    # vLLM 0.31's AsyncLLM.start_profile takes only a file prefix.
+    params = inspect.signature(start_profile).parameters.values()
+    return any(p.name == "delay_iterations" or p.kind is p.VAR_KEYWORD for p in params)
 
 
 async def stop_profile(engine: Any, time_remaining: Any) -> common_pb2.ProfileResponse:

@@ -26,7 +26,6 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 from vllm.exceptions import (
     MaxQueuedTokensError,
-    ProfilerAlreadyActiveError,
     QueueOverflowError,
     VLLMClientError,
     VLLMNotFoundError,
@@ -35,6 +34,14 @@ from vllm.exceptions import (
 from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
 from .proto import vllm_engine_pb2 as pb
+
+try:
+    from vllm.exceptions import ProfilerAlreadyActiveError
+except ImportError:  # vLLM 0.31 does not refuse a second profiler start: never raised there.
+
+    class ProfilerAlreadyActiveError(Exception):  # type: ignore[no-redef]
+        """Stand-in for vLLM 0.32's error, for the table below."""
+
 
 if TYPE_CHECKING:
     import grpc.aio
