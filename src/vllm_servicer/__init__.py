@@ -4,6 +4,8 @@ from vllm_servicer import mount
 mount(server, async_llm)
 """
 
+# First: an untested vLLM fails here, before any module uses it.
+from . import _vllm_version  # noqa: F401
 from .engine import EngineClient
 from .errors import ERROR_TABLE, InvalidRequestError
 from .health import EngineHealthServicer
