@@ -45,10 +45,26 @@ async def _wait_for_line(proc: asyncio.subprocess.Process, pattern: str) -> re.M
                 return match
         raise AssertionError("process ended before it served:\n" + "".join(seen[-40:]))
 
+    # The process may die while a child it started (an engine) keeps the pipe
+    # open, so its exit ends the wait as well as the pipe's end does.
+    found = asyncio.ensure_future(scan())
+    exited = asyncio.ensure_future(proc.wait())
     try:
-        return await asyncio.wait_for(scan(), START_TIMEOUT)
-    except TimeoutError:
-        raise AssertionError("no start-up line in time:\n" + "".join(seen[-40:])) from None
+        await asyncio.wait(
+            {found, exited}, timeout=START_TIMEOUT, return_when=asyncio.FIRST_COMPLETED
+        )
+        if not found.done() and exited.done():
+            await asyncio.wait({found}, timeout=2)  # its last lines may still be in the pipe
+        if found.done():
+            return found.result()
+        if exited.done():
+            raise AssertionError(
+                f"process exited ({proc.returncode}) before it served:\n" + "".join(seen[-40:])
+            )
+        raise AssertionError("no start-up line in time:\n" + "".join(seen[-40:]))
+    finally:
+        found.cancel()
+        exited.cancel()
 
 
 async def _drain_output(
