@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import os
 import re
 import signal
@@ -23,7 +24,9 @@ START_TIMEOUT = 420
 pytestmark = pytest.mark.timeout(START_TIMEOUT + 180)
 
 
-async def _spawn(*args: str, env: dict[str, str]) -> asyncio.subprocess.Process:
+async def _spawn(
+    *args: str, env: dict[str, str], new_session: bool = False
+) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(
         sys.executable,
         *args,
@@ -31,6 +34,7 @@ async def _spawn(*args: str, env: dict[str, str]) -> asyncio.subprocess.Process:
         env=env,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
+        start_new_session=new_session,
     )
 
 
@@ -46,9 +50,10 @@ async def _wait_for_line(proc: asyncio.subprocess.Process, pattern: str) -> re.M
         raise AssertionError("process ended before it served:\n" + "".join(seen[-40:]))
 
     # The process may die while a child it started (an engine) keeps the pipe
-    # open, so its exit ends the wait as well as the pipe's end does.
+    # open; its exit ends the wait too. (On Python 3.11 `proc.wait()` returns
+    # only once the pipes close, so the exit is read from `returncode`.)
     found = asyncio.ensure_future(scan())
-    exited = asyncio.ensure_future(proc.wait())
+    exited = asyncio.ensure_future(_exit(proc))
     try:
         await asyncio.wait(
             {found, exited}, timeout=START_TIMEOUT, return_when=asyncio.FIRST_COMPLETED
@@ -65,6 +70,13 @@ async def _wait_for_line(proc: asyncio.subprocess.Process, pattern: str) -> re.M
     finally:
         found.cancel()
         exited.cancel()
+
+
+async def _exit(proc: asyncio.subprocess.Process) -> int:
+    """The process's exit status, whoever else still holds its pipes."""
+    while proc.returncode is None:  # noqa: ASYNC110 - asyncio sets it on exit, signals nothing
+        await asyncio.sleep(0.1)
+    return proc.returncode
 
 
 async def _drain_output(
@@ -149,7 +161,8 @@ async def test_mount_quickstart_serves(env: dict[str, str], tmp_path: Path) -> N
     )
     script = tmp_path / "drive_quickstart.py"
     script.write_text(driver)
-    proc = await _spawn(str(script), env=env)
+    # A group of its own: whatever the example leaves running is stopped with it.
+    proc = await _spawn(str(script), env=env, new_session=True)
     try:
         await _wait_for_line(proc, r"serving on")
         drain = asyncio.ensure_future(_drain_output(proc))
@@ -161,8 +174,8 @@ async def test_mount_quickstart_serves(env: dict[str, str], tmp_path: Path) -> N
     finally:
         if proc.returncode is None:
             proc.send_signal(signal.SIGINT)
-            try:
-                await asyncio.wait_for(proc.wait(), 60)
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(_exit(proc), 60)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        await asyncio.wait_for(proc.wait(), 60)
