@@ -112,6 +112,11 @@ async def test_kv_events_from_a_real_engine(featured: Any, kind: str) -> None:
     assert await call.code() == grpc.StatusCode.CANCELLED
 
 
+# The in-process engine's profiler writes its trace from a thread of this test
+# process, and torch's export_chrome_trace crashed it (SIGSEGV) in 2 of the last
+# 4 full runs, taking the whole suite down. Off until the trace is written in a
+# process of its own.
+@pytest.mark.skip(reason="torch's export_chrome_trace segfaults the test process")
 @pytest.mark.parametrize("kind", ["own", "reference"])
 async def test_profiler_start_and_stop(featured: Any, kind: str) -> None:
     _, channel, traces = featured
