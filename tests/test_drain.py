@@ -197,6 +197,12 @@ async def test_signal_to_the_whole_process_group_still_drains(
     output = asyncio.ensure_future(_drain_output(proc))
     engine_processes = _children(proc.pid)
     try:
+        for pid in engine_processes:
+            # A process group apart (a group signal misses them), in the launcher's
+            # session: Linux's autogroup scheduler shares the CPU between sessions,
+            # and an engine in a session of its own starved the launcher's streams.
+            assert os.getpgid(pid) != os.getpgid(proc.pid)
+            assert os.getsid(pid) == os.getsid(proc.pid)
         async with grpc.aio.insecure_channel(address) as channel:
             stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
             started = [asyncio.Event() for _ in range(16)]
