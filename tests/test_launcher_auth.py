@@ -1,9 +1,12 @@
-"""The launcher's keys: inference keys and an admin key, from flags, files and the environment.
+"""The launcher's callers: inference and admin keys, from flags, files and the environment,
+and client certificates.
 
 The interceptor stack is the one `python -m vllm_servicer serve` builds, on a
 real server with the real engine: an inference key serves and routes (loads,
 KV events, Abort of its own requests), only the admin key flushes the cache,
-profiles, and aborts anyone's requests.
+profiles, and aborts anyone's requests. A running request's id is its
+caller's: another caller cannot start a request under it. With client
+certificates and no keys, only the subjects named admin administer.
 """
 
 from __future__ import annotations
@@ -15,13 +18,15 @@ from typing import Any
 
 import grpc
 import pytest
-from helpers import request
+from certs import CertificateAuthority, Pem
+from helpers import collect, request
 
 from vllm_servicer import mount
-from vllm_servicer.__main__ import authenticates, build_interceptors, parse_args
+from vllm_servicer.__main__ import _http_verifier, authenticates, build_interceptors, parse_args
+from vllm_servicer.interceptors.auth import ADMIN_ROLE
 from vllm_servicer.proto import common_pb2, vllm_engine_pb2_grpc
 from vllm_servicer.proto import vllm_engine_pb2 as pb
-from vllm_servicer.tls import warn_if_exposed
+from vllm_servicer.tls import server_credentials, warn_if_exposed
 
 TENANT_A = "tenant-a-0123456789abcdefABCDEF"
 TENANT_B = "tenant-b-0123456789abcdefABCDEF"
@@ -108,6 +113,15 @@ async def test_inference_key_serves_and_routes_but_cannot_administer(
     assert (await stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=bearer(ADMIN))).model_path
 
 
+async def _finish_reasons(call: Any) -> list[str]:
+    """The finish reasons of the rest of a stream already read from."""
+    reasons = []
+    while (message := await call.read()) is not grpc.aio.EOF:
+        if message.HasField("complete"):
+            reasons.append(message.complete.finish_reason)
+    return reasons
+
+
 async def _finish_reason_after_abort(
     stub: vllm_engine_pb2_grpc.VllmEngineStub, request_id: str, aborter: str
 ) -> str:
@@ -123,11 +137,7 @@ async def _finish_reason_after_abort(
         for _ in range(30):
             assert (await call.read()).HasField("chunk")
         await stub.Abort(pb.AbortRequest(request_ids=[request_id]), metadata=bearer(TENANT_A))
-    reasons = []
-    while (message := await call.read()) is not grpc.aio.EOF:
-        if message.HasField("complete"):
-            reasons.append(message.complete.finish_reason)
-    return reasons[-1]
+    return (await _finish_reasons(call))[-1]
 
 
 @pytest.mark.parametrize("aborter", [TENANT_A, TENANT_B, ADMIN], ids=["own", "other", "admin"])
@@ -136,6 +146,55 @@ async def test_abort_reaches_own_requests_only_unless_admin(
 ) -> None:
     rid = f"shared-id-{aborter[:8]}"
     assert await _finish_reason_after_abort(stub, rid, aborter) == "abort"
+
+
+async def test_another_key_cannot_take_a_running_request_id(
+    stub: vllm_engine_pb2_grpc.VllmEngineStub,
+) -> None:
+    """Aborting its own request under a running id of tenant A's must not stop A's."""
+    rid = "taken-id"
+    running = stub.Generate(
+        request(max_tokens=200, ignore_eos=True, stream=True, request_id=rid),
+        metadata=bearer(TENANT_A),
+    )
+    assert (await running.read()).HasField("chunk")
+    intruder = stub.Generate(
+        request(max_tokens=200, ignore_eos=True, stream=True, request_id=rid),
+        metadata=bearer(TENANT_B),
+    )
+    try:
+        await intruder.read()
+    except grpc.aio.AioRpcError as err:
+        refusal: tuple[grpc.StatusCode, str] = (err.code(), err.details() or "")
+    else:
+        refusal = (grpc.StatusCode.OK, "")
+    # B aborts "its" request while it would still be running (its stream is left open).
+    await stub.Abort(pb.AbortRequest(request_ids=[rid]), metadata=bearer(TENANT_B))
+    reasons = await _finish_reasons(running)
+    intruder.cancel()
+    assert reasons == ["length"]
+    assert refusal[0] == grpc.StatusCode.ALREADY_EXISTS
+    assert rid in refusal[1]
+    # Finished, the id is free for anyone.
+    await collect(stub.Generate(request(max_tokens=2, request_id=rid), metadata=bearer(TENANT_B)))
+
+
+async def test_the_same_key_may_reuse_its_running_request_id(
+    stub: vllm_engine_pb2_grpc.VllmEngineStub,
+) -> None:
+    """As vLLM allows (it tells the two apart inside); an Abort of the id stops both."""
+    rid = "reused-id"
+    first = stub.Generate(
+        request(max_tokens=200, ignore_eos=True, stream=True, request_id=rid),
+        metadata=bearer(TENANT_A),
+    )
+    assert (await first.read()).HasField("chunk")
+    messages = await collect(
+        stub.Generate(request(max_tokens=2, request_id=rid), metadata=bearer(TENANT_A))
+    )
+    assert messages[-1].complete.finish_reason == "length"
+    await stub.Abort(pb.AbortRequest(request_ids=[rid]), metadata=bearer(TENANT_A))
+    assert await _finish_reasons(first) == ["abort"]
 
 
 async def test_abort_of_unknown_ids_is_quietly_ok(
@@ -189,3 +248,90 @@ def test_server_only_tls_does_not_silence_the_exposure_warning(
 def test_one_source_per_role(argv: list[str]) -> None:
     with pytest.raises(SystemExit):
         parse_args(["serve", "--model", "m", *argv])
+
+
+# ----- client certificates without keys ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ca() -> CertificateAuthority:
+    return CertificateAuthority("launcher-test-ca")
+
+
+async def _serve_mtls(
+    engine: Any, ca: CertificateAuthority, directory: Path, argv: list[str]
+) -> tuple[grpc.aio.Server, Any, str]:
+    """A launcher stack and port that require client certificates from `ca`, and no key."""
+    cert, key = ca.server().write(directory, "server")
+    client_ca = directory / "clients.pem"
+    client_ca.write_bytes(ca.pem)
+    tls = ["--tls-cert", str(cert), "--tls-key", str(key), "--tls-client-ca", str(client_ca)]
+    args = parse_args(["serve", "--model", "m", *tls, *argv])
+    stack, _ = build_interceptors(args)
+    server = grpc.aio.server(interceptors=stack)
+    mounted = mount(server, engine)
+    port = server.add_secure_port("127.0.0.1:0", server_credentials(cert, key, client_ca))
+    await server.start()
+    return server, mounted, f"127.0.0.1:{port}"
+
+
+async def _as_client(
+    address: str, ca: CertificateAuthority, client: Pem
+) -> tuple[grpc.StatusCode, grpc.StatusCode]:
+    """(Generate, FlushCache) statuses for a client presenting `client`'s certificate."""
+    credentials = grpc.ssl_channel_credentials(ca.pem, client.key, client.cert)
+    async with grpc.aio.secure_channel(address, credentials) as channel:
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+        try:
+            await collect(stub.Generate(request(max_tokens=2), timeout=60))
+            generate = grpc.StatusCode.OK
+        except grpc.aio.AioRpcError as err:
+            generate = err.code()
+        flush = await _code(stub.FlushCache(common_pb2.FlushCacheRequest(), timeout=60))
+    return generate, flush
+
+
+@pytest.mark.parametrize("admins", [[], ["ops"]], ids=["no-admin-subject", "admin-subject"])
+async def test_client_certificates_alone_administer_only_as_named_subjects(
+    engine: Any, ca: CertificateAuthority, tmp_path: Path, admins: list[str]
+) -> None:
+    argv = [a for subject in admins for a in ("--admin-tls-subject", subject)]
+    server, mounted, address = await _serve_mtls(engine, ca, tmp_path, argv)
+    refused = (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED)
+    try:
+        generate, flush = await _as_client(address, ca, ca.client("router"))
+        assert (generate, flush) == (grpc.StatusCode.OK, grpc.StatusCode.PERMISSION_DENIED)
+        generate, flush = await _as_client(address, ca, ca.client("ops"))
+        assert generate == grpc.StatusCode.OK
+        if admins:
+            assert flush not in refused
+        else:
+            assert flush == grpc.StatusCode.PERMISSION_DENIED
+    finally:
+        await mounted.health.close()
+        await server.stop(None)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--admin-tls-subject", "ops"],
+        [
+            *("--tls-cert", "c.pem", "--tls-key", "k.pem", "--tls-client-ca", "ca.pem"),
+            *("--api-key", TENANT_A, "--admin-tls-subject", "ops"),
+        ],
+    ],
+    ids=["without-client-ca", "with-keys"],
+)
+def test_admin_tls_subject_is_for_certificates_alone(argv: list[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["serve", "--model", "m", *argv])
+
+
+async def test_http_api_gives_client_certificates_alone_no_admin_role() -> None:
+    """The HTTP side cannot tell certificates apart: vLLM's admin paths are refused to all."""
+    tls = ["--tls-cert", "c.pem", "--tls-key", "k.pem", "--tls-client-ca", "ca.pem"]
+    args = parse_args(["serve", "--model", "m", *tls, "--admin-tls-subject", "ops"])
+    verifier = _http_verifier(args, None)
+    assert verifier is not None
+    assert ADMIN_ROLE not in (await verifier([], {})).roles

@@ -155,7 +155,20 @@ def build_parser() -> Any:
     sec.add_argument(
         "--tls-client-ca",
         default=None,
-        help="CA bundle (PEM) for client certificates; when given, clients must present one",
+        help="CA bundle (PEM) for client certificates; when given, clients must present one. "
+        "Without API keys, the certificate names the caller (its common name): any "
+        "certificate may generate and abort its own requests, only --admin-tls-subject "
+        "ones may administer",
+    )
+    sec.add_argument(
+        "--admin-tls-subject",
+        action="append",
+        default=[],
+        metavar="SUBJECT",
+        help="with --tls-client-ca and no API keys: a client certificate subject with the "
+        "admin role (FlushCache, StartProfile/StopProfile, Abort of any request), a common "
+        "name ('ops') or a whole subject ('CN=ops,O=Acme'); repeat for several. Without it, "
+        "no certificate may call the admin methods (vLLM's HTTP admin paths: none may)",
     )
 
     AsyncEngineArgs.add_cli_args(serve)
@@ -180,6 +193,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--tls-cert and --tls-key go together")
     if args.tls_client_ca and not args.tls_cert:
         parser.error("--tls-client-ca needs --tls-cert and --tls-key")
+    if args.admin_tls_subject and not args.tls_client_ca:
+        parser.error("--admin-tls-subject needs --tls-client-ca")
+    if args.admin_tls_subject and _has_keys(args):
+        parser.error(
+            "--admin-tls-subject is for client certificates without API keys; "
+            "with keys, give admins an admin key"
+        )
     if args.http_port is None and (args.http_host or args.chat_template):
         parser.error("--http-host and --chat-template need --http-port")
     if (
@@ -206,6 +226,8 @@ def build_interceptors(args: argparse.Namespace, verifier: Any = None) -> tuple[
     """The launcher's interceptor stack, outermost first, and its metrics interceptor.
 
     `verifier` is the key verifier to use (default: the one the flags describe).
+    Without keys but with client certificates required, the certificate names
+    the caller, and only the `--admin-tls-subject` ones have the admin role.
     Metrics are on with a metrics port or the HTTP API (whose `/metrics` shows them).
     Tracing outermost (its span covers everything), then metrics (rejected calls
     are counted too), then authentication, then in-flight counting (only
@@ -226,6 +248,8 @@ def build_interceptors(args: argparse.Namespace, verifier: Any = None) -> tuple[
         stack.append(metrics)
     if verifier is None:
         verifier = _key_verifier(args)
+    if verifier is None and args.tls_client_ca:
+        verifier = _certificate_verifier(args)
     if verifier is not None:
         from .interceptors.auth import AuthInterceptor, role_permissions
 
@@ -257,8 +281,37 @@ def _key_verifier(args: argparse.Namespace) -> Any:
     return verifiers[0] if len(verifiers) == 1 else AnyOf(*verifiers)
 
 
-def authenticates(args: argparse.Namespace) -> bool:
-    """Whether calls need credentials: a key from any source, or client certificates."""
+def _certificate_verifier(args: argparse.Namespace) -> Any:
+    """Client certificates as identities: the admin subjects first, then any certificate.
+
+    The handshake already verified the certificate against --tls-client-ca;
+    without an admin subject no certificate has the admin role.
+    """
+    from .interceptors.auth import ADMIN_ROLE, AnyOf, MtlsVerifier
+
+    if not args.admin_tls_subject:
+        return MtlsVerifier()
+    admins = MtlsVerifier(allowed_subjects=args.admin_tls_subject, roles=(ADMIN_ROLE,))
+    return AnyOf(admins, MtlsVerifier())
+
+
+def _http_verifier(args: argparse.Namespace, key_verifier: Any) -> Any:
+    """The HTTP API's verifier: the keys, else, with client certificates, no admin role.
+
+    The HTTP side cannot see which certificate a client presented (uvicorn
+    verified it in the handshake), so without keys every client there is an
+    inference caller and vLLM's admin paths are refused to all.
+    """
+    if key_verifier is not None or not args.tls_client_ca:
+        return key_verifier
+    from .interceptors.auth import CallableVerifier, Identity
+
+    holder = Identity(name="client-certificate", kind="mtls")
+    return CallableVerifier(lambda metadata, auth_context: holder, reads_auth_context=False)
+
+
+def _has_keys(args: argparse.Namespace) -> bool:
+    """Whether any key is given, from the flags or the environment."""
     return bool(
         args.api_key
         or args.api_key_file
@@ -266,8 +319,12 @@ def authenticates(args: argparse.Namespace) -> bool:
         or args.admin_api_key_file
         or os.environ.get(API_KEY_ENV, "").strip()
         or os.environ.get(ADMIN_KEY_ENV, "").strip()
-        or args.tls_client_ca
     )
+
+
+def authenticates(args: argparse.Namespace) -> bool:
+    """Whether calls need credentials: a key from any source, or client certificates."""
+    return _has_keys(args) or bool(args.tls_client_ca)
 
 
 def _tracing_from_env() -> Any:
@@ -378,7 +435,12 @@ async def serve(args: argparse.Namespace) -> int:
         if args.http_port is not None:
             tls = (args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
             http = await HttpApi.build(
-                engine, args, host=http_host, port=args.http_port, verifier=verifier, tls=tls
+                engine,
+                args,
+                host=http_host,
+                port=args.http_port,
+                verifier=_http_verifier(args, verifier),
+                tls=tls,
             )
         shutdown = GracefulShutdown(
             server,

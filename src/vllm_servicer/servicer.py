@@ -10,17 +10,21 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+import grpc
+from grpc_status import rpc_status
 from vllm.exceptions import VLLMClientError
 from vllm.pooling_params import PoolingParams
 
 from . import admin, convert, fields, kv_events, loads
 from .engine import EngineClient
 from .errors import (
+    ErrorRule,
     InvalidRequestError,
     NotEnabledError,
     UnimplementedFieldError,
     UnsupportedError,
     abort_for_exception,
+    rich_status,
 )
 from .interceptors.auth import ADMIN_ROLE, current_identity
 from .media import MediaRefOptions, MediaResolver
@@ -38,6 +42,19 @@ logger = logging.getLogger("vllm_servicer")
 SERVER_TYPE = "vllm-grpc"
 # The generation-config defaults GetModelInfo advertises for the router to apply.
 _ADVERTISED_SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+class _RequestIdInUseError(RuntimeError):
+    """A Generate or Embed under a request id another caller's running request holds."""
+
+    field = "request_id"
+
+
+# vLLM aborts by the client's request id, every request under it at once: an
+# id shared by two callers would let one stop the other's request.
+_ID_IN_USE = ErrorRule(_RequestIdInUseError, grpc.StatusCode.ALREADY_EXISTS, "REQUEST_ID_IN_USE")
+# Enough of an id to recognise it; a status message travels in the trailers.
+_SHOWN_ID_CHARS = 128
 
 
 def _request_id(given: str, prefix: str) -> str:
@@ -85,11 +102,13 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         max_len = getattr(getattr(engine, "model_config", None), "max_model_len", None)
         self._max_prompt_tokens: int | None = int(max_len) if max_len else None
         self._started_monotonic = time.monotonic()
-        # Request ids in flight, a multiset (clients may reuse ids): its total is
-        # the active count, its keys what a drain aborts.
+        # Request ids in flight, a multiset (a caller may reuse its own running
+        # id, as vLLM allows): its total is the active count, its keys what a
+        # drain aborts.
         self._running: collections.Counter[str] = collections.Counter()
-        # (request id, identity name) of calls made with credentials: whom Abort may touch.
-        self._owned: collections.Counter[tuple[str, str]] = collections.Counter()
+        # The identity name (None: no credentials) each running id belongs to:
+        # no other caller may run a request under it, whom Abort may touch.
+        self._owners: dict[str, str | None] = {}
         self._last_receive_timestamp = 0.0
         self._model_info: pb.GetModelInfoResponse | None = None
         self._supported_tasks: tuple[str, ...] | None = None
@@ -129,20 +148,34 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         if ids:
             await self._engine.abort(ids)
 
-    def _received(self, request_id: str) -> tuple[str, str] | None:
-        self._running[request_id] += 1
+    async def _received(self, request_id: str, context: Context, method: str) -> None:
+        """Count `request_id` as running for the caller, or refuse the call (ALREADY_EXISTS).
+
+        An id running for another identity is refused whatever the caller's
+        roles: sharing it, either could abort the other's request by it.
+        """
         self._last_receive_timestamp = time.time()
         identity = current_identity.get()
-        if identity is None:
-            return None
-        owned = (request_id, identity.name)
-        self._owned[owned] += 1
-        return owned
+        owner = identity.name if identity is not None else None
+        if request_id in self._running and self._owners[request_id] != owner:
+            shown = request_id[:_SHOWN_ID_CHARS] + (
+                "..." if len(request_id) > _SHOWN_ID_CHARS else ""
+            )
+            exc = _RequestIdInUseError(
+                f"request_id {shown!r} is already in use by a running request; choose another id"
+            )
+            logger.info(
+                "%s request %r refused: its id is running for another caller", method, shown
+            )
+            status = rich_status(exc, _ID_IN_USE, str(exc), method)
+            await context.abort_with_status(rpc_status.to_status(status))
+        self._running[request_id] += 1
+        self._owners[request_id] = owner
 
-    def _done(self, request_id: str, owned: tuple[str, str] | None) -> None:
+    def _done(self, request_id: str) -> None:
         _discard(self._running, request_id)
-        if owned is not None:
-            _discard(self._owned, owned)
+        if request_id not in self._running:
+            del self._owners[request_id]
 
     # ----- generation -------------------------------------------------------
 
@@ -150,7 +183,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self, request: pb.GenerateRequest, context: Context
     ) -> AsyncIterator[pb.GenerateResponse]:
         request_id = _request_id(request.request_id, "generate")
-        owned = self._received(request_id)
+        await self._received(request_id, context, "Generate")
         kv_transfer: dict[str, Any] | None = None
         started = False
         try:
@@ -207,11 +240,11 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 exc = convert.constraint_error(exc, request.sampling_params)
             await abort_for_exception(context, exc, method="Generate", request_id=request_id)
         finally:
-            self._done(request_id, owned)
+            self._done(request_id)
 
     async def Embed(self, request: pb.EmbedRequest, context: Context) -> pb.EmbedResponse:
         request_id = _request_id(request.request_id, "embed")
-        owned = self._received(request_id)
+        await self._received(request_id, context, "Embed")
         try:
             if "embed" not in await self._tasks():
                 raise UnsupportedError(
@@ -237,7 +270,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         except Exception as exc:
             await abort_for_exception(context, exc, method="Embed", request_id=request_id)
         finally:
-            self._done(request_id, owned)
+            self._done(request_id)
 
     async def Abort(self, request: pb.AbortRequest, context: Context) -> pb.AbortResponse:
         # Idempotent: vLLM ignores ids it does not know (finished or never seen).
@@ -246,7 +279,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         if identity is not None and ADMIN_ROLE not in identity.roles:
             # A tenant stops only what it started: another's id is skipped like
             # an unknown one (no engine call, no error that would confirm it runs).
-            ids = [i for i in ids if (i, identity.name) in self._owned]
+            ids = [i for i in ids if self._owners.get(i) == identity.name]
         if ids:
             try:
                 await self._engine.abort(ids)

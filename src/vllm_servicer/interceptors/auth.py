@@ -658,18 +658,24 @@ class MtlsVerifier:
         allowed_sans: subject alternative names (DNS, URI, e-mail, IP as
             grpc reports them) of which the certificate must carry at least
             one; None: any.
+        roles: roles of the identities these certificates establish (e.g.
+            `ADMIN_ROLE`, with `allowed_subjects` naming the administrators).
 
     A call without a verified certificate is UNAUTHENTICATED; a verified
-    certificate outside the allowed names is PERMISSION_DENIED.
+    certificate outside the allowed names is PERMISSION_DENIED. Certificates
+    with the same name are one identity.
     """
 
     def __init__(
         self,
         allowed_subjects: Iterable[str] | None = None,
         allowed_sans: Iterable[str] | None = None,
+        *,
+        roles: Iterable[str] = (),
     ) -> None:
         self._subjects = None if allowed_subjects is None else frozenset(allowed_subjects)
         self._sans = None if allowed_sans is None else frozenset(allowed_sans)
+        self._roles = frozenset(roles)
 
     async def __call__(self, metadata: Metadata, auth_context: AuthContext) -> Identity:
         if b"ssl" not in auth_context.get("transport_security_type", ()):
@@ -691,4 +697,9 @@ class MtlsVerifier:
             raise PermissionDenied(f"certificate subject {name!r} is not allowed")
         if self._sans is not None and not self._sans.intersection(sans):
             raise PermissionDenied(f"certificate {name!r} carries no allowed name")
-        return Identity(name=name, kind="mtls", attributes={"common_name": common, "sans": sans})
+        return Identity(
+            name=name,
+            kind="mtls",
+            attributes={"common_name": common, "sans": sans},
+            roles=self._roles,
+        )
