@@ -2,20 +2,27 @@
 
 from __future__ import annotations
 
+import shutil
+from collections.abc import AsyncGenerator
+from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+from fault_engine import FaultEngine
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from helpers import collect, request
+from vllm.exceptions import VLLMValidationError
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from vllm_servicer.errors import (
     ERROR_DOMAIN,
     ERROR_TABLE,
+    InvalidRequestError,
     UnsupportedError,
     message_for,
+    redact_paths,
     rich_status,
     rule_for,
 )
@@ -172,3 +179,109 @@ async def test_tokenizer_errors_on_the_wire_name_no_server_path(tmp_path: Any) -
         await server.stop(None)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert str(tmp_path) not in (err.value.details() or "") and "<path>" in err.value.details()
+
+
+def _told(exc: BaseException) -> tuple[str, list[str]]:
+    """What a client reads of `exc`: the status message and every violation's description."""
+    rule = rule_for(exc)
+    status = rich_status(exc, rule, message_for(exc, rule.code, "r5"), "Generate")
+    descriptions = []
+    for detail in status.details:
+        if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad = error_details_pb2.BadRequest()
+            detail.Unpack(bad)
+            descriptions += [v.description for v in bad.field_violations]
+    return status.message, descriptions
+
+
+def _deleted_folder(tmp_path: Path) -> Path:
+    folder = tmp_path / "hub" / "tiny"
+    folder.mkdir(parents=True)
+    shutil.rmtree(tmp_path / "hub")
+    return folder
+
+
+def test_paths_of_deleted_folders_are_left_out(tmp_path: Path) -> None:
+    gone = _deleted_folder(tmp_path) / "tokenizer.json"
+    message, _ = _told(ValueError(f"cannot read {gone}: no such file"))
+    assert str(tmp_path) not in message and "<path>" in message, message
+
+
+def test_home_relative_paths_are_left_out() -> None:
+    message, _ = _told(ValueError("no tokenizer files in '~/models/tiny' on this server"))
+    assert "models/tiny" not in message and "<path>" in message, message
+
+
+def test_relative_paths_are_left_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "models").mkdir()
+    monkeypatch.chdir(tmp_path)
+    message, _ = _told(ValueError("cannot read models/tiny/config.json nor ./cache/tiny"))
+    assert "tiny" not in message and message.count("<path>") == 2, message
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda path: InvalidRequestError("media_refs", f"cannot read {path}"),
+        lambda path: VLLMValidationError(f"no grammar file {path}", parameter="grammar"),
+    ],
+    ids=["servicer", "engine"],
+)
+def test_field_violation_descriptions_leave_out_paths(tmp_path: Path, make: Any) -> None:
+    grammar = tmp_path / "grammars" / "g.ebnf"
+    grammar.parent.mkdir()
+    grammar.write_text("root ::= 'a'")
+    message, descriptions = _told(make(grammar))
+    assert len(descriptions) == 1
+    for text in (message, *descriptions):
+        assert str(tmp_path) not in text and "<path>" in text, text
+
+
+def test_urls_words_and_client_slashes_are_kept() -> None:
+    text = (
+        "fetch https://huggingface.co/org/model/tree/main or http://[::1]:8000/tmp/x; "
+        "and/or org/model, 1/2, regex /a+b/, route /v1/models"
+    )
+    assert redact_paths(text) == text
+
+
+async def test_field_violations_on_the_wire_name_no_server_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine's validation error naming server files, as a client decodes it."""
+    from vllm_servicer import mount
+    from vllm_servicer.proto import vllm_engine_pb2_grpc
+
+    (tmp_path / "grammars").mkdir()
+    monkeypatch.chdir(tmp_path)
+    home = Path.home()
+    said = (
+        f"no grammar in {_deleted_folder(tmp_path)}/g.ebnf, {home}/g.ebnf, "
+        "~/grammars/g.ebnf or grammars/g.ebnf"
+    )
+
+    class RefusingEngine(FaultEngine):
+        """Stand-in engine: refuses every request with `said`."""
+
+        async def generate(self, *args: Any, **kwargs: Any) -> AsyncGenerator[Any, None]:
+            raise VLLMValidationError(said, parameter="grammar")
+            yield  # an async generator, as vLLM's
+
+    server = grpc.aio.server()
+    mount(server, RefusingEngine(), health=False, reflection_service=False)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await collect(stub.Generate(request()))
+    finally:
+        await server.stop(None)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    status, _, bad = _details(err.value)
+    assert bad is not None and [v.field for v in bad.field_violations] == [
+        "sampling_params.grammar"
+    ]
+    for text in (status.message, bad.field_violations[0].description):
+        assert "g.ebnf" not in text and text.count("<path>") == 4, text

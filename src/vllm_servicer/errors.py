@@ -188,25 +188,43 @@ def message_for(exc: BaseException, code: grpc.StatusCode, request_id: str) -> s
     return redact_paths(str(exc)) or type(exc).__name__
 
 
-# An absolute path inside a message: up to whitespace, a quote or a bracket.
-_ABSOLUTE_PATH = re.compile(r"(?<![\w.:/])/[^\s'\"()\[\]{},;]+")
+# A word of a message that holds a slash: it starts after whitespace, a quote,
+# a bracket, "=" or ":" (so a URL's "//host/..." is one word) and runs to the next.
+_SLASHED_WORD = re.compile(
+    r"(?<![^\s'\"`()\[\]{}<>=:,;])[^\s'\"`()\[\]{}<>=:,;]*/[^\s'\"`()\[\]{}<>=:,;]*"
+)
 
 
 def redact_paths(text: str) -> str:
-    """`text` with every absolute path of this machine's files replaced by "<path>".
+    """`text` with every path into this machine's file tree replaced by "<path>".
 
-    A path counts when it, or the directory meant to hold it, exists here; other
-    slashes (a client's regex, a URL path) are left as they are.
+    A word counts as such a path when it is absolute and its top-level
+    directory exists here (so a model, cache, home or temporary folder counts
+    even once deleted), home-relative (`~/...`, `~user/...` of a user of this
+    host), explicitly relative (`./...`, `../...`), or relative with a first
+    part that exists in the working directory; a `file:///` URL's path counts
+    too. Other slashes (a client's regex, an http(s) URL, "and/or", a
+    repository id such as "org/model" with no such folder here) are kept.
     """
 
     def hide(match: re.Match[str]) -> str:
-        path = match.group(0).rstrip(".")
-        parent = os.path.dirname(path)
-        if os.path.exists(path) or (parent not in ("", "/") and os.path.isdir(parent)):
-            return "<path>" + match.group(0)[len(path) :]
-        return match.group(0)
+        word = match.group(0)
+        path = word.rstrip(".!?")
+        return "<path>" + word[len(path) :] if _is_local_path(path) else word
 
-    return _ABSOLUTE_PATH.sub(hide, text)
+    return _SLASHED_WORD.sub(hide, text)
+
+
+def _is_local_path(path: str) -> bool:
+    first, _, rest = path.partition("/")
+    if not first:
+        # Absolute. After "//" comes a URL's host, which names no file here,
+        # unless it is empty, as in "file:///...".
+        top = rest.removeprefix("//").partition("/")[0]
+        return bool(top) and os.path.isdir("/" + top)
+    if first.startswith("~"):
+        return first == "~" or os.path.expanduser(first) != first
+    return first in (".", "..") or os.path.exists(first)
 
 
 def field_violation(exc: BaseException) -> tuple[str, str] | None:
@@ -224,7 +242,11 @@ def field_violation(exc: BaseException) -> tuple[str, str] | None:
 def rich_status(
     exc: BaseException, rule: ErrorRule, message: str, method: str
 ) -> status_pb2.Status:
-    """The `google.rpc.Status` sent with the error: ErrorInfo, and BadRequest if known."""
+    """The `google.rpc.Status` sent with the error: ErrorInfo, and BadRequest if known.
+
+    Everything in it that a client reads as text (the message, each violation's
+    description) has this server's paths left out, as `message_for` does.
+    """
     metadata = {"method": method}
     field = getattr(exc, "field", "")
     if field and isinstance(field, str):
@@ -237,9 +259,11 @@ def rich_status(
         if violation is not None:
             field, why = violation
             bad = error_details_pb2.BadRequest()
-            bad.field_violations.add(field=field, description=why)
+            bad.field_violations.add(field=field, description=redact_paths(why))
             details.append(_pack(bad))
-    return status_pb2.Status(code=rule.code.value[0], message=message, details=details)
+    return status_pb2.Status(
+        code=rule.code.value[0], message=redact_paths(message), details=details
+    )
 
 
 def _pack(message: error_details_pb2.ErrorInfo | error_details_pb2.BadRequest) -> any_pb2.Any:
