@@ -1,0 +1,162 @@
+"""StartProfile and StopProfile on a launcher started with vLLM's torch profiler.
+
+The profiler runs, and writes its traces, in the launcher's own processes (the
+launcher and its engine core), never in the test process: torch's trace export
+crashing shows here as a failed test with the launcher's output, not as the end
+of the test run. One launcher serves the whole module, started with an admin key
+and an inference key from the environment (keys on the command line would be in
+the process list).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import json
+import os
+import signal
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from helpers import collect, request
+from smg_grpc_proto.generated import common_pb2 as ref_common
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as ref_grpc
+from test_drain import _children, _gone, _stop_and_reap
+from test_examples import START_TIMEOUT, _drain_output, _exit, _spawn, _wait_for_line
+
+from vllm_servicer.__main__ import ADMIN_KEY_ENV, API_KEY_ENV
+from vllm_servicer.proto import common_pb2, vllm_engine_pb2_grpc
+
+ADMIN = "admin-0123456789abcdefABCDEF"
+TENANT = "tenant-0123456789abcdefABCDEF"
+
+pytestmark = [
+    # A test here may wait START_TIMEOUT for the launcher; the suite's default would cut it short.
+    pytest.mark.timeout(START_TIMEOUT + 180),
+    # The last test stops the module's launcher, so the order in the file is kept.
+    pytest.mark.random_order(disabled=True),
+]
+
+
+def bearer(key: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {key}"),)
+
+
+@dataclasses.dataclass
+class Launcher:
+    proc: asyncio.subprocess.Process
+    address: str
+    traces: Path
+    engine_processes: set[int]
+    tail: collections.deque[str]
+    channel: grpc.aio.Channel
+
+    def output(self) -> str:
+        return "launcher output (last lines):\n" + "".join(self.tail)
+
+    @contextlib.contextmanager
+    def explained(self) -> Iterator[None]:
+        """Fail with the launcher's output when a call or an assertion does."""
+        try:
+            yield
+        except (AssertionError, pytest.fail.Exception, grpc.aio.AioRpcError) as err:
+            raise AssertionError(f"{err}\n{self.output()}") from err
+
+    def trace_files(self) -> set[Path]:
+        return {p for p in self.traces.rglob("*") if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+async def launcher(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Launcher]:
+    traces = tmp_path_factory.mktemp("profiler") / "traces"
+    env = {
+        **os.environ,
+        "VLLM_SERVICER_CACHE": str(tmp_path_factory.mktemp("cache")),
+        ADMIN_KEY_ENV: ADMIN,
+        API_KEY_ENV: TENANT,
+    }
+    config = json.dumps({"profiler": "torch", "torch_profiler_dir": str(traces)})
+    proc = await _spawn(
+        "-m", "vllm_servicer", "serve", "--port", "0", "--profiler-config", config, env=env
+    )
+    tail: collections.deque[str] = collections.deque(maxlen=300)
+    engine_processes: set[int] = set()
+    output: asyncio.Future[None] | None = None
+    try:
+        match = await _wait_for_line(proc, r"listening on (\S+:\d+)")
+        engine_processes = _children(proc.pid)
+        output = asyncio.ensure_future(_drain_output(proc, tail))
+        async with grpc.aio.insecure_channel(match.group(1)) as channel:
+            yield Launcher(proc, match.group(1), traces, engine_processes, tail, channel)
+    finally:
+        if output is None:
+            output = asyncio.ensure_future(_drain_output(proc))
+        await _stop_and_reap(proc, output, engine_processes | _children(proc.pid))
+
+
+def _stub(channel: grpc.aio.Channel, kind: str) -> tuple[Any, Any]:
+    if kind == "own":
+        return vllm_engine_pb2_grpc.VllmEngineStub(channel), common_pb2
+    return ref_grpc.VllmEngineStub(channel), ref_common
+
+
+async def _generate(launcher: Launcher) -> None:
+    stub = vllm_engine_pb2_grpc.VllmEngineStub(launcher.channel)
+    messages = await collect(stub.Generate(request(max_tokens=2), metadata=bearer(TENANT)))
+    assert messages[-1].HasField("complete"), messages
+
+
+async def test_an_inference_key_may_not_profile(launcher: Launcher) -> None:
+    stub = vllm_engine_pb2_grpc.VllmEngineStub(launcher.channel)
+    with launcher.explained(), pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.StartProfile(common_pb2.StartProfileRequest(), metadata=bearer(TENANT))
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+@pytest.mark.parametrize("kind", ["own", "reference"])
+async def test_profiler_start_and_stop(launcher: Launcher, kind: str) -> None:
+    stub, common = _stub(launcher.channel, kind)
+    admin = bearer(ADMIN)
+    before = launcher.trace_files()
+    with launcher.explained():
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.StartProfile(
+                common.StartProfileRequest(output_dir="/tmp/elsewhere"), metadata=admin
+            )
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "output_dir" in (err.value.details() or "")
+
+        started = await stub.StartProfile(common.StartProfileRequest(), metadata=admin)
+        assert started.success
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.StartProfile(common.StartProfileRequest(), metadata=admin)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+        await _generate(launcher)
+        stopped = await stub.StopProfile(common.StopProfileRequest(), metadata=admin, timeout=300)
+        assert stopped.success
+        assert launcher.trace_files() - before, "no trace written"
+        # The trace export left the launcher and its engine serving.
+        await _generate(launcher)
+
+
+async def test_the_launcher_serves_and_stops_cleanly_after_profiling(launcher: Launcher) -> None:
+    with launcher.explained():
+        assert launcher.trace_files(), "runs after the profiling tests"
+        await _generate(launcher)
+    launcher.proc.send_signal(signal.SIGTERM)
+    try:
+        code = await asyncio.wait_for(_exit(launcher.proc), 90)
+    except asyncio.TimeoutError:
+        raise AssertionError(f"no exit 90 s after SIGTERM\n{launcher.output()}") from None
+    assert code == 0, launcher.output()
+    assert not await _gone(launcher.engine_processes, 10), "engine processes left behind"
+    # Shown on a failure, or with -rP: what the launcher printed while it profiled.
+    print(launcher.output())
+    for fatal in ("Fatal Python error", "Segmentation fault"):
+        assert fatal not in launcher.output(), launcher.output()
