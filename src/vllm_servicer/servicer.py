@@ -356,7 +356,10 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     ) -> AsyncIterator[common_pb2.GetTokenizerChunk]:
         try:
             if self._tokenizer_bundle is None:
-                directory = tokenizer_dir(getattr(self._engine.model_config, "tokenizer", None))
+                config = self._engine.model_config
+                directory = tokenizer_dir(
+                    getattr(config, "tokenizer", None), getattr(config, "tokenizer_revision", None)
+                )
                 self._tokenizer_bundle = TokenizerBundle(directory)
             data, sha256 = await self._tokenizer_bundle.archive()
         except Exception as exc:

@@ -41,22 +41,44 @@ TOKENIZER_FILES = (
 TOKENIZER_GLOBS = ("*.tiktoken", "*.jinja", "*.model")
 
 
-def tokenizer_dir(tokenizer: str | None) -> Path:
+def tokenizer_dir(tokenizer: str | None, revision: str | None = None) -> Path:
     """The local directory holding the tokenizer files.
 
+    A hub id (``org/name``) resolves to its snapshot in this server's Hugging
+    Face cache, where the engine downloaded it at start-up; nothing is fetched.
+
     Raises:
-        UnsupportedError: the engine's tokenizer is not a local directory
-            (e.g. a hub id resolved inside vLLM), so there is nothing to send.
+        UnsupportedError: the tokenizer is neither a local directory nor a
+            model in the cache, so there is nothing to send.
     """
     if not tokenizer:
         raise UnsupportedError("this server has no tokenizer configured")
     path = Path(tokenizer)
-    if not path.is_dir():
+    if path.is_dir():
+        return path
+    cached = _cached_snapshot(tokenizer, revision)
+    if cached is None:
         raise UnsupportedError(
-            f"the tokenizer {tokenizer!r} is not a local directory on this server; "
-            "start the engine with a local --tokenizer (or model) path to serve GetTokenizer"
+            f"the tokenizer {tokenizer!r} is neither a local directory nor a model in this "
+            "server's Hugging Face cache; start the engine with a local --tokenizer (or model) "
+            "path to serve GetTokenizer"
         )
-    return path
+    return cached
+
+
+def _cached_snapshot(repo_id: str, revision: str | None) -> Path | None:
+    """The cached snapshot folder of a hub model, None when there is none."""
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+    except ImportError:
+        return None
+    try:
+        folder = snapshot_download(repo_id, revision=revision, local_files_only=True)
+    except (HFValidationError, LocalEntryNotFoundError, OSError):
+        return None
+    path = Path(str(folder))
+    return path if path.is_dir() else None
 
 
 def build_zip(directory: Path) -> tuple[bytes, str]:
