@@ -8,6 +8,8 @@ pool. The reference stubs (smg-grpc-proto, installed with vLLM's gRPC extra)
 register the same full names in the default pool; two registrations of one
 name from different files fail at import, so a private pool is what lets both
 live in one process. Imports between the generated modules are made relative.
+The .proto files are copied beside them, so that the wheel carries the
+protocol for clients in other languages.
 """
 
 from __future__ import annotations
@@ -61,6 +63,10 @@ def generate(out_dir: Path) -> list[Path]:
             dest = out_dir / src.name
             dest.write_text(_rewrite(src.read_text()))
             written.append(dest)
+    for name in PROTOS:
+        dest = out_dir / name
+        dest.write_text((PROTO_DIR / name).read_text())
+        written.append(dest)
     return written
 
 

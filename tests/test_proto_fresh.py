@@ -28,6 +28,8 @@ def test_generated_code_is_up_to_date(tmp_path: Path) -> None:
         "vllm_engine_pb2.py",
         "vllm_engine_pb2.pyi",
         "vllm_engine_pb2_grpc.py",
+        "common.proto",
+        "vllm_engine.proto",
     }
     stale = [p.name for p in written if p.read_text() != (GENERATED / p.name).read_text()]
     assert not stale, f"run `make proto`: {stale} differ from protos/"

@@ -4,6 +4,8 @@ from vllm_servicer import mount
 mount(server, async_llm)
 """
 
+import importlib.metadata
+
 # First: an untested vLLM fails here, before any module uses it.
 from . import _vllm_version  # noqa: F401
 from .engine import EngineClient
@@ -21,7 +23,10 @@ from .options import server_options
 from .proto import SERVICE_NAME
 from .servicer import VllmEngineServicer
 
-__version__ = "0.1.0"
+try:
+    __version__ = importlib.metadata.version("vllm-servicer")  # pyproject.toml's, when installed
+except importlib.metadata.PackageNotFoundError:  # imported from a source tree
+    __version__ = "0+unknown"
 
 __all__ = [
     "ERROR_TABLE",
