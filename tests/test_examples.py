@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import collections
 import contextlib
@@ -15,6 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from transformers import AutoTokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -113,13 +115,27 @@ async def test_launcher_serves_the_example_client_then_stops_cleanly_on_sigterm(
         match = await _wait_for_line(proc, r"listening on (\S+:\d+)")
         address = match.group(1)
         drain = asyncio.ensure_future(_drain_output(proc))
-        client = await _spawn(str(EXAMPLES / "client.py"), address, "Hello, world", env=env)
+        client = await _spawn(str(EXAMPLES / "client.py"), address, "Hello", "--ids", env=env)
         out, _ = await asyncio.wait_for(client.communicate(), 120)
         text = out.decode()
         assert client.returncode == 0, text
         assert "model:" in text
-        assert len(re.findall(r"^tokens: \[\d+", text, flags=re.M)) >= 2, text
+        chunks = re.findall(r"^tokens: (\[[\d, ]+\])$", text, flags=re.M)
+        assert len(chunks) >= 2, text
         assert "finish_reason: length" in text
+
+        # By default the client prints text, decoded with the tokenizer it fetched
+        # through GetTokenizer: the same greedy tokens, as the model's tokenizer reads them.
+        client = await _spawn(str(EXAMPLES / "client.py"), address, "Hello", env=env)
+        out, _ = await asyncio.wait_for(client.communicate(), 120)
+        assert client.returncode == 0, out.decode()
+        printed = re.search(
+            r"^model: [^\n]*\n(.*)\nfinish_reason: length$", out.decode(), re.S | re.M
+        )
+        assert printed, out.decode()
+        ids = [i for chunk in chunks for i in ast.literal_eval(chunk)]
+        tokenizer = AutoTokenizer.from_pretrained(Path(env["VLLM_SERVICER_CACHE"]) / "tiny-llama")
+        assert printed.group(1) == tokenizer.decode(ids, skip_special_tokens=True)
 
         async with grpc.aio.insecure_channel(address) as channel:
             health = health_pb2_grpc.HealthStub(channel)

@@ -215,7 +215,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         serve.set_defaults(**TINY_ENGINE_KWARGS)
         args = parser.parse_args(argv)
         apply_cpu_env_defaults()
-        logger.info("no --model given: writing the built-in tiny model (random weights)")
+        logger.warning(
+            "no --model given: serving the built-in tiny demo model (random weights, its "
+            "text is noise); pass --model to serve a real one"
+        )
         args.model = str(ensure_tiny_model())
         if args.tokenizer is None:
             args.tokenizer = args.model
