@@ -39,10 +39,10 @@ def test_safe_defaults() -> None:
     assert args.host == "127.0.0.1"
     assert args.max_message_bytes == 32 * 1024 * 1024
     assert args.shutdown_timeout == 30
-    # Engine calls and KV-event subscribers are bounded by default; grpc's
-    # global call cap is opt-in.
+    # Engine calls, calls of every kind (refused ones too) and KV-event
+    # subscribers are bounded by default.
     assert args.max_inflight == 1024
-    assert args.max_concurrent_rpcs is None
+    assert args.max_concurrent_rpcs == 2048
     assert args.max_kv_subscribers == 16
 
 

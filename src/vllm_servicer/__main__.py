@@ -60,11 +60,11 @@ def build_parser() -> Any:
     net.add_argument(
         "--max-concurrent-rpcs",
         type=int,
-        default=None,
-        help="most calls of any kind (streams included) the server runs at once; past it "
-        "grpc answers RESOURCE_EXHAUSTED before any handler or key check runs (default: no "
-        "cap: with grpc 1.85's limiter on, a replica behind nginx stopped answering while a "
-        "cancelled stream was blocked on flow control)",
+        default=2048,
+        help="most calls of any kind (streams included, refused ones too) the server runs at "
+        "once; past it grpc answers RESOURCE_EXHAUSTED before any handler or key check runs "
+        "(default 2048, above --max-inflight so that engine calls meet that limit and its "
+        "retry hint first; 0: no cap)",
     )
     net.add_argument(
         "--max-kv-subscribers",
@@ -406,7 +406,7 @@ async def serve(args: argparse.Namespace) -> int:
     try:
         server = grpc.aio.server(
             interceptors=interceptors,
-            maximum_concurrent_rpcs=args.max_concurrent_rpcs,
+            maximum_concurrent_rpcs=args.max_concurrent_rpcs or None,
             options=server_options(
                 args.max_message_bytes, max_connection_age=args.max_connection_age
             ),
