@@ -33,6 +33,7 @@ class HandlerRecorder:
 
 def server_started(server: Any) -> bool:
     """Whether a grpc.aio server has been started (False when it cannot tell)."""
+    # grpc.aio.Server has no public "started" query; its core server is the only witness.
     core = getattr(server, "_server", None)
     is_running = getattr(core, "is_running", None)
     return bool(is_running()) if callable(is_running) else False

@@ -25,7 +25,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("vllm_servicer")
 
 GenerateResponse = pb.GenerateResponse
-GenerateStreamChunk = pb.GenerateStreamChunk
 GenerateComplete = pb.GenerateComplete
 
 

@@ -10,6 +10,19 @@ from collections.abc import AsyncGenerator, Iterable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 
+def served_model_name(engine: Any) -> str:
+    """The model name the engine serves (`--served-model-name`, else the model path).
+
+    Args:
+        engine: an `AsyncLLM` or anything with a vLLM `model_config`.
+    """
+    config = getattr(engine, "model_config", None)
+    served = getattr(config, "served_model_name", None) or getattr(config, "model", "")
+    if isinstance(served, (list, tuple)):
+        served = served[0] if served else ""
+    return str(served or "")
+
+
 @runtime_checkable
 class EngineClient(Protocol):
     """What `VllmEngineServicer` calls on the engine (vLLM's `AsyncLLM` fits)."""

@@ -66,10 +66,6 @@ class InvalidRequestError(ValueError):
         self.reason = reason
 
 
-class EngineUnavailableError(RuntimeError):
-    """The engine cannot take requests (dead, or not the kind this RPC needs)."""
-
-
 class UnsupportedError(RuntimeError):
     """The engine lacks a feature this RPC needs (no pooling runner, no profiler).
 
@@ -131,7 +127,6 @@ class ErrorRule(NamedTuple):
 # ErrorInfo reason clients switch on: part of the API, never renamed.
 ERROR_TABLE: tuple[ErrorRule, ...] = (
     ErrorRule(EngineDeadError, grpc.StatusCode.UNAVAILABLE, "ENGINE_DEAD"),
-    ErrorRule(EngineUnavailableError, grpc.StatusCode.UNAVAILABLE, "ENGINE_UNAVAILABLE"),
     # Admission limits: this replica is full, another may not be.
     ErrorRule(QueueOverflowError, grpc.StatusCode.UNAVAILABLE, "ENGINE_BUSY"),
     ErrorRule(MaxQueuedTokensError, grpc.StatusCode.UNAVAILABLE, "ENGINE_BUSY"),
@@ -168,11 +163,6 @@ def rule_for(exc: BaseException) -> ErrorRule:
         if isinstance(exc, rule.exc_type):
             return rule
     return _INTERNAL
-
-
-def status_for(exc: BaseException) -> grpc.StatusCode:
-    """The status code for an exception, by the first matching row of ERROR_TABLE."""
-    return rule_for(exc).code
 
 
 def message_for(exc: BaseException, code: grpc.StatusCode, request_id: str) -> str:

@@ -68,11 +68,6 @@ class EngineHealthServicer(health_pb2_grpc.HealthServicer):
         self._changed.set()
         self._changed = asyncio.Event()
 
-    @property
-    def serving(self) -> bool:
-        """Whether the engine can take requests and the server is not draining."""
-        return self._engine_status() == SERVING
-
     async def refresh(self) -> None:
         """Publish the engine's current state to Check and Watch callers."""
         status = self._engine_status()

@@ -16,7 +16,7 @@ from vllm.exceptions import VLLMClientError
 from vllm.pooling_params import PoolingParams
 
 from . import admin, convert, fields, kv_events, loads
-from .engine import EngineClient
+from .engine import EngineClient, served_model_name
 from .errors import (
     ErrorRule,
     InvalidRequestError,
@@ -496,9 +496,6 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         max_len = int(getattr(mc, "max_model_len", 0) or 0)
         eos = getattr(hf, "eos_token_id", None)
         eos_ids = [eos] if isinstance(eos, int) else list(eos or ())
-        served = getattr(mc, "served_model_name", None) or getattr(mc, "model", "")
-        if isinstance(served, (list, tuple)):
-            served = served[0] if served else ""
         return pb.GetModelInfoResponse(
             model_path=str(getattr(mc, "model", "")),
             is_generation=getattr(mc, "runner_type", "generate") == "generate",
@@ -506,7 +503,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             vocab_size=int(mc.get_vocab_size()),
             # Only when a request can carry an image that reaches the model.
             supports_vision=self._takes_images,
-            served_model_name=str(served),
+            served_model_name=served_model_name(self._engine),
             tokenizer_path=str(getattr(mc, "tokenizer", "") or ""),
             model_type=str(getattr(hf, "model_type", "") or ""),
             architectures=list(getattr(hf, "architectures", None) or ()),

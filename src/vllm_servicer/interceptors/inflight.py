@@ -7,10 +7,10 @@ from collections import Counter
 
 import grpc
 
-from ..proto import SERVICE_NAME
+from ..proto import ENGINE_METHODS
 from ._base import Call, CallInterceptor, MethodFilter, all_methods, only_methods
 
-ENGINE_REQUESTS: MethodFilter = only_methods(f"/{SERVICE_NAME}/Generate", f"/{SERVICE_NAME}/Embed")
+ENGINE_REQUESTS: MethodFilter = only_methods(*ENGINE_METHODS)
 """The calls that occupy the engine: Generate and Embed of `vllm.grpc.engine.VllmEngine`."""
 
 RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
@@ -56,7 +56,7 @@ class InflightInterceptor(CallInterceptor):
         self._idle: asyncio.Event | None = None
         self._limited_idle: asyncio.Event | None = None
 
-    # ----- what the launcher and GetServerInfo read --------------------------------
+    # ----- what a host can read ----------------------------------------------------
 
     @property
     def total(self) -> int:
@@ -79,9 +79,9 @@ class InflightInterceptor(CallInterceptor):
     async def wait_idle(self, timeout: float | None = None, *, include_all: bool = False) -> bool:
         """Wait until no limited call is in flight (or no counted call at all).
 
-        Draining waits for engine work; health `Watch` and reflection streams
-        stay open until the server stops, so they are left out unless
-        `include_all` is set.
+        A host draining its server waits for engine work; health `Watch` and
+        reflection streams stay open until the server stops, so they are left
+        out unless `include_all` is set.
 
         Args:
             timeout: seconds to wait at most; None waits as long as it takes.

@@ -27,7 +27,7 @@ import grpc
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import start_http_server
 
-from ..proto import SERVICE_NAME
+from ..proto import ENGINE_METHODS, GENERATE_METHOD
 from ._base import Call, CallInterceptor, MethodFilter, all_methods
 
 GRPC_TYPES = {
@@ -59,8 +59,6 @@ REQUEST_DURATION_BUCKETS = (
 FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 CANCEL_CAUSES = ("client_cancel", "deadline", "abort_rpc", "shutdown")
 
-_GENERATE = f"/{SERVICE_NAME}/Generate"
-_ENGINE_METHODS = frozenset((_GENERATE, f"/{SERVICE_NAME}/Embed"))
 _GRPC_LABELS = ("grpc_type", "grpc_service", "grpc_method")
 _CANCELLED = grpc.StatusCode.CANCELLED
 # How stale the message and token counters of a running Generate stream may get.
@@ -89,8 +87,8 @@ class _MethodMetrics:
         self.sent = owner.msg_sent.labels(*self.labels)
         self.handling = owner.handling_seconds.labels(*self.labels)
         self.handled: dict[grpc.StatusCode, Any] = {}
-        self.engine = call.method in _ENGINE_METHODS
-        self.generate = call.method == _GENERATE
+        self.engine = call.method in ENGINE_METHODS
+        self.generate = call.method == GENERATE_METHOD
 
 
 class _GenerateCall:

@@ -43,7 +43,8 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from ..proto import SERVICE_NAME
+from ..engine import served_model_name
+from ..proto import EMBED_METHOD, ENGINE_METHODS, GENERATE_METHOD
 from ..proto import vllm_engine_pb2 as pb
 from ._base import Call, CallInterceptor, MethodFilter
 
@@ -65,8 +66,6 @@ logger = logging.getLogger("vllm_servicer.interceptors")
 _MISSING_EXTRA = "tracing needs the OpenTelemetry packages: pip install 'vllm-servicer[otel]'"
 
 HEALTH_WATCH = "/grpc.health.v1.Health/Watch"
-_GENERATE = f"/{SERVICE_NAME}/Generate"
-_EMBED = f"/{SERVICE_NAME}/Embed"
 
 _TRACED_REQUESTS = (pb.GenerateRequest, pb.EmbedRequest)
 
@@ -101,19 +100,6 @@ def _require_otel() -> None:
         import opentelemetry.trace  # noqa: F401
     except ImportError as exc:
         raise ImportError(_MISSING_EXTRA) from exc
-
-
-def served_model_name(engine: Any) -> str:
-    """The model name the engine serves (`--served-model-name`, else the model path).
-
-    Args:
-        engine: an `AsyncLLM` or anything with a vLLM `model_config`.
-    """
-    config = getattr(engine, "model_config", None)
-    served = getattr(config, "served_model_name", None) or getattr(config, "model", "")
-    if isinstance(served, (list, tuple)):
-        served = served[0] if served else ""
-    return str(served or "")
 
 
 class _GenAiState:
@@ -202,7 +188,7 @@ class TracingInterceptor(CallInterceptor):
         span = self._current_span()
         # The span object, not the context: on_finish may run after the
         # handler's context was detached.
-        call.state = (span, _GenAiState()) if call.method in (_GENERATE, _EMBED) else (span, None)
+        call.state = (span, _GenAiState()) if call.method in ENGINE_METHODS else (span, None)
 
     def on_request(self, call: Call, message: Any) -> None:
         span, state = call.state
@@ -212,7 +198,7 @@ class TracingInterceptor(CallInterceptor):
         if state is None or type(message) not in _TRACED_REQUESTS or not span.is_recording():
             return
         attrs: dict[str, Any] = {}
-        if call.method == _GENERATE:
+        if call.method == GENERATE_METHOD:
             attrs["gen_ai.operation.name"] = "text_completion"
             params = message.sampling_params
             if params.HasField("max_tokens"):
@@ -236,7 +222,7 @@ class TracingInterceptor(CallInterceptor):
         span, state = call.state
         if state is None:
             return
-        if call.method == _EMBED:
+        if call.method == EMBED_METHOD:
             state.input_tokens = message.prompt_tokens
             if span.is_recording():
                 span.set_attribute("gen_ai.embeddings.dimension.count", message.embedding_dim)
@@ -272,7 +258,7 @@ class TracingInterceptor(CallInterceptor):
         if state is not None:
             if state.input_tokens >= 0:
                 attrs["gen_ai.usage.input_tokens"] = state.input_tokens
-            if call.method == _GENERATE:
+            if call.method == GENERATE_METHOD:
                 attrs["gen_ai.usage.output_tokens"] = state.output_tokens
                 if state.finish_reasons:
                     reasons = state.finish_reasons

@@ -8,7 +8,15 @@ from ._pool import POOL
 
 SERVICE_NAME: str = vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 
+GENERATE_METHOD: str = f"/{SERVICE_NAME}/Generate"
+EMBED_METHOD: str = f"/{SERVICE_NAME}/Embed"
+ENGINE_METHODS: frozenset[str] = frozenset((GENERATE_METHOD, EMBED_METHOD))
+"""The full names of the calls that run on the engine (Generate and Embed)."""
+
 __all__ = [
+    "EMBED_METHOD",
+    "ENGINE_METHODS",
+    "GENERATE_METHOD",
     "POOL",
     "SERVICE_NAME",
     "common_pb2",
