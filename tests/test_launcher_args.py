@@ -34,6 +34,13 @@ def test_without_model_the_tiny_model_settings_apply_and_user_flags_win() -> Non
     assert args.max_model_len == 256
 
 
+def test_vllm_tls_flag_names_are_accepted() -> None:
+    args = parse_args(
+        ["serve", "--model", "m", "--ssl-certfile", "c.pem", "--ssl-keyfile", "k.pem"]
+    )
+    assert (args.tls_cert, args.tls_key) == ("c.pem", "k.pem")
+
+
 def test_safe_defaults() -> None:
     args = parse_args(["serve", "--model", "m"])
     assert args.host == "127.0.0.1"

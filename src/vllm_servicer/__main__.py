@@ -150,8 +150,11 @@ def build_parser() -> Any:
         default=None,
         help="file of admin keys, one per line (re-read when it changes)",
     )
-    sec.add_argument("--tls-cert", default=None, help="server certificate chain (PEM)")
-    sec.add_argument("--tls-key", default=None, help="server private key (PEM)")
+    # vLLM's own server names the same two files --ssl-certfile/--ssl-keyfile.
+    sec.add_argument(
+        "--tls-cert", "--ssl-certfile", default=None, help="server certificate chain (PEM)"
+    )
+    sec.add_argument("--tls-key", "--ssl-keyfile", default=None, help="server private key (PEM)")
     sec.add_argument(
         "--tls-client-ca",
         default=None,
