@@ -24,6 +24,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from helpers import request
 from test_examples import ROOT, _drain_output, _spawn, _wait_for_line
 
+from vllm_servicer.health import LIVENESS_SERVICE
 from vllm_servicer.proto import vllm_engine_pb2_grpc
 
 
@@ -105,6 +106,10 @@ async def test_sigterm_drains_then_aborts_stragglers(env: dict[str, str]) -> Non
             stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
             watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
             assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+            alive = health_pb2_grpc.HealthStub(channel).Watch(
+                health_pb2.HealthCheckRequest(service=LIVENESS_SERVICE)
+            )
+            assert (await alive.read()).status == health_pb2.HealthCheckResponse.SERVING
 
             started = [asyncio.Event() for _ in range(34)]
             short = [asyncio.ensure_future(_stream(stub, 24, e)) for e in started[:32]]
@@ -121,6 +126,8 @@ async def test_sigterm_drains_then_aborts_stragglers(env: dict[str, str]) -> Non
             flipped = time.perf_counter()
             assert await asyncio.wait_for(watch.read(), 60) == grpc.aio.EOF
             ended = time.perf_counter()
+            # Liveness never left SERVING: its Watch just ends with the others.
+            assert await asyncio.wait_for(alive.read(), 60) == grpc.aio.EOF
             print(
                 f"NOT_SERVING {flipped - sent:.3f} s after SIGTERM, "
                 f"Watch ended {ended - flipped:.3f} s later"

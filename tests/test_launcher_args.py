@@ -12,6 +12,7 @@ import yaml
 
 from vllm_servicer import SERVICE_NAME
 from vllm_servicer.__main__ import parse_args
+from vllm_servicer.health import LIVENESS_SERVICE
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "examples" / "kubernetes"
@@ -81,6 +82,8 @@ def test_deployment_probes_drain_budget_and_flags() -> None:
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert container[probe]["grpc"]["port"] == grpc_port
     assert container["readinessProbe"]["grpc"]["service"] == SERVICE_NAME
+    # Liveness stays SERVING through a drain: the pod is not restarted mid-drain.
+    assert container["livenessProbe"]["grpc"]["service"] == LIVENESS_SERVICE
     pre_stop = container["lifecycle"]["preStop"]["sleep"]["seconds"]
     budget = pre_stop + args.drain_grace + args.shutdown_timeout
     assert pod["terminationGracePeriodSeconds"] > budget

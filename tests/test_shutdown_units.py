@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2
 
 from vllm_servicer import drain
 from vllm_servicer.drain import GracefulShutdown
-from vllm_servicer.health import EngineHealthServicer
+from vllm_servicer.health import LIVENESS_SERVICE, EngineHealthServicer
 
 SRC = Path(__file__).resolve().parent.parent / "src" / "vllm_servicer"
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -80,6 +80,27 @@ async def test_check_reports_draining_and_unknown_services() -> None:
     )
     await health.enter_graceful_shutdown()
     assert (await health.Check(health_pb2.HealthCheckRequest(), context)).status == NOT_SERVING
+
+
+async def test_liveness_stays_serving_through_a_drain_and_ends_with_the_engine() -> None:
+    engine = SimpleNamespace(errored=False)
+    health = EngineHealthServicer(engine, services=("", "x.Y"))  # type: ignore[arg-type]
+    context = SimpleNamespace(abort=None)
+
+    async def status(service: str) -> int:
+        request = health_pb2.HealthCheckRequest(service=service)
+        return (await health.Check(request, context)).status  # type: ignore[arg-type]
+
+    assert [await status(s) for s in ("", "x.Y", LIVENESS_SERVICE)] == [SERVING] * 3
+    await health.start_draining()
+    # Not ready (take no new calls), still alive (do not restart mid-drain).
+    assert [await status(s) for s in ("", "x.Y", LIVENESS_SERVICE)] == [
+        NOT_SERVING,
+        NOT_SERVING,
+        SERVING,
+    ]
+    engine.errored = True
+    assert await status(LIVENESS_SERVICE) == NOT_SERVING
 
 
 def _shutdown(active: int = 0) -> GracefulShutdown:

@@ -4,6 +4,11 @@ Check re-reads the engine on every call (one attribute read), and a small
 background task, started with the first Watch, turns an engine death into a
 Watch update within `poll_interval` seconds.
 
+Readiness and liveness differ: the services given (by `mount`, "" and the
+VllmEngine name) mean *ready*: engine alive and not draining. The
+`liveness` service means *alive*: NOT_SERVING only once the engine died, so a
+liveness probe does not restart a server that is draining its streams.
+
 Unlike grpc's own asyncio HealthServicer, whose Watch holds a lock shared with
 every status change while it awaits a write, no status change here ever waits
 for a client: a Watch caller that grants no flow-control window stalls its own
@@ -28,13 +33,17 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 SERVICE_UNKNOWN = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
 
+LIVENESS_SERVICE = "liveness"
+"""The service name for a liveness probe: SERVING until the engine dies, draining too."""
+
 
 class EngineHealthServicer(health_pb2_grpc.HealthServicer):
     """The standard health service, reporting the engine's state for `services`.
 
     Args:
         engine: the engine whose liveness decides SERVING / NOT_SERVING.
-        services: service names to report ("" is the whole server).
+        services: service names to report readiness for ("" is the whole
+            server); `LIVENESS_SERVICE` is reported besides them.
         poll_interval: seconds between engine checks while anyone watches.
     """
 
@@ -51,11 +60,11 @@ class EngineHealthServicer(health_pb2_grpc.HealthServicer):
         # Set, then replaced, on every change: watchers wait on the current one
         # and hold nothing that a status change would need.
         self._changed = asyncio.Event()
-        for service in services:
-            self._status[service] = self._engine_status()
+        for service in (*services, LIVENESS_SERVICE):
+            self._status[service] = self._engine_status(service)
 
-    def _engine_status(self) -> int:
-        if self._draining or self._engine.errored:
+    def _engine_status(self, service: str) -> int:
+        if self._engine.errored or (self._draining and service != LIVENESS_SERVICE):
             return NOT_SERVING
         return SERVING
 
@@ -70,9 +79,8 @@ class EngineHealthServicer(health_pb2_grpc.HealthServicer):
 
     async def refresh(self) -> None:
         """Publish the engine's current state to Check and Watch callers."""
-        status = self._engine_status()
-        for service in self._services:
-            self._publish(service, status)
+        for service in (*self._services, LIVENESS_SERVICE):
+            self._publish(service, self._engine_status(service))
 
     async def set(self, service: str, status: int) -> None:
         """Set the status of a service of the host's (grpc_health's API); ignored once draining."""
@@ -80,10 +88,11 @@ class EngineHealthServicer(health_pb2_grpc.HealthServicer):
             self._publish(service, status)
 
     async def start_draining(self) -> None:
-        """Report NOT_SERVING for every service from now on (the server is shutting down)."""
+        """Report NOT_SERVING for every service but liveness from now on (shutting down)."""
         self._draining = True
         for service in list(self._status):
-            self._publish(service, NOT_SERVING)
+            if service != LIVENESS_SERVICE:
+                self._publish(service, NOT_SERVING)
 
     async def enter_graceful_shutdown(self) -> None:
         """The same as `start_draining()`, under grpc_health's name."""
