@@ -8,7 +8,8 @@ publisher messages. Profiling is tested through the launcher (test_profiler.py).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import contextlib
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,16 @@ from vllm.distributed.kv_events import (
 )
 
 from vllm_servicer import mount
-from vllm_servicer.kv_events import BatchDecoder, Source, relay, to_int64
+from vllm_servicer.errors import TooManySubscribersError
+from vllm_servicer.interceptors.auth import (
+    ADMIN_ROLE,
+    AnyOf,
+    ApiKeyVerifier,
+    AuthInterceptor,
+    Identity,
+    current_identity,
+)
+from vllm_servicer.kv_events import BatchDecoder, Source, SubscriberLimit, relay, to_int64
 from vllm_servicer.proto import common_pb2, vllm_engine_pb2_grpc
 
 
@@ -238,6 +248,139 @@ async def test_subscribers_past_the_limit_are_resource_exhausted(featured: Any) 
             await _until(lambda: mounted.servicer.kv_subscribers.active == 0)
     finally:
         await server.stop(None)
+
+
+# ----- the subscriber limit, without an engine ------------------------------
+
+
+@contextlib.contextmanager
+def _as(identity: Identity | None) -> Iterator[None]:
+    token = current_identity.set(identity)
+    try:
+        yield
+    finally:
+        current_identity.reset(token)
+
+
+@contextlib.contextmanager
+def _hold(limit: SubscriberLimit, identity: Identity | None, count: int) -> Iterator[None]:
+    with _as(identity), contextlib.ExitStack() as stack:
+        for _ in range(count):
+            stack.enter_context(limit.slot())
+        yield
+
+
+@pytest.mark.parametrize(("maximum", "share"), [(1, 1), (2, 1), (5, 3), (16, 8)])
+def test_one_identity_holds_at_most_half_the_slots(maximum: int, share: int) -> None:
+    limit = SubscriberLimit(maximum)
+    tenant = Identity("tenant", kind="api_key")
+    assert limit.per_caller == share
+    with _hold(limit, tenant, share):
+        assert limit.held_by("tenant") == share
+        with _as(tenant), pytest.raises(TooManySubscribersError, match="per-caller limit"):
+            limit.slot().__enter__()
+        # Another identity gets the rest, up to the total.
+        with _hold(limit, Identity("router", kind="api_key"), maximum - share):
+            with _as(Identity("third")), pytest.raises(TooManySubscribersError, match="total"):
+                limit.slot().__enter__()
+    assert (limit.active, limit.held_by("tenant"), limit.held_by("router")) == (0, 0, 0)
+
+
+def test_without_identities_and_for_admins_only_the_total_binds() -> None:
+    limit = SubscriberLimit(4)
+    with _hold(limit, None, 4):
+        with pytest.raises(TooManySubscribersError, match="total limit is 4"):
+            limit.slot().__enter__()
+    admin = Identity("ops", roles=frozenset({ADMIN_ROLE}))
+    with _hold(limit, admin, 4):
+        assert limit.held_by("ops") == 0
+        with _as(admin), pytest.raises(TooManySubscribersError, match="total limit is 4"):
+            limit.slot().__enter__()
+    assert limit.active == 0
+
+
+def test_a_failing_stream_gives_its_callers_slot_back() -> None:
+    limit = SubscriberLimit(2)
+    tenant = Identity("tenant")
+    with _as(tenant):
+        with pytest.raises(RuntimeError), limit.slot():
+            raise RuntimeError("the stream failed")
+        with limit.slot():
+            assert limit.held_by("tenant") == 1
+    assert (limit.active, limit.held_by("tenant")) == (0, 0)
+
+
+# ----- over the wire, with keys ----------------------------------------------
+
+
+TENANT_KEY = "tenant-key-0123456789"
+ROUTER_KEY = "router-key-0123456789"
+ADMIN_KEY = "admin-key-0123456789"
+
+
+async def test_one_key_cannot_take_every_subscriber_slot(featured: Any) -> None:
+    """With keys, one identity holds at most half the slots; the rest stay for the others."""
+    engine, _ = featured
+    auth = AuthInterceptor(
+        AnyOf(
+            ApiKeyVerifier({"admin": ADMIN_KEY}, roles=(ADMIN_ROLE,)),
+            ApiKeyVerifier({"tenant": TENANT_KEY, "router": ROUTER_KEY}),
+        )
+    )
+    server = grpc.aio.server()
+    mounted = mount(
+        server,
+        engine,
+        health=False,
+        reflection_service=False,
+        interceptors=[auth],
+        max_kv_subscribers=5,
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    open_calls: list[Any] = []
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+
+            async def subscribe(key: str) -> Any:
+                call = stub.SubscribeKvEvents(
+                    common_pb2.SubscribeKvEventsRequest(), metadata=bearer(key)
+                )
+                open_calls.append(call)
+                return call
+
+            async def refused(key: str) -> str:
+                call = await subscribe(key)
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    # An admitted stream would wait for events: bound the read.
+                    await asyncio.wait_for(call.read(), 10)
+                assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                return err.value.details() or ""
+
+            for _ in range(3):  # half of 5, rounded up
+                await asyncio.wait_for((await subscribe(TENANT_KEY)).initial_metadata(), 10)
+            details = await refused(TENANT_KEY)
+            assert "per-caller limit is 3" in details, details
+
+            # The router still subscribes, up to the total.
+            for _ in range(2):
+                await asyncio.wait_for((await subscribe(ROUTER_KEY)).initial_metadata(), 10)
+            assert mounted.servicer.kv_subscribers.active == 5
+            details = await refused(ROUTER_KEY)
+            assert "total limit is 5" in details, details
+            # An admin is not held to a share, but the total binds everyone.
+            details = await refused(ADMIN_KEY)
+            assert "total limit is 5" in details, details
+    finally:
+        for call in open_calls:
+            call.cancel()
+        await _until(lambda: mounted.servicer.kv_subscribers.active == 0)
+        await server.stop(None)
+
+
+def bearer(key: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {key}"),)
 
 
 async def _until(condition: Any, timeout: float = 10.0) -> None:
