@@ -110,8 +110,10 @@ async def test_launcher_serves_the_example_client_then_stops_cleanly_on_sigterm(
     env: dict[str, str],
 ) -> None:
     """One launcher, from start to stop: the stop consumes it, so no other test shares it."""
-    proc = await _spawn("-m", "vllm_servicer", "serve", "--port", "0", env=env)
+    proc = await _spawn("-m", "vllm_servicer", "serve", "--port", "0", "--warm-up", env=env)
     try:
+        # The warm-up generation runs before the port opens.
+        await _wait_for_line(proc, r"warm-up generation done in")
         match = await _wait_for_line(proc, r"listening on (\S+:\d+)")
         address = match.group(1)
         drain = asyncio.ensure_future(_drain_output(proc))

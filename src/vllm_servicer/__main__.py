@@ -80,6 +80,12 @@ def build_parser() -> Any:
     )
     net.add_argument("--no-reflection", action="store_true", help="do not serve reflection")
     net.add_argument(
+        "--warm-up",
+        action="store_true",
+        help="run one short generation before the port opens, so that the first client "
+        "does not pay for what the engine initialises on its first request",
+    )
+    net.add_argument(
         "--enable-media-refs",
         action="store_true",
         help="resolve images that Generate names by URL (media_refs): data: URLs, file: under "
@@ -333,6 +339,20 @@ def authenticates(args: argparse.Namespace) -> bool:
     return _has_keys(args) or bool(args.tls_client_ca)
 
 
+async def _warm_up(engine: Any) -> None:
+    """One short greedy generation, logged with its time; the port is not open yet."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    started = time.monotonic()
+    prompt_len = max(1, min(16, engine.model_config.max_model_len - 8))
+    prompt = TokensPrompt(prompt_token_ids=[1] * prompt_len)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    async for _ in engine.generate(prompt, params, request_id=f"warm-up-{os.getpid()}"):
+        pass
+    logger.info("warm-up generation done in %.2f s", time.monotonic() - started)
+
+
 def _tracing_from_env() -> Any:
     """A TracerProvider when OTEL_* variables ask for export; None costs nothing."""
     try:
@@ -403,6 +423,8 @@ async def serve(args: argparse.Namespace) -> int:
     with apart_from_stop_signals():
         engine = AsyncLLM.from_engine_args(AsyncEngineArgs.from_cli_args(args))
     logger.info("engine ready in %.1f s", time.monotonic() - started)
+    if args.warm_up:
+        await _warm_up(engine)
     settle_process_for_serving()
     metrics_http = None
     http = None
