@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import logging
 import os
 import signal
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 logger = logging.getLogger("vllm_servicer.serve")
 
@@ -505,7 +506,7 @@ async def serve(args: argparse.Namespace) -> int:
         logger.info("stopped")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> NoReturn:
     """Console entry point of `vllm-servicer`."""
     args = parse_args(argv)
     # vLLM's own --log-level (when given) sets ours too.
@@ -514,8 +515,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         import uvloop  # optional: a faster event loop when installed
     except ImportError:
-        return asyncio.run(serve(args))
-    return uvloop.run(serve(args))
+        code = asyncio.run(serve(args))
+    else:
+        code = uvloop.run(serve(args))
+    _end_process(code)
+
+
+def _end_process(code: int) -> NoReturn:
+    """Exit once serving is over, without the interpreter's own teardown.
+
+    The atexit handlers run (exporters flush their spans, multiprocessing reaps
+    its children); the teardown after them does not: there a compiled module
+    vLLM imports (triton's, built with nanobind) prints hundreds of lines of
+    "leaked" objects, which read like a failed stop after a clean one.
+    """
+    atexit._run_exitfuncs()  # noqa: SLF001 - the handlers sys.exit would run
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
