@@ -14,6 +14,7 @@ import base64
 import functools
 import http.server
 import io
+import socket
 import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -255,6 +256,50 @@ async def test_bad_items_are_invalid_and_named(
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
     details = err.details() or ""
     assert details.startswith("media_refs.items[0].url: ") and words in details, details
+    assert await wait_until_idle(vlm) == 0
+
+
+class _Unavailable(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802 - the handler's protocol
+        self.send_error(503, "down for maintenance")
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def down_web() -> Iterator[str]:
+    """An HTTP server on loopback that answers every request 503."""
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Unavailable)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.mark.parametrize("where", ["http-503", "connection-refused"])
+async def test_a_fetch_failing_on_the_far_side_is_unavailable(
+    where: str, images_on: Any, prompt_ids: list[int], down_web: str, vlm: Any
+) -> None:
+    """The server's fault, not the request's: UNAVAILABLE, so a client may retry."""
+    url = (
+        f"{down_web}/red.png"
+        if where == "http-503"
+        else f"http://127.0.0.1:{_closed_port()}/red.png"
+    )
+    err = await _refused(images_on, _with_images(prompt_ids, url))
+    assert err.code() == grpc.StatusCode.UNAVAILABLE, err.details()
+    assert (err.details() or "").startswith("media_refs.items[0].url: could not fetch"), (
+        err.details()
+    )
     assert await wait_until_idle(vlm) == 0
 
 

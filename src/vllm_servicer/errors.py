@@ -66,6 +66,21 @@ class InvalidRequestError(ValueError):
         self.reason = reason
 
 
+class MediaUnavailableError(RuntimeError):
+    """An image could not be fetched for a reason on the far side (no answer in
+    time, connection refused, a 5xx): the same request may succeed later.
+
+    Args:
+        field: the request field naming the image.
+        reason: what went wrong.
+    """
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
 class UnsupportedError(RuntimeError):
     """The engine lacks a feature this RPC needs (no pooling runner, no profiler).
 
@@ -131,6 +146,7 @@ ERROR_TABLE: tuple[ErrorRule, ...] = (
     ErrorRule(QueueOverflowError, grpc.StatusCode.UNAVAILABLE, "ENGINE_BUSY"),
     ErrorRule(MaxQueuedTokensError, grpc.StatusCode.UNAVAILABLE, "ENGINE_BUSY"),
     ErrorRule(TooManySubscribersError, grpc.StatusCode.RESOURCE_EXHAUSTED, "TOO_MANY_SUBSCRIBERS"),
+    ErrorRule(MediaUnavailableError, grpc.StatusCode.UNAVAILABLE, "MEDIA_UNAVAILABLE"),
     ErrorRule(ProfilerAlreadyActiveError, grpc.StatusCode.FAILED_PRECONDITION, "PROFILER_ACTIVE"),
     ErrorRule(UnsupportedError, grpc.StatusCode.FAILED_PRECONDITION, "UNSUPPORTED"),
     ErrorRule(NotEnabledError, grpc.StatusCode.UNIMPLEMENTED, "NOT_ENABLED"),

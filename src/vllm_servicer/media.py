@@ -31,7 +31,7 @@ from typing import Any
 from urllib.parse import urlsplit
 from urllib.request import url2pathname
 
-from .errors import InvalidRequestError, UnimplementedFieldError
+from .errors import InvalidRequestError, MediaUnavailableError, UnimplementedFieldError
 from .proto import common_pb2
 from .proto import vllm_engine_pb2 as pb
 
@@ -191,7 +191,12 @@ class MediaResolver:
                 url, timeout=_FETCH_TIMEOUT_S, allow_redirects=False, max_bytes=limit + 1
             )
         except Exception as exc:
-            raise InvalidRequestError(field, f"could not fetch the image: {exc}") from None
+            status = getattr(exc, "status", None)  # an HTTP error status, when there was one
+            if isinstance(status, int) and 400 <= status < 500:
+                # The URL is the client's fault (not there, not allowed): do not retry.
+                raise InvalidRequestError(field, f"could not fetch the image: {exc}") from None
+            reason = str(exc) or type(exc).__name__
+            raise MediaUnavailableError(field, f"could not fetch the image: {reason}") from None
         if len(data) > limit:
             raise InvalidRequestError(field, f"image is larger than the {limit}-byte limit")
         return data
