@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -89,6 +90,20 @@ def test_deployment_probes_drain_budget_and_flags() -> None:
     assert pod["terminationGracePeriodSeconds"] > budget
     annotations = deployment["spec"]["template"]["metadata"]["annotations"]
     assert int(annotations["prometheus.io/port"]) == args.metrics_port
+
+
+def test_container_recipe_runs_the_launcher_on_its_exposed_ports() -> None:
+    dockerfile = (K8S.parent / "container" / "Dockerfile").read_text()
+    lines = [line.split(maxsplit=1) for line in dockerfile.splitlines() if line[:1].isupper()]
+    instructions = {word: rest for word, rest in lines}
+    assert instructions["FROM"] == "${VLLM_IMAGE}"
+    assert instructions["ARG"].startswith("VLLM_IMAGE=vllm/vllm-openai:v0.32")
+    assert json.loads(instructions["ENTRYPOINT"]) == ["vllm-servicer"]
+    args = parse_args(json.loads(instructions["CMD"]))  # every flag exists
+    assert {args.port, args.metrics_port} == {int(p) for p in instructions["EXPOSE"].split()}
+    # The Kubernetes example runs this image: its args replace CMD.
+    [container] = _load("deployment.yaml")["spec"]["template"]["spec"]["containers"]
+    assert container["args"][0] == "serve" and "command" not in container
 
 
 def test_service_is_headless_and_monitor_matches() -> None:
