@@ -25,7 +25,7 @@ from helpers import collect, completes, request, wait_until_idle
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import SpanKind, StatusCode
+from opentelemetry.trace import SpanKind, StatusCode, get_current_span
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from vllm_servicer import SERVICE_NAME, mount
@@ -33,8 +33,10 @@ from vllm_servicer.interceptors._base import all_methods
 from vllm_servicer.interceptors.tracing import (
     DEFAULT_METHODS,
     FIRST_TOKEN_EVENT,
+    SEMCONV_OPT_IN,
     TracingInterceptor,
     configure_tracing_from_env,
+    engine_trace_headers,
     served_model_name,
 )
 from vllm_servicer.proto import vllm_engine_pb2 as pb
@@ -137,6 +139,16 @@ def _attrs(span: ReadableSpan) -> Mapping[str, Any]:
     return span.attributes or {}
 
 
+# Attributes only one of the two RPC conventions has.
+_OLD_ONLY = ("rpc.system", "rpc.service", "rpc.grpc.status_code", "net.peer.ip", "net.peer.port")
+_CURRENT_ONLY = (
+    "rpc.system.name",
+    "rpc.response.status_code",
+    "network.peer.address",
+    "network.peer.port",
+)
+
+
 # ----- Generate: success, invalid argument, client cancel, Abort -----------------
 
 
@@ -151,12 +163,15 @@ async def test_generate_span_has_genai_attributes(traced: Traced, stream: bool) 
     assert span.name == GENERATE
     assert span.kind is SpanKind.SERVER
     assert span.status.status_code is StatusCode.UNSET
-    # What the instrumentation sets...
+    # What the instrumentation sets (the old RPC conventions, the default)...
     assert attrs["rpc.system"] == "grpc"
     assert attrs["rpc.service"] == SERVICE_NAME
     assert attrs["rpc.method"] == "Generate"
     assert attrs["rpc.grpc.status_code"] == grpc.StatusCode.OK.value[0]
+    assert attrs["net.peer.ip"] == "127.0.0.1"
+    assert not set(attrs) & {*_CURRENT_ONLY, "server.address"}
     # ... and what this package adds.
+    assert attrs["gen_ai.provider.name"] == "vllm"
     assert attrs["gen_ai.operation.name"] == "text_completion"
     assert attrs["gen_ai.request.model"] == traced.model != ""
     assert attrs["gen_ai.request.max_tokens"] == 4
@@ -271,8 +286,15 @@ async def test_no_traceparent_makes_a_root_span(traced: Traced) -> None:
     assert (await _one_span(traced.exporter, req.request_id)).parent is None
 
 
+class EngineFault(Exception):
+    """A failure no real engine produces on demand."""
+
+
 class RecordingEngine:
-    """The real engine, with the `trace_headers` of each generate call recorded."""
+    """The real engine, with the `trace_headers` of each generate call recorded.
+
+    Generate fails with EngineFault for request ids starting with "fail-".
+    """
 
     def __init__(self, engine: Any) -> None:
         self._engine = engine
@@ -284,6 +306,8 @@ class RecordingEngine:
 
     def generate(self, prompt: Any, params: Any, request_id: str, **kwargs: Any) -> Any:
         self.trace_headers[request_id] = kwargs.get("trace_headers")
+        if request_id.startswith("fail-"):
+            raise EngineFault(request_id)
         return self._engine.generate(prompt, params, request_id, **kwargs)
 
     def encode(self, prompt: Any, params: Any, request_id: str, **kwargs: Any) -> Any:
@@ -294,7 +318,15 @@ class RecordingEngine:
         return getattr(self._engine, name)
 
 
-async def test_engine_receives_the_clients_trace(engine: Any) -> None:
+def _parent_in(headers: Mapping[str, str] | None) -> Any:
+    """The span context W3C `headers` name (what vLLM makes its span's parent)."""
+    assert headers and "traceparent" in headers
+    return get_current_span(
+        TraceContextTextMapPropagator().extract(dict(headers))
+    ).get_span_context()
+
+
+async def test_engine_span_is_a_child_of_the_server_span(engine: Any) -> None:
     recording = RecordingEngine(engine)
     provider, exporter = _provider()
     running = await _serve(recording, server_wide=(TracingInterceptor(provider),))
@@ -307,17 +339,249 @@ async def test_engine_receives_the_clients_trace(engine: Any) -> None:
             async with grpc.aio.insecure_channel(running.address) as channel:
                 stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
                 await collect(stub.Generate(req, metadata=tuple(carrier.items())))
-        headers = recording.trace_headers[req.request_id]
-        assert headers and "traceparent" in headers
-        engine_ctx = TraceContextTextMapPropagator().extract(dict(headers))
-        from opentelemetry.trace import get_current_span
-
-        trace_id = get_current_span(engine_ctx).get_span_context().trace_id
-        assert trace_id == client_span.get_span_context().trace_id
+        server_span = await _one_span(exporter, req.request_id)
+        parent = _parent_in(recording.trace_headers[req.request_id])
+        assert parent.trace_id == client_span.get_span_context().trace_id
+        assert parent.span_id == server_span.context.span_id
+        assert parent.span_id != client_span.get_span_context().span_id
     finally:
         await running.close()
         provider.shutdown()
         client_provider.shutdown()
+
+
+async def test_engine_receives_the_clients_trace_without_tracing(engine: Any) -> None:
+    recording = RecordingEngine(engine)
+    running = await _serve(recording)
+    client_provider, _ = _provider()
+    try:
+        req = request(stream=True, max_tokens=2, ignore_eos=True)
+        with client_provider.get_tracer("t").start_as_current_span("gateway") as client_span:
+            carrier: dict[str, str] = {}
+            TraceContextTextMapPropagator().inject(carrier)
+            async with grpc.aio.insecure_channel(running.address) as channel:
+                stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+                await collect(stub.Generate(req, metadata=tuple(carrier.items())))
+        parent = _parent_in(recording.trace_headers[req.request_id])
+        assert parent.span_id == client_span.get_span_context().span_id
+    finally:
+        await running.close()
+        client_provider.shutdown()
+
+
+# ----- engine_trace_headers, on its own ---------------------------------------------
+
+_HEADERS_METHOD = "/test.TraceHeaders/Get"
+
+
+async def _headers_server(*interceptors: grpc.aio.ServerInterceptor) -> tuple[grpc.aio.Server, str]:
+    """A server whose one method answers with `engine_trace_headers(context)` as JSON."""
+
+    async def get(request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+        return json.dumps(engine_trace_headers(context)).encode()
+
+    server = grpc.aio.server(interceptors=interceptors)
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                "test.TraceHeaders", {"Get": grpc.unary_unary_rpc_method_handler(get)}
+            ),
+        )
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+async def _get_headers(address: str, metadata: tuple[tuple[str, str], ...] = ()) -> Any:
+    async with grpc.aio.insecure_channel(address) as channel:
+        answer = await channel.unary_unary(_HEADERS_METHOD)(b"", metadata=metadata)
+    return json.loads(answer)
+
+
+@pytest.mark.parametrize("tracestate", [False, True], ids=["traceparent", "tracestate"])
+async def test_engine_trace_headers_name_the_server_span(tracestate: bool) -> None:
+    provider, exporter = _provider()
+    server, address = await _headers_server(TracingInterceptor(provider))
+    client_provider, _ = _provider()
+    try:
+        with client_provider.get_tracer("t").start_as_current_span("gateway") as client_span:
+            carrier: dict[str, str] = {}
+            TraceContextTextMapPropagator().inject(carrier)
+        if tracestate:
+            carrier["tracestate"] = "vendor=abc"
+        headers = await _get_headers(address, tuple(carrier.items()))
+        (server_span,) = await _spans(exporter, lambda s: s.name == _HEADERS_METHOD)
+        assert set(headers) == ({"traceparent", "tracestate"} if tracestate else {"traceparent"})
+        client_ctx = client_span.get_span_context()
+        parent = _parent_in(headers)
+        assert parent.trace_id == client_ctx.trace_id == server_span.context.trace_id
+        assert parent.span_id == server_span.context.span_id != client_ctx.span_id
+        assert parent.trace_flags.sampled
+        if tracestate:
+            assert headers["tracestate"] == "vendor=abc"
+    finally:
+        await server.stop(None)
+        provider.shutdown()
+        client_provider.shutdown()
+
+
+async def test_engine_trace_headers_of_a_root_span() -> None:
+    provider, exporter = _provider()
+    server, address = await _headers_server(TracingInterceptor(provider))
+    try:
+        headers = await _get_headers(address)
+        (server_span,) = await _spans(exporter, lambda s: s.name == _HEADERS_METHOD)
+        assert server_span.parent is None
+        parent = _parent_in(headers)
+        assert (parent.trace_id, parent.span_id) == (
+            server_span.context.trace_id,
+            server_span.context.span_id,
+        )
+    finally:
+        await server.stop(None)
+        provider.shutdown()
+
+
+async def test_engine_trace_headers_without_tracing_are_the_callers() -> None:
+    server, address = await _headers_server()
+    try:
+        assert await _get_headers(address) is None
+        traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+        sent = (("traceparent", traceparent), ("tracestate", "a=1"), ("x-other", "v"))
+        assert await _get_headers(address, sent) == {
+            "traceparent": traceparent,
+            "tracestate": "a=1",
+        }
+    finally:
+        await server.stop(None)
+
+
+# ----- the RPC conventions: OTEL_SEMCONV_STABILITY_OPT_IN --------------------------
+
+
+@dataclasses.dataclass
+class Conventions:
+    opt_in: str
+    stub: vllm_engine_pb2_grpc.VllmEngineStub
+    exporter: InMemorySpanExporter
+
+    @property
+    def old(self) -> bool:
+        return self.opt_in == "rpc/dup"
+
+
+@pytest.fixture(scope="module", params=["rpc", "rpc/dup"])
+async def conventions(request: pytest.FixtureRequest, engine: Any) -> AsyncIterator[Conventions]:
+    provider, exporter = _provider()
+    with pytest.MonkeyPatch.context() as env:
+        # Read when the interceptor is built; "http" shows other domains do not matter.
+        env.setenv(SEMCONV_OPT_IN, f"http, {request.param}")
+        tracing = TracingInterceptor.for_engine(
+            engine, provider, server_address="llm.example.internal", server_port=50051
+        )
+    running = await _serve(RecordingEngine(engine), server_wide=(tracing,))
+    async with grpc.aio.insecure_channel(running.address) as channel:
+        yield Conventions(request.param, vllm_engine_pb2_grpc.VllmEngineStub(channel), exporter)
+    await running.close()
+    provider.shutdown()
+
+
+async def test_current_rpc_conventions_on_success(conventions: Conventions) -> None:
+    req = request(stream=True, max_tokens=2, ignore_eos=True)
+    await collect(conventions.stub.Generate(req))
+    span = await _one_span(conventions.exporter, req.request_id)
+    attrs = _attrs(span)
+    assert span.kind is SpanKind.SERVER
+    assert span.name == (GENERATE if conventions.old else f"{SERVICE_NAME}/Generate")
+    assert attrs["rpc.system.name"] == "grpc"
+    assert attrs["rpc.method"] == f"{SERVICE_NAME}/Generate"
+    assert attrs["rpc.response.status_code"] == "OK"
+    assert "error.type" not in attrs
+    assert attrs["server.address"] == "llm.example.internal"
+    assert attrs["server.port"] == 50051
+    assert attrs["network.peer.address"] == "127.0.0.1"
+    assert isinstance(attrs["network.peer.port"], int) and attrs["network.peer.port"] > 0
+    assert attrs["user_agent.original"].startswith("grpc-python")
+    assert attrs["gen_ai.provider.name"] == "vllm"
+    assert attrs["gen_ai.usage.output_tokens"] == 2
+    if conventions.old:
+        assert attrs["rpc.system"] == "grpc"
+        assert attrs["rpc.service"] == SERVICE_NAME
+        assert attrs["rpc.method.deprecated"] == "Generate"
+        assert attrs["rpc.grpc.status_code"] == 0
+        assert attrs["net.peer.ip"] == "127.0.0.1"
+        assert int(attrs["net.peer.port"]) == attrs["network.peer.port"]
+        assert attrs["rpc.user_agent"] == attrs["user_agent.original"]
+    else:
+        assert not set(attrs) & {*_OLD_ONLY, "rpc.method.deprecated", "rpc.user_agent"}
+        assert "net.peer.name" not in attrs
+
+
+async def test_current_rpc_conventions_on_a_client_error(conventions: Conventions) -> None:
+    req = request(stream=True, top_p=1.5)
+    with pytest.raises(grpc.aio.AioRpcError):
+        await collect(conventions.stub.Generate(req))
+    span = await _one_span(conventions.exporter, req.request_id)
+    attrs = _attrs(span)
+    assert attrs["rpc.response.status_code"] == "INVALID_ARGUMENT"
+    assert "error.type" not in attrs  # the client's mistake, not a server error
+    assert span.status.status_code is StatusCode.UNSET
+    assert (attrs.get("rpc.grpc.status_code") == 3) is conventions.old
+
+
+async def test_current_rpc_conventions_on_a_server_error(conventions: Conventions) -> None:
+    req = request(stream=False, max_tokens=2, request_id=f"fail-{conventions.opt_in}")
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await collect(conventions.stub.Generate(req))
+    assert info.value.code() == grpc.StatusCode.INTERNAL
+    span = await _one_span(conventions.exporter, req.request_id)
+    attrs = _attrs(span)
+    assert attrs["rpc.response.status_code"] == "INTERNAL"
+    assert attrs["error.type"] == "INTERNAL"
+    assert span.status.status_code is StatusCode.ERROR
+    assert (attrs.get("rpc.grpc.status_code") == 13) is conventions.old
+
+
+@pytest.mark.parametrize(
+    ("opt_in", "old", "current"),
+    [
+        (None, True, False),
+        ("", True, False),
+        ("http,database", True, False),
+        ("rpc", False, True),
+        (" http , rpc ", False, True),
+        ("rpc/dup", True, True),
+        ("rpc,rpc/dup", True, True),  # dup wins
+        ("rpcx", True, False),
+    ],
+)
+def test_semconv_opt_in_values(opt_in: str | None, old: bool, current: bool) -> None:
+    from vllm_servicer.interceptors.tracing import _rpc_conventions
+
+    assert _rpc_conventions(opt_in) == (old, current)
+
+
+async def test_server_address_alone_keeps_the_old_conventions(
+    engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(SEMCONV_OPT_IN, raising=False)
+    provider, exporter = _provider()
+    tracing = TracingInterceptor(provider, server_address="llm.example.internal")
+    running = await _serve(engine, server_wide=(tracing,))
+    try:
+        async with grpc.aio.insecure_channel(running.address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            await health.Check(health_pb2.HealthCheckRequest(service=""))
+        (span,) = await _spans(exporter, lambda s: s.name == CHECK)
+        attrs = _attrs(span)
+        assert attrs["server.address"] == "llm.example.internal"
+        assert "server.port" not in attrs
+        assert attrs["rpc.system"] == "grpc" and attrs["rpc.grpc.status_code"] == 0
+        assert not set(attrs) & set(_CURRENT_ONLY)
+    finally:
+        await running.close()
+        provider.shutdown()
 
 
 # ----- handlers the instrumentation alone would break ------------------------------

@@ -27,6 +27,7 @@ from .errors import (
     rich_status,
 )
 from .interceptors.auth import ADMIN_ROLE, current_identity
+from .interceptors.tracing import engine_trace_headers as _trace_headers
 from .media import MediaRefOptions, MediaResolver
 from .proto import common_pb2, vllm_engine_pb2_grpc
 from .proto import vllm_engine_pb2 as pb
@@ -60,18 +61,6 @@ _SHOWN_ID_CHARS = 128
 def _request_id(given: str, prefix: str) -> str:
     # vLLM needs an id; a client that sent none cannot Abort by id anyway.
     return given or f"{prefix}-{uuid.uuid4().hex}"
-
-
-def _trace_headers(context: Context) -> dict[str, str] | None:
-    """The W3C trace-context entries of the call's metadata, for the engine's spans."""
-    found: dict[str, str] | None = None
-    for key, value in context.invocation_metadata() or ():
-        # grpc lower-cases metadata keys on the wire.
-        if key == "traceparent" or key == "tracestate":
-            if found is None:
-                found = {}
-            found[key] = value  # type: ignore[assignment]
-    return found
 
 
 class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):

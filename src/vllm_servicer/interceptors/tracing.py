@@ -28,17 +28,33 @@ span ERROR; every other code (INVALID_ARGUMENT, CANCELLED, NOT_FOUND, ...) is
 the client's business and leaves it UNSET. The instrumentation applies the same
 table on aborts; the inner layer applies it to the other endings.
 
+Conventions: the instrumentation writes the RPC conventions of OpenTelemetry
+semantic conventions 1.37 and earlier (`rpc.system`, `rpc.service`, the short
+`rpc.method`, an integer `rpc.grpc.status_code`, `net.peer.*`), and so does
+this module by default. `OTEL_SEMCONV_STABILITY_OPT_IN` set to `rpc` switches
+to the current ones (`rpc.system.name`, the full `rpc.method`, the code's name
+in `rpc.response.status_code`, `error.type`, `network.peer.*`, span name
+`package.Service/Method`); `rpc/dup` emits both, the migration path the RPC
+conventions define. The instrumentation is not changed for this: it gets a
+tracer that renames what it writes, when it starts the span (where samplers see
+it) and on every later write through the span it was handed.
+
+`engine_trace_headers` gives the servicer the W3C headers to hand the engine:
+the server span's, so vLLM's `llm_request` span is its child.
+
 The `opentelemetry-*` packages are the `otel` extra: this module imports
 without them, and `TracingInterceptor` then raises ImportError saying so.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -55,9 +71,12 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_METHODS",
     "FIRST_TOKEN_EVENT",
+    "GEN_AI_PROVIDER",
+    "SEMCONV_OPT_IN",
     "SERVER_FAULT_CODES",
     "TracingInterceptor",
     "configure_tracing_from_env",
+    "engine_trace_headers",
     "served_model_name",
 ]
 
@@ -84,6 +103,17 @@ SERVER_FAULT_CODES: frozenset[grpc.StatusCode] = frozenset(
 )
 """Codes that mark a server span ERROR (OpenTelemetry RPC conventions)."""
 
+GEN_AI_PROVIDER = "vllm"
+"""The `gen_ai.provider.name` of Generate and Embed spans."""
+
+SEMCONV_OPT_IN = "OTEL_SEMCONV_STABILITY_OPT_IN"
+"""The variable that selects the RPC conventions: `rpc` (current), `rpc/dup` (both)."""
+
+_STATUS_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
+_FAULT_NAMES = frozenset(code.name for code in SERVER_FAULT_CODES)
+# Old attributes the current conventions dropped without a successor.
+_DROPPED = frozenset({"rpc.service", "net.peer.name"})
+
 
 def DEFAULT_METHODS(method: str) -> bool:  # noqa: N802 - a constant-like default
     """Every method except health `Watch`.
@@ -100,6 +130,175 @@ def _require_otel() -> None:
         import opentelemetry.trace  # noqa: F401
     except ImportError as exc:
         raise ImportError(_MISSING_EXTRA) from exc
+
+
+def _rpc_conventions(opt_in: str | None) -> tuple[bool, bool]:
+    """(old, current): the RPC conventions an OTEL_SEMCONV_STABILITY_OPT_IN value asks for."""
+    opted = {value.strip() for value in (opt_in or "").split(",")}
+    if "rpc/dup" in opted:  # takes precedence over "rpc"
+        return True, True
+    if "rpc" in opted:
+        return False, True
+    return True, False
+
+
+class _RpcConventions:
+    """Rewrites attributes in the old RPC conventions into the ones asked for."""
+
+    __slots__ = ("current", "old", "server")
+
+    def __init__(self, *, old: bool, current: bool, server: Mapping[str, Any]) -> None:
+        self.old = old
+        self.current = current
+        self.server = dict(server)
+
+    def span_name(self, name: str) -> str:
+        # Current: `{rpc.method}`. With both, the old name stays: a span has one
+        # name, and the old one still contains the new.
+        return name if self.old else name.lstrip("/")
+
+    def attributes(self, attrs: Mapping[str, Any]) -> dict[str, Any]:
+        if not self.current:
+            return dict(attrs)
+        out: dict[str, Any] = dict(attrs) if self.old else {}
+        for key, value in attrs.items():
+            if key == "rpc.system":
+                out["rpc.system.name"] = value
+            elif key == "rpc.method":
+                service = attrs.get("rpc.service")
+                out["rpc.method"] = f"{service}/{value}" if service else value
+                if self.old:
+                    # Both conventions name the attribute `rpc.method`; the old
+                    # value moves aside, as the OpenTelemetry Java agent does.
+                    out["rpc.method.deprecated"] = value
+            elif key == "rpc.grpc.status_code":
+                name = _STATUS_NAMES.get(value, str(value))
+                out["rpc.response.status_code"] = name
+                if name in _FAULT_NAMES:
+                    out["error.type"] = name
+            elif key == "net.peer.ip":
+                out["network.peer.address"] = str(value).strip("[]")  # IPv6 comes bracketed
+            elif key == "net.peer.port":
+                with contextlib.suppress(TypeError, ValueError):
+                    out["network.peer.port"] = int(value)  # the instrumentation's is a string
+            elif key == "rpc.user_agent":
+                out["user_agent.original"] = value
+            elif not self.old and key not in _DROPPED:
+                out[key] = value
+        return out
+
+
+class _RenamingTracerProvider:
+    """What the instrumentation gets instead of the provider: its spans come out renamed."""
+
+    def __init__(self, provider: Any, conventions: _RpcConventions) -> None:
+        self._provider = provider
+        self._conventions = conventions
+
+    def get_tracer(self, *args: Any, **kwargs: Any) -> _RenamingTracer:
+        return _RenamingTracer(self._provider.get_tracer(*args, **kwargs), self._conventions)
+
+
+class _RenamingTracer:
+    def __init__(self, tracer: Any, conventions: _RpcConventions) -> None:
+        self._tracer = tracer
+        self._conventions = conventions
+
+    def _start_attributes(self, attributes: Mapping[str, Any] | None) -> dict[str, Any]:
+        attrs = self._conventions.attributes(attributes or {})
+        attrs.update(self._conventions.server)
+        return attrs
+
+    def start_span(
+        self, name: str, *args: Any, attributes: Mapping[str, Any] | None = None, **kwargs: Any
+    ) -> Any:
+        span = self._tracer.start_span(
+            self._conventions.span_name(name),
+            *args,
+            attributes=self._start_attributes(attributes),
+            **kwargs,
+        )
+        return _RenamingSpan(span, self._conventions)
+
+    @contextlib.contextmanager
+    def start_as_current_span(
+        self, name: str, *args: Any, attributes: Mapping[str, Any] | None = None, **kwargs: Any
+    ) -> Iterator[Any]:
+        with self._tracer.start_as_current_span(
+            self._conventions.span_name(name),
+            *args,
+            attributes=self._start_attributes(attributes),
+            **kwargs,
+        ) as span:
+            # The context keeps the real span current; the instrumentation
+            # writes the status code (on abort and set_code) through this one.
+            yield _RenamingSpan(span, self._conventions)
+
+
+class _RenamingSpan:
+    __slots__ = ("_conventions", "_span")
+
+    def __init__(self, span: Any, conventions: _RpcConventions) -> None:
+        self._span = span
+        self._conventions = conventions
+
+    def set_attribute(self, key: str, value: Any) -> None:
+        self._span.set_attributes(self._conventions.attributes({key: value}))
+
+    def set_attributes(self, attributes: Mapping[str, Any]) -> None:
+        self._span.set_attributes(self._conventions.attributes(attributes))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._span, name)
+
+
+@functools.cache
+def _w3c_injector() -> Callable[[], dict[str, str] | None] | None:
+    try:
+        from opentelemetry.trace import get_current_span
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+    except ImportError:
+        return None
+    # W3C trace context whatever OTEL_PROPAGATORS says: it is what vLLM reads.
+    propagator = TraceContextTextMapPropagator()
+
+    def inject() -> dict[str, str] | None:
+        if not get_current_span().get_span_context().is_valid:
+            return None
+        carrier: dict[str, str] = {}
+        propagator.inject(carrier)
+        return carrier
+
+    return inject
+
+
+def engine_trace_headers(context: Any) -> dict[str, str] | None:
+    """The W3C trace headers to pass the engine as `trace_headers` for this call.
+
+    Called from the handler: inside a traced RPC they carry the current span,
+    the server's, so vLLM's `llm_request` span is its child. Without a current
+    span they are the caller's `traceparent`/`tracestate` from the call's
+    metadata, so the engine's span still joins the caller's trace.
+
+    Args:
+        context: the call's ServicerContext.
+
+    Returns:
+        The headers, or None when there is no trace to continue.
+    """
+    inject = _w3c_injector()
+    if inject is not None:
+        current = inject()
+        if current is not None:
+            return current
+    found: dict[str, str] | None = None
+    for key, value in context.invocation_metadata() or ():
+        # grpc lower-cases metadata keys on the wire.
+        if key == "traceparent" or key == "tracestate":
+            if found is None:
+                found = {}
+            found[key] = value
+    return found
 
 
 class _GenAiState:
@@ -127,6 +326,13 @@ class TracingInterceptor(CallInterceptor):
         model: the served model name for `gen_ai.request.model`;
             `served_model_name(engine)` gives it.
         methods: which methods to trace (default: all but health `Watch`).
+        server_address: `server.address` of every span: the name clients use
+            for this group of servers (e.g. "llm.internal"); grpc does not
+            tell a server the authority a client dialled.
+        server_port: `server.port`, set only along with `server_address`.
+
+    Which RPC conventions the spans follow is read from
+    `OTEL_SEMCONV_STABILITY_OPT_IN` when the interceptor is built.
 
     Raises:
         ImportError: the `otel` extra is not installed.
@@ -138,6 +344,8 @@ class TracingInterceptor(CallInterceptor):
         *,
         model: str | None = None,
         methods: MethodFilter = DEFAULT_METHODS,
+        server_address: str | None = None,
+        server_port: int | None = None,
     ) -> None:
         _require_otel()
         from opentelemetry import trace
@@ -145,7 +353,19 @@ class TracingInterceptor(CallInterceptor):
         from opentelemetry.trace import Status, StatusCode
 
         super().__init__(methods=methods)
-        self._rpc_spans = aio_server_interceptor(tracer_provider=tracer_provider)
+        old, current = _rpc_conventions(os.environ.get(SEMCONV_OPT_IN))
+        server: dict[str, Any] = {}
+        if server_address:
+            server["server.address"] = server_address
+            if server_port is not None:
+                server["server.port"] = int(server_port)
+        self._conventions = _RpcConventions(old=old, current=current, server=server)
+        provider: Any = tracer_provider
+        if current or server:
+            provider = _RenamingTracerProvider(
+                tracer_provider or trace.get_tracer_provider(), self._conventions
+            )
+        self._rpc_spans = aio_server_interceptor(tracer_provider=provider)
         self._model = model
         self._current_span = trace.get_current_span
         self._status = Status
@@ -158,9 +378,17 @@ class TracingInterceptor(CallInterceptor):
         tracer_provider: AnyTracerProvider | None = None,
         *,
         methods: MethodFilter = DEFAULT_METHODS,
+        server_address: str | None = None,
+        server_port: int | None = None,
     ) -> TracingInterceptor:
         """A TracingInterceptor naming the model `engine` serves."""
-        return cls(tracer_provider, model=served_model_name(engine), methods=methods)
+        return cls(
+            tracer_provider,
+            model=served_model_name(engine),
+            methods=methods,
+            server_address=server_address,
+            server_port=server_port,
+        )
 
     async def intercept_service(
         self,
@@ -197,7 +425,7 @@ class TracingInterceptor(CallInterceptor):
         # neither has anything to record.
         if state is None or type(message) not in _TRACED_REQUESTS or not span.is_recording():
             return
-        attrs: dict[str, Any] = {}
+        attrs: dict[str, Any] = {"gen_ai.provider.name": GEN_AI_PROVIDER}
         if call.method == GENERATE_METHOD:
             attrs["gen_ai.operation.name"] = "text_completion"
             params = message.sampling_params
@@ -254,7 +482,7 @@ class TracingInterceptor(CallInterceptor):
             return
         code = call.code
         assert code is not None
-        attrs: dict[str, Any] = {"rpc.grpc.status_code": code.value[0]}
+        attrs = self._conventions.attributes({"rpc.grpc.status_code": code.value[0]})
         if state is not None:
             if state.input_tokens >= 0:
                 attrs["gen_ai.usage.input_tokens"] = state.input_tokens
