@@ -1,11 +1,13 @@
 """MetricsInterceptor against the real engine, server-wide and through mount(),
-and a real Prometheus server scraping it."""
+a real Prometheus server scraping it, and the gRPC-only launcher's endpoint
+showing these series next to vLLM's own."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
 import json
+import os
 import shutil
 import socket
 import urllib.parse
@@ -18,8 +20,11 @@ import grpc
 import pytest
 from helpers import request, wait_until_idle
 from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+from test_examples import START_TIMEOUT, _drain_output, _spawn, _stop, _wait_for_line
 
 from vllm_servicer import SERVICE_NAME, mount
+from vllm_servicer.engine import served_model_name
 from vllm_servicer.interceptors import (
     InflightInterceptor,
     MetricsInterceptor,
@@ -27,6 +32,7 @@ from vllm_servicer.interceptors import (
 )
 from vllm_servicer.proto import vllm_engine_pb2 as pb
 from vllm_servicer.proto import vllm_engine_pb2_grpc
+from vllm_servicer.tiny_model import TINY_ENGINE_KWARGS, apply_cpu_env_defaults
 
 LONG = {"max_tokens": 5000, "ignore_eos": True}
 GENERATE = {"grpc_type": "server_stream", "grpc_service": SERVICE_NAME, "grpc_method": "Generate"}
@@ -39,9 +45,16 @@ class Served:
         self.metrics = metrics
         self.inflight = inflight
         self.registry = metrics.registry
+        self.model_name = metrics.model_name
+
+    def labels(self, name: str, labels: dict[str, str]) -> dict[str, str]:
+        if name.startswith("vllm_servicer_"):
+            # Every generation series is per model; the grpc_server_* ones are not.
+            return {"model_name": self.model_name, **labels}
+        return labels
 
     def value(self, name: str, **labels: str) -> float:
-        return self.registry.get_sample_value(name, labels) or 0.0
+        return self.registry.get_sample_value(name, self.labels(name, labels)) or 0.0
 
     def snapshot(self) -> Callable[..., float]:
         """A function giving how much a sample grew since now."""
@@ -52,7 +65,7 @@ class Served:
         }
 
         def delta(name: str, **labels: str) -> float:
-            key = (name, tuple(sorted(labels.items())))
+            key = (name, tuple(sorted(self.labels(name, labels).items())))
             return self.value(name, **labels) - before.get(key, 0.0)
 
         return delta
@@ -66,7 +79,7 @@ class Served:
 async def _serve(
     engine: Any, placement: str, outer: tuple[Any, ...] = ()
 ) -> tuple[grpc.aio.Server, Any, Served, Any]:
-    metrics = MetricsInterceptor(CollectorRegistry())
+    metrics = MetricsInterceptor(CollectorRegistry(), model_name=served_model_name(engine))
     # Inside metrics, so metrics sees the limit's rejections too.
     inflight = InflightInterceptor()
     chain = [*outer, metrics, inflight]
@@ -298,6 +311,23 @@ async def test_shutdown_cause(engine: Any) -> None:
     assert await wait_until_idle(engine) == 0
 
 
+def test_generation_series_carry_the_model_name_and_rpc_series_do_not() -> None:
+    registry = CollectorRegistry()
+    MetricsInterceptor(registry, model_name="tiny-served")
+    families = list(registry.collect())
+    ours = [s for f in families if f.name.startswith("vllm_servicer_") for s in f.samples]
+    grpcs = [s for f in families if f.name.startswith("grpc_server_") for s in f.samples]
+    # Bound up front: every generation series exists before the first call.
+    assert {s.name for s in ours} >= {
+        "vllm_servicer_generation_tokens_total",
+        "vllm_servicer_time_to_first_token_seconds_count",
+        "vllm_servicer_requests_in_flight",
+        "vllm_servicer_request_finish_total",
+    }
+    assert all(s.labels.get("model_name") == "tiny-served" for s in ours)
+    assert all("model_name" not in s.labels for s in grpcs)
+
+
 def test_separate_registries_do_not_collide() -> None:
     first, second = CollectorRegistry(), CollectorRegistry()
     MetricsInterceptor(first)
@@ -353,22 +383,23 @@ async def test_real_prometheus_scrapes_the_series(
     for stream in (False, True, True):
         await _read_all(served.stub.Generate(request(stream=stream, max_tokens=5, ignore_eos=True)))
     await served.settle()
+    per_model = f'model_name="{served.model_name}"'
     expected = {
         'grpc_server_handled_total{grpc_method="Generate",grpc_code="OK"}': served.value(
             "grpc_server_handled_total", **GENERATE, grpc_code="OK"
         ),
-        "vllm_servicer_generation_tokens_total": served.value(
+        f"vllm_servicer_generation_tokens_total{{{per_model}}}": served.value(
             "vllm_servicer_generation_tokens_total"
         ),
         "vllm_servicer_time_to_first_token_seconds_count": served.value(
             "vllm_servicer_time_to_first_token_seconds_count"
         ),
-        'vllm_servicer_request_finish_total{finish_reason="length"}': served.value(
+        f'vllm_servicer_request_finish_total{{finish_reason="length",{per_model}}}': served.value(
             "vllm_servicer_request_finish_total", finish_reason="length"
         ),
         "vllm_servicer_requests_in_flight": 0.0,
     }
-    assert expected["vllm_servicer_generation_tokens_total"] >= 15
+    assert expected[f"vllm_servicer_generation_tokens_total{{{per_model}}}"] >= 15
     log = tmp_path / "prometheus.log"
     with log.open("wb") as sink:
         process = await asyncio.create_subprocess_exec(
@@ -396,3 +427,124 @@ async def test_real_prometheus_scrapes_the_series(
         process.terminate()
         await asyncio.wait_for(process.wait(), 10)
         http_server.shutdown()
+
+
+# ----- the gRPC-only launcher's endpoint ------------------------------------------
+
+
+SERVED_NAME = "tiny-served"
+
+
+def _scrape_text(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of a Prometheus text page, keyed by name and sorted labels."""
+    with urllib.request.urlopen(url, timeout=5) as reply:
+        text = reply.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def _sum(
+    samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str
+) -> float:
+    return sum(
+        value
+        for (n, items), value in samples.items()
+        if n == name and labels.items() <= dict(items).items()
+    )
+
+
+@pytest.mark.timeout(START_TIMEOUT + 180)
+async def test_launcher_endpoint_shows_both_families_per_model(tiny_model_dir: Path) -> None:
+    """`serve --metrics-port` without the HTTP API: one scrape shows this
+    package's series and vLLM's own `vllm:*` ones, labelled with the same
+    served model name, and both count what a Generate produced."""
+    # A served name differs from the model path only with --model given, so the
+    # tiny model's settings are passed as flags.
+    env = {**os.environ, **apply_cpu_env_defaults()}
+    engine_flags = [
+        f"--{key.replace('_', '-')}" if value is True else f"--{key.replace('_', '-')}={value}"
+        for key, value in TINY_ENGINE_KWARGS.items()
+    ]
+    proc = await _spawn(
+        "-m",
+        "vllm_servicer",
+        "serve",
+        "--model",
+        str(tiny_model_dir),
+        *engine_flags,
+        "--served-model-name",
+        SERVED_NAME,
+        "--port",
+        "0",
+        "--metrics-port",
+        "0",
+        env=env,
+    )
+    output = None
+    try:
+        url = (await _wait_for_line(proc, r"metrics on (http://\S+/metrics)")).group(1)
+        address = (await _wait_for_line(proc, r"listening on (\S+:\d+)")).group(1)
+        output = asyncio.ensure_future(_drain_output(proc))
+        before = await asyncio.to_thread(_scrape_text, url)
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+            messages = await _read_all(
+                stub.Generate(request(stream=True, max_tokens=6, ignore_eos=True))
+            )
+        produced = sum(len(m.chunk.token_ids) for m in messages if m.HasField("chunk"))
+        assert produced == 6
+
+        model = {"model_name": SERVED_NAME}
+
+        def grew(after: Any, name: str, **labels: str) -> float:
+            return _sum(after, name, **labels) - _sum(before, name, **labels)
+
+        # vLLM records its stats after the outputs went out: wait for them.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 30
+        while True:
+            after = await asyncio.to_thread(_scrape_text, url)
+            moved = (
+                grew(after, "vllm:request_success_total", **model) == 1
+                and grew(after, "vllm:generation_tokens_total", **model) == produced
+                and grew(after, "vllm_servicer_generation_tokens_total", **model) == produced
+                and _sum(after, "vllm_servicer_requests_in_flight", **model) == 0
+            )
+            if moved or loop.time() > deadline:
+                break
+            await asyncio.sleep(0.2)
+
+        ours = {k: v for k, v in after.items() if k[0].startswith("vllm_servicer_")}
+        assert ours
+        assert {dict(labels).get("model_name") for _, labels in ours} == {SERVED_NAME}
+        assert all(
+            "model_name" not in dict(labels) for name, labels in after if name.startswith("grpc_")
+        )
+        for name in (
+            "vllm:generation_tokens_total",
+            "vllm:prompt_tokens_total",
+            "vllm:request_success_total",
+            "vllm:time_to_first_token_seconds_count",
+            "vllm:num_requests_running",
+        ):
+            found = {dict(labels).get("model_name") for n, labels in after if n == name}
+            assert found == {SERVED_NAME}, (name, found)
+        assert grew(after, "vllm:request_success_total", **model, finished_reason="length") == 1
+        assert grew(after, "vllm:generation_tokens_total", **model) == produced
+        assert grew(after, "vllm:time_to_first_token_seconds_count", **model) == 1
+        assert grew(after, "vllm_servicer_generation_tokens_total", **model) == produced
+        assert grew(after, "vllm_servicer_time_to_first_token_seconds_count", **model) == 1
+        assert (
+            grew(after, "vllm_servicer_request_finish_total", **model, finish_reason="length") == 1
+        )
+        assert _sum(after, "vllm_servicer_requests_in_flight", **model) == 0
+        assert await _stop(proc) == 0
+    finally:
+        if output is not None:
+            output.cancel()
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()

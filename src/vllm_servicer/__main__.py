@@ -256,7 +256,13 @@ def build_interceptors(args: argparse.Namespace, verifier: Any = None) -> tuple[
         model = (args.served_model_name or [args.model])[0]
         stack.append(TracingInterceptor(tracer_provider=tracer_provider, model=str(model)))
     wants_metrics = args.metrics_port is not None or args.http_port is not None
-    metrics = MetricsInterceptor() if wants_metrics else None
+    metrics = None
+    if wants_metrics:
+        from vllm.config.model import get_served_model_name
+
+        # vLLM's own rule, so the label equals the one on its `vllm:*` series.
+        served = get_served_model_name(args.model, args.served_model_name)
+        metrics = MetricsInterceptor(model_name=str(served))
     if metrics is not None:
         stack.append(metrics)
     if verifier is None:

@@ -10,7 +10,9 @@ Two families:
   GenerateResponse messages as they leave: time to first token, time per
   output token, request duration, prompt and generated tokens, finish
   reasons, cancellations by cause, and engine requests in flight. Each
-  documents the OpenTelemetry GenAI instrument it matches.
+  documents the OpenTelemetry GenAI instrument it matches, and carries a
+  `model_name` label (the served model name), as vLLM's own `vllm:*` series
+  do, so the two families join in a query.
 
 The metrics live in the registry given (default: prometheus_client's global
 REGISTRY), so a host that already exposes a registry gets them there; see
@@ -60,6 +62,8 @@ FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 CANCEL_CAUSES = ("client_cancel", "deadline", "abort_rpc", "shutdown")
 
 _GRPC_LABELS = ("grpc_type", "grpc_service", "grpc_method")
+# vLLM's own label name for the served model: the series join on it.
+_MODEL = ("model_name",)
 _CANCELLED = grpc.StatusCode.CANCELLED
 # How stale the message and token counters of a running Generate stream may get.
 _FLUSH_INTERVAL_S = 1.0
@@ -138,6 +142,10 @@ class MetricsInterceptor(CallInterceptor):
             with `start_metrics_server(port, registry=...)`.
         methods: which methods are measured (default: every method). The
             generation metrics are always about Generate only.
+        model_name: the `model_name` label of the `vllm_servicer_*` series:
+            the name the engine serves, as vLLM's own series label it
+            (`vllm_servicer.engine.served_model_name(engine)`). Default: empty,
+            which Prometheus treats as no label.
     """
 
     def __init__(
@@ -145,10 +153,12 @@ class MetricsInterceptor(CallInterceptor):
         registry: CollectorRegistry | None = None,
         *,
         methods: MethodFilter = all_methods,
+        model_name: str = "",
     ) -> None:
         super().__init__(methods=methods)
         reg = REGISTRY if registry is None else registry
         self.registry = reg
+        self.model_name = model_name
         self._shutting_down = False
         self._methods: dict[str, _MethodMetrics] = {}
 
@@ -191,6 +201,7 @@ class MetricsInterceptor(CallInterceptor):
             "vllm_servicer_time_to_first_token_seconds",
             "Time from the start of a streaming Generate call to its first output token "
             "leaving the servicer (OTel: gen_ai.server.time_to_first_token).",
+            _MODEL,
             buckets=TTFT_BUCKETS,
             registry=reg,
         )
@@ -198,6 +209,7 @@ class MetricsInterceptor(CallInterceptor):
             "vllm_servicer_time_per_output_token_seconds",
             "Gap between consecutive streamed chunks of one choice divided by the chunk's "
             "tokens (OTel: gen_ai.server.time_per_output_token).",
+            _MODEL,
             buckets=TPOT_BUCKETS,
             registry=reg,
         )
@@ -205,6 +217,7 @@ class MetricsInterceptor(CallInterceptor):
             "vllm_servicer_request_duration_seconds",
             "Duration of Generate calls, however they ended "
             "(OTel: gen_ai.server.request.duration).",
+            _MODEL,
             buckets=REQUEST_DURATION_BUCKETS,
             registry=reg,
         )
@@ -212,41 +225,48 @@ class MetricsInterceptor(CallInterceptor):
             "vllm_servicer_prompt_tokens",
             "Prompt tokens of Generate calls (OTel: gen_ai.client.token.usage, "
             "gen_ai.token.type=input).",
+            _MODEL,
             registry=reg,
         )
         self.generation_tokens = Counter(
             "vllm_servicer_generation_tokens",
             "Output tokens sent by Generate calls (OTel: gen_ai.client.token.usage, "
             "gen_ai.token.type=output).",
+            _MODEL,
             registry=reg,
         )
         self.request_finish = Counter(
             "vllm_servicer_request_finish",
             "Generate choices finished, by finish_reason "
             "(OTel attribute gen_ai.response.finish_reasons).",
-            ("finish_reason",),
+            (*_MODEL, "finish_reason"),
             registry=reg,
         )
         self.request_cancelled = Counter(
             "vllm_servicer_request_cancelled",
             "Generate calls ended early, by cause: client_cancel, deadline, abort_rpc "
             "(finish_reason abort), shutdown.",
-            ("cause",),
+            (*_MODEL, "cause"),
             registry=reg,
         )
         self.requests_in_flight = Gauge(
             "vllm_servicer_requests_in_flight",
             "Generate and Embed calls in flight, as the servicer's active_requests "
             "(no OTel GenAI instrument).",
+            _MODEL,
             registry=reg,
         )
-        # Bound once: the hot path below never calls .labels().
-        self._finish_children = {r: self.request_finish.labels(r) for r in FINISH_REASONS}
-        self._cancel_children = {c: self.request_cancelled.labels(c) for c in CANCEL_CAUSES}
-        self._ttft_observe = self.time_to_first_token.observe
-        self._tpot_observe = self.time_per_output_token.observe
-        self._prompt_inc = self.prompt_tokens.inc
-        self._generation_inc = self.generation_tokens.inc
+        # Bound once: the model is fixed per instance, so the hot path below
+        # never calls .labels() (a lookup under a lock).
+        model = model_name
+        self._finish_children = {r: self.request_finish.labels(model, r) for r in FINISH_REASONS}
+        self._cancel_children = {c: self.request_cancelled.labels(model, c) for c in CANCEL_CAUSES}
+        self._ttft_observe = self.time_to_first_token.labels(model).observe
+        self._tpot_observe = self.time_per_output_token.labels(model).observe
+        self._duration_observe = self.request_duration.labels(model).observe
+        self._prompt_inc = self.prompt_tokens.labels(model).inc
+        self._generation_inc = self.generation_tokens.labels(model).inc
+        self._in_flight = self.requests_in_flight.labels(model)
 
     def mark_shutdown(self) -> None:
         """From now on, count cancelled and aborted Generate calls as `shutdown`.
@@ -264,7 +284,7 @@ class MetricsInterceptor(CallInterceptor):
             method = self._methods[call.method] = _MethodMetrics(self, call)
         method.started.inc()
         if method.engine:
-            self.requests_in_flight.inc()
+            self._in_flight.inc()
         call.state = _GenerateCall(method, call.started) if method.generate else method
 
     def on_request(self, call: Call, message: Any) -> None:
@@ -295,10 +315,10 @@ class MetricsInterceptor(CallInterceptor):
         handled.inc()
         method.handling.observe(now - call.started)
         if method.engine:
-            self.requests_in_flight.dec()
+            self._in_flight.dec()
         if state.generate:
             self._catch_up(call, state, now)
-            self.request_duration.observe(now - call.started)
+            self._duration_observe(now - call.started)
             cause = None
             if code is _CANCELLED:
                 cause = "shutdown" if self._shutting_down else "client_cancel"
@@ -359,7 +379,9 @@ class MetricsInterceptor(CallInterceptor):
         reason = complete.finish_reason
         child = self._finish_children.get(reason)
         if child is None:
-            child = self._finish_children[reason] = self.request_finish.labels(reason)
+            child = self._finish_children[reason] = self.request_finish.labels(
+                self.model_name, reason
+            )
         child.inc()
         if reason == "abort":
             state.aborted = True
