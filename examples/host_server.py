@@ -15,6 +15,7 @@ import grpc
 from prometheus_client import CollectorRegistry
 
 from vllm_servicer import AuthInterceptor, MetricsInterceptor, mount, server_options
+from vllm_servicer.engine import served_model_name
 from vllm_servicer.interceptors import start_metrics_server
 from vllm_servicer.interceptors.auth import ApiKeyVerifier
 
@@ -47,7 +48,7 @@ def build_server(engine, api_keys: list[str], registry: CollectorRegistry):
     access_log = AccessLog()
     server = grpc.aio.server(interceptors=[access_log], options=server_options())
     server.add_generic_rpc_handlers((ECHO_SERVICE,))
-    metrics = MetricsInterceptor(registry=registry)
+    metrics = MetricsInterceptor(registry=registry, model_name=served_model_name(engine))
     auth = AuthInterceptor(ApiKeyVerifier(api_keys))
     mounted = mount(server, engine, interceptors=[metrics, auth])
     return server, mounted, access_log

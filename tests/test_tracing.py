@@ -710,6 +710,22 @@ def test_configure_tracing_from_env_builds_an_otlp_provider(
             provider.shutdown()
 
 
+def test_configure_tracing_from_env_exports_over_http_when_asked(
+    otel_env: pytest.MonkeyPatch,
+) -> None:
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    otel_env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:1")
+    otel_env.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+    provider = configure_tracing_from_env()
+    try:
+        processors = provider._active_span_processor._span_processors  # type: ignore[union-attr]
+        assert isinstance(processors[0].span_exporter, OTLPSpanExporter)
+    finally:
+        if provider is not None:
+            provider.shutdown()
+
+
 # ----- overhead -------------------------------------------------------------------
 
 _LOAD = """
