@@ -53,23 +53,17 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return {**environ, "VLLM_SERVICER_CACHE": str(tmp_path_factory.mktemp("cache"))}
 
 
+async def _serve_both(*flags: str, env: dict[str, str]) -> Any:
+    """A launcher serving gRPC and the HTTP API, each on a free port."""
+    return await _spawn(
+        "-m", "vllm_servicer", "serve", "--port", "0", "--http-port", "0", *flags, env=env
+    )
+
+
 @pytest.fixture(scope="module")
 async def launcher(env: dict[str, str]) -> AsyncIterator[Launcher]:
-    proc = await _spawn(
-        "-m",
-        "vllm_servicer",
-        "serve",
-        "--port",
-        "0",
-        "--http-port",
-        "0",
-        "--metrics-port",
-        "0",
-        "--api-key",
-        KEY,
-        "--chat-template",
-        CHAT_TEMPLATE,
-        env=env,
+    proc = await _serve_both(
+        "--metrics-port", "0", "--api-key", KEY, "--chat-template", CHAT_TEMPLATE, env=env
     )
     try:
         metrics = (await _wait_for_line(proc, r"metrics on (http://\S+/metrics)")).group(1)
@@ -329,14 +323,7 @@ async def _stream_http(
 async def test_sigterm_drains_both_protocols_and_exits_zero(env: dict[str, str]) -> None:
     """Streams on both sides in flight when both stop accepting finish; exit 0."""
     tokens = 600  # seconds of streaming here: past the grace period
-    proc = await _spawn(
-        "-m",
-        "vllm_servicer",
-        "serve",
-        "--port",
-        "0",
-        "--http-port",
-        "0",
+    proc = await _serve_both(
         "--max-model-len",
         "1024",
         "--drain-grace",
