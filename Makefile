@@ -67,6 +67,7 @@ proto: setup
 lint: setup
 	$(PY) -m ruff check src tests examples benchmarks protos
 	$(PY) -m ruff format --check src tests examples benchmarks protos
+	$(PY) -m mypy
 
 docs: setup
 	$(PY) -m mkdocs build --strict --site-dir build/site

@@ -9,6 +9,7 @@ and then register them on the host's server in one place.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -18,7 +19,7 @@ class HandlerRecorder:
     """Stands in for a server while generated code registers a service."""
 
     def __init__(self) -> None:
-        self.services: dict[str, dict[str, grpc.RpcMethodHandler]] = {}
+        self.services: dict[str, dict[str, grpc.RpcMethodHandler[Any, Any]]] = {}
 
     def add_generic_rpc_handlers(self, handlers: Any) -> None:
         # Generated code registers every method here too; the registered
@@ -26,7 +27,7 @@ class HandlerRecorder:
         pass
 
     def add_registered_method_handlers(
-        self, service_name: str, method_handlers: dict[str, grpc.RpcMethodHandler]
+        self, service_name: str, method_handlers: dict[str, grpc.RpcMethodHandler[Any, Any]]
     ) -> None:
         self.services[service_name] = dict(method_handlers)
 
@@ -40,7 +41,7 @@ def server_started(server: Any) -> bool:
 
 
 def register(
-    server: Any, service_name: str, method_handlers: dict[str, grpc.RpcMethodHandler]
+    server: Any, service_name: str, method_handlers: dict[str, grpc.RpcMethodHandler[Any, Any]]
 ) -> None:
     """Register one service's handlers on a server, as generated code would."""
     server.add_generic_rpc_handlers(
@@ -59,7 +60,7 @@ class UndecodableRequest:
         self.error = error
 
 
-def _tolerant(deserializer: Any) -> Any:
+def _tolerant(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
     message_name = getattr(getattr(deserializer, "__self__", None), "DESCRIPTOR", None)
     name = getattr(message_name, "full_name", "request")
 
@@ -79,7 +80,9 @@ async def _reject(context: Any, request: UndecodableRequest, method: str) -> Non
     await abort_for_exception(context, error, method=method)
 
 
-def reject_undecodable(method: str, handler: Any) -> grpc.RpcMethodHandler:
+def reject_undecodable(
+    method: str, handler: grpc.RpcMethodHandler[Any, Any]
+) -> grpc.RpcMethodHandler[Any, Any]:
     """A handler that answers INVALID_ARGUMENT to bytes that do not parse as the request.
 
     grpc itself answers a request its deserializer rejects (e.g. invalid UTF-8
@@ -87,8 +90,10 @@ def reject_undecodable(method: str, handler: Any) -> grpc.RpcMethodHandler:
     unary-request methods are wrapped (every method of VllmEngine).
     """
     if handler.request_streaming or handler.request_deserializer is None:
-        return handler  # type: ignore[no-any-return]
-    behaviour = handler.unary_stream if handler.response_streaming else handler.unary_unary
+        return handler
+    # A coroutine function or an async generator function: grpc's stubs describe
+    # only the sync server's plain callables.
+    behaviour: Any = handler.unary_stream if handler.response_streaming else handler.unary_unary
     if handler.response_streaming:
 
         async def unary_stream(request: Any, context: Any) -> Any:

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, NamedTuple, NoReturn
 
 import grpc
 from google.protobuf import any_pb2
-from google.rpc import error_details_pb2, status_pb2
-from grpc_status import rpc_status
+from google.rpc import error_details_pb2, status_pb2  # type: ignore[import-untyped]
+from grpc_status import rpc_status  # type: ignore[import-untyped]
 from vllm.exceptions import (
     MaxQueuedTokensError,
     QueueOverflowError,

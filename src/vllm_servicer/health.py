@@ -22,22 +22,23 @@ import contextlib
 from typing import TYPE_CHECKING, Any
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc  # type: ignore[import-untyped]
 
 from .engine import EngineClient
 
 if TYPE_CHECKING:
     import grpc.aio
 
-SERVING = health_pb2.HealthCheckResponse.SERVING
-NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-SERVICE_UNKNOWN = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+SERVING: int = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING: int = health_pb2.HealthCheckResponse.NOT_SERVING
+SERVICE_UNKNOWN: int = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
 
 LIVENESS_SERVICE = "liveness"
 """The service name for a liveness probe: SERVING until the engine dies, draining too."""
 
 
-class EngineHealthServicer(health_pb2_grpc.HealthServicer):
+# grpcio-health-checking ships no type information: its base class is Any to mypy.
+class EngineHealthServicer(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
     """The standard health service, reporting the engine's state for `services`.
 
     Args:

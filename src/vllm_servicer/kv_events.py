@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator
 from typing import Any, NamedTuple
 
 import msgspec
@@ -275,7 +275,7 @@ async def relay(
     engine_dead: Callable[[], bool],
     on_subscribed: Callable[[], Any] | None = None,
     backlog: int = DEFAULT_BACKLOG,
-) -> AsyncIterator[common_pb2.KvEventBatch]:
+) -> AsyncGenerator[common_pb2.KvEventBatch, None]:
     """Stream every rank's published batches until the caller stops iterating.
 
     A reader task drains the socket as batches arrive, whatever the caller's

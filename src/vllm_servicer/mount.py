@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc  # type: ignore[import-untyped]
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc  # type: ignore[import-untyped]
 from grpc_reflection.v1alpha import reflection_pb2 as _reflection_pb2  # noqa: F401
 
 from ._registration import HandlerRecorder, register, reject_undecodable, server_started
@@ -89,7 +89,8 @@ def mount(
     servicer = VllmEngineServicer(
         engine, max_kv_subscribers=max_kv_subscribers, media_refs=media_refs
     )
-    vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(servicer, recorder)
+    # Generated without annotations (grpc's plugin writes no types).
+    vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(servicer, recorder)  # type: ignore[no-untyped-call]
     names = [SERVICE_NAME]
 
     health_servicer = None
@@ -119,12 +120,16 @@ def mount(
     return MountedServices(servicer=servicer, health=health_servicer, service_names=tuple(names))
 
 
-def _interceptor_chain(interceptors: Sequence[grpc.aio.ServerInterceptor]) -> Any:
+def _interceptor_chain(
+    interceptors: Sequence[grpc.aio.ServerInterceptor],
+) -> Callable[[str, grpc.RpcMethodHandler[Any, Any]], grpc.RpcMethodHandler[Any, Any]] | None:
     if not interceptors:
         return None
     from .interceptors._apply import apply_interceptors
 
-    def wrap(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    def wrap(
+        method: str, handler: grpc.RpcMethodHandler[Any, Any]
+    ) -> grpc.RpcMethodHandler[Any, Any]:
         return apply_interceptors(interceptors, method, handler)
 
     return wrap

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import grpc
-from grpc_status import rpc_status
+from grpc_status import rpc_status  # type: ignore[import-untyped]
 from vllm.exceptions import VLLMClientError
 from vllm.pooling_params import PoolingParams
 

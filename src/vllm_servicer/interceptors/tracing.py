@@ -365,7 +365,10 @@ class TracingInterceptor(CallInterceptor):
             provider = _RenamingTracerProvider(
                 tracer_provider or trace.get_tracer_provider(), self._conventions
             )
-        self._rpc_spans = aio_server_interceptor(tracer_provider=provider)
+        # The instrumentation's factory is unannotated; it returns a grpc.aio.ServerInterceptor.
+        self._rpc_spans: grpc.aio.ServerInterceptor = aio_server_interceptor(  # type: ignore[no-untyped-call]
+            tracer_provider=provider
+        )
         self._model = model
         self._current_span = trace.get_current_span
         self._status = Status
@@ -392,10 +395,12 @@ class TracingInterceptor(CallInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
+        continuation: Callable[
+            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]
+        ],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler | None:
-        method: str = handler_call_details.method  # type: ignore[attr-defined]
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+        method: str = handler_call_details.method
         if not self.applies_to(method):
             return await continuation(handler_call_details)
         handler = await continuation(handler_call_details)
@@ -406,9 +411,7 @@ class TracingInterceptor(CallInterceptor):
             # A sync handler (the base passes those through): the span layer
             # would run it on the event loop.
             return handler
-        return await self._rpc_spans.intercept_service(  # type: ignore[no-any-return]
-            _returning(inner), handler_call_details
-        )
+        return await self._rpc_spans.intercept_service(_returning(inner), handler_call_details)
 
     # ----- hooks (run inside the RPC span) ------------------------------------
 
