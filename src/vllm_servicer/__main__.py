@@ -36,7 +36,8 @@ def build_parser() -> Any:
 
     from .options import DEFAULT_MAX_KV_SUBSCRIBERS, DEFAULT_MAX_MESSAGE_BYTES
 
-    parser = FlexibleArgumentParser(prog="vllm-servicer", description=__doc__.splitlines()[0])
+    parser_class: Any = FlexibleArgumentParser  # untyped in vLLM
+    parser = parser_class(prog="vllm-servicer", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="serve a model over vLLM's gRPC protocol")
     # vLLM's parser rewrites `serve --model X` into `serve X` (its positional form).
@@ -163,6 +164,13 @@ def build_parser() -> Any:
     )
     sec.add_argument("--tls-key", "--ssl-keyfile", default=None, help="server private key (PEM)")
     sec.add_argument(
+        "--health-port",
+        type=int,
+        default=None,
+        help="with --tls-cert: also serve grpc.health.v1 alone, in plaintext, on this port "
+        "(0: any free port), for probes that cannot speak TLS (Kubernetes' gRPC probes)",
+    )
+    sec.add_argument(
         "--tls-client-ca",
         default=None,
         help="CA bundle (PEM) for client certificates; when given, clients must present one. "
@@ -192,7 +200,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     from .tiny_model import TINY_ENGINE_KWARGS, apply_cpu_env_defaults, ensure_tiny_model
 
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args: argparse.Namespace = parser.parse_args(argv)
     if args.model_tag is not None:
         args.model = args.model_tag
     if args.api_key and args.api_key_file:
@@ -203,6 +211,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--tls-cert and --tls-key go together")
     if args.tls_client_ca and not args.tls_cert:
         parser.error("--tls-client-ca needs --tls-cert and --tls-key")
+    if args.health_port is not None and not args.tls_cert:
+        parser.error("--health-port is for a TLS server (without TLS, probes use --port)")
     if args.admin_tls_subject and not args.tls_client_ca:
         parser.error("--admin-tls-subject needs --tls-client-ca")
     if args.admin_tls_subject and _has_keys(args):
@@ -400,6 +410,7 @@ async def serve(args: argparse.Namespace) -> int:
     from .media import MediaRefOptions
     from .mount import mount
     from .options import port_in_use, server_options
+    from .probe_port import start_probe_port
     from .tls import server_credentials, warn_if_exposed
 
     # One verifier for both protocols: a key file re-read for one is re-read for both.
@@ -435,6 +446,7 @@ async def serve(args: argparse.Namespace) -> int:
     settle_process_for_serving()
     metrics_http = None
     http = None
+    probes = None
     try:
         server = grpc.aio.server(
             interceptors=interceptors,
@@ -494,6 +506,9 @@ async def serve(args: argparse.Namespace) -> int:
         # SERVING before a request can succeed.
         if http is not None:
             await http.start()
+        if args.health_port is not None and mounted.health is not None:
+            probes, probe_port = await start_probe_port(mounted.health, args.host, args.health_port)
+            print(f"vllm-servicer health (plaintext) on {args.host}:{probe_port}", flush=True)
         await server.start()
         # Printed (not only logged) so scripts and tests can read the bound ports.
         print(f"vllm-servicer listening on {args.host}:{port}", flush=True)
@@ -505,6 +520,8 @@ async def serve(args: argparse.Namespace) -> int:
     finally:
         if http is not None:
             await http.stop(0)  # a no-op after a drain; ends it on an error
+        if probes is not None:
+            await probes.stop(0)  # last: liveness answered through the drain
         logger.info("shutting down the engine")
         engine.shutdown()
         if metrics_http is not None:

@@ -1,0 +1,74 @@
+"""--health-port: plaintext health beside a TLS-only launcher, for Kubernetes' gRPC probes."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+
+import grpc
+import pytest
+from certs import CertificateAuthority
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from helpers import request
+from test_examples import START_TIMEOUT, _drain_output, _spawn, _stop, _wait_for_line
+
+from vllm_servicer.health import LIVENESS_SERVICE
+from vllm_servicer.proto import SERVICE_NAME, vllm_engine_pb2_grpc
+
+pytestmark = pytest.mark.timeout(START_TIMEOUT + 180)
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_probes_reach_health_in_plaintext_and_nothing_else(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    folder = tmp_path_factory.mktemp("probe-port")
+    cert, key = CertificateAuthority("probe-ca").server().write(folder, "server")
+    env = {**os.environ, "VLLM_SERVICER_CACHE": str(tmp_path_factory.mktemp("cache"))}
+    proc = await _spawn(
+        "-m", "vllm_servicer", "serve", "--port", "0", "--tls-cert", str(cert),
+        "--tls-key", str(key), "--health-port", "0", env=env,
+    )  # fmt: skip
+    tail: collections.deque[str] = collections.deque(maxlen=200)
+    try:
+        probe = (await _wait_for_line(proc, r"health \(plaintext\) on (\S+:\d+)")).group(1)
+        address = (await _wait_for_line(proc, r"listening on (\S+:\d+)")).group(1)
+        output = asyncio.ensure_future(_drain_output(proc, tail))
+        async with grpc.aio.insecure_channel(probe) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            for service in ("", SERVICE_NAME, LIVENESS_SERVICE):
+                reply = await health.Check(health_pb2.HealthCheckRequest(service=service))
+                assert reply.status == SERVING, service
+            # The probe port serves health only: no engine call reaches it.
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await (
+                    vllm_engine_pb2_grpc.VllmEngineStub(channel)
+                    .Generate(request(max_tokens=1))
+                    .read()
+                )
+            assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        # The main port stays TLS-only: a plaintext probe there fails.
+        async with grpc.aio.insecure_channel(address) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(), timeout=5
+                )
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert await _stop(proc) == 0, "".join(tail)
+        await asyncio.wait_for(output, 30)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+def test_the_probe_port_is_refused_without_tls() -> None:
+    from vllm_servicer.__main__ import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["serve", "--model", "m", "--health-port", "8081"])
+    args = parse_args(["serve", "--model", "m", "--health-port", "8081",
+                       "--tls-cert", "c.pem", "--tls-key", "k.pem"])  # fmt: skip
+    assert args.health_port == 8081
