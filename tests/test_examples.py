@@ -148,7 +148,12 @@ async def test_launcher_serves_the_example_client_then_stops_cleanly_on_sigterm(
         await asyncio.wait_for(drain, 30)  # the rest of its output, to the end
         # A clean stop ends with the launcher's own line, not a library's exit noise.
         stop_lines = "".join(output)
-        assert "vllm_servicer.serve: stopped" in stop_lines, stop_lines
+        # Its own lines in vLLM's format (process, level, time, source), as vLLM's are.
+        assert re.search(
+            r"\(MainProcess pid=\d+\) INFO \d\d-\d\d [\d:]{8} \[__main__\.py:\d+\] stopped$",
+            stop_lines,
+            re.M,
+        ), stop_lines
         assert "leaked" not in stop_lines, stop_lines
     finally:
         if proc.returncode is None:

@@ -532,9 +532,7 @@ async def serve(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> NoReturn:
     """Console entry point of `vllm-servicer`."""
     args = parse_args(argv)
-    # vLLM's own --log-level (when given) sets ours too.
-    level = str(getattr(args, "log_level", "info")).upper()
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _configure_logging(str(getattr(args, "log_level", None) or "info").upper())
     try:
         import uvloop  # optional: a faster event loop when installed
     except ImportError:
@@ -542,6 +540,17 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     else:
         code = uvloop.run(serve(args))
     _end_process(code)
+
+
+def _configure_logging(level: str) -> None:
+    """Lines in vLLM's format (process, level, time, source file), so that one log
+    reads as one: vLLM's own lines go through its handler, the rest through the root."""
+    logging.basicConfig(
+        level=level,
+        format="(%(processName)s pid=%(process)d) %(levelname)s %(asctime)s "
+        "[%(filename)s:%(lineno)d] %(message)s",
+        datefmt="%m-%d %H:%M:%S",
+    )
 
 
 def _end_process(code: int) -> NoReturn:
