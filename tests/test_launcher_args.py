@@ -37,10 +37,14 @@ def test_without_model_the_tiny_model_settings_apply_and_user_flags_win() -> Non
 
 
 def test_vllm_tls_flag_names_are_accepted() -> None:
-    args = parse_args(
-        ["serve", "--model", "m", "--ssl-certfile", "c.pem", "--ssl-keyfile", "k.pem"]
-    )
-    assert (args.tls_cert, args.tls_key) == ("c.pem", "k.pem")
+    tls = ["--ssl-certfile", "c.pem", "--ssl-keyfile", "k.pem", "--enable-ssl-refresh"]
+    args = parse_args(["serve", "--model", "m", *tls])
+    assert (args.tls_cert, args.tls_key, args.tls_client_ca) == ("c.pem", "k.pem", None)
+    required = ["--ssl-ca-certs", "ca.pem", "--ssl-cert-reqs", "2"]
+    args = parse_args(["serve", "--model", "m", *tls, *required])
+    assert args.tls_client_ca == "ca.pem"  # client certificates required, as in vLLM
+    with pytest.raises(SystemExit):  # a CA file alone would verify nothing
+        parse_args(["serve", "--model", "m", *tls, "--ssl-ca-certs", "ca.pem"])
 
 
 def test_safe_defaults() -> None:

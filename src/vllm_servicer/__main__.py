@@ -178,6 +178,22 @@ def build_parser() -> Any:
         "certificate may generate and abort its own requests, only --admin-tls-subject "
         "ones may administer",
     )
+    # vLLM's names for the same settings: a CA file is used for client
+    # certificates only when they are required (--ssl-cert-reqs 2, ssl.CERT_REQUIRED).
+    sec.add_argument("--ssl-ca-certs", default=None, help="with --ssl-cert-reqs 2: --tls-client-ca")
+    sec.add_argument(
+        "--ssl-cert-reqs",
+        type=int,
+        choices=(0, 2),
+        default=0,
+        help="2: clients must present a certificate from --ssl-ca-certs (vLLM's flag)",
+    )
+    sec.add_argument(
+        "--enable-ssl-refresh",
+        action="store_true",
+        help="accepted as vLLM's server does: certificate files are always re-read here "
+        "when they change",
+    )
     sec.add_argument(
         "--admin-tls-subject",
         action="append",
@@ -209,6 +225,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("give --admin-api-key or --admin-api-key-file, not both")
     if bool(args.tls_cert) != bool(args.tls_key):
         parser.error("--tls-cert and --tls-key go together")
+    if args.ssl_cert_reqs == 2:
+        if not args.ssl_ca_certs or args.tls_client_ca:
+            parser.error("--ssl-cert-reqs 2 needs --ssl-ca-certs (and no --tls-client-ca)")
+        args.tls_client_ca = args.ssl_ca_certs
+    elif args.ssl_ca_certs:
+        parser.error("--ssl-ca-certs is for client certificates: add --ssl-cert-reqs 2")
     if args.tls_client_ca and not args.tls_cert:
         parser.error("--tls-client-ca needs --tls-cert and --tls-key")
     if args.health_port is not None and not args.tls_cert:
