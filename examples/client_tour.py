@@ -6,8 +6,8 @@ Streaming and non-streaming Generate, n>1, structured output, Abort of a
 running stream, Embed (when the server runs a pooling model), and health.
 """
 
+import argparse
 import asyncio
-import sys
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -77,4 +77,6 @@ async def main(address: str) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(sys.argv[1] if len(sys.argv) > 1 else "127.0.0.1:50051"))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("address", nargs="?", default="127.0.0.1:50051", help="HOST:PORT")
+    asyncio.run(main(parser.parse_args().address))
