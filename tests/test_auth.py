@@ -73,6 +73,15 @@ class Served:
         self.verifications = 0
         self.key_file: Path = Path()
 
+    async def settled_snapshot(self) -> tuple[Any, ...]:
+        """`snapshot()` once no request runs: one ending from an earlier test
+        (the engine is the session's) would otherwise change it meanwhile."""
+        servicer = self.mounted.servicer
+        deadline = time.monotonic() + 30
+        while (servicer.active_requests or unfinished(self.engine)) and time.monotonic() < deadline:  # noqa: ASYNC110 - no event for the engine's count
+            await asyncio.sleep(0.05)
+        return self.snapshot()
+
     def snapshot(self) -> tuple[Any, ...]:
         servicer = self.mounted.servicer
         return (
@@ -172,7 +181,7 @@ HOSTILE = {
 async def test_hostile_credentials_are_unauthenticated_before_any_engine_work(
     served: Served, metadata: Any
 ) -> None:
-    before = served.snapshot()
+    before = await served.settled_snapshot()
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await collect(served.stub.Generate(request(max_tokens=3, stream=True), metadata=metadata))
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, err.value.details()
@@ -182,7 +191,7 @@ async def test_hostile_credentials_are_unauthenticated_before_any_engine_work(
 
 async def test_oversized_token_never_reaches_the_engine(served: Served) -> None:
     # Above grpc's own metadata limit: grpc or the verifier rejects it; nothing runs.
-    before = served.snapshot()
+    before = await served.settled_snapshot()
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await collect(served.stub.Generate(request(max_tokens=3), metadata=bearer("a" * 100_000)))
     assert err.value.code() != grpc.StatusCode.OK
@@ -191,7 +200,7 @@ async def test_oversized_token_never_reaches_the_engine(served: Served) -> None:
 
 
 async def test_generate_embed_abort_need_credentials(served: Served) -> None:
-    before = served.snapshot()
+    before = await served.settled_snapshot()
     calls = {
         "Generate": lambda: collect(served.stub.Generate(request(max_tokens=2))),
         "Embed": lambda: served.stub.Embed(
@@ -257,7 +266,7 @@ async def test_known_identity_without_permission_is_denied(served: Served) -> No
 async def test_oversized_request_is_resource_exhausted_and_server_keeps_serving(
     served: Served,
 ) -> None:
-    before = served.snapshot()
+    before = await served.settled_snapshot()
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await collect(
             served.stub.Generate(
