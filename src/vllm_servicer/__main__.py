@@ -278,24 +278,21 @@ def build_interceptors(args: argparse.Namespace, verifier: Any = None) -> tuple[
     are counted too), then authentication, then in-flight counting (only
     authenticated calls take a slot).
     """
+    from vllm.config.model import get_served_model_name
+
     from .interceptors import InflightInterceptor, MetricsInterceptor
 
+    # vLLM's own rule, so spans and our series name the model as its `vllm:*` series do.
+    served = str(get_served_model_name(args.model, args.served_model_name))
     stack: list[Any] = []
     tracer_provider = _tracing_from_env()
     if tracer_provider is not None:
         from .interceptors.tracing import TracingInterceptor
 
-        model = (args.served_model_name or [args.model])[0]
-        stack.append(TracingInterceptor(tracer_provider=tracer_provider, model=str(model)))
-    wants_metrics = args.metrics_port is not None or args.http_port is not None
+        stack.append(TracingInterceptor(tracer_provider=tracer_provider, model=served))
     metrics = None
-    if wants_metrics:
-        from vllm.config.model import get_served_model_name
-
-        # vLLM's own rule, so the label equals the one on its `vllm:*` series.
-        served = get_served_model_name(args.model, args.served_model_name)
-        metrics = MetricsInterceptor(model_name=str(served))
-    if metrics is not None:
+    if args.metrics_port is not None or args.http_port is not None:
+        metrics = MetricsInterceptor(model_name=served)
         stack.append(metrics)
     if verifier is None:
         verifier = _key_verifier(args)
