@@ -2,9 +2,12 @@
 
 One grpc.aio server per configuration, all in this process: the bare mount, a
 second bare mount (its "cost" is the run's noise floor), the mount with one
-interceptor each (`MetricsInterceptor`, `InflightInterceptor`, `AuthInterceptor`
-with an API key, `TracingInterceptor` exporting to the OpenTelemetry SDK), and
-the stack the launcher runs (auth + metrics + in-flight). The benchmarks' load
+interceptor each (`MetricsInterceptor`, `InflightInterceptor` with a limit,
+`AuthInterceptor` with an API key, `TracingInterceptor` exporting to the
+OpenTelemetry SDK), the launcher's default stack with keys (metrics + auth +
+in-flight limit) and its full stack (tracing + metrics + auth + in-flight limit).
+Every configuration is wrapped as `mount()` wraps Generate: the error layer,
+and the in-flight count `mount()` adds when none is given. The benchmarks' load
 generator (`loadgen.py`) in a subprocess, pinned to one core, drives N
 concurrent streams of T tokens against one server at a time, rotating the order
 every round. The CPU time of this process's event-loop thread (where
@@ -44,7 +47,7 @@ import grpc
 
 API_KEY = "bench-key-0123456789"
 # "bare-again" is a second bare mount: its "cost" is the noise floor of the run.
-CONFIGS = ("bare", "bare-again", "metrics", "inflight", "auth", "tracing", "stack")
+CONFIGS = ("bare", "bare-again", "metrics", "inflight", "auth", "tracing", "stack", "full")
 
 
 def build_interceptors(name: str) -> tuple[Sequence[Any], Callable[[], None]]:
@@ -62,16 +65,16 @@ def build_interceptors(name: str) -> tuple[Sequence[Any], Callable[[], None]]:
     if name == "metrics":
         return (MetricsInterceptor(CollectorRegistry()),), nothing
     if name == "inflight":
-        return (InflightInterceptor(),), nothing
+        return (InflightInterceptor(1024),), nothing
     if name == "auth":
         return (AuthInterceptor(ApiKeyVerifier([API_KEY])),), nothing
-    if name == "stack":
+    if name == "stack":  # the launcher's order: metrics, auth, the in-flight limit
         return (
-            AuthInterceptor(ApiKeyVerifier([API_KEY])),
             MetricsInterceptor(CollectorRegistry()),
-            InflightInterceptor(),
+            AuthInterceptor(ApiKeyVerifier([API_KEY])),
+            InflightInterceptor(1024),
         ), nothing
-    if name == "tracing":
+    if name in ("tracing", "full"):
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
         from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -81,7 +84,15 @@ def build_interceptors(name: str) -> tuple[Sequence[Any], Callable[[], None]]:
         exporter = InMemorySpanExporter()
         provider = TracerProvider()
         provider.add_span_processor(BatchSpanProcessor(exporter))
-        return (TracingInterceptor(provider, model="tiny"),), exporter.clear
+        tracing = TracingInterceptor(provider, model="tiny")
+        if name == "tracing":
+            return (tracing,), exporter.clear
+        return (
+            tracing,
+            MetricsInterceptor(CollectorRegistry()),
+            AuthInterceptor(ApiKeyVerifier([API_KEY])),
+            InflightInterceptor(1024),
+        ), exporter.clear
     raise ValueError(f"unknown configuration {name!r}; choose from {', '.join(CONFIGS)}")
 
 
@@ -115,8 +126,10 @@ def _stand_in_generate(tokens: int) -> Any:
 
 async def _serve_and_drive(args: argparse.Namespace) -> None:
     from vllm_servicer import mount
-    from vllm_servicer.interceptors._apply import apply_interceptors
+    from vllm_servicer.interceptors._pipeline import wrapped_handler
+    from vllm_servicer.mount import engine_pipeline
     from vllm_servicer.proto import SERVICE_NAME
+    from vllm_servicer.status import error_layer
     from vllm_servicer.tiny_model import build_tiny_engine
 
     engine = None
@@ -142,9 +155,12 @@ async def _serve_and_drive(args: argparse.Namespace) -> None:
             if engine is not None:
                 mount(server, engine, interceptors=interceptors)
             else:
-                # The interceptor wrapping mount() gives Generate, around the stand-in.
+                # The wrapping mount() gives Generate, around the stand-in.
                 method = f"/{SERVICE_NAME}/Generate"
-                handler = apply_interceptors(interceptors, method, _stand_in_generate(args.tokens))
+                pipeline, _ = engine_pipeline(interceptors)
+                handler = wrapped_handler(
+                    pipeline, method, _stand_in_generate(args.tokens), errors=error_layer
+                )
                 server.add_generic_rpc_handlers(
                     (grpc.method_handlers_generic_handler(SERVICE_NAME, {"Generate": handler}),)
                 )

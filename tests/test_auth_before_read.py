@@ -22,8 +22,8 @@ from google.protobuf import message_factory
 
 from vllm_servicer import SERVICE_NAME, mount
 from vllm_servicer._registration import register
-from vllm_servicer.interceptors._apply import apply_interceptors
 from vllm_servicer.interceptors._base import all_methods
+from vllm_servicer.interceptors._pipeline import wrapped_handler
 from vllm_servicer.interceptors.auth import ApiKeyVerifier, AuthInterceptor
 from vllm_servicer.interceptors.tracing import TracingInterceptor
 from vllm_servicer.proto import vllm_engine_pb2 as pb
@@ -90,7 +90,7 @@ def _serve_host_service(placement: str, interceptors: list[Any]) -> grpc.aio.Ser
         return server
     server = grpc.aio.server()
     wrapped = {
-        name: apply_interceptors(interceptors, f"/{SERVICE}/{name}", handler)
+        name: wrapped_handler(interceptors, f"/{SERVICE}/{name}", handler)
         for name, handler in HANDLERS.items()
     }
     register(server, SERVICE, wrapped)
@@ -249,7 +249,7 @@ async def test_compressed_request_is_bounded_after_inflation_and_never_parsed(
         register(
             server,
             SERVICE,
-            {n: apply_interceptors([auth], f"/{SERVICE}/{n}", h) for n, h in HANDLERS.items()},
+            {n: wrapped_handler([auth], f"/{SERVICE}/{n}", h) for n, h in HANDLERS.items()},
         )
     address = await _start(server)
     parsed.clear()

@@ -16,18 +16,17 @@ from helpers import collect, request
 from vllm.exceptions import VLLMValidationError
 from vllm.v1.engine.exceptions import EngineDeadError
 
-from vllm_servicer.errors import (
+from vllm_servicer.errors import InvalidRequestError, UnsupportedError
+from vllm_servicer.proto import common_pb2
+from vllm_servicer.proto import vllm_engine_pb2 as pb
+from vllm_servicer.status import (
     ERROR_DOMAIN,
     ERROR_TABLE,
-    InvalidRequestError,
-    UnsupportedError,
     message_for,
     redact_paths,
     rich_status,
     rule_for,
 )
-from vllm_servicer.proto import common_pb2
-from vllm_servicer.proto import vllm_engine_pb2 as pb
 
 
 def _details(err: grpc.aio.AioRpcError) -> tuple[Any, Any, Any]:

@@ -29,7 +29,7 @@ from vllm_servicer.interceptors import (
     methods_of,
     only_methods,
 )
-from vllm_servicer.interceptors._apply import apply_interceptors
+from vllm_servicer.interceptors._pipeline import wrapped_handler
 
 SERVICE = "test.Svc"
 OK, CANCELLED, DEADLINE = (
@@ -218,7 +218,7 @@ async def _serve(placement: str) -> tuple[grpc.aio.Server, Running, str]:
         records.services[SERVICE] = dict(HANDLERS)
         for service, handlers in records.services.items():
             wrapped = {
-                name: apply_interceptors([recorder], f"/{service}/{name}", handler)
+                name: wrapped_handler([recorder], f"/{service}/{name}", handler)
                 for name, handler in handlers.items()
             }
             register(server, service, wrapped)
@@ -439,7 +439,7 @@ async def test_interceptor_returning_none_is_unimplemented_when_applied() -> Non
             return None
 
     server = grpc.aio.server()
-    handler = apply_interceptors([Hide()], f"/{SERVICE}/UnaryUnary", HANDLERS["UnaryUnary"])
+    handler = wrapped_handler([Hide()], f"/{SERVICE}/UnaryUnary", HANDLERS["UnaryUnary"])
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(SERVICE, {"UnaryUnary": handler}),)
     )
@@ -512,7 +512,7 @@ async def test_hooks_not_overridden_leave_messages_alone(svc: Running) -> None:
         # Not re-wrapped: grpc's own iterator and context reach the handler.
         return type(context).__name__.encode()
 
-    handler = apply_interceptors(
+    handler = wrapped_handler(
         [FinishOnly()], f"/{SERVICE}/S", grpc.stream_unary_rpc_method_handler(check)
     )
     server = grpc.aio.server()

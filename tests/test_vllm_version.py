@@ -82,15 +82,15 @@ def test_makefile_default_engine_is_in_range() -> None:
 
 
 def test_importing_with_an_untested_vllm_fails_at_once(tmp_path: Path) -> None:
-    # A stand-in vLLM 0.30.1 package shadows the real one: the import itself
-    # must refuse, before any module reaches for vLLM's internals.
+    # A stand-in vLLM 0.30.1 package shadows the real one: importing the first
+    # module that uses vLLM must refuse, before any reaches for its internals.
     (tmp_path / "vllm").mkdir()
     (tmp_path / "vllm" / "__init__.py").write_text("from .version import __version__\n")
     (tmp_path / "vllm" / "version.py").write_text('__version__ = "0.30.1"\n')
     env = {k: v for k, v in os.environ.items() if k != SKIP_ENV}
     env["PYTHONPATH"] = str(tmp_path)
     done = subprocess.run(
-        [sys.executable, "-c", "import vllm_servicer"],
+        [sys.executable, "-c", "from vllm_servicer import mount"],
         env=env,
         capture_output=True,
         text=True,

@@ -57,7 +57,7 @@ def build_parser() -> Any:
         type=int,
         default=1024,
         help="most Generate/Embed calls in flight (default 1024); beyond it calls get "
-        "RESOURCE_EXHAUSTED with a retry hint",
+        "RESOURCE_EXHAUSTED with a retry hint (0: no limit)",
     )
     net.add_argument(
         "--max-concurrent-rpcs",
@@ -275,8 +275,10 @@ def build_interceptors(args: argparse.Namespace, verifier: Any = None) -> tuple[
     the caller, and only the `--admin-tls-subject` ones have the admin role.
     Metrics are on with a metrics port or the HTTP API (whose `/metrics` shows them).
     Tracing outermost (its span covers everything), then metrics (rejected calls
-    are counted too), then authentication, then in-flight counting (only
-    authenticated calls take a slot).
+    are counted too), then authentication, then the in-flight limit (only
+    authenticated calls take a slot), when there is one; `mount` counts the
+    calls in flight either way. The stack is given to `mount`, which runs it
+    from one wrapper per call.
     """
     from vllm.config.model import get_served_model_name
 
@@ -302,7 +304,8 @@ def build_interceptors(args: argparse.Namespace, verifier: Any = None) -> tuple[
         from .interceptors.auth import AuthInterceptor, role_permissions
 
         stack.append(AuthInterceptor(verifier, permissions=role_permissions))
-    stack.append(InflightInterceptor(args.max_inflight))
+    if args.max_inflight:
+        stack.append(InflightInterceptor(args.max_inflight))
     return stack, metrics
 
 
@@ -468,7 +471,6 @@ async def serve(args: argparse.Namespace) -> int:
     probes = None
     try:
         server = grpc.aio.server(
-            interceptors=interceptors,
             maximum_concurrent_rpcs=args.max_concurrent_rpcs or None,
             options=server_options(
                 args.max_message_bytes, max_connection_age=args.max_connection_age
@@ -477,6 +479,7 @@ async def serve(args: argparse.Namespace) -> int:
         mounted = mount(
             server,
             engine,
+            interceptors=interceptors,
             reflection_service=not args.no_reflection,
             max_kv_subscribers=args.max_kv_subscribers,
             media_refs=MediaRefOptions() if args.enable_media_refs else None,

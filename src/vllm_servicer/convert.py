@@ -13,6 +13,10 @@ import logging
 import math
 from typing import TYPE_CHECKING, Any
 
+# Before vLLM is imported below: an untested vLLM release fails here, naming both versions.
+from . import _vllm_version  # noqa: F401
+
+# isort: split
 from vllm.inputs import TokensPrompt
 from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 

@@ -165,13 +165,17 @@ class GracefulShutdown:
             await asyncio.wait_for(self._hurry.wait(), seconds)
 
     async def _wait_idle(self, seconds: float, *, interruptible: bool = True) -> bool:
-        servicer = self._mounted.servicer
-        deadline = time.monotonic() + seconds
-        while servicer.active_requests and not (interruptible and self._hurry.is_set()):
-            if time.monotonic() >= deadline:
-                return False
-            await asyncio.sleep(0.05)
-        return servicer.active_requests == 0
+        """Wait until no engine request runs (woken by the count, not by polling)."""
+        idle = asyncio.ensure_future(self._mounted.inflight.wait_idle(seconds))
+        waits: set[asyncio.Future[Any]] = {idle}
+        if interruptible:
+            waits.add(asyncio.ensure_future(self._hurry.wait()))
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
+        return self._mounted.inflight.limited_total == 0
 
     async def run(self) -> None:
         """Drain and stop the server (the engine is left to the caller)."""

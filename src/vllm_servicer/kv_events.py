@@ -15,6 +15,10 @@ import logging
 from collections.abc import AsyncGenerator, Callable, Iterator
 from typing import Any, NamedTuple
 
+# Before vLLM is imported below: an untested vLLM release fails here, naming both versions.
+from . import _vllm_version  # noqa: F401
+
+# isort: split
 import msgspec
 import zmq
 import zmq.asyncio

@@ -21,6 +21,10 @@ from collections.abc import Iterable
 from datetime import datetime, timezone
 from typing import Any, NamedTuple
 
+# Before vLLM is imported below: an untested vLLM release fails here, naming both versions.
+from . import _vllm_version  # noqa: F401
+
+# isort: split
 import vllm
 from vllm.v1.metrics.loggers import AggregateStatLoggerBase
 

@@ -3,22 +3,24 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # type: ignore[import-untyped]
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc  # type: ignore[import-untyped]
 from grpc_reflection.v1alpha import reflection_pb2 as _reflection_pb2  # noqa: F401
 
-from ._registration import HandlerRecorder, register, reject_undecodable, server_started
+from ._registration import HandlerRecorder, register, server_started
 from .engine import EngineClient
 from .health import EngineHealthServicer
+from .interceptors import InflightInterceptor, MetricsInterceptor, Pipeline
+from .interceptors._pipeline import wrapped_handler
 from .kv_events import DEFAULT_MAX_SUBSCRIBERS
 from .media import MediaRefOptions
 from .proto import SERVICE_NAME, vllm_engine_pb2_grpc
 from .reflection import ChainedPool
 from .servicer import VllmEngineServicer
+from .status import error_layer
 
 HEALTH_SERVICE_NAME: str = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 REFLECTION_SERVICE_NAME: str = reflection.SERVICE_NAME
@@ -33,14 +35,18 @@ class MountedServices:
     """What `mount()` added to the server.
 
     Attributes:
-        servicer: the VllmEngine servicer (its `active_requests` feeds drain logic).
+        servicer: the VllmEngine servicer.
         health: the `grpc.health.v1` servicer, or None when health was not mounted.
         service_names: full names of every service mounted, for reflection lists.
+        inflight: the count of calls in flight (the one passed in `interceptors`,
+            else one mount added): what GetServerInfo, the metrics gauge, a
+            limit and a drain (`wait_idle`) read.
     """
 
     servicer: VllmEngineServicer
     health: EngineHealthServicer | None
     service_names: tuple[str, ...]
+    inflight: InflightInterceptor
 
 
 def mount(
@@ -68,7 +74,10 @@ def mount(
         reflection_service: mount server reflection (v1alpha) for the mounted
             services: it resolves their files and imports, nothing else of the process.
         interceptors: grpc.aio server interceptors applied to the services
-            mounted here only, outermost first.
+            mounted here only, outermost first. Those built on `CallInterceptor`
+            (all of this package's) run from one wrapper per call. Without an
+            `InflightInterceptor` among them, one without a limit is added
+            innermost, to count the calls in flight.
         max_kv_subscribers: SubscribeKvEvents streams allowed at once; the
             next one is answered RESOURCE_EXHAUSTED.
         media_refs: serve Generate's `media_refs` (images by URL) by these
@@ -85,11 +94,11 @@ def mount(
             "mount() must be called before server.start(): grpc.aio serves handlers "
             "added after start only through a slow fallback path"
         )
+    pipeline, inflight = engine_pipeline(interceptors)
     recorder = HandlerRecorder()
     servicer = VllmEngineServicer(
-        engine, max_kv_subscribers=max_kv_subscribers, media_refs=media_refs
+        engine, max_kv_subscribers=max_kv_subscribers, media_refs=media_refs, inflight=inflight
     )
-    # Generated without annotations (grpc's plugin writes no types).
     vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(servicer, recorder)  # type: ignore[no-untyped-call]
     names = [SERVICE_NAME]
 
@@ -106,30 +115,57 @@ def mount(
             recorder,
         )
 
-    wrap = _interceptor_chain(interceptors)
-    engine_handlers = recorder.services[SERVICE_NAME]
-    for method, handler in engine_handlers.items():
-        engine_handlers[method] = reject_undecodable(f"/{SERVICE_NAME}/{method}", handler)
     for service_name, handlers in recorder.services.items():
-        if wrap is not None:
-            handlers = {
-                method: wrap(f"/{service_name}/{method}", handler)
-                for method, handler in handlers.items()
-            }
-        register(server, service_name, handlers)
-    return MountedServices(servicer=servicer, health=health_servicer, service_names=tuple(names))
+        # The VllmEngine methods raise; the error layer turns that into statuses.
+        errors = error_layer if service_name == SERVICE_NAME else None
+        wrapped = {
+            method: wrapped_handler(pipeline, f"/{service_name}/{method}", handler, errors=errors)
+            for method, handler in handlers.items()
+        }
+        register(server, service_name, wrapped)
+    return MountedServices(
+        servicer=servicer,
+        health=health_servicer,
+        service_names=tuple(names),
+        inflight=inflight,
+    )
 
 
-def _interceptor_chain(
+def engine_pipeline(
     interceptors: Sequence[grpc.aio.ServerInterceptor],
-) -> Callable[[str, grpc.RpcMethodHandler[Any, Any]], grpc.RpcMethodHandler[Any, Any]] | None:
-    if not interceptors:
-        return None
-    from .interceptors._apply import apply_interceptors
+) -> tuple[Pipeline, InflightInterceptor]:
+    """The pipeline `mount()` runs its services' calls through, and its in-flight count.
 
-    def wrap(
-        method: str, handler: grpc.RpcMethodHandler[Any, Any]
-    ) -> grpc.RpcMethodHandler[Any, Any]:
-        return apply_interceptors(interceptors, method, handler)
+    The count is the `InflightInterceptor` among `interceptors`, else one
+    added innermost; every `MetricsInterceptor` reports it as its gauge.
+    """
+    stack = list(interceptors)
+    inflight = _inflight_of(stack)
+    if inflight is None:
+        inflight = InflightInterceptor()
+        stack.append(inflight)
+    for interceptor in _flattened(stack):
+        if isinstance(interceptor, MetricsInterceptor):
+            interceptor.read_in_flight_from(inflight)
+    return Pipeline(stack), inflight
 
-    return wrap
+
+def _flattened(
+    interceptors: Sequence[grpc.aio.ServerInterceptor],
+) -> list[grpc.aio.ServerInterceptor]:
+    flat: list[grpc.aio.ServerInterceptor] = []
+    for interceptor in interceptors:
+        if isinstance(interceptor, Pipeline):
+            flat.extend(_flattened(interceptor.interceptors))
+        else:
+            flat.append(interceptor)
+    return flat
+
+
+def _inflight_of(
+    interceptors: Sequence[grpc.aio.ServerInterceptor],
+) -> InflightInterceptor | None:
+    found = [i for i in _flattened(interceptors) if isinstance(i, InflightInterceptor)]
+    if len(found) > 1:
+        raise MountError("more than one InflightInterceptor: calls would be counted twice")
+    return found[0] if found else None

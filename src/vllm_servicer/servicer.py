@@ -10,6 +10,10 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+# Before vLLM is imported below: an untested vLLM release fails here, naming both versions.
+from . import _vllm_version  # noqa: F401
+
+# isort: split
 import grpc
 from grpc_status import rpc_status  # type: ignore[import-untyped]
 from vllm.exceptions import VLLMClientError
@@ -18,19 +22,18 @@ from vllm.pooling_params import PoolingParams
 from . import admin, convert, fields, kv_events, loads
 from .engine import EngineClient, served_model_name
 from .errors import (
-    ErrorRule,
     InvalidRequestError,
     NotEnabledError,
     UnimplementedFieldError,
     UnsupportedError,
-    abort_for_exception,
-    rich_status,
 )
 from .interceptors.auth import ADMIN_ROLE, current_identity
+from .interceptors.inflight import InflightInterceptor
 from .interceptors.tracing import engine_trace_headers as _trace_headers
 from .media import MediaRefOptions, MediaResolver
 from .proto import common_pb2, vllm_engine_pb2_grpc
 from .proto import vllm_engine_pb2 as pb
+from .status import ErrorRule, current_request_id, rich_status
 from .tokenizer_bundle import TokenizerBundle, chunks, tokenizer_dir
 
 if TYPE_CHECKING:
@@ -71,6 +74,9 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         max_kv_subscribers: SubscribeKvEvents streams allowed at once.
         media_refs: resolve images named by URL in `media_refs` by these
             rules; None (the default) refuses them.
+        inflight: the count of calls in flight that `active_requests` reports
+            (`mount()` passes the one its interceptors keep); None: the
+            requests this servicer runs.
     """
 
     def __init__(
@@ -79,8 +85,10 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         *,
         max_kv_subscribers: int = kv_events.DEFAULT_MAX_SUBSCRIBERS,
         media_refs: MediaRefOptions | None = None,
+        inflight: InflightInterceptor | None = None,
     ) -> None:
         self._engine = engine
+        self._inflight = inflight
         self._media = (
             MediaResolver(media_refs, getattr(engine, "model_config", None))
             if media_refs is not None
@@ -124,6 +132,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     @property
     def active_requests(self) -> int:
         """Generate and Embed calls currently being served."""
+        if self._inflight is not None:
+            return self._inflight.limited_total
         return self._running.total()
 
     @property
@@ -144,6 +154,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         roles: sharing it, either could abort the other's request by it.
         """
         self._last_receive_timestamp = time.time()
+        current_request_id.set(request_id)
         identity = current_identity.get()
         owner = identity.name if identity is not None else None
         if request_id in self._running and self._owners[request_id] != owner:
@@ -223,11 +234,14 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                     for completion in output.outputs:
                         yield complete(output, completion)
         except Exception as exc:
+            # The error layer around every method turns what is raised into a status.
             if kv_transfer is not None and not started:
                 await self._kv_transfer_rejected(request, request_id, kv_transfer)
             if isinstance(exc, (ValueError, VLLMClientError)):
-                exc = convert.constraint_error(exc, request.sampling_params)
-            await abort_for_exception(context, exc, method="Generate", request_id=request_id)
+                named = convert.constraint_error(exc, request.sampling_params)
+                if named is not exc:
+                    raise named from exc
+            raise
         finally:
             self._done(request_id)
 
@@ -256,8 +270,6 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 prompt_tokens=len(final.prompt_token_ids),
                 embedding_dim=len(vector),
             )
-        except Exception as exc:
-            await abort_for_exception(context, exc, method="Embed", request_id=request_id)
         finally:
             self._done(request_id)
 
@@ -270,10 +282,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             # an unknown one (no engine call, no error that would confirm it runs).
             ids = [i for i in ids if self._owners.get(i) == identity.name]
         if ids:
-            try:
-                await self._engine.abort(ids)
-            except Exception as exc:
-                await abort_for_exception(context, exc, method="Abort", request_id=",".join(ids))
+            current_request_id.set(",".join(ids))
+            await self._engine.abort(ids)
         return pb.AbortResponse()
 
     # ----- state ------------------------------------------------------------
@@ -326,12 +336,9 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         )
 
     async def GetLoads(self, request: pb.GetLoadsRequest, context: Context) -> pb.GetLoadsResponse:
-        try:
-            fields.load_sections(list(request.include))
-            dp_rank = request.dp_rank if request.HasField("dp_rank") else None
-            report = loads.load_report(self._engine, self._stats_tap, dp_rank)
-        except Exception as exc:
-            await abort_for_exception(context, exc, method="GetLoads")
+        fields.load_sections(list(request.include))
+        dp_rank = request.dp_rank if request.HasField("dp_rank") else None
+        report = loads.load_report(self._engine, self._stats_tap, dp_rank)
         if report.missing_ranks:
             # Left out rather than zero-filled: zeros would read as idle ranks.
             context.set_trailing_metadata(
@@ -343,68 +350,53 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def GetTokenizer(
         self, request: common_pb2.GetTokenizerRequest, context: Context
     ) -> AsyncIterator[common_pb2.GetTokenizerChunk]:
-        try:
-            if self._tokenizer_bundle is None:
-                config = self._engine.model_config
-                directory = tokenizer_dir(
-                    getattr(config, "tokenizer", None), getattr(config, "tokenizer_revision", None)
-                )
-                self._tokenizer_bundle = TokenizerBundle(directory)
-            data, sha256 = await self._tokenizer_bundle.archive()
-        except Exception as exc:
-            await abort_for_exception(context, exc, method="GetTokenizer")
+        if self._tokenizer_bundle is None:
+            config = self._engine.model_config
+            directory = tokenizer_dir(
+                getattr(config, "tokenizer", None), getattr(config, "tokenizer_revision", None)
+            )
+            self._tokenizer_bundle = TokenizerBundle(directory)
+        data, sha256 = await self._tokenizer_bundle.archive()
         for chunk in chunks(data, sha256):
             yield chunk
 
     async def SubscribeKvEvents(
         self, request: common_pb2.SubscribeKvEventsRequest, context: Context
     ) -> AsyncIterator[common_pb2.KvEventBatch]:
-        try:
-            # Before the engine's settings: no engine makes a resume possible here.
-            fields.refuse_unserved("SubscribeKvEvents", request)
-            config = kv_events.publisher_config(self._engine)
-            if config is None:
-                raise NotEnabledError(kv_events.ENABLE_HINT)
-            with self._kv_subscribers.slot():
-                stream = kv_events.relay(
-                    kv_events.sources(self._engine, config),
-                    topic=config.topic or "",
-                    engine_dead=lambda: bool(self._engine.errored),
-                    # Headers out once subscribed: the client's first read means "live".
-                    on_subscribed=lambda: context.send_initial_metadata(()),
-                )
-                try:
-                    async for batch in stream:
-                        yield batch
-                finally:
-                    # Closed here, not at garbage collection: the slot and socket go now.
-                    await stream.aclose()
-        except Exception as exc:
-            await abort_for_exception(context, exc, method="SubscribeKvEvents")
+        # Before the engine's settings: no engine makes a resume possible here.
+        fields.refuse_unserved("SubscribeKvEvents", request)
+        config = kv_events.publisher_config(self._engine)
+        if config is None:
+            raise NotEnabledError(kv_events.ENABLE_HINT)
+        with self._kv_subscribers.slot():
+            stream = kv_events.relay(
+                kv_events.sources(self._engine, config),
+                topic=config.topic or "",
+                engine_dead=lambda: bool(self._engine.errored),
+                # Headers out once subscribed: the client's first read means "live".
+                on_subscribed=lambda: context.send_initial_metadata(()),
+            )
+            try:
+                async for batch in stream:
+                    yield batch
+            finally:
+                # Closed here, not at garbage collection: the slot and socket go now.
+                await stream.aclose()
 
     async def FlushCache(
         self, request: common_pb2.FlushCacheRequest, context: Context
     ) -> common_pb2.FlushCacheResponse:
-        try:
-            return await admin.flush_cache(self._engine, request.timeout_s, context.time_remaining)
-        except Exception as exc:
-            await abort_for_exception(context, exc, method="FlushCache")
+        return await admin.flush_cache(self._engine, request.timeout_s, context.time_remaining)
 
     async def StartProfile(
         self, request: common_pb2.StartProfileRequest, context: Context
     ) -> common_pb2.ProfileResponse:
-        try:
-            return await admin.start_profile(self._engine, request, context.time_remaining)
-        except Exception as exc:
-            await abort_for_exception(context, exc, method="StartProfile")
+        return await admin.start_profile(self._engine, request, context.time_remaining)
 
     async def StopProfile(
         self, request: common_pb2.StopProfileRequest, context: Context
     ) -> common_pb2.ProfileResponse:
-        try:
-            return await admin.stop_profile(self._engine, context.time_remaining)
-        except Exception as exc:
-            await abort_for_exception(context, exc, method="StopProfile")
+        return await admin.stop_profile(self._engine, context.time_remaining)
 
     # ----- helpers ----------------------------------------------------------
 

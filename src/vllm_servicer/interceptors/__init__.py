@@ -1,16 +1,21 @@
-"""grpc.aio server interceptors: pass them to `grpc.aio.server(interceptors=...)`
-or to `mount(..., interceptors=...)`; they behave the same in both places.
+"""grpc.aio server interceptors: pass them to `mount(..., interceptors=...)`
+or to `grpc.aio.server(interceptors=...)`; they behave the same in both places.
+
+A stack of them runs from one wrapper per call: `mount` fuses its stack, and
+`Pipeline([...])` fuses a server-wide one.
 """
 
 from ._base import (
     Call,
     CallInterceptor,
     MethodFilter,
+    Refusal,
     all_methods,
     except_methods_of,
     methods_of,
     only_methods,
 )
+from ._pipeline import Pipeline
 from .auth import AuthInterceptor
 from .inflight import ENGINE_REQUESTS, InflightInterceptor
 from .metrics import MetricsInterceptor, start_metrics_server
@@ -26,6 +31,8 @@ __all__ = [
     "InflightInterceptor",
     "MethodFilter",
     "MetricsInterceptor",
+    "Pipeline",
+    "Refusal",
     "TracingInterceptor",
     "all_methods",
     "configure_tracing_from_env",

@@ -1,10 +1,13 @@
-"""The shared plumbing every interceptor of this package is built on.
+"""The hooks every interceptor of this package is built from.
 
-`CallInterceptor` owns the gRPC details (the four handler kinds, their
-serializers, unknown methods passed through as None, async-generator and
-`context.write` streaming, and how a call ended); a subclass supplies only
-its own logic through four hooks:
+A `CallInterceptor` supplies only its own logic, through hooks; the pipeline
+(`_pipeline.py`) owns the gRPC details (the four handler kinds, their
+serializers, async-generator and `context.write` streaming, how a call ended)
+and calls the hooks of every interceptor of a call from one wrapper:
 
+- `on_admit(method, metadata, context)`: before the request is parsed; raise
+  `Refusal` to refuse the call (authentication). `context` is None when the
+  server asks before the call runs (a server-wide interceptor).
 - `on_start(call)`: before the handler runs and before any request message is
   read; may `await call.context.abort(...)` to reject the call (the handler
   then never runs).
@@ -13,17 +16,17 @@ its own logic through four hooks:
 - `on_finish(call)`: exactly once per call that started, with `call.code` set:
   OK, the aborted code, CANCELLED (client cancel), DEADLINE_EXCEEDED or UNKNOWN.
 
-A hook that a subclass does not override is never called, but every response
-message of a streamed call still makes one generator hop through the wrapper.
+A hook that a subclass does not override is never called. However many
+interceptors a call has, each streamed message makes one generator hop through
+the wrapper, not one per interceptor.
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -33,11 +36,7 @@ logger = logging.getLogger("vllm_servicer.interceptors")
 MethodFilter = Callable[[str], bool]
 """A predicate on the full method name, "/package.Service/Method"."""
 
-# grpc.aio's own test for "run on the event loop" (anything else goes to its thread pool).
-_is_async = inspect.iscoroutinefunction
-_is_async_gen = inspect.isasyncgenfunction
-
-# A cancel this close to the deadline is the deadline (see _ended_code): a
+# A cancel this close to the deadline is the deadline (see ended_code): a
 # fixed allowance plus a share of the call's age, since the server learns its
 # deadline only when the call arrives, later than the client started its timer.
 _DEADLINE_SLACK_S = 0.25
@@ -107,7 +106,7 @@ class Call:
         self.state: Any = None
 
 
-def _ended_code(context: Any, exc: BaseException | None, started: float) -> grpc.StatusCode:
+def ended_code(context: Any, exc: BaseException | None, started: float) -> grpc.StatusCode:
     if exc is None:
         code = context.code()
         # A handler may set a code without raising (context.set_code).
@@ -129,59 +128,62 @@ def _ended_code(context: Any, exc: BaseException | None, started: float) -> grpc
     return grpc.StatusCode.UNKNOWN
 
 
-class _HookedContext:
-    """The real context, with `read` and `write` reported to the hooks."""
+class Refusal(Exception):
+    """Raised by `on_admit` to refuse a call before its request is read.
 
-    __slots__ = ("_call", "_context", "_on_request", "_on_response")
+    Args:
+        code: the status the call ends with.
+        details: the status message.
+        log: called with the call's context when the refusal is sent (to log it).
+    """
 
     def __init__(
-        self,
-        context: Any,
-        call: Call,
-        on_request: Callable[[Call, Any], None] | None,
-        on_response: Callable[[Call, Any], None] | None,
+        self, code: grpc.StatusCode, details: str, log: Callable[[Any], None] | None = None
     ) -> None:
-        self._context = context
-        self._call = call
-        self._on_request = on_request
-        self._on_response = on_response
+        super().__init__(details)
+        self.code = code
+        self.details = details
+        self.log = log
 
-    async def read(self) -> Any:
-        message = await self._context.read()
-        if self._on_request is not None and message is not grpc.aio.EOF:
-            self._on_request(self._call, message)
-        return message
-
-    async def write(self, message: Any) -> None:
-        if self._on_response is not None:
-            self._on_response(self._call, message)
-        await self._context.write(message)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._context, name)
+    async def abort(self, context: Any, method: str) -> None:
+        if self.log is not None:
+            self.log(context)
+        await context.abort(self.code, self.details)
 
 
 class CallInterceptor(grpc.aio.ServerInterceptor):
     """Base class: a grpc.aio server interceptor built from per-call hooks.
 
-    Works both server-wide (`grpc.aio.server(interceptors=[...])`) and for the
-    services `mount(..., interceptors=[...])` adds. Handlers written as plain
-    (sync) functions, which grpc.aio runs in its thread pool, pass through
-    without hooks.
+    Works both server-wide (`grpc.aio.server(interceptors=[...])`, better as
+    one `Pipeline([...])` for a stack) and for the services `mount(...,
+    interceptors=[...])` adds. Handlers written as plain (sync) functions,
+    which grpc.aio runs in its thread pool, pass through without hooks (or are
+    refused, by an interceptor that `fails_closed`).
 
     Args:
         methods: which methods the interceptor applies to (default: all); the
             rest pass through untouched.
     """
 
+    enclosing: grpc.aio.ServerInterceptor | None = None
+    """An interceptor that must wrap this one's hooks (tracing's span), or None."""
+
+    fails_closed = False
+    """Whether a call this interceptor cannot check (a sync handler) is refused."""
+
     def __init__(self, *, methods: MethodFilter = all_methods) -> None:
         self._applies = methods
         self._applies_cache: dict[str, bool] = {}
         own = type(self)
-        self._has_request_hook = own.on_request is not CallInterceptor.on_request
-        self._has_response_hook = own.on_response is not CallInterceptor.on_response
+        self.has_admit_hook = own.on_admit is not CallInterceptor.on_admit
+        self.has_request_hook = own.on_request is not CallInterceptor.on_request
+        self.has_response_hook = own.on_response is not CallInterceptor.on_response
+        self._alone: Any = None
 
     # ----- hooks --------------------------------------------------------------
+
+    async def on_admit(self, method: str, metadata: Any, context: Any) -> None:
+        """Before the request is parsed; raise `Refusal` to refuse the call."""
 
     async def on_start(self, call: Call) -> None:
         """Before the handler; abort through `call.context` to reject the call."""
@@ -214,146 +216,18 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
         ],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler[Any, Any] | None:
-        handler = await continuation(handler_call_details)
-        method: str = handler_call_details.method
-        if handler is None or not self.applies_to(method):
-            return handler
-        metadata = handler_call_details.invocation_metadata
-        return self._wrap(handler, method, metadata)
+        # Alone (server-wide, not in a Pipeline): a pipeline of one.
+        if self._alone is None:
+            from ._pipeline import Pipeline
 
-    def _wrap(self, handler: Any, method: str, metadata: Any) -> grpc.RpcMethodHandler[Any, Any]:
-        if handler.request_streaming and handler.response_streaming:
-            kind, behaviour, factory = (
-                "stream_stream",
-                handler.stream_stream,
-                grpc.stream_stream_rpc_method_handler,
-            )
-        elif handler.request_streaming:
-            kind, behaviour, factory = (
-                "stream_unary",
-                handler.stream_unary,
-                grpc.stream_unary_rpc_method_handler,
-            )
-        elif handler.response_streaming:
-            kind, behaviour, factory = (
-                "unary_stream",
-                handler.unary_stream,
-                grpc.unary_stream_rpc_method_handler,
-            )
-        else:
-            kind, behaviour, factory = (
-                "unary_unary",
-                handler.unary_unary,
-                grpc.unary_unary_rpc_method_handler,
-            )
-        if not (_is_async(behaviour) or _is_async_gen(behaviour)):
-            # Our wrapper would run it on the event loop instead of grpc's thread pool.
-            return handler  # type: ignore[no-any-return]
-        if handler.response_streaming:
-            wrapped: Any = self._streaming(behaviour, method, kind, metadata)
-        else:
-            wrapped = self._unary(behaviour, method, kind, metadata)
-        return factory(
-            wrapped,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
+            self._alone = Pipeline((self,))
+        return await self._alone.intercept_service(continuation, handler_call_details)  # type: ignore[no-any-return]
 
-    def _context_for(self, call: Call, context: Any) -> Any:
-        """The context the handler gets: hooked where it can read or write messages."""
-        on_request = self.on_request if self._has_request_hook and call.kind[0] == "s" else None
-        on_response = (
-            self.on_response if self._has_response_hook and call.kind.endswith("stream") else None
-        )
-        if on_request is None and on_response is None:
-            return context
-        return _HookedContext(context, call, on_request, on_response)
-
-    def _requests(self, call: Call, request: Any) -> Any:
-        """The request (or request iterator) as the handler receives it."""
-        if not self._has_request_hook:
-            return request
-        if call.kind[0] == "u":
-            self.on_request(call, request)
-            return request
-        return self._counted_requests(call, request)
-
-    async def _counted_requests(self, call: Call, requests: Any) -> AsyncIterator[Any]:
-        on_request = self.on_request
-        async for message in requests:
-            on_request(call, message)
-            yield message
-
-    def _unary(self, behaviour: Any, method: str, kind: str, metadata: Any) -> Any:
-        hooked = self._has_response_hook
-
-        async def unary_response(request: Any, context: Any) -> Any:
-            call = Call(method, kind, metadata, context)
-            await self._start(call)
-            exc: BaseException | None = None
-            try:
-                response = await behaviour(
-                    self._requests(call, request), self._context_for(call, context)
-                )
-                if hooked and response is not None:
-                    self.on_response(call, response)
-                return response
-            except BaseException as error:
-                exc = error
-                raise
-            finally:
-                self._finish(call, exc)
-
-        return unary_response
-
-    def _streaming(self, behaviour: Any, method: str, kind: str, metadata: Any) -> Any:
-        hooked = self._has_response_hook
-
-        async def streaming_response(request: Any, context: Any) -> AsyncIterator[Any]:
-            call = Call(method, kind, metadata, context)
-            await self._start(call)
-            exc: BaseException | None = None
-            result: Any = None
-            try:
-                result = behaviour(self._requests(call, request), self._context_for(call, context))
-                if inspect.isasyncgen(result):
-                    if hooked:
-                        on_response = self.on_response
-                        async for message in result:
-                            on_response(call, message)
-                            yield message
-                    else:
-                        async for message in result:
-                            yield message
-                else:
-                    await result  # a context.write-style handler
-            except BaseException as error:
-                exc = error
-                raise
-            finally:
-                try:
-                    if exc is not None and inspect.isasyncgen(result):
-                        # Cancelled at our `yield`, the handler's generator is still
-                        # suspended at its own: close it now (its cleanup, e.g. an
-                        # engine abort, runs before on_finish) rather than at GC.
-                        await result.aclose()
-                finally:
-                    self._finish(call, exc)
-
-        return streaming_response
-
-    async def _start(self, call: Call) -> None:
-        try:
-            await self.on_start(call)
-        except BaseException as error:
-            # A rejected call still ends exactly once, with the code it got.
-            self._finish(call, error)
-            raise
-
-    def _finish(self, call: Call, exc: BaseException | None) -> None:
+    def finish(self, call: Call, code: grpc.StatusCode) -> None:
+        """Record how `call` ended and run `on_finish`, once."""
         if call.code is not None:
             return
-        call.code = _ended_code(call.context, exc, call.started)
+        call.code = code
         try:
             self.on_finish(call)
         except Exception:

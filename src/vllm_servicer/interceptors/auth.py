@@ -44,14 +44,14 @@ import inspect
 import logging
 import os
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 import grpc
 
 from ..proto import SERVICE_NAME
-from ._base import Call, CallInterceptor, MethodFilter
+from ._base import Call, CallInterceptor, MethodFilter, Refusal
 
 __all__ = [
     "DEFAULT_MAX_TOKEN_LENGTH",
@@ -209,6 +209,9 @@ class AuthInterceptor(CallInterceptor):
 
             self._allowed = allowed
 
+    # grpc runs a sync handler in its thread pool, where no check can run first.
+    fails_closed = True
+
     async def _identify(
         self, metadata: Metadata, auth_context: AuthContext, method: str
     ) -> Identity:
@@ -219,113 +222,58 @@ class AuthInterceptor(CallInterceptor):
             raise PermissionDenied(f"{identity.name!r} may not call {method}")
         return identity
 
-    async def on_start(self, call: Call) -> None:
-        # Only for verifiers that read the auth context (see intercept_service).
-        context = call.context
+    async def on_admit(self, method: str, metadata: Any, context: Any) -> None:
+        # Before the request is parsed: a refused call must not cost a parse of
+        # a message up to the size limit.
+        if context is None and _reads_auth_context(self._verifier):
+            return  # asked before the call runs, without its auth context: on_start decides
+        auth_context = _auth_context(context) if context is not None else {}
         try:
-            identity = await self._identify(call.metadata, _auth_context(context), call.method)
+            identity = await self._identify(metadata, auth_context, method)
         except AuthError as rejection:
-            _log_rejection(call.method, context, rejection)
-            await context.abort(rejection.code, str(rejection) or "not authorized")
+            raise _refusal(method, rejection) from None
         except Exception:
             # A verifier bug or an identity provider outage: fail closed.
-            logger.exception("verifier failed for %s from %s", call.method, _peer(context))
-            await context.abort(grpc.StatusCode.INTERNAL, "authentication failed")
-        call.state = identity
+            logger.exception("verifier failed for %s", method)
+            raise Refusal(grpc.StatusCode.INTERNAL, "authentication failed") from None
+        # grpc serves each call in a task of its own, which also looks its handler
+        # up: this value is the call's own and ends with its task.
         current_identity.set(identity)
+
+    async def on_start(self, call: Call) -> None:
+        identity = current_identity.get()
+        if identity is None:
+            # Admitted without a decision (server-wide, a verifier reading the
+            # auth context): decide now that the call runs.
+            context = call.context
+            try:
+                identity = await self._identify(call.metadata, _auth_context(context), call.method)
+            except AuthError as rejection:
+                _log_rejection(call.method, context, rejection)
+                await context.abort(rejection.code, str(rejection) or "not authorized")
+            except Exception:
+                logger.exception("verifier failed for %s from %s", call.method, _peer(context))
+                await context.abort(grpc.StatusCode.INTERNAL, "authentication failed")
+            current_identity.set(identity)
+        call.state = identity
 
     def on_finish(self, call: Call) -> None:
         if call.state is not None:
-            # grpc.aio serves each call in a task of its own, whose context
-            # ends with it; clearing keeps the identity from outliving the call.
+            # Keeps the identity from outliving the call in its task's context.
             current_identity.set(None)
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> Any:
-        handler = await continuation(handler_call_details)
-        method: str = handler_call_details.method
-        if handler is None or not self.applies_to(method):
-            return handler
-        behaviour = _behaviour(handler)
-        if not (inspect.iscoroutinefunction(behaviour) or inspect.isasyncgenfunction(behaviour)):
-            # grpc runs plain (sync) handlers in its thread pool, where no
-            # async check can run first: fail closed rather than serve them.
-            logger.error("%s has a sync handler, which cannot be authenticated: refused", method)
-            return _refusing(handler, method, grpc.StatusCode.UNIMPLEMENTED, None)
-        metadata = handler_call_details.invocation_metadata
-        if _reads_auth_context(self._verifier):
-            # The auth context exists only once the call runs: decide in on_start.
-            return self._wrap(handler, method, metadata)
-        # Decide now, from the metadata, before grpc reads the request: a
-        # refused call must not cost a parse of a message up to the size limit.
-        try:
-            identity = await self._identify(metadata, {}, method)
-        except AuthError as rejection:
-            return _refusing(handler, method, rejection.code, rejection)
-        except Exception:
-            logger.exception("verifier failed for %s", method)
-            return _refusing(handler, method, grpc.StatusCode.INTERNAL, None)
-        # grpc runs the handler in the task that looked it up (and mount's
-        # wrapper looks it up inside the handler), so this value is the call's
-        # own and ends with its task.
-        current_identity.set(identity)
-        return handler
 
-
-def _behaviour(handler: Any) -> Any:
-    if handler.request_streaming:
-        return handler.stream_stream if handler.response_streaming else handler.stream_unary
-    return handler.unary_stream if handler.response_streaming else handler.unary_unary
-
-
-def _unread(data: bytes) -> None:
-    """The request deserializer of a refused call: the bytes are never parsed."""
-    return None
+def _refusal(method: str, rejection: AuthError) -> Refusal:
+    return Refusal(
+        rejection.code,
+        str(rejection) or "not authorized",
+        log=lambda context: _log_rejection(method, context, rejection),
+    )
 
 
 def _log_rejection(method: str, context: Any, rejection: AuthError) -> None:
     logger.info(
         "rejected %s from %s: %s (%s)", method, _peer(context), rejection, rejection.code.name
-    )
-
-
-def _refusing(handler: Any, method: str, code: grpc.StatusCode, rejection: AuthError | None) -> Any:
-    """A handler of the same kind as `handler` that aborts without reading a request.
-
-    Same kind, so that a client streaming requests is answered at once instead
-    of waiting; `_unread` as the deserializer, so a unary request is not parsed.
-    """
-    if rejection is not None:
-        details = str(rejection) or "not authorized"
-    elif code is grpc.StatusCode.UNIMPLEMENTED:
-        details = "method cannot be authenticated"
-    else:
-        details = "authentication failed"
-
-    async def refuse(request: Any, context: Any) -> None:
-        if rejection is not None:
-            _log_rejection(method, context, rejection)
-        await context.abort(code, details)
-
-    async def refuse_stream(request: Any, context: Any) -> AsyncIterator[Any]:
-        await refuse(request, context)
-        yield  # pragma: no cover - makes this an async generator
-
-    if handler.request_streaming and handler.response_streaming:
-        factory: Any = grpc.stream_stream_rpc_method_handler
-    elif handler.request_streaming:
-        factory = grpc.stream_unary_rpc_method_handler
-    elif handler.response_streaming:
-        factory = grpc.unary_stream_rpc_method_handler
-    else:
-        factory = grpc.unary_unary_rpc_method_handler
-    return factory(
-        refuse_stream if handler.response_streaming else refuse,
-        request_deserializer=_unread,
-        response_serializer=handler.response_serializer,
     )
 
 

@@ -23,7 +23,7 @@ series.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
@@ -31,6 +31,9 @@ from prometheus_client.exposition import start_http_server
 
 from ..proto import ENGINE_METHODS, GENERATE_METHOD
 from ._base import Call, CallInterceptor, MethodFilter, all_methods
+
+if TYPE_CHECKING:
+    from .inflight import InflightInterceptor
 
 GRPC_TYPES = {
     "unary_unary": "unary",
@@ -251,7 +254,7 @@ class MetricsInterceptor(CallInterceptor):
         )
         self.requests_in_flight = Gauge(
             "vllm_servicer_requests_in_flight",
-            "Generate and Embed calls in flight, as the servicer's active_requests "
+            "Generate and Embed calls in flight, as GetServerInfo's active_requests "
             "(no OTel GenAI instrument).",
             _MODEL,
             registry=reg,
@@ -267,6 +270,16 @@ class MetricsInterceptor(CallInterceptor):
         self._prompt_inc = self.prompt_tokens.labels(model).inc
         self._generation_inc = self.generation_tokens.labels(model).inc
         self._in_flight = self.requests_in_flight.labels(model)
+        self._counts_in_flight = True
+
+    def read_in_flight_from(self, inflight: InflightInterceptor) -> None:
+        """Report the calls `inflight` counts as in flight instead of counting them again.
+
+        `mount()` does this with the count it keeps, which the drain,
+        GetServerInfo and the limit read too: one number everywhere.
+        """
+        self._counts_in_flight = False
+        self._in_flight.set_function(lambda: inflight.limited_total)
 
     def mark_shutdown(self) -> None:
         """From now on, count cancelled and aborted Generate calls as `shutdown`.
@@ -283,7 +296,7 @@ class MetricsInterceptor(CallInterceptor):
         if method is None:
             method = self._methods[call.method] = _MethodMetrics(self, call)
         method.started.inc()
-        if method.engine:
+        if method.engine and self._counts_in_flight:
             self._in_flight.inc()
         call.state = _GenerateCall(method, call.started) if method.generate else method
 
@@ -314,7 +327,7 @@ class MetricsInterceptor(CallInterceptor):
             handled = method.handled[code] = self.handled.labels(*method.labels, code.name)
         handled.inc()
         method.handling.observe(now - call.started)
-        if method.engine:
+        if method.engine and self._counts_in_flight:
             self._in_flight.dec()
         if state.generate:
             self._catch_up(call, state, now)

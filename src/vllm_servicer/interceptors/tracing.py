@@ -50,11 +50,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -366,7 +365,8 @@ class TracingInterceptor(CallInterceptor):
                 tracer_provider or trace.get_tracer_provider(), self._conventions
             )
         # The instrumentation's factory is unannotated; it returns a grpc.aio.ServerInterceptor.
-        self._rpc_spans: grpc.aio.ServerInterceptor = aio_server_interceptor(  # type: ignore[no-untyped-call]
+        # OpenTelemetry's own server span, around this interceptor's hooks.
+        self.enclosing: grpc.aio.ServerInterceptor = aio_server_interceptor(  # type: ignore[no-untyped-call]
             tracer_provider=provider
         )
         self._model = model
@@ -392,26 +392,6 @@ class TracingInterceptor(CallInterceptor):
             server_address=server_address,
             server_port=server_port,
         )
-
-    async def intercept_service(
-        self,
-        continuation: Callable[
-            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]
-        ],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any] | None:
-        method: str = handler_call_details.method
-        if not self.applies_to(method):
-            return await continuation(handler_call_details)
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return None
-        inner: Any = await super().intercept_service(_returning(handler), handler_call_details)
-        if inner is handler or not _wrappable(inner):
-            # A sync handler (the base passes those through): the span layer
-            # would run it on the event loop.
-            return handler
-        return await self._rpc_spans.intercept_service(_returning(inner), handler_call_details)
 
     # ----- hooks (run inside the RPC span) ------------------------------------
 
@@ -500,22 +480,6 @@ class TracingInterceptor(CallInterceptor):
                 call.context.details() if code is not grpc.StatusCode.DEADLINE_EXCEEDED else ""
             )
             span.set_status(self._status(self._error, f"{code}:{details or ''}"))
-
-
-def _returning(handler: Any) -> Callable[[grpc.HandlerCallDetails], Awaitable[Any]]:
-    async def continuation(details: grpc.HandlerCallDetails) -> Any:
-        return handler
-
-    return continuation
-
-
-def _wrappable(handler: Any) -> bool:
-    """Whether the span layer can run this handler (it awaits or iterates it)."""
-    if handler.response_streaming:
-        behaviour = handler.stream_stream if handler.request_streaming else handler.unary_stream
-        return inspect.isasyncgenfunction(behaviour)
-    behaviour = handler.stream_unary if handler.request_streaming else handler.unary_unary
-    return inspect.iscoroutinefunction(behaviour)
 
 
 def configure_tracing_from_env() -> TracerProvider | None:

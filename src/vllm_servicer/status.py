@@ -1,0 +1,257 @@
+"""One table from exceptions to gRPC status codes, and the single place that aborts.
+
+Client mistakes come back as INVALID_ARGUMENT with the engine's own message
+(it names the parameter); a dead engine is UNAVAILABLE (retry elsewhere);
+anything unexpected is INTERNAL with a fixed message, while the traceback and
+request id go to the server log only.
+
+Every error status also carries a `google.rpc.Status` in its trailers (the
+standard rich error model): an `ErrorInfo` with a stable `reason` and the
+domain "vllm-servicer", plus `BadRequest` field violations when the faulty
+request field is known, so clients can act on errors without parsing text
+(`grpc_status.rpc_status.from_call`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import os
+import re
+from typing import TYPE_CHECKING, NamedTuple, NoReturn
+
+# Before vLLM is imported below: an untested vLLM release fails here, naming both versions.
+from . import _vllm_version  # noqa: F401
+
+# isort: split
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import error_details_pb2, status_pb2  # type: ignore[import-untyped]
+from grpc_status import rpc_status  # type: ignore[import-untyped]
+from vllm.exceptions import (
+    MaxQueuedTokensError,
+    QueueOverflowError,
+    VLLMClientError,
+    VLLMNotFoundError,
+    VLLMValidationError,
+)
+from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
+
+from .errors import (
+    FieldOutOfRangeError,
+    InvalidRequestError,
+    MediaUnavailableError,
+    NotEnabledError,
+    TooManySubscribersError,
+    UnimplementedFieldError,
+    UnsupportedError,
+)
+from .proto import vllm_engine_pb2 as pb
+
+try:
+    from vllm.exceptions import ProfilerAlreadyActiveError
+except ImportError:  # vLLM 0.31 does not refuse a second profiler start: never raised there.
+
+    class ProfilerAlreadyActiveError(Exception):  # type: ignore[no-redef]
+        """Stand-in for vLLM 0.32's error, for the table below."""
+
+
+if TYPE_CHECKING:
+    import grpc.aio
+
+logger = logging.getLogger("vllm_servicer")
+
+ERROR_DOMAIN = "vllm-servicer"
+
+current_request_id: contextvars.ContextVar[str] = contextvars.ContextVar(
+    "vllm_servicer_request_id", default=""
+)
+"""The engine request id of the call being served ("" before it has one); each
+call runs in a task of its own, so this is the call's own."""
+
+
+class ErrorRule(NamedTuple):
+    """One row of ERROR_TABLE: an exception class, its status and a stable reason."""
+
+    exc_type: type[BaseException]
+    code: grpc.StatusCode
+    reason: str
+
+
+# Looked up in order by class hierarchy; the first match wins. `reason` is the
+# ErrorInfo reason clients switch on: part of the API, never renamed.
+ERROR_TABLE: tuple[ErrorRule, ...] = (
+    ErrorRule(EngineDeadError, grpc.StatusCode.UNAVAILABLE, "ENGINE_DEAD"),
+    # Admission limits: this replica is full, another may not be.
+    ErrorRule(QueueOverflowError, grpc.StatusCode.UNAVAILABLE, "ENGINE_BUSY"),
+    ErrorRule(MaxQueuedTokensError, grpc.StatusCode.UNAVAILABLE, "ENGINE_BUSY"),
+    ErrorRule(TooManySubscribersError, grpc.StatusCode.RESOURCE_EXHAUSTED, "TOO_MANY_SUBSCRIBERS"),
+    ErrorRule(MediaUnavailableError, grpc.StatusCode.UNAVAILABLE, "MEDIA_UNAVAILABLE"),
+    ErrorRule(ProfilerAlreadyActiveError, grpc.StatusCode.FAILED_PRECONDITION, "PROFILER_ACTIVE"),
+    ErrorRule(UnsupportedError, grpc.StatusCode.FAILED_PRECONDITION, "UNSUPPORTED"),
+    ErrorRule(NotEnabledError, grpc.StatusCode.UNIMPLEMENTED, "NOT_ENABLED"),
+    ErrorRule(UnimplementedFieldError, grpc.StatusCode.UNIMPLEMENTED, "FIELD_UNIMPLEMENTED"),
+    ErrorRule(FieldOutOfRangeError, grpc.StatusCode.OUT_OF_RANGE, "OUT_OF_RANGE"),
+    ErrorRule(VLLMNotFoundError, grpc.StatusCode.NOT_FOUND, "NOT_FOUND"),
+    # VLLMValidationError and the rest of the request's faults (no longer ValueError in 0.32).
+    ErrorRule(VLLMClientError, grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ARGUMENT"),
+    ErrorRule(InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ARGUMENT"),
+    # An engine call that outlived its budget (FlushCache, profiling); a
+    # distinct class from TimeoutError before Python 3.11.
+    ErrorRule(asyncio.TimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED, "TIMEOUT"),
+    ErrorRule(TimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED, "TIMEOUT"),
+    # vLLM also validates with plain ValueError/OverflowError (e.g.
+    # SamplingParams checks, tokenizer limits): the client's fault. A TypeError
+    # is not: request fields arrive typed, so it is a server bug (INTERNAL).
+    ErrorRule(ValueError, grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ARGUMENT"),
+    ErrorRule(OverflowError, grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ARGUMENT"),
+)
+_INTERNAL = ErrorRule(BaseException, grpc.StatusCode.INTERNAL, "INTERNAL")
+
+_INTERNAL_MESSAGE = "internal error while serving request {request_id!r}; see server log"
+# vLLM names sampling parameters as the wire does, one level down.
+_SAMPLING_FIELDS = frozenset(pb.SamplingParams.DESCRIPTOR.fields_by_name)
+
+
+def rule_for(exc: BaseException) -> ErrorRule:
+    """The first row of ERROR_TABLE that matches `exc` (INTERNAL when none does)."""
+    for rule in ERROR_TABLE:
+        if isinstance(exc, rule.exc_type):
+            return rule
+    return _INTERNAL
+
+
+def message_for(exc: BaseException, code: grpc.StatusCode, request_id: str) -> str:
+    """What the client is told: the exception's own words unless the fault is ours.
+
+    Paths of this server's files (a model or tokenizer directory in a
+    tokenizer's error, say) are left out: they tell a client how the host is laid out.
+    """
+    if code is grpc.StatusCode.INTERNAL or isinstance(exc, EngineGenerateError):
+        return _INTERNAL_MESSAGE.format(request_id=request_id)
+    if isinstance(exc, EngineDeadError):
+        return "engine is not running; retry on another replica"
+    return redact_paths(str(exc)) or type(exc).__name__
+
+
+# A word of a message that holds a slash: it starts after whitespace, a quote,
+# a bracket, "=" or ":" (so a URL's "//host/..." is one word) and runs to the next.
+_SLASHED_WORD = re.compile(
+    r"(?<![^\s'\"`()\[\]{}<>=:,;])[^\s'\"`()\[\]{}<>=:,;]*/[^\s'\"`()\[\]{}<>=:,;]*"
+)
+
+
+def redact_paths(text: str) -> str:
+    """`text` with every path into this machine's file tree replaced by "<path>".
+
+    A word counts as such a path when it is absolute and its top-level
+    directory exists here (so a model, cache, home or temporary folder counts
+    even once deleted), home-relative (`~/...`, `~user/...` of a user of this
+    host), explicitly relative (`./...`, `../...`), or relative with a first
+    part that exists in the working directory; a `file:///` URL's path counts
+    too. Other slashes (a client's regex, an http(s) URL, "and/or", a
+    repository id such as "org/model" with no such folder here) are kept.
+    """
+
+    def hide(match: re.Match[str]) -> str:
+        word = match.group(0)
+        path = word.rstrip(".!?")
+        return "<path>" + word[len(path) :] if _is_local_path(path) else word
+
+    return _SLASHED_WORD.sub(hide, text)
+
+
+def _is_local_path(path: str) -> bool:
+    first, _, rest = path.partition("/")
+    if not first:
+        # Absolute. After "//" comes a URL's host, which names no file here,
+        # unless it is empty, as in "file:///...".
+        top = rest.removeprefix("//").partition("/")[0]
+        return bool(top) and os.path.isdir("/" + top)
+    if first.startswith("~"):
+        return first == "~" or os.path.expanduser(first) != first
+    return first in (".", "..") or os.path.exists(first)
+
+
+def field_violation(exc: BaseException) -> tuple[str, str] | None:
+    """The request field at fault and why, when the exception names one."""
+    if isinstance(exc, InvalidRequestError):
+        return exc.field, exc.reason
+    if isinstance(exc, VLLMValidationError) and exc.parameter:
+        name = exc.parameter
+        field = f"sampling_params.{name}" if name in _SAMPLING_FIELDS else name
+        # The message without the "(parameter=..., value=...)" suffix __str__ adds.
+        return field, str(exc.args[0]) if exc.args else str(exc)
+    return None
+
+
+def rich_status(
+    exc: BaseException, rule: ErrorRule, message: str, method: str
+) -> status_pb2.Status:
+    """The `google.rpc.Status` sent with the error: ErrorInfo, and BadRequest if known.
+
+    Everything in it that a client reads as text (the message, each violation's
+    description) has this server's paths left out, as `message_for` does.
+    """
+    metadata = {"method": method}
+    field = getattr(exc, "field", "")
+    if field and isinstance(field, str):
+        # A refused field is named here whatever the code, for clients to switch on.
+        metadata["field"] = field
+    info = error_details_pb2.ErrorInfo(reason=rule.reason, domain=ERROR_DOMAIN, metadata=metadata)
+    details = [_pack(info)]
+    if rule.code is grpc.StatusCode.INVALID_ARGUMENT:
+        violation = field_violation(exc)
+        if violation is not None:
+            field, why = violation
+            bad = error_details_pb2.BadRequest()
+            bad.field_violations.add(field=field, description=redact_paths(why))
+            details.append(_pack(bad))
+    return status_pb2.Status(
+        code=rule.code.value[0], message=redact_paths(message), details=details
+    )
+
+
+def _pack(message: error_details_pb2.ErrorInfo | error_details_pb2.BadRequest) -> any_pb2.Any:
+    packed = any_pb2.Any()
+    packed.Pack(message)
+    return packed
+
+
+async def abort_for_exception(
+    context: grpc.aio.ServicerContext[object, object],
+    exc: BaseException,
+    *,
+    method: str,
+    request_id: str = "",
+) -> NoReturn:
+    """Abort the call with the status that ERROR_TABLE gives for `exc`.
+
+    The status carries a `google.rpc.Status` with typed details (ErrorInfo,
+    BadRequest). Cancellation and an earlier abort pass through untouched, so
+    a call is never aborted twice and the engine still sees the client's cancel.
+    """
+    if isinstance(exc, (asyncio.CancelledError, grpc.aio.AbortError)):
+        raise exc
+    rule = rule_for(exc)
+    code = rule.code
+    if code is grpc.StatusCode.INTERNAL:
+        logger.error("%s failed for request %r", method, request_id, exc_info=exc)
+    else:
+        logger.info("%s request %r rejected with %s: %s", method, request_id, code.name, exc)
+    message = message_for(exc, code, request_id)
+    await context.abort_with_status(rpc_status.to_status(rich_status(exc, rule, message, method)))
+    raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
+
+
+async def error_layer(
+    context: grpc.aio.ServicerContext[object, object], exc: Exception, method: str
+) -> NoReturn:
+    """The error layer of every VllmEngine method: `exc` as the status ERROR_TABLE gives.
+
+    `method` is the full name; the call's request id comes from `current_request_id`.
+    """
+    await abort_for_exception(
+        context, exc, method=method.rpartition("/")[2], request_id=current_request_id.get()
+    )

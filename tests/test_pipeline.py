@@ -1,0 +1,185 @@
+"""The pipeline: one wrapper per call for a whole interceptor stack.
+
+Through a real grpc.aio server on loopback, a stack of CallInterceptors runs
+from one wrapper: the handler's generator is driven by exactly one frame of
+the pipeline however many interceptors there are (counted on the stack while
+the handler runs), both when `mount` wraps the handlers and server-wide as one
+`Pipeline`. The hooks run in stack order, a refusal cuts the stack where it is
+raised, and the error layer turns what a handler raises into the status.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+
+from vllm_servicer._registration import register
+from vllm_servicer.interceptors import Call, CallInterceptor, Pipeline, Refusal
+from vllm_servicer.interceptors._pipeline import wrapped_handler
+
+SERVICE = "test.Pipe"
+STREAM = f"/{SERVICE}/Stream"
+UNARY = f"/{SERVICE}/Unary"
+INTERCEPTORS = "/vllm_servicer/interceptors/"
+
+
+def _pipeline_frames() -> int:
+    """Frames of the interceptors package between the running handler and grpc."""
+    frame = sys._getframe(1)
+    count = 0
+    while frame is not None:
+        if INTERCEPTORS in frame.f_code.co_filename:
+            count += 1
+        frame = frame.f_back  # type: ignore[assignment]
+    return count
+
+
+async def stream(request: bytes, context: Any) -> AsyncIterator[bytes]:
+    if request == b"raise":
+        raise LookupError("no such thing")
+    for _ in range(3):
+        yield b"%d" % _pipeline_frames()
+
+
+async def unary(request: bytes, context: Any) -> bytes:
+    return b"%d" % _pipeline_frames()
+
+
+HANDLERS = {
+    "Stream": grpc.unary_stream_rpc_method_handler(stream),
+    "Unary": grpc.unary_unary_rpc_method_handler(unary),
+}
+
+
+class Recording(CallInterceptor):
+    """Writes every hook it sees into a shared journal."""
+
+    def __init__(self, name: str, journal: list[str], refuse: bool = False) -> None:
+        super().__init__()
+        self.name = name
+        self.journal = journal
+        self.refuse = refuse
+
+    async def on_admit(self, method: str, metadata: Any, context: Any) -> None:
+        self.journal.append(f"admit {self.name}")
+        if self.refuse and ("refuse", "yes") in tuple(metadata or ()):
+            raise Refusal(grpc.StatusCode.PERMISSION_DENIED, f"{self.name} says no")
+
+    async def on_start(self, call: Call) -> None:
+        self.journal.append(f"start {self.name}")
+
+    def on_request(self, call: Call, message: Any) -> None:
+        self.journal.append(f"request {self.name}")
+
+    def on_response(self, call: Call, message: Any) -> None:
+        self.journal.append(f"response {self.name}")
+
+    def on_finish(self, call: Call) -> None:
+        assert call.code is not None
+        self.journal.append(f"finish {self.name} {call.code.name}")
+
+
+async def _mapped(context: Any, exc: Exception, method: str) -> None:
+    await context.abort(grpc.StatusCode.NOT_FOUND, f"{method}: {exc}")
+
+
+async def _serve(placement: str, stack: list[CallInterceptor]) -> tuple[grpc.aio.Server, str]:
+    if placement == "server_wide":
+        server = grpc.aio.server(interceptors=[Pipeline(stack)])
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, HANDLERS),))
+    else:
+        server = grpc.aio.server()
+        wrapped = {
+            name: wrapped_handler(stack, f"/{SERVICE}/{name}", handler, errors=_mapped)
+            for name, handler in HANDLERS.items()
+        }
+        register(server, SERVICE, wrapped)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+@pytest.mark.parametrize("placement", ["mounted", "server_wide"])
+@pytest.mark.parametrize("depth", [1, 4])
+async def test_a_stack_of_any_depth_is_one_wrapper(placement: str, depth: int) -> None:
+    journal: list[str] = []
+    stack = [Recording(str(i), journal) for i in range(depth)]
+    server, address = await _serve(placement, stack)
+    try:
+        async with grpc.aio.insecure_channel(address) as channel:
+            streamed = [m async for m in channel.unary_stream(STREAM)(b"go")]
+            single = await channel.unary_unary(UNARY)(b"go")
+    finally:
+        await server.stop(None)
+    assert streamed == [b"1"] * 3, "a streamed message passes one pipeline frame"
+    assert single == b"1"
+    # Every interceptor still saw every message.
+    for i in range(depth):
+        assert journal.count(f"response {i}") == 3 + 1
+
+
+@pytest.mark.parametrize("placement", ["mounted", "server_wide"])
+async def test_hooks_run_in_stack_order_and_finish_innermost_first(placement: str) -> None:
+    journal: list[str] = []
+    stack = [Recording("outer", journal), Recording("inner", journal)]
+    server, address = await _serve(placement, stack)
+    try:
+        async with grpc.aio.insecure_channel(address) as channel:
+            assert len([m async for m in channel.unary_stream(STREAM)(b"go")]) == 3
+    finally:
+        await server.stop(None)
+    assert journal[:6] == [
+        "admit outer",
+        "admit inner",
+        "start outer",
+        "start inner",
+        "request outer",
+        "request inner",
+    ]
+    assert journal[-2:] == ["finish inner OK", "finish outer OK"]
+
+
+@pytest.mark.parametrize("placement", ["mounted", "server_wide"])
+async def test_a_refusal_ends_the_call_for_the_interceptors_inside_it(placement: str) -> None:
+    journal: list[str] = []
+    stack = [
+        Recording("outer", journal),
+        Recording("auth", journal, refuse=True),
+        Recording("inner", journal),
+    ]
+    server, address = await _serve(placement, stack)
+    try:
+        async with grpc.aio.insecure_channel(address) as channel:
+            call = channel.unary_stream(STREAM)(b"go", metadata=(("refuse", "yes"),))
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                _ = [m async for m in call]
+    finally:
+        await server.stop(None)
+    assert refused.value.code() is grpc.StatusCode.PERMISSION_DENIED
+    assert refused.value.details() == "auth says no"
+    # The refusing interceptor and those inside it never start; no request is read.
+    assert journal == [
+        "admit outer",
+        "admit auth",
+        "start outer",
+        "finish outer PERMISSION_DENIED",
+    ]
+
+
+async def test_the_error_layer_maps_what_a_handler_raises() -> None:
+    journal: list[str] = []
+    server, address = await _serve("mounted", [Recording("only", journal)])
+    try:
+        async with grpc.aio.insecure_channel(address) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                _ = [m async for m in channel.unary_stream(STREAM)(b"raise")]
+    finally:
+        await server.stop(None)
+    assert failed.value.code() is grpc.StatusCode.NOT_FOUND
+    assert failed.value.details() == f"{STREAM}: no such thing"
+    # The interceptors see the mapped code, not UNKNOWN.
+    assert journal[-1] == "finish only NOT_FOUND"
