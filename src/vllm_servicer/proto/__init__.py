@@ -1,10 +1,22 @@
 """Generated protocol modules for `vllm.grpc.engine.VllmEngine` (run `make proto`).
 
 from vllm_servicer.proto import vllm_engine_pb2, vllm_engine_pb2_grpc
+
+The `*_pb2_grpc` modules import grpc, so they load on first use: code that
+needs only the messages (conversion) does not import grpc.
 """
 
-from . import common_pb2, common_pb2_grpc, vllm_engine_pb2, vllm_engine_pb2_grpc
+from __future__ import annotations
+
+import importlib
+import types
+from typing import TYPE_CHECKING
+
+from . import common_pb2, vllm_engine_pb2
 from ._pool import POOL
+
+if TYPE_CHECKING:
+    from . import common_pb2_grpc, vllm_engine_pb2_grpc
 
 SERVICE_NAME: str = vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 
@@ -24,3 +36,16 @@ __all__ = [
     "vllm_engine_pb2",
     "vllm_engine_pb2_grpc",
 ]
+
+_GRPC_MODULES = frozenset(("common_pb2_grpc", "vllm_engine_pb2_grpc"))
+
+
+def __getattr__(name: str) -> types.ModuleType:
+    if name not in _GRPC_MODULES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    # The import binds the submodule on this package: later lookups skip this function.
+    return importlib.import_module(f".{name}", __name__)
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

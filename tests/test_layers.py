@@ -1,0 +1,468 @@
+"""The package's layers, as its imports draw them.
+
+Three rules, read from the source (every import that runs: at module level or
+inside a function, but not under `if TYPE_CHECKING:`), followed through the
+modules of the package:
+
+1. no module but `__main__` imports the launcher (`vllm_servicer.__main__`);
+2. the interceptors import no vLLM;
+3. `convert` imports no grpc.
+
+A failure names the chain of imports that breaks the rule. Subprocess checks
+confirm rule 2 (and that the package itself imports no vLLM) at run time.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import textwrap
+from collections import deque
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = "vllm_servicer"
+PACKAGE_DIR = ROOT / "src" / PACKAGE
+
+
+class Module:
+    """One module of the package: its file and what importing it imports."""
+
+    def __init__(self, name: str, path: Path, is_package: bool) -> None:
+        self.name = name
+        self.path = path
+        self.is_package = is_package
+        self.imports: list[str] = []  # module names, of the package and outside it, in order
+
+    @property
+    def package(self) -> str:
+        """The package that relative imports in this module start from."""
+        return self.name if self.is_package else self.name.rpartition(".")[0]
+
+
+Graph = dict[str, Module]
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _runtime_nodes(tree: ast.AST) -> Iterator[ast.AST]:
+    """Every node of `tree` but those under `if TYPE_CHECKING:` (its `else` runs)."""
+    stack: list[ast.AST] = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            stack.extend(reversed(node.orelse))
+            continue
+        stack.extend(reversed(list(ast.iter_child_nodes(node))))
+
+
+def _with_parents(name: str) -> list[str]:
+    """`a.b.c` -> `a`, `a.b`, `a.b.c`: importing a module runs its packages first."""
+    parts = name.split(".")
+    return [".".join(parts[: i + 1]) for i in range(len(parts))]
+
+
+def _resolve(module: Module, name: str, level: int) -> str:
+    """The absolute name of a (possibly relative) import in `module`."""
+    if level == 0:
+        return name
+    base = module.package.split(".")
+    if level > 1:
+        base = base[: -(level - 1)]
+    return ".".join([*base, name] if name else base)
+
+
+def _import_module_call(module: Module, node: ast.Call) -> str | None:
+    """The module of `importlib.import_module("...")` or `__import__("...")`, when literal."""
+    func = node.func
+    called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+    if called not in ("import_module", "__import__") or not node.args:
+        return None
+    first = node.args[0]
+    if not (isinstance(first, ast.Constant) and isinstance(first.value, str)):
+        return None  # a computed name: it is a lazy lookup, not an import on load
+    name: str = first.value
+    if not name.startswith("."):
+        return name
+    anchor = node.args[1] if len(node.args) > 1 else None
+    if anchor is None:
+        anchor = next((k.value for k in node.keywords if k.arg == "package"), None)
+    if isinstance(anchor, ast.Name) and anchor.id == "__name__":
+        package = module.name
+    elif isinstance(anchor, ast.Name) and anchor.id == "__package__":
+        package = module.package
+    elif isinstance(anchor, ast.Constant) and isinstance(anchor.value, str):
+        package = anchor.value
+    else:
+        return None
+    level = len(name) - len(name.lstrip("."))
+    parts = package.split(".")
+    if level > 1:
+        parts = parts[: -(level - 1)]
+    rest = name[level:]
+    return ".".join([*parts, rest] if rest else parts)
+
+
+def import_graph(package_dir: Path, package: str) -> Graph:
+    """Every module under `package_dir` (the package `package`) and what it imports.
+
+    An import lists the module and its packages (importing `a.b` runs
+    `a/__init__.py` first); `from .x import y` also lists `x.y` when that is a
+    module. Each module also imports its own package, which Python runs first.
+    """
+    graph: Graph = {}
+    for path in sorted(package_dir.rglob("*.py")):
+        parts = [package, *path.relative_to(package_dir).with_suffix("").parts]
+        is_package = parts[-1] == "__init__"
+        if is_package:
+            parts.pop()
+        graph[".".join(parts)] = Module(".".join(parts), path, is_package)
+
+    for module in graph.values():
+        found: list[str] = []
+        parent = module.name.rpartition(".")[0]
+        if parent:
+            found.append(parent)
+        tree = ast.parse(module.path.read_text(), filename=str(module.path))
+        for node in _runtime_nodes(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    found.extend(_with_parents(alias.name))
+            elif isinstance(node, ast.ImportFrom):
+                target = _resolve(module, node.module or "", node.level)
+                found.extend(_with_parents(target))
+                for alias in node.names:
+                    if f"{target}.{alias.name}" in graph:
+                        found.append(f"{target}.{alias.name}")
+            elif isinstance(node, ast.Call):
+                called = _import_module_call(module, node)
+                if called is not None:
+                    found.extend(_with_parents(called))
+        for name in found:
+            if name != module.name and name not in module.imports:
+                module.imports.append(name)
+    return graph
+
+
+def import_chain(graph: Graph, start: str, forbidden: Callable[[str], bool]) -> list[str] | None:
+    """The shortest chain of imports from `start` to a module `forbidden` accepts, or None."""
+    came_from: dict[str, str | None] = {start: None}
+    queue = deque([start])
+    while queue:
+        name = queue.popleft()
+        if forbidden(name):
+            chain = [name]
+            while (previous := came_from[chain[-1]]) is not None:
+                chain.append(previous)
+            return chain[::-1]
+        if name not in graph:
+            continue  # outside the package: its own imports are not this package's
+        for imported in graph[name].imports:
+            if imported not in came_from:
+                came_from[imported] = name
+                queue.append(imported)
+    return None
+
+
+def _shown(graph: Graph, chain: list[str], package_dir: Path) -> str:
+    """`a.b` -> `b.py`: the package's modules by file, the others by name."""
+    return " -> ".join(
+        graph[name].path.relative_to(package_dir).as_posix() if name in graph else name
+        for name in chain
+    )
+
+
+def _violations(
+    graph: Graph,
+    package_dir: Path,
+    starts: list[str],
+    forbidden: Callable[[str], bool],
+) -> list[str]:
+    chains = (import_chain(graph, start, forbidden) for start in starts)
+    return [_shown(graph, chain, package_dir) for chain in chains if chain is not None]
+
+
+def _is_under(name: str, top: str) -> bool:
+    return name == top or name.startswith(f"{top}.")
+
+
+def _is_vllm(name: str) -> bool:
+    return _is_under(name, "vllm")
+
+
+def _is_grpc(name: str) -> bool:
+    return _is_under(name, "grpc") or name.startswith("grpc_")
+
+
+def cli_violations(package_dir: Path, package: str) -> list[str]:
+    """Rule 1: chains from a module other than `__main__` to `__main__`."""
+    graph = import_graph(package_dir, package)
+    launcher = f"{package}.__main__"
+    starts = [name for name in graph if name != launcher]
+    return _violations(graph, package_dir, starts, lambda name: name == launcher)
+
+
+def interceptor_vllm_violations(package_dir: Path, package: str) -> list[str]:
+    """Rule 2: chains from a module of `interceptors` to vLLM."""
+    graph = import_graph(package_dir, package)
+    starts = [name for name in graph if _is_under(name, f"{package}.interceptors")]
+    assert starts, "no interceptors package"
+    return _violations(graph, package_dir, starts, _is_vllm)
+
+
+def convert_grpc_violations(package_dir: Path, package: str) -> list[str]:
+    """Rule 3: a chain from `convert` to grpc."""
+    graph = import_graph(package_dir, package)
+    assert f"{package}.convert" in graph, "no convert module"
+    return _violations(graph, package_dir, [f"{package}.convert"], _is_grpc)
+
+
+# ----- the rules, on this package ---------------------------------------------------
+
+
+def test_only_the_launcher_imports_the_launcher() -> None:
+    violations = cli_violations(PACKAGE_DIR, PACKAGE)
+    assert not violations, "the library imports the CLI:\n" + "\n".join(violations)
+
+
+def test_the_interceptors_import_no_vllm() -> None:
+    violations = interceptor_vllm_violations(PACKAGE_DIR, PACKAGE)
+    assert not violations, "an interceptor imports vLLM:\n" + "\n".join(violations)
+
+
+def test_conversion_imports_no_grpc() -> None:
+    violations = convert_grpc_violations(PACKAGE_DIR, PACKAGE)
+    assert not violations, "convert.py imports grpc:\n" + "\n".join(violations)
+
+
+def test_the_type_checking_imports_name_the_public_api() -> None:
+    # __init__ loads its names lazily; type checkers see them through these imports.
+    tree = ast.parse((PACKAGE_DIR / "__init__.py").read_text())
+    typed = {
+        alias.asname or alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and _is_type_checking(node.test)
+        for inner in node.body
+        if isinstance(inner, ast.ImportFrom)
+        for alias in inner.names
+    }
+    import vllm_servicer
+
+    assert typed == set(vllm_servicer.__all__) - {"__version__"}
+
+
+# ----- the checker itself, on a small package -----------------------------------------
+
+
+def _write(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        path = root / "pkg" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    return root / "pkg"
+
+
+_CLEAN = {
+    "__init__.py": """
+        from typing import TYPE_CHECKING
+        if TYPE_CHECKING:
+            from .convert import to_wire  # for type checkers only: never runs
+        def __getattr__(name):
+            import importlib
+            return importlib.import_module(f".{name}", __name__)  # computed: lazy
+    """,
+    "__main__.py": "from .convert import to_wire\nimport vllm\n",
+    "errors.py": "",
+    "convert.py": "import vllm.inputs\nfrom .errors import *\nfrom . import proto\n",
+    "proto/__init__.py": "from . import messages\n",
+    "proto/messages.py": "import google.protobuf\n",
+    "proto/stubs.py": "import grpc\n",
+    "interceptors/__init__.py": "from .auth import Auth\n",
+    "interceptors/auth.py": """
+        import grpc
+        from ..proto import messages
+        from typing import TYPE_CHECKING
+        if TYPE_CHECKING:
+            import vllm
+        else:
+            import os
+    """,
+}
+
+
+def test_the_checker_passes_a_clean_package(tmp_path: Path) -> None:
+    root = _write(tmp_path, _CLEAN)
+    assert cli_violations(root, "pkg") == []
+    assert interceptor_vllm_violations(root, "pkg") == []
+    assert convert_grpc_violations(root, "pkg") == []
+
+
+def test_the_checker_resolves_imports(tmp_path: Path) -> None:
+    root = _write(tmp_path, _CLEAN)
+    graph = import_graph(root, "pkg")
+    # `from . import proto` imports the package; `from .proto import messages` the module.
+    assert graph["pkg.convert"].imports == ["pkg", "vllm", "vllm.inputs", "pkg.errors", "pkg.proto"]
+    assert graph["pkg.interceptors.auth"].imports == [
+        "pkg.interceptors",
+        "grpc",
+        "pkg",
+        "pkg.proto",
+        "pkg.proto.messages",
+        "typing",
+        "os",
+    ]
+    assert graph["pkg.proto.messages"].imports == ["pkg.proto", "google", "google.protobuf"]
+    assert graph["pkg"].imports == ["typing", "importlib"]
+
+
+def test_the_checker_finds_the_launcher_imported(tmp_path: Path) -> None:
+    # Inside a function, and relative: still an import of the launcher.
+    files = {**_CLEAN, "errors.py": "def f():\n    from .__main__ import main\n"}
+    root = _write(tmp_path, files)
+    assert sorted(cli_violations(root, "pkg")) == [
+        "convert.py -> errors.py -> __main__.py",
+        "errors.py -> __main__.py",
+    ]
+
+
+def test_the_checker_finds_the_launcher_imported_from_its_package(tmp_path: Path) -> None:
+    files = {**_CLEAN, "proto/stubs.py": "from .. import __main__\n"}
+    root = _write(tmp_path, files)
+    assert cli_violations(root, "pkg") == ["proto/stubs.py -> __main__.py"]
+
+
+def test_the_checker_finds_vllm_behind_an_interceptor(tmp_path: Path) -> None:
+    files = {
+        **_CLEAN,
+        "engine.py": "def load():\n    import vllm.v1.engine\n",
+        "interceptors/tracing.py": "from ..engine import load\n",
+        "interceptors/__init__.py": "from .auth import Auth\nfrom . import tracing\n",
+    }
+    root = _write(tmp_path, files)
+    assert sorted(interceptor_vllm_violations(root, "pkg")) == [
+        "interceptors/__init__.py -> interceptors/tracing.py -> engine.py -> vllm",
+        # auth.py runs its package's __init__ first, which imports tracing.py.
+        "interceptors/auth.py -> interceptors/__init__.py -> interceptors/tracing.py"
+        " -> engine.py -> vllm",
+        "interceptors/tracing.py -> engine.py -> vllm",
+    ]
+
+
+def test_the_checker_finds_vllm_loaded_by_name(tmp_path: Path) -> None:
+    files = {
+        **_CLEAN,
+        "version.py": 'import importlib\nimportlib.import_module("vllm.version")\n',
+        "interceptors/auth.py": "from .. import version\n",
+    }
+    root = _write(tmp_path, files)
+    assert sorted(interceptor_vllm_violations(root, "pkg")) == [
+        "interceptors/__init__.py -> interceptors/auth.py -> version.py -> vllm",
+        "interceptors/auth.py -> version.py -> vllm",
+    ]
+
+
+def test_the_checker_finds_grpc_behind_conversion(tmp_path: Path) -> None:
+    files = {**_CLEAN, "proto/__init__.py": "from . import messages, stubs\n"}
+    root = _write(tmp_path, files)
+    assert convert_grpc_violations(root, "pkg") == [
+        "convert.py -> proto/__init__.py -> proto/stubs.py -> grpc"
+    ]
+    files["proto/__init__.py"] = "from . import messages\n"
+    files["errors.py"] = "from grpc_status import rpc_status\n"
+    root = _write(tmp_path, files)
+    assert convert_grpc_violations(root, "pkg") == ["convert.py -> errors.py -> grpc_status"]
+
+
+# ----- the same, at run time ----------------------------------------------------------
+
+
+def _run(code: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+_LOADED_VLLM = """
+import sys
+{imports}
+loaded = sorted(name for name in sys.modules if name == "vllm" or name.startswith("vllm."))
+assert not loaded, loaded
+"""
+
+
+@pytest.mark.parametrize(
+    "imports",
+    [
+        "import vllm_servicer",
+        "import vllm_servicer.interceptors",
+        "import vllm_servicer.interceptors.auth, vllm_servicer.interceptors.metrics, "
+        "vllm_servicer.interceptors.inflight",
+    ],
+    ids=["package", "interceptors", "interceptor-modules"],
+)
+def test_imports_that_load_no_vllm(imports: str) -> None:
+    _run(_LOADED_VLLM.format(imports=imports))
+
+
+def test_the_messages_load_no_grpc() -> None:
+    _run(
+        """
+        import sys
+        from vllm_servicer.proto import vllm_engine_pb2, SERVICE_NAME
+        loaded = [name for name in sys.modules if name.partition(".")[0] == "grpc"]
+        assert not loaded, loaded
+        from vllm_servicer.proto import vllm_engine_pb2_grpc
+        assert "grpc" in sys.modules
+        """
+    )
+
+
+@pytest.mark.parametrize(
+    "first",
+    [
+        "vllm_servicer.mount",  # the attribute, then the submodule of the same name
+        "__import__('vllm_servicer.mount')",  # the submodule first
+    ],
+    ids=["attribute-first", "submodule-first"],
+)
+def test_the_public_names_load_on_use(first: str) -> None:
+    _run(
+        f"""
+        import inspect
+        import vllm_servicer
+        assert "__version__" in vars(vllm_servicer)
+        {first}
+        import vllm_servicer.mount
+        from vllm_servicer.mount import mount as defined
+        assert inspect.isfunction(defined)
+        assert vllm_servicer.mount is defined, vllm_servicer.mount
+        from vllm_servicer import mount
+        assert mount is defined
+        for name in vllm_servicer.__all__:
+            getattr(vllm_servicer, name)
+        assert set(vllm_servicer.__all__) <= set(dir(vllm_servicer))
+        namespace = {{}}
+        exec("from vllm_servicer import *", namespace)
+        assert namespace["mount"] is defined
+        try:
+            vllm_servicer.no_such_name
+        except AttributeError:
+            pass
+        else:
+            raise AssertionError("an unknown name resolved")
+        """
+    )
