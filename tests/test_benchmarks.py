@@ -75,7 +75,7 @@ def test_interceptor_benchmark_runs_every_configuration_through_a_real_server() 
     lines = done.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("configuration"))
     measured = {line.split()[0]: line.split() for line in lines[header + 1 :] if line.strip()}
-    configs = ("bare", "bare-again", "metrics", "inflight", "auth", "tracing", "stack")
+    configs = ("bare", "bare-again", "metrics", "inflight", "auth", "tracing", "stack", "full")
     assert set(measured) == set(configs)
     for name in configs:
         tokens_per_s, loop_us_per_message = float(measured[name][1]), float(measured[name][2])

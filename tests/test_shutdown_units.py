@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2
 from vllm_servicer import drain
 from vllm_servicer.drain import GracefulShutdown
 from vllm_servicer.health import LIVENESS_SERVICE, EngineHealthServicer
+from vllm_servicer.interceptors import Call, InflightInterceptor
 
 SRC = Path(__file__).resolve().parent.parent / "src" / "vllm_servicer"
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -103,13 +104,21 @@ async def test_liveness_stays_serving_through_a_drain_and_ends_with_the_engine()
     assert await status(LIVENESS_SERVICE) == NOT_SERVING
 
 
-def _shutdown(active: int = 0) -> GracefulShutdown:
-    mounted = SimpleNamespace(servicer=SimpleNamespace(active_requests=active), health=None)
+async def _shutdown(active: int = 0) -> GracefulShutdown:
+    """A drain over a real in-flight count holding `active` engine calls that never end."""
+    inflight = InflightInterceptor()
+    for _ in range(active):
+        await inflight.on_start(
+            Call("/vllm.grpc.engine.VllmEngine/Generate", "unary_stream", (), None)
+        )
+    mounted = SimpleNamespace(
+        servicer=SimpleNamespace(active_requests=active), health=None, inflight=inflight
+    )
     return GracefulShutdown(None, mounted)  # type: ignore[arg-type]
 
 
 async def test_drain_waits_time_out_quietly_and_end_early_on_a_second_request() -> None:
-    shutdown = _shutdown(active=1)
+    shutdown = await _shutdown(active=1)
     started = time.monotonic()
     await shutdown._wait(0.1)  # returns at the timeout, whatever TimeoutError is
     assert not await shutdown._wait_idle(0.1)
@@ -176,7 +185,8 @@ def test_drain_waits_on_python_3_10() -> None:
         "drain = importlib.util.module_from_spec(spec)\n"
         "spec.loader.exec_module(drain)\n"
         "servicer = types.SimpleNamespace(active_requests=1)\n"
-        "mounted = types.SimpleNamespace(servicer=servicer, health=None)\n"
+        "busy = types.SimpleNamespace(limited_total=1, wait_idle=lambda: asyncio.Event().wait())\n"
+        "mounted = types.SimpleNamespace(servicer=servicer, health=None, inflight=busy)\n"
         "shutdown = drain.GracefulShutdown(None, mounted)\n"
         "asyncio.run(shutdown._wait(0.05))\n"
         "assert asyncio.run(shutdown._wait_idle(0.05)) is False\n"

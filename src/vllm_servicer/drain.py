@@ -166,12 +166,13 @@ class GracefulShutdown:
 
     async def _wait_idle(self, seconds: float, *, interruptible: bool = True) -> bool:
         """Wait until no engine request runs (woken by the count, not by polling)."""
-        idle = asyncio.ensure_future(self._mounted.inflight.wait_idle(seconds))
+        # The timeout is asyncio.wait's: it returns at the deadline instead of raising.
+        idle = asyncio.ensure_future(self._mounted.inflight.wait_idle())
         waits: set[asyncio.Future[Any]] = {idle}
         if interruptible:
             waits.add(asyncio.ensure_future(self._hurry.wait()))
         try:
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for wait in waits:
                 wait.cancel()
