@@ -67,6 +67,7 @@ CANCEL_CAUSES = ("client_cancel", "deadline", "abort_rpc", "shutdown")
 _GRPC_LABELS = ("grpc_type", "grpc_service", "grpc_method")
 # vLLM's own label name for the served model: the series join on it.
 _MODEL = ("model_name",)
+_OK = grpc.StatusCode.OK
 _CANCELLED = grpc.StatusCode.CANCELLED
 # How stale the message and token counters of a running Generate stream may get.
 _FLUSH_INTERVAL_S = 1.0
@@ -105,10 +106,12 @@ class _GenerateCall:
         "aborted",
         "first_token_at",
         "flushed_at",
-        "last_chunk_at",
+        "last_token_at",
         "method",
         "pending",
         "prompt_counted",
+        "streamed",
+        "tokens_after_first",
     )
 
     generate = True
@@ -123,8 +126,11 @@ class _GenerateCall:
         self.pending: list[tuple[float, Any]] = []
         self.flushed_at = started
         self.first_token_at: float | None = None
-        # When each choice (index) last streamed tokens; None before its first chunk.
-        self.last_chunk_at: list[float | None] = [None]
+        # For the call's time per output token: the last chunk with tokens, and
+        # the tokens streamed after the first such chunk.
+        self.last_token_at = 0.0
+        self.tokens_after_first = 0
+        self.streamed = False  # chunks were sent: the completes repeat their tokens
         self.prompt_counted = False
         self.aborted = False
 
@@ -210,8 +216,8 @@ class MetricsInterceptor(CallInterceptor):
         )
         self.time_per_output_token = Histogram(
             "vllm_servicer_time_per_output_token_seconds",
-            "Gap between consecutive streamed chunks of one choice divided by the chunk's "
-            "tokens (OTel: gen_ai.server.time_per_output_token).",
+            "Per streaming Generate call that ended OK: time from its first output token "
+            "to its last, per token after the first (OTel: gen_ai.server.time_per_output_token).",
             _MODEL,
             buckets=TPOT_BUCKETS,
             registry=reg,
@@ -332,6 +338,10 @@ class MetricsInterceptor(CallInterceptor):
         if state.generate:
             self._catch_up(call, state, now)
             self._duration_observe(now - call.started)
+            if code is _OK and state.tokens_after_first:
+                # Once per call, as OTel's GenAI conventions define it.
+                per_token = state.last_token_at - state.first_token_at
+                self._tpot_observe(per_token / state.tokens_after_first)
             cause = None
             if code is _CANCELLED:
                 cause = "shutdown" if self._shutting_down else "client_cancel"
@@ -364,20 +374,16 @@ class MetricsInterceptor(CallInterceptor):
             if not state.prompt_counted:
                 state.prompt_counted = True
                 self._prompt_inc(chunk.prompt_tokens)
+            state.streamed = True
             tokens = len(chunk.token_ids)
             if not tokens:
                 return 0
             if state.first_token_at is None:
                 state.first_token_at = now
                 self._ttft_observe(now - call.started)
-            index = chunk.index
-            last = state.last_chunk_at
-            if index >= len(last):
-                last.extend([None] * (index + 1 - len(last)))
-            previous = last[index]
-            last[index] = now
-            if previous is not None:
-                self._tpot_observe((now - previous) / tokens)
+            else:
+                state.tokens_after_first += tokens
+            state.last_token_at = now
             return tokens
         complete = message.complete
         if not state.prompt_counted:
@@ -385,10 +391,6 @@ class MetricsInterceptor(CallInterceptor):
             self._prompt_inc(complete.prompt_tokens)
         # Not streamed, the complete carries all of the choice's tokens; streamed,
         # it repeats the last chunk's, which were counted then.
-        streamed = (
-            len(state.last_chunk_at) > complete.index
-            and state.last_chunk_at[complete.index] is not None
-        )
         reason = complete.finish_reason
         child = self._finish_children.get(reason)
         if child is None:
@@ -398,7 +400,7 @@ class MetricsInterceptor(CallInterceptor):
         child.inc()
         if reason == "abort":
             state.aborted = True
-        return 0 if streamed else len(complete.output_ids)
+        return 0 if state.streamed else len(complete.output_ids)
 
 
 def start_metrics_server(

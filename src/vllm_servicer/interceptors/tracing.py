@@ -303,14 +303,26 @@ def engine_trace_headers(context: Any) -> dict[str, str] | None:
 class _GenAiState:
     """What one Generate/Embed call has told the span so far."""
 
-    __slots__ = ("chunked", "finish_reasons", "first_token", "input_tokens", "output_tokens")
+    __slots__ = (
+        "chunked",
+        "embedding_dim",
+        "finish_reasons",
+        "first_token_at",
+        "input_tokens",
+        "output_tokens",
+        "unread",
+    )
 
     def __init__(self) -> None:
-        self.first_token = False
+        self.first_token_at = 0  # time.time_ns() of the first response message; 0: none yet
         self.chunked = False  # streaming: usage comes from the chunks
         self.input_tokens = -1
         self.output_tokens = 0
+        self.embedding_dim = 0
         self.finish_reasons: dict[int, str] = {}
+        # Messages sent and not yet read: read in batches (see _read), which
+        # costs several times less per message than reading each as it leaves.
+        self.unread: list[Any] = []
 
 
 class TracingInterceptor(CallInterceptor):
@@ -433,32 +445,27 @@ class TracingInterceptor(CallInterceptor):
         span, state = call.state
         if state is None:
             return
-        if call.method == EMBED_METHOD:
-            state.input_tokens = message.prompt_tokens
-            if span.is_recording():
-                span.set_attribute("gen_ai.embeddings.dimension.count", message.embedding_dim)
-            return
-        if not state.first_token:
-            state.first_token = True
-            if span.is_recording():
-                span.add_event(
-                    FIRST_TOKEN_EVENT,
-                    {"gen_ai.server.time_to_first_token": time.perf_counter() - call.started},
-                )
-        kind = message.WhichOneof("response")
-        if kind == "chunk":
-            state.chunked = True
-            state.input_tokens = message.chunk.prompt_tokens
-            state.output_tokens += message.chunk.completion_tokens
-        elif kind == "complete":
-            done = message.complete
-            state.input_tokens = done.prompt_tokens
-            state.finish_reasons[done.index] = done.finish_reason
-            if not state.chunked:  # streaming completes repeat the last chunk's tokens
-                state.output_tokens += done.completion_tokens
+        if not state.first_token_at:
+            state.first_token_at = time.time_ns()
+        unread = state.unread
+        unread.append(message)
+        if len(unread) >= _READ_BATCH:
+            _read(call.method, state)
 
     def on_finish(self, call: Call) -> None:
         span, state = call.state
+        if state is not None:
+            _read(call.method, state)
+            if state.first_token_at and span.is_recording():
+                ttft = (state.first_token_at - span.start_time) / 1e9
+                span.add_event(
+                    FIRST_TOKEN_EVENT,
+                    {"gen_ai.server.time_to_first_token": max(ttft, 0.0)},
+                    timestamp=state.first_token_at,
+                )
+        self._end(call, span, state)
+
+    def _end(self, call: Call, span: Any, state: _GenAiState | None) -> None:
         if not span.is_recording():
             # Ended already (a stream dropped while grpc was writing is closed
             # by the garbage collector, outer layer first), or not sampled.
@@ -474,12 +481,41 @@ class TracingInterceptor(CallInterceptor):
                 if state.finish_reasons:
                     reasons = state.finish_reasons
                     attrs["gen_ai.response.finish_reasons"] = [reasons[i] for i in sorted(reasons)]
+            elif state.embedding_dim:
+                attrs["gen_ai.embeddings.dimension.count"] = state.embedding_dim
         span.set_attributes(attrs)
         if code in SERVER_FAULT_CODES and span.status.status_code is not self._error:
             details = (
                 call.context.details() if code is not grpc.StatusCode.DEADLINE_EXCEEDED else ""
             )
             span.set_status(self._status(self._error, f"{code}:{details or ''}"))
+
+
+_READ_BATCH = 256
+"""Messages a call holds unread at most, so a long stream's memory stays bounded."""
+
+
+def _read(method: str, state: _GenAiState) -> None:
+    """Fold the unread messages of a Generate or Embed call into its usage figures."""
+    unread, state.unread = state.unread, []
+    if method == EMBED_METHOD:
+        for message in unread:
+            state.input_tokens = message.prompt_tokens
+            state.embedding_dim = message.embedding_dim
+        return
+    for message in unread:
+        kind = message.WhichOneof("response")
+        if kind == "chunk":
+            chunk = message.chunk
+            state.chunked = True
+            state.input_tokens = chunk.prompt_tokens
+            state.output_tokens += chunk.completion_tokens
+        elif kind == "complete":
+            done = message.complete
+            state.input_tokens = done.prompt_tokens
+            state.finish_reasons[done.index] = done.finish_reason
+            if not state.chunked:  # streaming completes repeat the last chunk's tokens
+                state.output_tokens += done.completion_tokens
 
 
 def configure_tracing_from_env() -> TracerProvider | None:
