@@ -1,4 +1,8 @@
-"""A stand-in engine for tests: shaped like vLLM's `AsyncLLM`, and able to die on demand.
+"""Stand-in engines for tests: shaped like vLLM's `AsyncLLM`; one able to die on demand.
+
+`StandInEngine` has every member and does nothing; tests that need an engine
+without a feature a real one always has (no local tokenizer, stats off)
+subclass it.
 
 A real engine cannot be made to die at a chosen moment, mid-stream, from a
 test; this stand-in can. It implements the `EngineClient` protocol from
@@ -21,7 +25,88 @@ from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.exceptions import EngineDeadError
 
 
-class FaultEngine:
+async def _echo_prompt(prompt: Any, arrival_time: float) -> Any:
+    return prompt
+
+
+class StandInEngine:
+    """Every member of `EngineClient`, answering as an idle engine would (tests only).
+
+    One rank, stats off, no profiler, no KV events; token prompts go to
+    `generate()` as they are. Once `errored` is True each call raises
+    `EngineDeadError`, as `AsyncLLM`'s do when its EngineCore process is gone.
+    Tests subclass it for the members they look at.
+    """
+
+    def __init__(self, model_config: Any = None, vllm_config: Any = None) -> None:
+        self.model_config = model_config if model_config is not None else SimpleNamespace()
+        self.vllm_config = vllm_config if vllm_config is not None else SimpleNamespace()
+        self.renderer = SimpleNamespace(
+            process_for_engine=lambda prompt, arrival_time: prompt,
+            process_for_engine_async=_echo_prompt,
+        )
+        self.engine_core = SimpleNamespace(engine_ranks_managed=[0])
+        self.logger_manager: Any = None
+
+    @property
+    def errored(self) -> bool:
+        return False
+
+    async def generate(self, prompt: Any, params: Any, request_id: str, **kwargs: Any) -> Any:
+        raise EngineDeadError() if self.errored else NotImplementedError("no generation here")
+        yield  # pragma: no cover - makes this an async generator
+
+    async def encode(self, prompt: Any, params: Any, request_id: str, **kwargs: Any) -> Any:
+        raise EngineDeadError() if self.errored else NotImplementedError("no pooling here")
+        yield  # pragma: no cover - makes this an async generator
+
+    async def get_supported_tasks(self) -> tuple[str, ...]:
+        # AsyncLLM asks the EngineCore process, so this fails once it is gone.
+        if self.errored:
+            raise EngineDeadError()
+        return ("generate", "embed")
+
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        if self.errored:
+            raise EngineDeadError()
+
+    async def is_paused(self) -> bool:
+        # Unlike AsyncLLM's (which asks the EngineCore process, so raises once
+        # it is gone), this answers after death too: GetServerInfo tests use that.
+        return False
+
+    async def notify_kv_transfer_request_rejected(
+        self,
+        request_id: str,
+        kv_transfer_params: dict[str, Any],
+        *,
+        data_parallel_rank: int | None = None,
+    ) -> None:
+        if self.errored:
+            raise EngineDeadError()
+
+    async def reset_prefix_cache(self) -> bool:
+        if self.errored:
+            raise EngineDeadError()
+        return True
+
+    async def start_profile(
+        self,
+        profile_prefix: str | None = None,
+        *,
+        delay_iterations: int | None = None,
+        max_iterations: int | None = None,
+    ) -> None:
+        raise EngineDeadError() if self.errored else NotImplementedError("no profiler here")
+
+    async def stop_profile(self) -> None:
+        raise EngineDeadError() if self.errored else NotImplementedError("no profiler here")
+
+    def get_kv_event_sources(self) -> dict[int, Any]:
+        return {}
+
+
+class FaultEngine(StandInEngine):
     """Stand-in for `AsyncLLM` that dies mid-stream when told to (tests only).
 
     Args:
@@ -46,7 +131,7 @@ class FaultEngine:
             ),
             get_vocab_size=lambda: 320,
         )
-        self.vllm_config = SimpleNamespace()
+        super().__init__(model_config=self.model_config)
 
     @property
     def errored(self) -> bool:
@@ -73,6 +158,7 @@ class FaultEngine:
         tokenization_kwargs: dict[str, Any] | None = None,
         trace_headers: Mapping[str, str] | None = None,
         data_parallel_rank: int | None = None,
+        reasoning_ended: bool | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         self.generate_calls += 1
         if self.errored:
@@ -119,13 +205,3 @@ class FaultEngine:
     ) -> AsyncGenerator[Any, None]:
         raise EngineDeadError() if self.errored else NotImplementedError("no pooling here")
         yield  # pragma: no cover - makes this an async generator
-
-    async def get_supported_tasks(self) -> tuple[str, ...]:
-        # AsyncLLM asks the EngineCore process, so this fails once it is gone.
-        if self.errored:
-            raise EngineDeadError()
-        return ("generate", "embed")
-
-    async def abort(self, request_id: str | Iterable[str]) -> None:
-        if self.errored:
-            raise EngineDeadError()

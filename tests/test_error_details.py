@@ -5,11 +5,12 @@ from __future__ import annotations
 import shutil
 from collections.abc import AsyncGenerator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import grpc
 import pytest
-from fault_engine import FaultEngine
+from fault_engine import FaultEngine, StandInEngine
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from helpers import collect, request
@@ -156,14 +157,11 @@ async def test_tokenizer_errors_on_the_wire_name_no_server_path(tmp_path: Any) -
     empty = tmp_path / "srv" / "tokenizer"
     empty.mkdir(parents=True)
 
-    class NoTokenizerFiles:
-        """Stand-in engine: only the model config GetTokenizer reads (a real
-        engine with an empty tokenizer folder would not start)."""
+    class NoTokenizerFiles(StandInEngine):
+        """A real engine with an empty tokenizer folder would not start."""
 
-        errored = False
-
-        class model_config:  # noqa: N801
-            tokenizer = str(empty)
+        def __init__(self) -> None:
+            super().__init__(model_config=SimpleNamespace(tokenizer=str(empty)))
 
     server = grpc.aio.server()
     mount(server, NoTokenizerFiles(), health=False, reflection_service=False)  # type: ignore[arg-type]

@@ -16,6 +16,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 from helpers import collect, completes, request
 
 from vllm_servicer import SERVICE_NAME, MountError, mount
+from vllm_servicer.engine import missing_members
 from vllm_servicer.proto import vllm_engine_pb2 as pb
 from vllm_servicer.proto import vllm_engine_pb2_grpc
 
@@ -152,6 +153,21 @@ async def test_mount_after_start_is_an_error(engine: Any) -> None:
             mount(server, engine)
     finally:
         await server.stop(None)
+
+
+async def test_an_engine_lacking_members_is_refused_at_mount_naming_them(engine: Any) -> None:
+    # The protocol declares nothing that vLLM's AsyncLLM lacks.
+    assert missing_members(engine) == []
+
+    class HalfAnEngine:
+        errored = False
+        model_config = engine.model_config
+
+    server = grpc.aio.server()
+    with pytest.raises(TypeError, match=r"HalfAnEngine has no abort, encode, engine_core, ") as err:
+        mount(server, HalfAnEngine())  # type: ignore[arg-type]
+    assert "errored" not in str(err.value) and "model_config" not in str(err.value)
+    await server.stop(None)
 
 
 async def test_switches_leave_services_out(engine: Any) -> None:

@@ -21,6 +21,7 @@ from typing import Any
 import grpc
 import pytest
 import vllm
+from fault_engine import StandInEngine
 from helpers import request, wait_until_idle
 from smg_grpc_proto.generated import common_pb2 as ref_common
 from smg_grpc_proto.generated import vllm_engine_pb2 as ref
@@ -44,7 +45,7 @@ def _stubs(channel: grpc.aio.Channel, kind: str) -> tuple[Any, Any, Any]:
 
 
 async def _long_stream(stub: Any, rid: str) -> Any:
-    """A streaming Generate that runs until cancelled, started (first chunk read)."""
+    """A streaming Generate over the rest of the context, started (first chunk read)."""
     call = stub.Generate(request(stream=True, request_id=rid, max_tokens=5000, ignore_eos=True))
     await call.read()
     return call
@@ -181,6 +182,9 @@ async def test_flush_cache_gives_up_after_timeout_s_and_at_the_deadline(
     stub: Any, engine: Any
 ) -> None:
     call = await _long_stream(stub, "flush-timeout")
+    # Frozen, the request holds its blocks for as long as the test needs (the
+    # tiny model would otherwise finish its 512-token context within a second).
+    await engine.pause_generation(mode="keep", clear_cache=False)
     try:
         loop = asyncio.get_running_loop()
         started = loop.time()
@@ -192,6 +196,7 @@ async def test_flush_cache_gives_up_after_timeout_s_and_at_the_deadline(
             await stub.FlushCache(common_pb2.FlushCacheRequest(timeout_s=60), timeout=0.5)
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     finally:
+        await engine.resume_generation()
         call.cancel()
     assert await wait_until_idle(engine) == 0
 
@@ -232,15 +237,15 @@ async def test_kv_events_say_how_to_enable_them(channel: grpc.aio.Channel, kind:
 # ----- a stand-in engine: stats off, no local tokenizer, trace headers ----------
 
 
-class _RecordingEngine:
-    """Just enough of an engine to record what the servicer passes it."""
-
-    errored = False
+class _RecordingEngine(StandInEngine):
+    """An engine that records what the servicer passes it (stats off, no local tokenizer)."""
 
     def __init__(self) -> None:
-        self.model_config = types.SimpleNamespace(tokenizer="some-org/some-hub-model")
-        self.vllm_config = types.SimpleNamespace(
-            parallel_config=types.SimpleNamespace(data_parallel_rank=0)
+        super().__init__(
+            model_config=types.SimpleNamespace(tokenizer="some-org/some-hub-model"),
+            vllm_config=types.SimpleNamespace(
+                parallel_config=types.SimpleNamespace(data_parallel_rank=0)
+            ),
         )
         self.calls: list[dict[str, Any]] = []
 

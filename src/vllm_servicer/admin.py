@@ -12,6 +12,7 @@ import math
 from typing import Any
 
 from . import fields
+from .engine import EngineClient
 from .errors import InvalidRequestError, UnsupportedError
 from .proto import common_pb2
 
@@ -34,7 +35,7 @@ def _budget(limit: float, time_remaining: float | None) -> float:
 
 
 async def flush_cache(
-    engine: Any, timeout_s: float, time_remaining: Any
+    engine: EngineClient, timeout_s: float, time_remaining: Any
 ) -> common_pb2.FlushCacheResponse:
     """Reset the engine's prefix cache, waiting up to `timeout_s` for it to be idle.
 
@@ -50,14 +51,10 @@ async def flush_cache(
 
     Raises:
         InvalidRequestError: `timeout_s` is negative or not finite.
-        UnsupportedError: the engine has no prefix cache to reset.
         TimeoutError: the call's deadline passed, or the engine did not answer.
     """
     if not math.isfinite(timeout_s) or timeout_s < 0:
         raise InvalidRequestError("timeout_s", f"must be finite and >= 0, got {timeout_s}")
-    reset = getattr(engine, "reset_prefix_cache", None)
-    if reset is None:
-        raise UnsupportedError("this engine has no prefix cache to flush")
     loop = asyncio.get_running_loop()
     give_up_at = loop.time() + timeout_s
     while True:
@@ -65,7 +62,7 @@ async def flush_cache(
         if budget <= 0:
             raise TimeoutError("the call's deadline passed before the prefix cache was flushed")
         try:
-            ok = await asyncio.wait_for(reset(), timeout=budget)
+            ok = await asyncio.wait_for(engine.reset_prefix_cache(), timeout=budget)
         except asyncio.TimeoutError:
             raise TimeoutError(
                 f"the engine did not answer the prefix-cache reset within {budget:g}s; "
@@ -84,14 +81,14 @@ async def flush_cache(
         await asyncio.sleep(min(RESET_RETRY_S, left))
 
 
-def profiler_configured(engine: Any) -> bool:
+def profiler_configured(engine: EngineClient) -> bool:
     """Whether the engine was started with a profiler (`--profiler-config`)."""
-    config = getattr(getattr(engine, "vllm_config", None), "profiler_config", None)
+    config = getattr(engine.vllm_config, "profiler_config", None)
     return getattr(config, "profiler", None) is not None
 
 
 async def start_profile(
-    engine: Any, request: common_pb2.StartProfileRequest, time_remaining: Any
+    engine: EngineClient, request: common_pb2.StartProfileRequest, time_remaining: Any
 ) -> common_pb2.ProfileResponse:
     """Start the engine's profiler on every worker.
 
@@ -110,7 +107,7 @@ async def start_profile(
     fields.refuse_unserved("StartProfile", request)
     if not profiler_configured(engine):
         raise UnsupportedError(PROFILER_HINT)
-    kwargs: dict[str, int] = {}
+    kwargs: dict[str, Any] = {}  # only the bounds asked for: vLLM 0.31 takes neither
     if request.HasField("start_step"):
         kwargs["delay_iterations"] = request.start_step
     if request.HasField("num_steps"):
@@ -130,7 +127,7 @@ def _takes_step_bounds(start_profile: Any) -> bool:
     return any(p.name == "delay_iterations" or p.kind is p.VAR_KEYWORD for p in params)
 
 
-async def stop_profile(engine: Any, time_remaining: Any) -> common_pb2.ProfileResponse:
+async def stop_profile(engine: EngineClient, time_remaining: Any) -> common_pb2.ProfileResponse:
     """Stop the engine's profiler and write its traces.
 
     Raises:

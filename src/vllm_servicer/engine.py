@@ -2,12 +2,22 @@
 
 Typed as a Protocol so that anything shaped like vLLM's `AsyncLLM` (its
 `EngineClient`) can be mounted, including a fault-injecting stand-in in tests.
+vLLM is not imported here: the interceptors import this module, and they run
+without vLLM.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Iterable, Mapping
 from typing import Any, Protocol, runtime_checkable
+
+
+def missing_members(engine: Any) -> list[str]:
+    """The `EngineClient` members that `engine` lacks (none for vLLM's `AsyncLLM`)."""
+    declared = set(EngineClient.__annotations__) | {
+        name for name in vars(EngineClient) if not name.startswith("_")
+    }
+    return sorted(name for name in declared if not hasattr(engine, name))
 
 
 def served_model_name(engine: Any) -> str:
@@ -23,15 +33,52 @@ def served_model_name(engine: Any) -> str:
     return str(served or "")
 
 
+class Renderer(Protocol):
+    """The part of vLLM's renderer (`AsyncLLM.renderer`) used: prompt to engine input."""
+
+    def process_for_engine(self, prompt: Any, arrival_time: float) -> Any: ...
+
+    async def process_for_engine_async(self, prompt: Any, arrival_time: float) -> Any: ...
+
+
+class EngineCoreClient(Protocol):
+    """The part of vLLM's engine-core client (`AsyncLLM.engine_core`) used."""
+
+    @property
+    def engine_ranks_managed(self) -> list[int]:
+        """The data-parallel ranks this frontend serves."""
+        ...
+
+
 @runtime_checkable
 class EngineClient(Protocol):
-    """What `VllmEngineServicer` calls on the engine (vLLM's `AsyncLLM` fits)."""
+    """What `VllmEngineServicer` uses of the engine (vLLM's `AsyncLLM` fits).
 
-    model_config: Any
-    vllm_config: Any
+    Every member is required: `AsyncLLM` has each of them in every supported
+    vLLM (0.31 and 0.32), so the package reads them directly. Two are present
+    but vary, and only there does the package handle the difference (the
+    section at the end):
+
+    - `logger_manager` is None when the engine collects no stats
+      (`--disable-log-stats`); GetLoads then reports no ranks' figures.
+    - `start_profile` takes `delay_iterations` / `max_iterations` only from
+      vLLM 0.32, so they are not declared; `admin.start_profile` checks the
+      engine's signature before passing them.
+
+    `isinstance(x, EngineClient)` checks only that the members exist.
+    """
+
+    model_config: Any  # vllm.config.ModelConfig
+    vllm_config: Any  # vllm.config.VllmConfig
 
     @property
     def errored(self) -> bool: ...
+
+    @property
+    def renderer(self) -> Renderer: ...
+
+    @property
+    def engine_core(self) -> EngineCoreClient: ...
 
     def generate(
         self,
@@ -55,3 +102,39 @@ class EngineClient(Protocol):
     ) -> AsyncGenerator[Any, None]: ...
 
     async def abort(self, request_id: str | Iterable[str]) -> None: ...
+
+    async def is_paused(self) -> bool: ...
+
+    async def get_supported_tasks(self) -> tuple[str, ...]: ...
+
+    async def notify_kv_transfer_request_rejected(
+        self,
+        request_id: str,
+        kv_transfer_params: dict[str, Any],
+        *,
+        data_parallel_rank: int | None = None,
+    ) -> None: ...
+
+    async def reset_prefix_cache(self) -> bool:
+        """Whether the prefix cache was reset (False while running requests hold it)."""
+        ...
+
+    async def stop_profile(self) -> None: ...
+
+    def get_kv_event_sources(self) -> dict[int, Any]:
+        """Each engine core's KVEventsConfig by rank, as they reported it (may be empty)."""
+        ...
+
+    # ----- present, but varying by vLLM release or engine configuration ----
+
+    # vllm.v1.metrics.loggers.StatLoggerManager, or None when the engine
+    # collects no stats (--disable-log-stats): `loads.attach` handles None.
+    logger_manager: Any
+
+    async def start_profile(self, profile_prefix: str | None = None) -> None:
+        """Start the profiler (vLLM 0.31's signature, which both releases accept).
+
+        vLLM 0.32 adds keyword-only `delay_iterations` / `max_iterations`;
+        `admin.start_profile` inspects the engine's signature before passing them.
+        """
+        ...

@@ -31,6 +31,7 @@ from vllm.distributed.kv_events import (
 )
 from vllm.v1.engine.exceptions import EngineDeadError
 
+from .engine import EngineClient
 from .errors import NotEnabledError, TooManySubscribersError
 from .interceptors.auth import ADMIN_ROLE, current_identity
 from .loads import managed_ranks
@@ -136,31 +137,28 @@ class Source(NamedTuple):
     endpoint: str
 
 
-def publisher_config(engine: Any) -> Any:
+def publisher_config(engine: EngineClient) -> Any:
     """The engine's KVEventsConfig when it publishes over ZMQ, else None."""
-    config = getattr(getattr(engine, "vllm_config", None), "kv_events_config", None)
+    config = getattr(engine.vllm_config, "kv_events_config", None)
     if config is None or not config.enable_kv_cache_events or config.publisher != "zmq":
         return None
     return config
 
 
-def sources(engine: Any, config: Any) -> list[Source]:
+def sources(engine: EngineClient, config: Any) -> list[Source]:
     """Every rank's publisher: as the engine cores reported them, else from the config.
 
     Raises:
         NotEnabledError: the engine publishes no KV-cache events.
     """
-    reported: dict[int, Any] = {}
-    getter = getattr(engine, "get_kv_event_sources", None)
-    if callable(getter):
-        reported = dict(getter() or {})
+    reported = engine.get_kv_event_sources()
     if reported:
         found = [
             Source(rank, connectable(cfg.endpoint))
             for rank, cfg in sorted(reported.items())
             if getattr(cfg, "endpoint", None)
         ]
-    else:  # engines that do not report theirs offset the base port by rank
+    else:  # none reported (yet): each rank offsets the base port by its rank
         found = [
             Source(rank, connectable(ZmqEventPublisher.offset_endpoint_port(config.endpoint, rank)))
             for rank in managed_ranks(engine)

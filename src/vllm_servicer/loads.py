@@ -28,6 +28,7 @@ from . import _vllm_version  # noqa: F401
 import vllm
 from vllm.v1.metrics.loggers import AggregateStatLoggerBase
 
+from .engine import EngineClient
 from .errors import InvalidRequestError
 from .proto import vllm_engine_pb2 as pb
 
@@ -115,17 +116,17 @@ class SchedulerStatsTap(AggregateStatLoggerBase):
         return state.stats, generated / RATE_WINDOW, (hits / queries if queries else 0.0)
 
 
-def attach(engine: Any) -> SchedulerStatsTap | None:
+def attach(engine: EngineClient) -> SchedulerStatsTap | None:
     """Add a `SchedulerStatsTap` to a running engine's stat loggers (once).
 
-    Returns None when the engine collects no stats (`--disable-log-stats`, or
-    an engine without vLLM's `logger_manager`): the engine core then sends no
-    SchedulerStats at all.
+    Returns None when the engine collects no stats (`--disable-log-stats`):
+    the engine core then sends no SchedulerStats at all.
     """
-    manager = getattr(engine, "logger_manager", None)
-    loggers = getattr(manager, "stat_loggers", None)
-    if not isinstance(loggers, list):
+    # None, not absent, when the engine collects no stats (--disable-log-stats).
+    manager = engine.logger_manager
+    if manager is None:
         return None
+    loggers: list[Any] = manager.stat_loggers
     for existing in loggers:
         if isinstance(existing, SchedulerStatsTap):
             return existing
@@ -134,13 +135,9 @@ def attach(engine: Any) -> SchedulerStatsTap | None:
     return tap
 
 
-def managed_ranks(engine: Any) -> list[int]:
+def managed_ranks(engine: EngineClient) -> list[int]:
     """The data-parallel ranks this frontend serves, in order."""
-    managed = getattr(getattr(engine, "engine_core", None), "engine_ranks_managed", None)
-    if managed:
-        return sorted(int(r) for r in managed)
-    parallel = getattr(getattr(engine, "vllm_config", None), "parallel_config", None)
-    return [int(getattr(parallel, "data_parallel_rank", 0) or 0)]
+    return sorted(int(r) for r in engine.engine_core.engine_ranks_managed)
 
 
 class LoadReport(NamedTuple):
@@ -150,7 +147,9 @@ class LoadReport(NamedTuple):
     missing_ranks: list[int]
 
 
-def load_report(engine: Any, tap: SchedulerStatsTap | None, dp_rank: int | None) -> LoadReport:
+def load_report(
+    engine: EngineClient, tap: SchedulerStatsTap | None, dp_rank: int | None
+) -> LoadReport:
     """The GetLoads response for one rank (`dp_rank`) or all ranks (None).
 
     Raises:
@@ -165,7 +164,7 @@ def load_report(engine: Any, tap: SchedulerStatsTap | None, dp_rank: int | None)
         wanted = [dp_rank]
     else:
         wanted = ranks
-    config = getattr(engine, "vllm_config", None)
+    config = engine.vllm_config
     cache = getattr(config, "cache_config", None)
     scheduler = getattr(config, "scheduler_config", None)
     # num_gpu_blocks is summed over the frontend's engines (see vLLM's core client).

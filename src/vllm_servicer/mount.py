@@ -88,6 +88,7 @@ def mount(
 
     Raises:
         MountError: the server has already been started.
+        TypeError: `engine` lacks a member of `EngineClient` (the message names it).
     """
     if server_started(server):
         raise MountError(

@@ -20,7 +20,7 @@ from vllm.exceptions import VLLMClientError
 from vllm.pooling_params import PoolingParams
 
 from . import admin, convert, fields, kv_events, loads
-from .engine import EngineClient, served_model_name
+from .engine import EngineClient, missing_members, served_model_name
 from .errors import (
     InvalidRequestError,
     NotEnabledError,
@@ -87,16 +87,21 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         media_refs: MediaRefOptions | None = None,
         inflight: InflightInterceptor | None = None,
     ) -> None:
+        missing = missing_members(engine)
+        if missing:
+            # Here, not as an AttributeError in the middle of some later request.
+            raise TypeError(
+                f"the engine must be a vLLM AsyncLLM or shaped like one (EngineClient); "
+                f"{type(engine).__name__} has no {', '.join(missing)}"
+            )
         self._engine = engine
         self._inflight = inflight
         self._media = (
-            MediaResolver(media_refs, getattr(engine, "model_config", None))
-            if media_refs is not None
-            else None
+            MediaResolver(media_refs, engine.model_config) if media_refs is not None else None
         )
         self._kv_subscribers = kv_events.SubscriberLimit(max_kv_subscribers)
         # A token prompt past the model's context is refused by its length alone.
-        max_len = getattr(getattr(engine, "model_config", None), "max_model_len", None)
+        max_len = getattr(engine.model_config, "max_model_len", None)
         self._max_prompt_tokens: int | None = int(max_len) if max_len else None
         self._started_monotonic = time.monotonic()
         # Request ids in flight, a multiset (a caller may reuse its own running
@@ -110,10 +115,10 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self._model_info: pb.GetModelInfoResponse | None = None
         self._supported_tasks: tuple[str, ...] | None = None
         # Prefill/decode hand-off needs a KV connector in the engine (--kv-transfer-config).
-        config = getattr(engine, "vllm_config", None)
+        config = engine.vllm_config
         self._kv_connector = getattr(config, "kv_transfer_config", None)
         # vLLM's renderer turns a token prompt into engine input synchronously.
-        self._render = getattr(getattr(engine, "renderer", None), "process_for_engine", None)
+        self._render = engine.renderer.process_for_engine
         # Reads the engine's own per-step scheduler stats for GetLoads.
         self._stats_tap = loads.attach(engine)
         self._tokenizer_bundle: TokenizerBundle | None = None
@@ -209,7 +214,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             kwargs: dict[str, Any] = {}
             if tokenization is not None:
                 kwargs["tokenization_kwargs"] = tokenization
-            elif self._render is not None and not isinstance(prompt, str) and not images:
+            elif not isinstance(prompt, str) and not images:
                 # Token ids need no tokenizer: render them here, which spares
                 # the engine's hop through a worker thread for raw prompts.
                 # The engine still validates the rendered input.
@@ -310,10 +315,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         cache = getattr(config, "cache_config", None)
         scheduler = getattr(config, "scheduler_config", None)
         kv_transfer = getattr(config, "kv_transfer_config", None)
-        is_paused = False
-        probe = getattr(self._engine, "is_paused", None)
-        if callable(probe):
-            is_paused = bool(await probe())
+        is_paused = await self._engine.is_paused()
         return pb.GetServerInfoResponse(
             active_requests=self.active_requests,
             is_paused=is_paused,
@@ -415,8 +417,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             )
         images = await self._media.images(request.media_refs)
         prompt["multi_modal_data"] = {"image": images[0] if len(images) == 1 else images}
-        render = getattr(getattr(self._engine, "renderer", None), "process_for_engine_async", None)
-        if render is None or convert.tokenization_kwargs(request.sampling_params) is not None:
+        render = self._engine.renderer.process_for_engine_async
+        if convert.tokenization_kwargs(request.sampling_params) is not None:
             return prompt  # the engine processes it (truncating it first)
         try:
             # As the engine would; rendered here, a mismatch is named as the
@@ -439,9 +441,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         """
         if self._kv_connector is None or not kv_transfer.get("do_remote_prefill"):
             return
-        notify = getattr(self._engine, "notify_kv_transfer_request_rejected", None)
-        if notify is None:  # an engine without the hook: the lease expiry frees them
-            return
+        notify = self._engine.notify_kv_transfer_request_rejected
         rank = request.data_parallel_rank if request.HasField("data_parallel_rank") else None
         try:
             await notify(request_id, kv_transfer, data_parallel_rank=rank)
@@ -466,8 +466,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     async def _tasks(self) -> tuple[str, ...]:
         if self._supported_tasks is None:
-            get = getattr(self._engine, "get_supported_tasks", None)
-            tasks = await get() if get is not None else ("generate",)
+            tasks = await self._engine.get_supported_tasks()
             self._supported_tasks = tuple(tasks)
         return self._supported_tasks
 
