@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,7 @@ from vllm.distributed.kv_events import (
 )
 
 from vllm_servicer import mount
-from vllm_servicer.errors import TooManySubscribersError
+from vllm_servicer.errors import EventsLostError, FieldOutOfRangeError, TooManySubscribersError
 from vllm_servicer.interceptors.auth import (
     ADMIN_ROLE,
     AnyOf,
@@ -208,15 +208,238 @@ async def test_relay_streams_a_live_publisher(tmp_path: Path) -> None:
         publisher.shutdown()
 
 
-async def test_a_resume_point_is_refused_where_events_are_published(featured: Any) -> None:
-    """Nothing is kept between subscriptions, so a non-zero start cannot be honoured."""
+async def test_a_resume_point_is_refused_where_the_publisher_keeps_no_replay_buffer(
+    featured: Any,
+) -> None:
     _, channel = featured
     stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
     call = stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(start_sequence_number=7))
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await call.read()
     assert err.value.code() == grpc.StatusCode.OUT_OF_RANGE
-    assert "start_sequence_number" in (err.value.details() or "")
+    details = err.value.details() or ""
+    assert details.startswith("start_sequence_number: 7: ") and "replay_endpoint" in details
+
+
+# ----- resuming and filling gaps from the publisher's replay buffer -------------
+
+
+@pytest.fixture(scope="module")
+async def replaying(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[tuple[Any, grpc.aio.Channel]]:
+    """A real engine whose publisher keeps a replay buffer, served with the reference's stubs."""
+    from helpers import build_engine
+
+    work = tmp_path_factory.mktemp("replaying")
+    engine = build_engine(
+        tiny_model_dir,
+        enable_prefix_caching=True,
+        kv_events_config=KVEventsConfig(
+            enable_kv_cache_events=True,
+            publisher="zmq",
+            endpoint=f"ipc://{work}/kv-events",
+            replay_endpoint=f"ipc://{work}/kv-replay",
+        ),
+    )
+    server = grpc.aio.server()
+    mount(server, engine, health=False)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield engine, channel
+    finally:
+        await server.stop(None)
+        engine.shutdown()
+
+
+async def test_a_subscriber_resumes_where_it_left_off_on_a_real_engine(replaying: Any) -> None:
+    engine, channel = replaying
+    stub = ref_grpc.VllmEngineStub(channel)  # the reference's client
+    own = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+    block_size = engine.vllm_config.cache_config.block_size
+
+    def prompt(salt: int) -> list[int]:
+        return [(11 * i + salt) % 300 + 3 for i in range(2 * block_size)]
+
+    first = stub.SubscribeKvEvents(ref_common.SubscribeKvEventsRequest())
+    await first.initial_metadata()
+    await asyncio.sleep(0.5)  # ZMQ subscriptions reach the publisher asynchronously
+    await collect(own.Generate(request(prompt(1), max_tokens=2)))
+    batch, _ = await _next_event(first, "stored")
+    left_at = batch.sequence_number
+    first.cancel()
+
+    for salt in (2, 3, 4):  # published while nobody listens
+        await collect(own.Generate(request(prompt(salt), max_tokens=2)))
+    await asyncio.sleep(0.5)  # sent by the engine's publisher thread
+
+    resumed = stub.SubscribeKvEvents(
+        ref_common.SubscribeKvEventsRequest(start_sequence_number=left_at + 1)
+    )
+    await resumed.initial_metadata()
+    await asyncio.sleep(0.5)
+    await collect(own.Generate(request(prompt(5), max_tokens=2)))  # and one live
+    seen: list[int] = []
+    stored: list[list[int]] = []
+
+    async def until_the_live_one() -> None:
+        while prompt(5)[:block_size] not in stored:
+            batch = await resumed.read()
+            assert batch is not grpc.aio.EOF
+            seen.append(batch.sequence_number)
+            for event in batch.events:
+                if event.stored.blocks:
+                    stored.append(list(event.stored.blocks[0].token_ids))
+
+    try:
+        await asyncio.wait_for(until_the_live_one(), 20)
+    finally:
+        resumed.cancel()
+    # Every batch since the first subscription, in order, none missing.
+    assert seen == list(range(left_at + 1, left_at + 1 + len(seen))), seen
+    # Including the blocks stored while nobody listened, in the order stored.
+    firsts = [prompt(salt)[:block_size] for salt in (2, 3, 4, 5)]
+    assert [block for block in stored if block in firsts] == firsts
+    assert await wait_until_idle(engine) == 0
+
+
+def _replaying_relay(
+    tmp_path: Path, *, buffer_steps: int = 1000, **options: Any
+) -> tuple[Any, Callable[..., Any]]:
+    """A real ZMQ publisher with a replay buffer, and a relay factory subscribed to it."""
+    endpoint, replay = f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay"
+    publisher = ZmqEventPublisher(
+        0, endpoint=endpoint, replay_endpoint=replay, buffer_steps=buffer_steps, topic="kv"
+    )
+
+    def subscribe(start: int = 0, on_subscribed: Any = None) -> Any:
+        return relay(
+            [Source(0, endpoint, replay)],
+            topic="kv",
+            engine_dead=lambda: False,
+            on_subscribed=on_subscribed,
+            start=start,
+            **options,
+        )
+
+    return publisher, subscribe
+
+
+def _publish(publisher: Any, count: int) -> None:
+    for _ in range(count):
+        publisher.publish(KVEventBatch(ts=1.0, events=[AllBlocksCleared()]))
+
+
+async def _published(publisher: Any, count: int) -> None:
+    """Publish `count` batches and give the publisher thread time to send them."""
+    _publish(publisher, count)
+    await asyncio.sleep(0.5)
+
+
+async def test_a_resume_replays_the_kept_batches_then_goes_live(tmp_path: Path) -> None:
+    publisher, subscribe = _replaying_relay(tmp_path)
+
+    async def publish_once_subscribed() -> None:
+        # Batches 5 and 6 reach the subscriber both live and from the replay.
+        await asyncio.sleep(0.3)
+        await _published(publisher, 2)
+
+    stream = subscribe(start=2, on_subscribed=publish_once_subscribed)
+    try:
+        await _published(publisher, 5)  # 0..4, before the subscriber asks
+        got = [(await asyncio.wait_for(stream.__anext__(), 10)).sequence_number for _ in range(5)]
+        assert got == [2, 3, 4, 5, 6]
+        _publish(publisher, 2)
+        got = [(await asyncio.wait_for(stream.__anext__(), 10)).sequence_number for _ in range(2)]
+        assert got == [7, 8]  # live now, nothing repeated
+    finally:
+        await stream.aclose()
+        publisher.shutdown()
+
+
+async def test_a_resume_point_no_longer_kept_is_out_of_range_naming_the_oldest(
+    tmp_path: Path,
+) -> None:
+    publisher, subscribe = _replaying_relay(tmp_path, buffer_steps=3)
+    stream = subscribe(start=1)
+    try:
+        await _published(publisher, 6)  # 3, 4 and 5 kept
+        with pytest.raises(FieldOutOfRangeError, match=r"^start_sequence_number: 1: .* from 3 on"):
+            await asyncio.wait_for(stream.__anext__(), 10)
+    finally:
+        await stream.aclose()
+        publisher.shutdown()
+
+
+async def test_a_resume_point_past_the_next_batch_is_out_of_range(tmp_path: Path) -> None:
+    publisher, subscribe = _replaying_relay(tmp_path)
+    await _published(publisher, 2)  # 0 and 1
+    subscribed = asyncio.Event()
+
+    async def mark() -> None:
+        subscribed.set()
+
+    stream = subscribe(start=9, on_subscribed=mark)
+    try:
+        pending = asyncio.ensure_future(stream.__anext__())
+        await subscribed.wait()
+        await asyncio.sleep(0.3)
+        _publish(publisher, 1)  # 2, the first live one
+        with pytest.raises(FieldOutOfRangeError, match="next batch is 2"):
+            await asyncio.wait_for(pending, 10)
+    finally:
+        await stream.aclose()
+        publisher.shutdown()
+
+
+async def test_batches_a_slow_subscriber_missed_are_filled_in_from_the_replay_buffer(
+    tmp_path: Path,
+) -> None:
+    publisher, subscribe = _replaying_relay(tmp_path, backlog=10)
+    subscribed = asyncio.Event()
+
+    async def mark() -> None:
+        subscribed.set()
+
+    stream = subscribe(on_subscribed=mark)
+    try:
+        first = asyncio.ensure_future(stream.__anext__())
+        await subscribed.wait()
+        await asyncio.sleep(0.3)
+        _publish(publisher, 1)
+        assert (await asyncio.wait_for(first, 10)).sequence_number == 0
+        await _published(publisher, 200)  # read by nobody: the backlog keeps the last 10
+        got = [(await asyncio.wait_for(stream.__anext__(), 10)).sequence_number for _ in range(200)]
+        assert got == list(range(1, 201))
+    finally:
+        await stream.aclose()
+        publisher.shutdown()
+
+
+async def test_missed_batches_no_longer_kept_end_the_stream_with_events_lost(
+    tmp_path: Path,
+) -> None:
+    publisher, subscribe = _replaying_relay(tmp_path, buffer_steps=20, backlog=10)
+    subscribed = asyncio.Event()
+
+    async def mark() -> None:
+        subscribed.set()
+
+    stream = subscribe(on_subscribed=mark)
+    try:
+        first = asyncio.ensure_future(stream.__anext__())
+        await subscribed.wait()
+        await asyncio.sleep(0.3)
+        _publish(publisher, 1)
+        assert (await asyncio.wait_for(first, 10)).sequence_number == 0
+        await _published(publisher, 200)  # 1..190 dropped here, 181..200 kept there
+        with pytest.raises(EventsLostError, match="batches 1 to 190 of rank 0"):
+            await asyncio.wait_for(stream.__anext__(), 10)
+    finally:
+        await stream.aclose()
+        publisher.shutdown()
 
 
 async def test_subscribers_past_the_limit_are_resource_exhausted(featured: Any) -> None:

@@ -85,3 +85,11 @@ class NotEnabledError(RuntimeError):
 
 class TooManySubscribersError(RuntimeError):
     """A streaming subscription past the server's limit on concurrent subscribers."""
+
+
+class EventsLostError(RuntimeError):
+    """Events a subscriber needs are gone: past the publisher's replay buffer, or it restarted.
+
+    The subscriber's view can no longer be made whole; it resubscribes from
+    the current state.
+    """

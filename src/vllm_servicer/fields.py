@@ -154,11 +154,13 @@ REFUSED: Mapping[str, Mapping[str, Refusal]] = {
         ),
     },
     "SubscribeKvEvents": {
+        # Honoured where the engine keeps a replay buffer (kv_events.py).
         "start_sequence_number": Refusal(
             grpc.StatusCode.OUT_OF_RANGE,
-            "",
-            "this server keeps no event history to resume from; subscribe from 0 "
-            "(the current state) and resynchronise",
+            "the engine keeps no replay buffer, publishes from several ranks, or no longer "
+            "keeps the batch asked for",
+            "subscribe from 0 (the current state) and resynchronise; a resume needs "
+            "replay_endpoint in --kv-events-config",
         ),
     },
 }

@@ -5,6 +5,12 @@ PUB socket when started with `--kv-events-config` (enable_kv_cache_events and
 the "zmq" publisher). Each subscriber gets its own SUB socket connected to
 every data-parallel rank's publisher; batches keep the publisher's sequence
 number and carry the rank they came from.
+
+When the publisher keeps a replay buffer (`replay_endpoint` in the
+KV-events config), a subscriber may resume from a sequence number it names,
+and a batch missed mid-stream (dropped by ZMQ or by the subscriber's backlog)
+is fetched from the buffer before anything later is sent: the stream has no
+gaps, or it ends with DATA_LOSS (the batches are gone; resubscribe from 0).
 """
 
 from __future__ import annotations
@@ -32,7 +38,12 @@ from vllm.distributed.kv_events import (
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from .engine import EngineClient
-from .errors import NotEnabledError, TooManySubscribersError
+from .errors import (
+    EventsLostError,
+    FieldOutOfRangeError,
+    NotEnabledError,
+    TooManySubscribersError,
+)
 from .interceptors.auth import ADMIN_ROLE, current_identity
 from .loads import managed_ranks
 from .options import DEFAULT_MAX_KV_SUBSCRIBERS
@@ -53,6 +64,9 @@ DEFAULT_MAX_SUBSCRIBERS = DEFAULT_MAX_KV_SUBSCRIBERS
 # the engine nor in ZMQ); past this the oldest are dropped, and the client sees
 # the gap in sequence numbers.
 DEFAULT_BACKLOG = 1024
+# How long a replay buffer may take to answer (vLLM's publisher polls it every 0.1 s).
+REPLAY_TIMEOUT_S = 5.0
+_END_OF_REPLAY = ZmqEventPublisher.END_SEQ
 
 _U64 = 1 << 64
 _TIERS = {
@@ -131,10 +145,11 @@ class SubscriberLimit:
 
 
 class Source(NamedTuple):
-    """One rank's publisher, as a connectable address."""
+    """One rank's publisher, as connectable addresses."""
 
     rank: int
     endpoint: str
+    replay: str | None = None  # its replay buffer's ROUTER socket, when it keeps one
 
 
 def publisher_config(engine: EngineClient) -> Any:
@@ -154,18 +169,48 @@ def sources(engine: EngineClient, config: Any) -> list[Source]:
     reported = engine.get_kv_event_sources()
     if reported:
         found = [
-            Source(rank, connectable(cfg.endpoint))
+            Source(rank, connectable(cfg.endpoint), _replay_address(cfg.replay_endpoint))
             for rank, cfg in sorted(reported.items())
             if getattr(cfg, "endpoint", None)
         ]
-    else:  # none reported (yet): each rank offsets the base port by its rank
+    else:  # none reported (yet): each rank offsets the base ports by its rank
+        offset = ZmqEventPublisher.offset_endpoint_port
         found = [
-            Source(rank, connectable(ZmqEventPublisher.offset_endpoint_port(config.endpoint, rank)))
+            Source(
+                rank,
+                connectable(offset(config.endpoint, rank)),
+                _replay_address(offset(config.replay_endpoint, rank)),
+            )
             for rank in managed_ranks(engine)
         ]
     if not found:
         raise NotEnabledError(ENABLE_HINT)
     return found
+
+
+def _replay_address(endpoint: str | None) -> str | None:
+    return connectable(endpoint) if endpoint else None
+
+
+def check_resumable(ranks: list[Source], start: int) -> None:
+    """Refuse a resume point (`start_sequence_number`) these publishers cannot serve.
+
+    Raises:
+        FieldOutOfRangeError: no replay buffer, or several ranks (each numbers
+            its batches on its own, so one number cannot name a point in all).
+    """
+    if len(ranks) > 1:
+        raise FieldOutOfRangeError(
+            "start_sequence_number",
+            f"the engine publishes from {len(ranks)} data-parallel ranks, each numbering "
+            "its batches on its own; subscribe from 0 (the current state)",
+        )
+    if ranks[0].replay is None:
+        raise FieldOutOfRangeError(
+            "start_sequence_number",
+            f"{start}: the engine keeps no replay buffer to resume from; subscribe from 0 "
+            "(the current state), or start vLLM with replay_endpoint in --kv-events-config",
+        )
 
 
 def connectable(endpoint: str | None) -> str:
@@ -247,6 +292,15 @@ class BatchDecoder:
         self._decode = msgspec.msgpack.Decoder(KVEventBatch).decode
         self._event_id = 0
 
+    @property
+    def numbered(self) -> int:
+        """Events numbered so far."""
+        return self._event_id
+
+    def renumber_from(self, numbered: int) -> None:
+        """Number the next events as if only `numbered` had been (to decode missed ones first)."""
+        self._event_id = numbered
+
     def __call__(self, frames: list[bytes]) -> common_pb2.KvEventBatch | None:
         """`[topic, 8-byte big-endian sequence, msgpack batch]` as a wire batch, or None."""
         if len(frames) < 3:
@@ -277,11 +331,14 @@ async def relay(
     engine_dead: Callable[[], bool],
     on_subscribed: Callable[[], Any] | None = None,
     backlog: int = DEFAULT_BACKLOG,
+    start: int = 0,
 ) -> AsyncGenerator[common_pb2.KvEventBatch, None]:
     """Stream every rank's published batches until the caller stops iterating.
 
     A reader task drains the socket as batches arrive, whatever the caller's
     pace, into a queue of at most `backlog` batches (the oldest go first).
+    Where a rank keeps a replay buffer, the batches missing from its stream
+    are fetched from it before a later one is sent.
 
     Args:
         ranks: the publishers to subscribe to.
@@ -290,9 +347,15 @@ async def relay(
         on_subscribed: awaited once the socket is connected (e.g. to send
             the call's initial metadata, so the client knows it is live).
         backlog: batches held for a caller that reads slower than they arrive.
+        start: the first sequence number wanted; 0 streams from now on.
+            Needs one rank with a replay buffer (see `check_resumable`).
 
     Raises:
         EngineDeadError: the engine died while the stream was open.
+        FieldOutOfRangeError: `start` is older than the oldest batch kept, or
+            newer than the next one the publisher will send.
+        EventsLostError: a missed batch is no longer kept, or the publisher
+            restarted its numbering.
     """
     context = zmq.asyncio.Context.instance()
     socket = context.socket(zmq.SUB)
@@ -307,16 +370,136 @@ async def relay(
         if on_subscribed is not None:
             await on_subscribed()
         reader = asyncio.ensure_future(_read(socket, received, engine_dead))
-        decode = BatchDecoder()
+        order = _InOrder(ranks, BatchDecoder())
+        if start:
+            # Subscribed first: whatever is published after the replay arrives live.
+            for batch in await order.resume(start):
+                yield batch
         while True:
-            batch = decode(await _next(received, reader))
-            if batch is not None:
+            for batch in await order.accept(await _next(received, reader)):
                 yield batch
     finally:
         if reader is not None:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError, EngineDeadError):
                 await reader
+        socket.close(linger=0)
+
+
+def _sequence(frames: list[bytes]) -> int:
+    return int.from_bytes(frames[1], "big")
+
+
+class _InOrder:
+    """Sends each rank's batches in sequence, without gaps, where its replay buffer allows.
+
+    For a rank with a replay buffer it keeps the next sequence number owed
+    and the lowest one sent: a batch below the next one is a repeat of a
+    replayed batch (dropped) or, below the lowest, a restarted publisher.
+    Ranks without a buffer pass through as they come.
+    """
+
+    def __init__(self, ranks: list[Source], decode: BatchDecoder) -> None:
+        self._decode = decode
+        self._replay = {source.rank: source.replay for source in ranks if source.replay}
+        self._only_rank = ranks[0].rank if len(ranks) == 1 else None
+        self._next: dict[int, int] = {}
+        self._lowest: dict[int, int] = {}
+
+    async def resume(self, start: int) -> list[common_pb2.KvEventBatch]:
+        """The kept batches from `start` on, for the one rank (see `check_resumable`)."""
+        rank = self._only_rank
+        assert rank is not None and rank in self._replay
+        kept = await fetch_replay(self._replay[rank], start)
+        if kept and _sequence(kept[0]) > start:
+            oldest = _sequence(kept[0])
+            raise FieldOutOfRangeError(
+                "start_sequence_number",
+                f"{start}: the publisher keeps batches from {oldest} on, the older ones are "
+                "gone; subscribe from 0 (the current state) and resynchronise",
+            )
+        self._lowest[rank] = self._next[rank] = start
+        return self._in_order(rank, kept)
+
+    async def accept(self, frames: list[bytes]) -> list[common_pb2.KvEventBatch]:
+        """What to send for one received batch: those missed before it, then it."""
+        numbered = self._decode.numbered
+        batch = self._decode(frames)
+        if batch is None:
+            return []
+        rank = batch.dp_rank if batch.HasField("dp_rank") else self._only_rank
+        if rank not in self._replay:
+            return [batch]
+        assert rank is not None
+        seq = batch.sequence_number
+        owed = self._next.get(rank)
+        if owed is None:  # the rank's first batch on a stream from now on
+            self._lowest[rank] = seq
+        elif seq < owed:
+            if seq >= self._lowest[rank]:
+                return []  # sent already, from the replay buffer
+            if owed == self._lowest[rank]:  # nothing sent yet: asked for a future batch
+                raise FieldOutOfRangeError(
+                    "start_sequence_number",
+                    f"{owed}: the publisher's next batch is {seq}; subscribe from 0 "
+                    "(the current state) and resynchronise",
+                )
+            raise EventsLostError(
+                f"the KV-event publisher of rank {rank} restarted (its batches went back "
+                f"from {owed - 1} to {seq}); resubscribe from 0 and resynchronise"
+            )
+        elif seq > owed:
+            missed = await fetch_replay(self._replay[rank], owed)
+            missed = [frames for frames in missed if _sequence(frames) < seq]
+            if not missed or _sequence(missed[0]) != owed:
+                raise EventsLostError(
+                    f"KV-event batches {owed} to {seq - 1} of rank {rank} were missed and the "
+                    "publisher no longer keeps them; resubscribe from 0 and resynchronise"
+                )
+            # Event ids follow the order sent: the missed batches are numbered first.
+            self._decode.renumber_from(numbered)
+            return self._in_order(rank, [*missed, frames])
+        self._next[rank] = seq + 1
+        return [batch]
+
+    def _in_order(self, rank: int, kept: list[list[bytes]]) -> list[common_pb2.KvEventBatch]:
+        out = []
+        for frames in kept:
+            self._next[rank] = _sequence(frames) + 1
+            batch = self._decode(frames)
+            if batch is not None:
+                out.append(batch)
+        return out
+
+
+async def fetch_replay(
+    endpoint: str, start: int, timeout: float = REPLAY_TIMEOUT_S
+) -> list[list[bytes]]:
+    """The batches a publisher keeps from `start` on, as SUB frames [topic, sequence, payload].
+
+    vLLM's publisher answers a DEALER that sends an 8-byte big-endian start
+    with every kept batch from there, then a marker whose sequence is -1.
+
+    Raises:
+        EventsLostError: the replay buffer did not answer within `timeout` seconds.
+    """
+    socket = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+    kept: list[list[bytes]] = []
+    try:
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.connect(endpoint)
+        await socket.send_multipart([b"", start.to_bytes(8, "big")])
+        while True:
+            if not await socket.poll(timeout=int(timeout * 1000)):
+                raise EventsLostError(
+                    f"the KV-event replay buffer did not answer within {timeout:g}s; "
+                    "resubscribe from 0 and resynchronise"
+                )
+            frames = (await socket.recv_multipart())[1:]  # after the empty delimiter
+            if len(frames) < 3 or frames[1] == _END_OF_REPLAY:
+                return kept
+            kept.append(frames)
+    finally:
         socket.close(linger=0)
 
 

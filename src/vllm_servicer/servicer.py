@@ -365,18 +365,21 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def SubscribeKvEvents(
         self, request: common_pb2.SubscribeKvEventsRequest, context: Context
     ) -> AsyncIterator[common_pb2.KvEventBatch]:
-        # Before the engine's settings: no engine makes a resume possible here.
-        fields.refuse_unserved("SubscribeKvEvents", request)
         config = kv_events.publisher_config(self._engine)
         if config is None:
             raise NotEnabledError(kv_events.ENABLE_HINT)
+        ranks = kv_events.sources(self._engine, config)
+        start = request.start_sequence_number
+        if start:
+            kv_events.check_resumable(ranks, start)
         with self._kv_subscribers.slot():
             stream = kv_events.relay(
-                kv_events.sources(self._engine, config),
+                ranks,
                 topic=config.topic or "",
                 engine_dead=lambda: bool(self._engine.errored),
                 # Headers out once subscribed: the client's first read means "live".
                 on_subscribed=lambda: context.send_initial_metadata(()),
+                start=start,
             )
             try:
                 async for batch in stream:

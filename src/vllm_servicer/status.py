@@ -39,6 +39,7 @@ from vllm.exceptions import (
 from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
 from .errors import (
+    EventsLostError,
     FieldOutOfRangeError,
     InvalidRequestError,
     MediaUnavailableError,
@@ -87,6 +88,7 @@ ERROR_TABLE: tuple[ErrorRule, ...] = (
     ErrorRule(QueueOverflowError, grpc.StatusCode.UNAVAILABLE, "ENGINE_BUSY"),
     ErrorRule(MaxQueuedTokensError, grpc.StatusCode.UNAVAILABLE, "ENGINE_BUSY"),
     ErrorRule(TooManySubscribersError, grpc.StatusCode.RESOURCE_EXHAUSTED, "TOO_MANY_SUBSCRIBERS"),
+    ErrorRule(EventsLostError, grpc.StatusCode.DATA_LOSS, "EVENTS_LOST"),
     ErrorRule(MediaUnavailableError, grpc.StatusCode.UNAVAILABLE, "MEDIA_UNAVAILABLE"),
     ErrorRule(ProfilerAlreadyActiveError, grpc.StatusCode.FAILED_PRECONDITION, "PROFILER_ACTIVE"),
     ErrorRule(UnsupportedError, grpc.StatusCode.FAILED_PRECONDITION, "UNSUPPORTED"),
