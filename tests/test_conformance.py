@@ -103,6 +103,8 @@ async def test_reference_unary_rpcs(ref_stub: Any, engine: Any) -> None:
     assert server.active_requests == 0
     assert server.data_parallel_size == 1
     assert server.max_num_seqs > 0
+    # A text model: no media of any kind, so no shared-memory transport either.
+    assert (server.mm_item_limits, server.shm_namespace_id, server.mm_processor) == ("", "", "")
 
     await ref_stub.Abort(ref.AbortRequest(request_ids=["nobody"]))
 

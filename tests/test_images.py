@@ -197,7 +197,8 @@ async def test_vision_and_schemes_are_advertised_only_when_images_can_be_sent(
     assert (await images_on.GetModelInfo(pb.GetModelInfoRequest())).supports_vision
     info = await images_on.GetServerInfo(pb.GetServerInfoRequest())
     assert (info.mm_processor, info.mm_media_ref_schemes) == ("inprocess", "data,file,http,https")
-    assert not (await images_off.GetModelInfo(pb.GetModelInfoRequest())).supports_vision
+    # Preprocessed tensors (mm_inputs) still reach the model: vision, but no media refs.
+    assert (await images_off.GetModelInfo(pb.GetModelInfoRequest())).supports_vision
     info = await images_off.GetServerInfo(pb.GetServerInfoRequest())
     assert (info.mm_processor, info.mm_media_ref_schemes) == ("", "")
 

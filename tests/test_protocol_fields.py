@@ -79,18 +79,38 @@ def _generate(build: Callable[[pb.GenerateRequest], Any]) -> Callable[[Any], Awa
     return call
 
 
-def _image(inputs: pb.MultimodalInputs) -> None:
-    inputs.pixel_values.inline = b"\0" * 12
+def _remote_pixels(inputs: pb.MultimodalInputs) -> None:
+    inputs.pixel_values.remote.transport = "nixl"
     inputs.pixel_values.shape.extend([1, 3, 2, 2])
     inputs.pixel_values.dtype = "uint8"
+    inputs.mm_placeholders.add(offset=0, length=1)
+
+
+def _shm_pixels(inputs: pb.MultimodalInputs) -> None:
+    inputs.pixel_values.shm.name = "/any-segment-of-this-host"
+    inputs.pixel_values.shm.nbytes = 12
+    inputs.pixel_values.shape.extend([1, 3, 2, 2])
+    inputs.pixel_values.dtype = "uint8"
+    inputs.mm_placeholders.add(offset=0, length=1)
 
 
 # One call per REFUSED row: (the call, what else its message must say).
 REFUSALS: dict[tuple[str, str], tuple[Callable[[Any], Awaitable[Any]], str]] = {
-    ("Generate", "mm_inputs"): (_generate(lambda r: _image(r.mm_inputs)), "multimodal"),
-    ("Generate", "extra_mm_inputs"): (
-        _generate(lambda r: _image(r.extra_mm_inputs.add())),
-        "multimodal",
+    ("Generate", "mm_inputs.pixel_values.remote"): (
+        _generate(lambda r: _remote_pixels(r.mm_inputs)),
+        "inline",
+    ),
+    ("Generate", "extra_mm_inputs.pixel_values.remote"): (
+        _generate(lambda r: _remote_pixels(r.extra_mm_inputs.add())),
+        "inline",
+    ),
+    ("Generate", "mm_inputs.pixel_values.shm"): (
+        _generate(lambda r: _shm_pixels(r.mm_inputs)),
+        "--enable-shm-tensors",
+    ),
+    ("Generate", "extra_mm_inputs.pixel_values.shm"): (
+        _generate(lambda r: _shm_pixels(r.extra_mm_inputs.add())),
+        "--enable-shm-tensors",
     ),
     ("Generate", "media_refs"): (
         _generate(lambda r: r.media_refs.items.add(url="https://example.com/a.png")),
@@ -149,6 +169,10 @@ def _error_info(err: grpc.aio.AioRpcError) -> error_details_pb2.ErrorInfo:
     return info
 
 
+def _unindexed(path: str) -> str:
+    return re.sub(r"\[\d+\]", "", path)
+
+
 def test_every_refusal_has_a_wire_test() -> None:
     shown = set(REFUSALS) | set(REFUSALS_ELSEWHERE)
     assert shown == {(m, p) for m, rows in REFUSED.items() for p in rows}
@@ -164,25 +188,44 @@ async def test_a_refused_field_is_refused_with_its_code_and_name(
     expected = REFUSED[method][path].code
     assert err.value.code() == expected, err.value.details()
     details = err.value.details() or ""
-    assert details.startswith(f"{path}: ") and words in details, details
+    # The message names the item of a repeated field ("extra_mm_inputs[0]..."); the table does not.
+    assert _unindexed(details).startswith(f"{path}: ") and words in details, details
     info = _error_info(err.value)
-    assert (info.metadata["field"], info.metadata["method"]) == (path, method)
+    assert (_unindexed(info.metadata["field"]), info.metadata["method"]) == (path, method)
     assert await wait_until_idle(engine) == 0
 
 
 @pytest.mark.parametrize(
-    "build",
+    ("build", "code", "field"),
     [
-        pytest.param(lambda r: r.mm_inputs.SetInParent(), id="empty mm_inputs"),
-        pytest.param(lambda r: r.media_refs.SetInParent(), id="empty media_refs"),
+        pytest.param(
+            lambda r: r.mm_inputs.SetInParent(),
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "mm_inputs",
+            id="empty mm_inputs",
+        ),
+        pytest.param(
+            lambda r: r.extra_mm_inputs.add(),
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "extra_mm_inputs[0]",
+            id="empty extra_mm_inputs",
+        ),
+        pytest.param(
+            lambda r: r.media_refs.SetInParent(),
+            grpc.StatusCode.UNIMPLEMENTED,
+            "media_refs",
+            id="empty media_refs",
+        ),
     ],
 )
-async def test_a_multimodal_message_is_refused_when_present_even_empty(
-    build: Callable[[pb.GenerateRequest], None], stub: Any
+async def test_a_multimodal_message_is_refused_by_a_text_model_when_present_even_empty(
+    build: Callable[[pb.GenerateRequest], None], code: grpc.StatusCode, field: str, stub: Any
 ) -> None:
+    """This engine's model takes no images, whatever the message holds."""
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await _generate(build)(stub)
-    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert err.value.code() == code
+    assert (err.value.details() or "").startswith(f"{field}: "), err.value.details()
 
 
 @pytest.mark.parametrize(

@@ -93,6 +93,12 @@ def build_parser() -> Any:
         help="resolve images that Generate names by URL (media_refs): data: URLs, file: under "
         "--allowed-local-media-path, http(s): only to --allowed-media-domains",
     )
+    net.add_argument(
+        "--enable-shm-tensors",
+        action="store_true",
+        help="take preprocessed image tensors (mm_inputs) through this host's shared memory "
+        "too, not only inline: only where every caller may read this host's shared memory",
+    )
 
     http = serve.add_argument_group("vllm-servicer: vLLM's HTTP API on the same engine")
     http.add_argument(
@@ -483,6 +489,7 @@ async def serve(args: argparse.Namespace) -> int:
             reflection_service=not args.no_reflection,
             max_kv_subscribers=args.max_kv_subscribers,
             media_refs=MediaRefOptions() if args.enable_media_refs else None,
+            shm_tensors=args.enable_shm_tensors,
         )
         address = f"{args.host}:{args.port}"
         if credentials is not None:

@@ -72,6 +72,26 @@ _SAMPLING = (
     "choice.choices",
 )
 
+# A preprocessed multimodal batch (mm_tensors.py). `mm_hashes` is checked
+# against the items, and the engine's cache key computed from the tensors
+# themselves. Shared memory is refused unless switched on (see REFUSED).
+_TENSOR = ("shape", "dtype", "inline")
+_MULTIMODAL = (
+    "pixel_values",
+    *(f"pixel_values.{name}" for name in _TENSOR),
+    "model_specific_tensors",
+    "im_token_id",
+    "mm_placeholders",
+    "mm_placeholders.offset",
+    "mm_placeholders.length",
+    "mm_hashes",
+    "batched_keys",
+    "flat_keys",
+    "keep_on_cpu_keys",
+    "modality",
+    "encoder_input_key",
+)
+
 HONOURED: Mapping[str, frozenset[str]] = {
     "Generate": frozenset(
         (
@@ -84,6 +104,10 @@ HONOURED: Mapping[str, frozenset[str]] = {
             "stream",
             "data_parallel_rank",
             *(f"sampling_params.{name}" for name in _SAMPLING),
+            "mm_inputs",
+            "extra_mm_inputs",
+            *(f"mm_inputs.{name}" for name in _MULTIMODAL),
+            *(f"extra_mm_inputs.{name}" for name in _MULTIMODAL),
         )
     ),
     "Embed": frozenset(
@@ -108,10 +132,18 @@ KV_CONNECTOR_HINT = (
     "the engine has no KV connector for prefill/decode hand-off; start vLLM with "
     '--kv-transfer-config (e.g. \'{"kv_connector": "NixlConnector", "kv_role": "kv_both"}\')'
 )
-_PREPROCESSED = (
-    "preprocessed multimodal tensors are not supported by this server; send images as "
-    "media_refs (served with --enable-media-refs)"
+SHM_TENSORS_HINT = (
+    "tensors in shared memory are off on this server; send them inline, or start it with "
+    "--enable-shm-tensors (mount(..., shm_tensors=True)) where every caller may read "
+    "this host's shared memory"
 )
+REMOTE_TENSOR_HINT = (
+    "remote tensor transports are not served; send the tensor inline or, on the same host, "
+    "through shared memory (shm)"
+)
+# Checked where the tensors are read: a tensor may also sit in a
+# model_specific_tensors value, and the message names the one at fault.
+_ANY_TENSOR = "set on any tensor of the batch (model_specific_tensors values too)"
 MEDIA_REFS_HINT = (
     "this server does not resolve media references; serve a model that takes images and "
     "start the server with --enable-media-refs (mount(..., media_refs=MediaRefOptions()))"
@@ -121,8 +153,24 @@ LOAD_SECTIONS = ("core", "all")
 
 REFUSED: Mapping[str, Mapping[str, Refusal]] = {
     "Generate": {
-        "mm_inputs": Refusal(grpc.StatusCode.UNIMPLEMENTED, "", _PREPROCESSED),
-        "extra_mm_inputs": Refusal(grpc.StatusCode.UNIMPLEMENTED, "", _PREPROCESSED),
+        "mm_inputs.pixel_values.remote": Refusal(
+            grpc.StatusCode.UNIMPLEMENTED, _ANY_TENSOR, REMOTE_TENSOR_HINT
+        ),
+        "extra_mm_inputs.pixel_values.remote": Refusal(
+            grpc.StatusCode.UNIMPLEMENTED, _ANY_TENSOR, REMOTE_TENSOR_HINT
+        ),
+        # Honoured when on (mm_tensors.py): the segment is read and copied,
+        # never unlinked (its owner_id does that).
+        "mm_inputs.pixel_values.shm": Refusal(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "shared-memory tensors are off; " + _ANY_TENSOR,
+            SHM_TENSORS_HINT,
+        ),
+        "extra_mm_inputs.pixel_values.shm": Refusal(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "shared-memory tensors are off; " + _ANY_TENSOR,
+            SHM_TENSORS_HINT,
+        ),
         # Honoured when on (media.py): images by URL, decoded here.
         "media_refs": Refusal(
             grpc.StatusCode.UNIMPLEMENTED,

@@ -58,6 +58,7 @@ def mount(
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     max_kv_subscribers: int = DEFAULT_MAX_SUBSCRIBERS,
     media_refs: MediaRefOptions | None = None,
+    shm_tensors: bool = False,
 ) -> MountedServices:
     """Serve `vllm.grpc.engine.VllmEngine` from `engine` on the host's `server`.
 
@@ -82,6 +83,11 @@ def mount(
             next one is answered RESOURCE_EXHAUSTED.
         media_refs: serve Generate's `media_refs` (images by URL) by these
             rules; None (the default) refuses them with UNIMPLEMENTED.
+        shm_tensors: take Generate's preprocessed tensors (`mm_inputs`)
+            through this host's shared memory too. Off by default: a caller
+            names the segment, and the server reads any its user can, so turn
+            it on only where every caller is trusted with this host's shared
+            memory (a router beside the server). Off, they come inline.
 
     Returns:
         The servicers and service names mounted.
@@ -98,7 +104,11 @@ def mount(
     pipeline, inflight = engine_pipeline(interceptors)
     recorder = HandlerRecorder()
     servicer = VllmEngineServicer(
-        engine, max_kv_subscribers=max_kv_subscribers, media_refs=media_refs, inflight=inflight
+        engine,
+        max_kv_subscribers=max_kv_subscribers,
+        media_refs=media_refs,
+        inflight=inflight,
+        shm_tensors=shm_tensors,
     )
     vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(servicer, recorder)  # type: ignore[no-untyped-call]
     names = [SERVICE_NAME]

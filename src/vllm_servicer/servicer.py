@@ -19,7 +19,7 @@ from grpc_status import rpc_status  # type: ignore[import-untyped]
 from vllm.exceptions import VLLMClientError
 from vllm.pooling_params import PoolingParams
 
-from . import admin, convert, fields, kv_events, loads
+from . import admin, convert, fields, kv_events, loads, mm_tensors
 from .engine import EngineClient, missing_members, served_model_name
 from .errors import (
     InvalidRequestError,
@@ -77,6 +77,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         inflight: the count of calls in flight that `active_requests` reports
             (`mount()` passes the one its interceptors keep); None: the
             requests this servicer runs.
+        shm_tensors: take preprocessed tensors (`mm_inputs`) through this
+            host's shared memory; off, they must come inline.
     """
 
     def __init__(
@@ -86,6 +88,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         max_kv_subscribers: int = kv_events.DEFAULT_MAX_SUBSCRIBERS,
         media_refs: MediaRefOptions | None = None,
         inflight: InflightInterceptor | None = None,
+        shm_tensors: bool = False,
     ) -> None:
         missing = missing_members(engine)
         if missing:
@@ -99,6 +102,9 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self._media = (
             MediaResolver(media_refs, engine.model_config) if media_refs is not None else None
         )
+        # What preprocessed tensors (mm_inputs) this model takes.
+        self._model_media = mm_tensors.ModelMedia.of(engine)
+        self._model_media.shm = shm_tensors
         self._kv_subscribers = kv_events.SubscriberLimit(max_kv_subscribers)
         # A token prompt past the model's context is refused by its length alone.
         max_len = getattr(engine.model_config, "max_model_len", None)
@@ -208,13 +214,17 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             limit = None if tokenization is not None else self._max_prompt_tokens
             prompt = convert.prompt_from_request(request, limit)
             images = request.HasField("media_refs")
-            if images:
+            tensors = mm_tensors.sent(request)
+            if tensors:
+                # The router's own processor output: the engine input as it stands.
+                prompt = await mm_tensors.engine_input(request, prompt, self._model_media)
+            elif images:
                 # vLLM's processor expands each image placeholder, off the event loop.
                 prompt = await self._with_images(request, prompt)
             kwargs: dict[str, Any] = {}
             if tokenization is not None:
                 kwargs["tokenization_kwargs"] = tokenization
-            elif not isinstance(prompt, str) and not images:
+            elif not isinstance(prompt, str) and not images and not tensors:
                 # Token ids need no tokenizer: render them here, which spares
                 # the engine's hop through a worker thread for raw prompts.
                 # The engine still validates the rendered input.
@@ -334,6 +344,11 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             mm_processor="inprocess" if self._takes_images else "",
             mm_media_ref_schemes=",".join(self._media.schemes)
             if self._media is not None and self._takes_images
+            else "",
+            # What a router reads to send tensors, and through shared memory.
+            mm_item_limits=self._model_media.item_limits,
+            shm_namespace_id=mm_tensors.shm_namespace()
+            if self._model_media.shm and self._model_media.limits
             else "",
         )
 
@@ -484,8 +499,9 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             is_generation=getattr(mc, "runner_type", "generate") == "generate",
             max_context_length=max_len,
             vocab_size=int(mc.get_vocab_size()),
-            # Only when a request can carry an image that reaches the model.
-            supports_vision=self._takes_images,
+            # Only when a request can carry an image that reaches the model:
+            # preprocessed tensors (mm_inputs), or media_refs when turned on.
+            supports_vision=self._model_media.takes_images or self._takes_images,
             served_model_name=served_model_name(self._engine),
             tokenizer_path=str(getattr(mc, "tokenizer", "") or ""),
             model_type=str(getattr(hf, "model_type", "") or ""),
