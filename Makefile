@@ -52,7 +52,8 @@ test-repeat: setup system-deps
 # range can be tried; test_vllm_version.py then fails until the range covers it.
 ENGINE_VENV = build/venv-$(subst ==,-,$(ENGINE))
 CORE_TESTS ?= tests/test_generate.py tests/test_rpcs.py tests/test_conformance.py \
-	tests/test_bad_input.py tests/test_vllm_version.py
+	tests/test_bad_input.py tests/test_vllm_version.py tests/test_protocol_fields.py \
+	tests/test_images.py tests/test_mm_tensors.py tests/test_kv_events.py
 test-engine:
 	test -f $(ENGINE_VENV)/.setup-done || { \
 	  $(PYTHON) -m venv $(ENGINE_VENV) && \
