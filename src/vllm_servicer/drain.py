@@ -39,6 +39,10 @@ logger = logging.getLogger("vllm_servicer.drain")
 
 # After aborting the stragglers in the engine: time for their final messages.
 _ABORT_FLUSH_SECONDS = 5.0
+# Once the last engine call's handler has returned: time for grpc to send its
+# status. The count drops as the handler ends, a few loop turns before the
+# trailers leave; stopping at once would cut those calls off (UNAVAILABLE).
+_STATUS_FLUSH_SECONDS = 0.5
 # What a HardStop allows beyond the drain for the owner to shut the engine down.
 _ENGINE_SHUTDOWN_SECONDS = 15.0
 
@@ -218,7 +222,8 @@ class GracefulShutdown:
             # The calls drained are all the server waits for: what runs on are
             # long-lived streams (reflection, KV events, a Watch stuck on a
             # client that reads nothing), which would hold it to the timeout.
-            await self._server.stop(0)
+            # A server with none stops as soon as the last status is sent.
+            await self._server.stop(_STATUS_FLUSH_SECONDS)
         await stopped
         await asyncio.gather(*others)
         logger.info("server stopped; %d calls left", servicer.active_requests)
