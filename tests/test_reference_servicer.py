@@ -1,0 +1,371 @@
+"""Our servicer and vLLM's own gRPC servicer answer image and prefill/decode requests alike.
+
+vLLM's `--grpc` server is `smg_grpc_servicer.vllm.servicer.VllmEngineServicer`.
+Here each scenario's real engine is served twice in this process, on two
+loopback ports: through `vllm_servicer.mount` and through the reference
+servicer on a plain `grpc.aio` server, registered with the reference's own
+generated code. Every request is built with the reference's stubs and sent,
+unchanged, to both; greedy tokens must be the same.
+
+- Images (`mm_inputs`, inline tensors) on the tiny LLaVA, preprocessed the way
+  a router does it: the model directory's HF processor expands the image
+  placeholder and makes `pixel_values`. Two images must give two different
+  outputs, so agreement cannot come from both servers ignoring the image.
+- Prefill/decode params (`kv_transfer_params`, `kv_transfer_params_json`) on an
+  engine whose test KV connector hands back what it was given: the params the
+  connector returns must come back the same in `GenerateComplete`, typed and
+  JSON (compared parsed: the two servers lay the JSON out differently).
+
+Importing the reference next to this package also shows that their protobuf
+descriptors coexist in one process (theirs in the default pool, ours in
+`vllm_servicer.proto.POOL`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from helpers import build_engine, collect, completes, streamed_tokens
+from smg_grpc_proto.generated import common_pb2 as ref_common
+from smg_grpc_proto.generated import vllm_engine_pb2 as ref
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as ref_grpc
+
+from vllm_servicer import mount
+from vllm_servicer.proto import POOL
+from vllm_servicer.proto import vllm_engine_pb2 as ours
+from vllm_servicer.tiny_model import build_tiny_engine
+from vllm_servicer.tiny_vlm import IMAGE_TOKEN, TINY_VLM_ENGINE_KWARGS, write_tiny_vlm
+
+if importlib.util.find_spec("smg_grpc_servicer") is None:
+    pytest.skip(
+        "smg-grpc-servicer (vLLM's own gRPC servicer) is not installed",
+        allow_module_level=True,
+    )
+
+PROMPT = f"{IMAGE_TOKEN} What is in this picture?"
+RED, BLUE = (255, 0, 0), (0, 0, 255)
+
+
+# ----- two servers on one engine ---------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Servers:
+    """Stubs (the reference's generated code) for the same engine behind both servicers."""
+
+    ours: Any
+    reference: Any
+
+
+async def _started(server: grpc.aio.Server) -> grpc.aio.Channel:
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+
+
+async def _serve_both(engine: Any) -> AsyncIterator[Servers]:
+    # Imported here, not at collection: the reference's import installs its
+    # launcher hooks, which only the tests that serve it need.
+    from smg_grpc_servicer.vllm.servicer import VllmEngineServicer
+
+    ours = grpc.aio.server()
+    mount(ours, engine, health=False, reflection_service=False)
+    reference = grpc.aio.server()
+    servicer = VllmEngineServicer(engine, time.time())
+    ref_grpc.add_VllmEngineServicer_to_server(servicer, reference)
+    ours_channel = await _started(ours)
+    reference_channel = await _started(reference)
+    try:
+        yield Servers(
+            ours=ref_grpc.VllmEngineStub(ours_channel),
+            reference=ref_grpc.VllmEngineStub(reference_channel),
+        )
+    finally:
+        await ours_channel.close()
+        await reference_channel.close()
+        await ours.stop(None)
+        await reference.stop(None)
+
+
+async def _generate(stub: Any, req: ref.GenerateRequest) -> list[Any]:
+    return await collect(stub.Generate(req, timeout=60))
+
+
+def _tokens(messages: list[Any], *, stream: bool) -> list[int]:
+    """The output tokens: from the chunks of a stream, else from its one `complete`.
+
+    The reference's `complete` of a stream repeats only the last delta, so a
+    stream's tokens are read from its chunks on both servers.
+    """
+    if stream:
+        return streamed_tokens(messages)[0]
+    return list(completes(messages)[0].output_ids)
+
+
+def test_the_references_descriptors_and_ours_coexist_in_one_process() -> None:
+    """Theirs register in protobuf's default pool, ours in a private one: no clash, same wire."""
+    import smg_grpc_servicer.vllm.servicer  # noqa: F401 - everything the reference registers
+    from google.protobuf import descriptor_pool
+
+    name = "vllm.grpc.engine.GenerateRequest"
+    assert descriptor_pool.Default().FindMessageTypeByName(name) is ref.GenerateRequest.DESCRIPTOR
+    assert POOL.FindMessageTypeByName(name) is ours.GenerateRequest.DESCRIPTOR
+    sent = ref.GenerateRequest(request_id="both", kv_transfer_params_json="{}")
+    sent.mm_inputs.modality = ref_common.IMAGE
+    assert ours.GenerateRequest.FromString(sent.SerializeToString()).mm_inputs.modality == (
+        ref_common.IMAGE
+    )
+
+
+# ----- images: preprocessed tensors in `mm_inputs` ---------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Routed:
+    """What a router sends for one image: expanded ids, pixels, the image's token range."""
+
+    ids: list[int]
+    pixels: bytes
+    shape: list[int]
+    offset: int
+    length: int
+    image_token: int
+
+
+@pytest.fixture(scope="module")
+def vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_vlm(tmp_path_factory.mktemp("models") / "tiny-llava")
+
+
+@pytest.fixture(scope="module")
+def preprocess(vlm_dir: Path) -> Callable[[tuple[int, int, int]], Routed]:
+    """The router's side: the model's own HF processor on the prompt and one image."""
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(str(vlm_dir))
+    image_token = processor.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+
+    def run(color: tuple[int, int, int]) -> Routed:
+        image = Image.new("RGB", (40, 50), color)
+        out = processor(text=PROMPT, images=image, return_tensors="pt")
+        ids = out["input_ids"][0].tolist()
+        positions = [i for i, token in enumerate(ids) if token == image_token]
+        assert positions == list(range(positions[0], positions[0] + len(positions)))
+        pixels = out["pixel_values"].float().contiguous()
+        return Routed(
+            ids=ids,
+            pixels=pixels.numpy().tobytes(),
+            shape=list(pixels.shape),
+            offset=positions[0],
+            length=len(positions),
+            image_token=image_token,
+        )
+
+    return run
+
+
+@pytest.fixture(scope="module")
+async def vlm_servers(vlm_dir: Path) -> AsyncIterator[Servers]:
+    engine = build_tiny_engine(vlm_dir, **TINY_VLM_ENGINE_KWARGS)
+    try:
+        async for servers in _serve_both(engine):
+            yield servers
+    finally:
+        engine.shutdown()
+
+
+def _image_request(routed: Routed, name: str) -> ref.GenerateRequest:
+    """A router's request: every field the reference reads to rebuild the image input.
+
+    The reference keys the engine's caches by `mm_hashes` as sent (ours derives
+    its key from the tensors), so each image carries its own content hash, as a
+    router's does; different keys also keep either server from being served
+    the other's cached image.
+    """
+    return ref.GenerateRequest(
+        request_id=f"image-{name}",
+        tokenized=ref.TokenizedInput(input_ids=routed.ids),
+        sampling_params=ref.SamplingParams(temperature=0.0, max_tokens=8),
+        mm_inputs=ref.MultimodalInputs(
+            pixel_values=ref.TensorData(inline=routed.pixels, shape=routed.shape, dtype="float32"),
+            im_token_id=routed.image_token,
+            mm_placeholders=[ref.PlaceholderRange(offset=routed.offset, length=routed.length)],
+            mm_hashes=["router-sha256:" + hashlib.sha256(routed.pixels).hexdigest()],
+            batched_keys=["pixel_values"],
+            modality=ref_common.IMAGE,
+        ),
+    )
+
+
+async def _both_tokens(servers: Servers, req: ref.GenerateRequest) -> tuple[list[int], list[int]]:
+    ours = _tokens(await _generate(servers.ours, req), stream=req.stream)
+    reference = _tokens(await _generate(servers.reference, req), stream=req.stream)
+    return ours, reference
+
+
+async def test_image_tensors_give_the_references_tokens(
+    vlm_servers: Servers, preprocess: Callable[[tuple[int, int, int]], Routed]
+) -> None:
+    by_image = {}
+    for name, color in (("red", RED), ("blue", BLUE)):
+        ours, reference = await _both_tokens(vlm_servers, _image_request(preprocess(color), name))
+        assert len(ours) == 8, name
+        assert ours == reference, name
+        by_image[name] = ours
+    assert by_image["red"] != by_image["blue"]
+
+
+# ----- prefill/decode: `kv_transfer_params` in and out -----------------------------------------
+
+
+@pytest.fixture(scope="module")
+async def kv_servers(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[Servers]:
+    """Both servicers on an engine with the test connector that echoes its params back."""
+    from vllm.config import KVTransferConfig
+
+    engine = build_engine(
+        tiny_model_dir,
+        enable_prefix_caching=False,
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="EchoConnector",
+            kv_connector_module_path="kv_echo_connector",
+            kv_role="kv_both",
+            kv_connector_extra_config={
+                "shared_storage_path": str(tmp_path_factory.mktemp("kv-reference"))
+            },
+        ),
+    )
+    try:
+        async for servers in _serve_both(engine):
+            yield servers
+    finally:
+        engine.shutdown()
+
+
+# Shorter than one KV block: the file-based connector then stores and loads
+# nothing, so each server's request is computed by the engine, not read back
+# from what the other one stored.
+PROMPT_IDS = [5, 17, 42, 99, 7, 63, 21, 88]
+ECHOED = {"echoed_by": "EchoConnector"}
+
+
+def _kv_request(
+    *,
+    typed: tuple[str, int] | None = None,
+    json_params: dict[str, Any] | None = None,
+    stream: bool = False,
+) -> ref.GenerateRequest:
+    req = ref.GenerateRequest(
+        request_id="prefill-decode",
+        tokenized=ref.TokenizedInput(input_ids=PROMPT_IDS),
+        sampling_params=ref.SamplingParams(temperature=0.0, max_tokens=4),
+        stream=stream,
+    )
+    if typed is not None:
+        req.kv_transfer_params.remote_host, req.kv_transfer_params.remote_port = typed
+    if json_params is not None:
+        req.kv_transfer_params_json = json.dumps(json_params)
+    return req
+
+
+@dataclasses.dataclass(frozen=True)
+class Handed:
+    """What one server answered: its tokens and the connector's params, typed and parsed."""
+
+    tokens: list[int]
+    params: dict[str, Any]
+    typed: tuple[str, int] | None
+
+
+def _handed(messages: list[Any], *, stream: bool) -> Handed:
+    done = completes(messages)[0]
+    typed = done.kv_transfer_params
+    return Handed(
+        tokens=_tokens(messages, stream=stream),
+        params=json.loads(done.kv_transfer_params_json),
+        typed=(typed.remote_host, typed.remote_port)
+        if done.HasField("kv_transfer_params")
+        else None,
+    )
+
+
+async def _both_handed(servers: Servers, req: ref.GenerateRequest) -> tuple[Handed, Handed]:
+    ours = _handed(await _generate(servers.ours, req), stream=req.stream)
+    reference = _handed(await _generate(servers.reference, req), stream=req.stream)
+    return ours, reference
+
+
+async def test_typed_params_come_back_as_from_the_reference(kv_servers: Servers) -> None:
+    ours, reference = await _both_handed(kv_servers, _kv_request(typed=("10.0.0.3", 7001)))
+    assert ours == reference
+    assert ours.params == {"remote_host": "10.0.0.3", "remote_port": 7001, **ECHOED}
+    assert ours.typed == ("10.0.0.3", 7001)
+    assert len(ours.tokens) == 4
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+async def test_json_params_come_back_as_from_the_reference(
+    kv_servers: Servers, stream: bool
+) -> None:
+    sent = {"do_remote_decode": True, "remote_host": "10.0.0.2", "remote_port": 7000, "ids": [1]}
+    ours, reference = await _both_handed(kv_servers, _kv_request(json_params=sent, stream=stream))
+    assert ours == reference
+    assert ours.params == {**sent, **ECHOED}
+    assert ours.typed == ("10.0.0.2", 7000)
+    assert len(ours.tokens) == 4
+
+
+async def test_json_params_without_an_address_come_back_without_the_typed_mirror(
+    kv_servers: Servers,
+) -> None:
+    """The typed message mirrors only a usable host and port, on both servers."""
+    sent = {"do_remote_decode": True, "remote_engine_id": "prefill-0", "remote_block_ids": [3]}
+    ours, reference = await _both_handed(kv_servers, _kv_request(json_params=sent))
+    assert ours == reference
+    assert ours.params == {**sent, **ECHOED}
+    assert ours.typed is None
+
+
+async def test_typed_and_json_together_are_merged_here_but_json_wins_in_the_reference(
+    kv_servers: Servers,
+) -> None:
+    """A documented difference (docs/protocol.md, "Prefill/decode").
+
+    The reference reads `kv_transfer_params_json` and drops the typed params
+    when both are sent; this servicer reads both, so a host and port sent only
+    in the typed message reach the connector too. Tokens are the same.
+    """
+    sent = {"do_remote_decode": True, "remote_engine_id": "prefill-0"}
+    req = _kv_request(typed=("10.0.0.4", 7002), json_params=sent)
+    ours, reference = await _both_handed(kv_servers, req)
+    assert ours.tokens == reference.tokens
+    assert reference.params == {**sent, **ECHOED}
+    assert reference.typed is None
+    assert ours.params == {**sent, "remote_host": "10.0.0.4", "remote_port": 7002, **ECHOED}
+    assert ours.typed == ("10.0.0.4", 7002)
+
+
+async def test_typed_params_contradicting_the_json_are_refused_here_and_dropped_by_the_reference(
+    kv_servers: Servers,
+) -> None:
+    """A documented difference: this servicer refuses a host the two forms disagree on."""
+    sent = {"do_remote_decode": True, "remote_host": "10.0.0.5", "remote_port": 7003}
+    req = _kv_request(typed=("10.0.0.6", 7003), json_params=sent)
+    reference = _handed(await _generate(kv_servers.reference, req), stream=False)
+    assert reference.params == {**sent, **ECHOED}
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await _generate(kv_servers.ours, req)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (err.value.details() or "").startswith("kv_transfer_params.remote_host: ")
