@@ -105,6 +105,11 @@ async def test_reference_unary_rpcs(ref_stub: Any, engine: Any) -> None:
     assert server.max_num_seqs > 0
     # A text model: no media of any kind, so no shared-memory transport either.
     assert (server.mm_item_limits, server.shm_namespace_id, server.mm_processor) == ("", "", "")
+    # Read off the engine's configuration: float32, no reasoning parser (so a
+    # grammar runs from the first token), the attention backend left to the worker.
+    assert (server.multimodal_encoder_dtype, server.engine_reasoning_parser) == ("float32", "")
+    assert (server.constrained_decoding_start, server.attention_backend) == ("first_token", "")
+    assert not server.mm_device_do_normalize
 
     await ref_stub.Abort(ref.AbortRequest(request_ids=["nobody"]))
 
@@ -122,3 +127,23 @@ async def test_server_info_counts_active_requests(ref_stub: Any, engine: Any) ->
     assert sent <= info.last_receive_timestamp <= time.time()
     call.cancel()
     assert await wait_until_idle(engine) == 0
+
+
+def test_a_reasoning_engine_tells_routers_its_grammar_waits_for_the_thought() -> None:
+    """What a config with a reasoning parser gives (the tiny model has no thinking tokens)."""
+    from types import SimpleNamespace
+
+    from vllm_servicer.servicer import _engine_facts
+
+    def facts(**structured: Any) -> dict[str, Any]:
+        config = SimpleNamespace(structured_outputs_config=SimpleNamespace(**structured))
+        return _engine_facts(config)
+
+    held = facts(reasoning_parser="deepseek_r1", enable_in_reasoning=False)
+    assert (held["engine_reasoning_parser"], held["constrained_decoding_start"]) == (
+        "deepseek_r1",
+        "after_reasoning",
+    )
+    inside = facts(reasoning_parser="deepseek_r1", enable_in_reasoning=True)
+    assert inside["constrained_decoding_start"] == "first_token"
+    assert _engine_facts(SimpleNamespace())["constrained_decoding_start"] == ""  # unknown

@@ -66,6 +66,37 @@ def _request_id(given: str, prefix: str) -> str:
     return given or f"{prefix}-{uuid.uuid4().hex}"
 
 
+# The grammar's start on a prompt that ends inside the model's thought, as
+# routers read GetServerInfo.constrained_decoding_start.
+_AFTER_REASONING, _FROM_FIRST_TOKEN = "after_reasoning", "first_token"
+
+
+def _engine_facts(config: Any) -> dict[str, Any]:
+    """GetServerInfo's fields read off the engine's configuration beyond the basics.
+
+    The attention backend is the one asked for (`--attention-backend`); on
+    the automatic choice the worker picks it, and it is left empty (unknown).
+    """
+    model = getattr(config, "model_config", None)
+    dtype = str(getattr(model, "dtype", "") or "").removeprefix("torch.")
+    multimodal = getattr(model, "multimodal_config", None)
+    backend = getattr(getattr(config, "attention_config", None), "backend", None)
+    structured = getattr(config, "structured_outputs_config", None)
+    parser = str(getattr(structured, "reasoning_parser", "") or "")
+    # vLLM holds a grammar back until the thought ends, unless told to run it inside.
+    held_back = parser and not getattr(structured, "enable_in_reasoning", False)
+    return {
+        "multimodal_encoder_dtype": dtype if dtype in ("float32", "float16", "bfloat16") else "",
+        # Such an engine takes raw pixels and would normalise others twice.
+        "mm_device_do_normalize": bool(getattr(multimodal, "mm_device_do_normalize", False)),
+        "attention_backend": "" if backend is None else str(getattr(backend, "name", backend)),
+        "engine_reasoning_parser": parser,
+        "constrained_decoding_start": ""
+        if structured is None
+        else (_AFTER_REASONING if held_back else _FROM_FIRST_TOKEN),
+    }
+
+
 class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     """Serves vLLM's gRPC engine protocol from an `AsyncLLM` (or anything shaped like it).
 
@@ -350,6 +381,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             shm_namespace_id=mm_tensors.shm_namespace()
             if self._model_media.shm and self._model_media.limits
             else "",
+            **_engine_facts(config),
         )
 
     async def GetLoads(self, request: pb.GetLoadsRequest, context: Context) -> pb.GetLoadsResponse:
