@@ -109,7 +109,7 @@ async def test_reference_unary_rpcs(ref_stub: Any, engine: Any) -> None:
     # grammar runs from the first token), the attention backend left to the worker.
     assert (server.multimodal_encoder_dtype, server.engine_reasoning_parser) == ("float32", "")
     assert (server.constrained_decoding_start, server.attention_backend) == ("first_token", "")
-    assert not server.mm_device_do_normalize
+    assert not server.mm_device_do_normalize and server.mm_encoder_budget == 0
 
     await ref_stub.Abort(ref.AbortRequest(request_ids=["nobody"]))
 

@@ -298,13 +298,21 @@ def _this_hosts_shm() -> str:
     return f"{boot_id}:{os.stat('/dev/shm').st_dev}"
 
 
-async def test_vision_is_advertised_without_media_refs(refs_off: Any, preprocess: Any) -> None:
+async def test_vision_is_advertised_without_media_refs(
+    refs_off: Any, preprocess: Any, vlm: Any
+) -> None:
     assert (await refs_off.GetModelInfo(pb.GetModelInfoRequest())).supports_vision
     info = await refs_off.GetServerInfo(pb.GetServerInfoRequest())
     assert (info.mm_processor, info.mm_media_ref_schemes) == ("", "")
     # What a router needs to send tensors: how many; shared memory is off here.
     assert (info.mm_item_limits, info.shm_namespace_id) == ("image=1", "")
-    assert len(await _tokens(refs_off, _tensor_request(preprocess(RED)))) == 8
+    # vLLM's encoder budget: the lesser of its compute budget and its cache,
+    # each the scheduler's setting where one item fits within it (here).
+    scheduler = vlm.vllm_config.scheduler_config
+    limits = (scheduler.max_num_encoder_input_tokens, scheduler.encoder_cache_size)
+    routed = preprocess(RED)
+    assert routed.length <= info.mm_encoder_budget == min(limits)
+    assert len(await _tokens(refs_off, _tensor_request(routed))) == 8
 
 
 # ----- bad input is refused, named, and leaves the engine serving ----------------------------

@@ -132,6 +132,7 @@ class ModelMedia:
         self._image_shape: ItemShape | None = None
         self._learnt = False
         self._learning = threading.Lock()
+        self._encoder_budget: int | None = None
 
     @classmethod
     def of(cls, engine: Any) -> ModelMedia:
@@ -149,6 +150,18 @@ class ModelMedia:
         dtype = getattr(config, "dtype", None)
         dtype = dtype if isinstance(dtype, torch.dtype) else torch.float32
         return cls(limits, token_ids, dtype, processor)
+
+    def encoder_budget(self, vllm_config: Any) -> int:
+        """The most embedding positions one item may take and still be scheduled.
+
+        vLLM's own figure (the lesser of the encoder compute budget and the
+        encoder cache), as its start-up log gives it; 0 for a model that takes
+        no media, or when this vLLM cannot tell. Works out the model's largest
+        item on first use: call it off the event loop.
+        """
+        if self._encoder_budget is None:
+            self._encoder_budget = _encoder_budget(vllm_config) if self.limits else 0
+        return self._encoder_budget
 
     @property
     def item_limits(self) -> str:
@@ -222,6 +235,18 @@ def _processed_image(
         if isinstance(elem.data, torch.Tensor)
     }
     return shapes, out["mm_placeholders"]["image"][0].get_num_embeds()
+
+
+def _encoder_budget(vllm_config: Any) -> int:
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+    from vllm.multimodal.encoder_budget import MultiModalBudget
+
+    try:
+        budget = MultiModalBudget(vllm_config, MULTIMODAL_REGISTRY, enable_cache=False)
+        return max(int(budget.get_encoder_budget()), 0)
+    except Exception:  # a figure for routers: never worth failing GetServerInfo over
+        logger.warning("the engine's encoder budget could not be worked out", exc_info=True)
+        return 0
 
 
 @functools.cache

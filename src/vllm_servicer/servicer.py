@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import json
 import logging
@@ -357,6 +358,9 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         scheduler = getattr(config, "scheduler_config", None)
         kv_transfer = getattr(config, "kv_transfer_config", None)
         is_paused = await self._engine.is_paused()
+        media = self._model_media
+        # Worked out once, from the model's largest item: off the event loop.
+        budget = await asyncio.to_thread(media.encoder_budget, config) if media.limits else 0
         return pb.GetServerInfoResponse(
             active_requests=self.active_requests,
             is_paused=is_paused,
@@ -381,6 +385,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             shm_namespace_id=mm_tensors.shm_namespace()
             if self._model_media.shm and self._model_media.limits
             else "",
+            mm_encoder_budget=budget,
             **_engine_facts(config),
         )
 
