@@ -489,9 +489,12 @@ async def test_draining_replica_takes_no_new_calls_and_serves_its_streams(
     )
     assert await d.proc.wait() == 0, d.log_tail()
     log = d.log_tail()
-    # The streams were running when new calls were refused, ran on through the
-    # drain (not cut when the listener closed), and ended with their "abort".
-    assert re.search(r"waiting up to [\d.]+ s for 3 in flight", log), log
+    # The streams were running when new calls were refused (with, at times, a
+    # short call that arrived during the grace and was still finishing), ran on
+    # through the drain (not cut when the listener closed), and ended with their
+    # "abort".
+    waiting = re.search(r"waiting up to [\d.]+ s for (\d+) in flight", log)
+    assert waiting is not None and int(waiting.group(1)) >= 3, log
     assert "aborting 3 calls still running (drain timeout)" in log, log
     for code, tokens, _, finish in ended:
         assert (code, finish) == (grpc.StatusCode.OK, "abort") and tokens > 0
