@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import grpc
+
+from vllm_servicer import mount
 from vllm_servicer.proto import vllm_engine_pb2 as pb
 from vllm_servicer.tiny_model import build_tiny_engine
 
@@ -77,3 +82,19 @@ def streamed_tokens(messages: list[Any]) -> dict[int, list[int]]:
         if m.WhichOneof("response") == "chunk":
             out.setdefault(m.chunk.index, []).extend(m.chunk.token_ids)
     return out
+
+
+@contextlib.asynccontextmanager
+async def mounted_channel(engine: Any, **mount_options: Any) -> AsyncIterator[grpc.aio.Channel]:
+    """`engine` mounted on a server of its own on loopback, and a channel to it."""
+    server = grpc.aio.server()
+    mounted = mount(server, engine, **mount_options)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield channel
+    finally:
+        if mounted.health is not None:
+            await mounted.health.close()  # a Watch stream would hold the stop to its grace
+        await server.stop(None)

@@ -31,16 +31,13 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 import safetensors.torch
 import torch
-from helpers import build_engine, collect, completes, request, wait_until_idle
+from helpers import build_engine, collect, completes, mounted_channel, request, wait_until_idle
 from prometheus_client import REGISTRY
 from smg_grpc_proto.generated import vllm_engine_pb2 as ref
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as ref_grpc
-
-from vllm_servicer import mount
 
 DECODE_TOKENS = 16
 EXTERNAL_HITS = "vllm:external_prefix_cache_hits"
@@ -69,15 +66,10 @@ async def _serving(model_dir: Path, storage: Path, role: str) -> AsyncIterator[W
             kv_connector_extra_config={"shared_storage_path": str(storage)},
         ),
     )
-    server = grpc.aio.server()
-    mount(server, engine, health=False, reflection_service=False)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        async with mounted_channel(engine, health=False, reflection_service=False) as channel:
             yield Worker(engine, ref_grpc.VllmEngineStub(channel))
     finally:
-        await server.stop(None)
         engine.shutdown()
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 import msgspec
 import pytest
-from helpers import collect, request, wait_until_idle
+from helpers import collect, mounted_channel, request, wait_until_idle
 from smg_grpc_proto.generated import common_pb2 as ref_common
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as ref_grpc
 from vllm.config.kv_events import KVEventsConfig
@@ -242,15 +242,10 @@ async def replaying(
             replay_endpoint=f"ipc://{work}/kv-replay",
         ),
     )
-    server = grpc.aio.server()
-    mount(server, engine, health=False)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        async with mounted_channel(engine, health=False) as channel:
             yield engine, channel
     finally:
-        await server.stop(None)
         engine.shutdown()
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import dataclasses
 import io
 import os
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -23,42 +22,29 @@ from typing import Any
 
 import grpc
 import pytest
-from helpers import collect, completes, request, streamed_tokens, wait_until_idle
+from helpers import (
+    collect,
+    completes,
+    mounted_channel,
+    request,
+    streamed_tokens,
+    wait_until_idle,
+)
+from router_side import BLUE, PROMPT, RED, Routed, router_preprocessor, solid_image
 from smg_grpc_proto.generated import common_pb2 as ref_common
 from smg_grpc_proto.generated import vllm_engine_pb2 as ref
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as ref_grpc
 
-from vllm_servicer import MediaRefOptions, mount
+from vllm_servicer import MediaRefOptions
 from vllm_servicer.proto import common_pb2, vllm_engine_pb2_grpc
 from vllm_servicer.proto import vllm_engine_pb2 as pb
 from vllm_servicer.tiny_model import build_tiny_engine
-from vllm_servicer.tiny_vlm import IMAGE_TOKEN, TINY_VLM_ENGINE_KWARGS, write_tiny_vlm
-
-PROMPT = f"{IMAGE_TOKEN} What is in this picture?"
-RED, BLUE = (255, 0, 0), (0, 0, 255)
-
-
-@dataclasses.dataclass(frozen=True)
-class Routed:
-    """What a router sends for one image: expanded ids, pixels, the image's token range."""
-
-    ids: list[int]
-    pixels: bytes
-    shape: list[int]
-    offset: int
-    length: int
-    image_token: int
-
-
-def _image(color: tuple[int, int, int]) -> Any:
-    from PIL import Image
-
-    return Image.new("RGB", (40, 50), color)
+from vllm_servicer.tiny_vlm import TINY_VLM_ENGINE_KWARGS, write_tiny_vlm
 
 
 def _png(color: tuple[int, int, int]) -> bytes:
     out = io.BytesIO()
-    _image(color).save(out, format="PNG")
+    solid_image(color).save(out, format="PNG")
     return out.getvalue()
 
 
@@ -69,28 +55,7 @@ def vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def preprocess(vlm_dir: Path) -> Callable[[tuple[int, int, int]], Routed]:
-    """The router's side: the model's own HF processor on the prompt and one image."""
-    from transformers import AutoProcessor
-
-    processor = AutoProcessor.from_pretrained(str(vlm_dir))
-    image_token = processor.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
-
-    def run(color: tuple[int, int, int]) -> Routed:
-        out = processor(text=PROMPT, images=_image(color), return_tensors="pt")
-        ids = out["input_ids"][0].tolist()
-        positions = [i for i, token in enumerate(ids) if token == image_token]
-        assert positions == list(range(positions[0], positions[0] + len(positions)))
-        pixels = out["pixel_values"].float().contiguous()
-        return Routed(
-            ids=ids,
-            pixels=pixels.numpy().tobytes(),
-            shape=list(pixels.shape),
-            offset=positions[0],
-            length=len(positions),
-            image_token=image_token,
-        )
-
-    return run
+    return router_preprocessor(vlm_dir)
 
 
 @pytest.fixture(scope="module")
@@ -109,23 +74,10 @@ async def vlm(vlm_dir: Path) -> AsyncIterator[Any]:
         llm.shutdown()
 
 
-async def _channel_to(engine: Any, **options: Any) -> AsyncIterator[grpc.aio.Channel]:
-    server = grpc.aio.server()
-    mounted = mount(server, engine, **options)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            yield channel
-    finally:
-        await mounted.health.close()
-        await server.stop(None)
-
-
 @pytest.fixture(scope="module")
 async def channel(vlm: Any) -> AsyncIterator[grpc.aio.Channel]:
     """A server with media references and shared memory on, to compare the routes on one engine."""
-    async for channel in _channel_to(vlm, media_refs=MediaRefOptions(), shm_tensors=True):
+    async with mounted_channel(vlm, media_refs=MediaRefOptions(), shm_tensors=True) as channel:
         yield channel
 
 
@@ -137,7 +89,7 @@ def stub(channel: grpc.aio.Channel) -> Any:
 @pytest.fixture(scope="module")
 async def refs_off(vlm: Any) -> AsyncIterator[Any]:
     """A server with media references off: tensors are then the only way in."""
-    async for channel in _channel_to(vlm):
+    async with mounted_channel(vlm) as channel:
         yield vllm_engine_pb2_grpc.VllmEngineStub(channel)
 
 

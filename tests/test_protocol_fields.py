@@ -21,10 +21,9 @@ import pytest
 from google.protobuf.descriptor import Descriptor
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
-from helpers import build_engine, collect, completes, request, wait_until_idle
+from helpers import build_engine, collect, completes, mounted_channel, request, wait_until_idle
 from kv_echo_connector import FINISHED_LOG
 
-from vllm_servicer import mount
 from vllm_servicer.fields import HONOURED, REFUSED
 from vllm_servicer.proto import common_pb2, vllm_engine_pb2_grpc
 from vllm_servicer.proto import vllm_engine_pb2 as pb
@@ -302,15 +301,10 @@ async def handoff(
         },
         per_request_spec_decode_metrics="summary",
     )
-    server = grpc.aio.server()
-    mount(server, engine, health=False, reflection_service=False)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        async with mounted_channel(engine, health=False, reflection_service=False) as channel:
             yield vllm_engine_pb2_grpc.VllmEngineStub(channel), storage
     finally:
-        await server.stop(None)
         engine.shutdown()
 
 

@@ -35,6 +35,7 @@ from typing import Any
 import grpc
 import pytest
 from helpers import build_engine, collect, completes, streamed_tokens
+from router_side import BLUE, RED, Routed, router_preprocessor
 from smg_grpc_proto.generated import common_pb2 as ref_common
 from smg_grpc_proto.generated import vllm_engine_pb2 as ref
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as ref_grpc
@@ -43,16 +44,13 @@ from vllm_servicer import mount
 from vllm_servicer.proto import POOL
 from vllm_servicer.proto import vllm_engine_pb2 as ours
 from vllm_servicer.tiny_model import build_tiny_engine
-from vllm_servicer.tiny_vlm import IMAGE_TOKEN, TINY_VLM_ENGINE_KWARGS, write_tiny_vlm
+from vllm_servicer.tiny_vlm import TINY_VLM_ENGINE_KWARGS, write_tiny_vlm
 
 if importlib.util.find_spec("smg_grpc_servicer") is None:
     pytest.skip(
         "smg-grpc-servicer (vLLM's own gRPC servicer) is not installed",
         allow_module_level=True,
     )
-
-PROMPT = f"{IMAGE_TOKEN} What is in this picture?"
-RED, BLUE = (255, 0, 0), (0, 0, 255)
 
 
 # ----- two servers on one engine ---------------------------------------------------------------
@@ -129,18 +127,6 @@ def test_the_references_descriptors_and_ours_coexist_in_one_process() -> None:
 # ----- images: preprocessed tensors in `mm_inputs` ---------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class Routed:
-    """What a router sends for one image: expanded ids, pixels, the image's token range."""
-
-    ids: list[int]
-    pixels: bytes
-    shape: list[int]
-    offset: int
-    length: int
-    image_token: int
-
-
 @pytest.fixture(scope="module")
 def vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_vlm(tmp_path_factory.mktemp("models") / "tiny-llava")
@@ -148,30 +134,7 @@ def vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def preprocess(vlm_dir: Path) -> Callable[[tuple[int, int, int]], Routed]:
-    """The router's side: the model's own HF processor on the prompt and one image."""
-    from PIL import Image
-    from transformers import AutoProcessor
-
-    processor = AutoProcessor.from_pretrained(str(vlm_dir))
-    image_token = processor.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
-
-    def run(color: tuple[int, int, int]) -> Routed:
-        image = Image.new("RGB", (40, 50), color)
-        out = processor(text=PROMPT, images=image, return_tensors="pt")
-        ids = out["input_ids"][0].tolist()
-        positions = [i for i, token in enumerate(ids) if token == image_token]
-        assert positions == list(range(positions[0], positions[0] + len(positions)))
-        pixels = out["pixel_values"].float().contiguous()
-        return Routed(
-            ids=ids,
-            pixels=pixels.numpy().tobytes(),
-            shape=list(pixels.shape),
-            offset=positions[0],
-            length=len(positions),
-            image_token=image_token,
-        )
-
-    return run
+    return router_preprocessor(vlm_dir)
 
 
 @pytest.fixture(scope="module")

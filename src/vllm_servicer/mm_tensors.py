@@ -123,11 +123,13 @@ class ModelMedia:
         token_ids: Mapping[str, int],
         dtype: torch.dtype,
         processor: Any = None,
+        *,
+        shm: bool = False,
     ) -> None:
         self.limits = {m: n for m, n in limits.items() if n > 0}
         self.token_ids = dict(token_ids)
         self.dtype = dtype
-        self.shm = False
+        self.shm = shm
         self._processor = processor
         self._image_shape: ItemShape | None = None
         self._learnt = False
@@ -135,8 +137,8 @@ class ModelMedia:
         self._encoder_budget: int | None = None
 
     @classmethod
-    def of(cls, engine: Any) -> ModelMedia:
-        """The facts of `engine`'s model (none for a text model)."""
+    def of(cls, engine: Any, *, shm: bool = False) -> ModelMedia:
+        """The facts of `engine`'s model (none for a text model); `shm` as in the attributes."""
         processor = getattr(getattr(engine, "renderer", None), "mm_processor", None)
         limits = dict(getattr(getattr(processor, "info", None), "allowed_mm_limits", None) or {})
         config = getattr(engine, "model_config", None)
@@ -149,7 +151,7 @@ class ModelMedia:
                 token_ids[modality] = ids[0]
         dtype = getattr(config, "dtype", None)
         dtype = dtype if isinstance(dtype, torch.dtype) else torch.float32
-        return cls(limits, token_ids, dtype, processor)
+        return cls(limits, token_ids, dtype, processor, shm=shm)
 
     def encoder_budget(self, vllm_config: Any) -> int:
         """The most embedding positions one item may take and still be scheduled.
@@ -162,6 +164,11 @@ class ModelMedia:
         if self._encoder_budget is None:
             self._encoder_budget = _encoder_budget(vllm_config) if self.limits else 0
         return self._encoder_budget
+
+    @property
+    def encoder_budget_known(self) -> bool:
+        """Whether `encoder_budget` has its answer already (no model work left)."""
+        return self._encoder_budget is not None
 
     @property
     def item_limits(self) -> str:

@@ -135,8 +135,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             MediaResolver(media_refs, engine.model_config) if media_refs is not None else None
         )
         # What preprocessed tensors (mm_inputs) this model takes.
-        self._model_media = mm_tensors.ModelMedia.of(engine)
-        self._model_media.shm = shm_tensors
+        self._model_media = mm_tensors.ModelMedia.of(engine, shm=shm_tensors)
         self._kv_subscribers = kv_events.SubscriberLimit(max_kv_subscribers)
         # A token prompt past the model's context is refused by its length alone.
         max_len = getattr(engine.model_config, "max_model_len", None)
@@ -359,8 +358,10 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         kv_transfer = getattr(config, "kv_transfer_config", None)
         is_paused = await self._engine.is_paused()
         media = self._model_media
-        # Worked out once, from the model's largest item: off the event loop.
-        budget = await asyncio.to_thread(media.encoder_budget, config) if media.limits else 0
+        if not media.encoder_budget_known:
+            # Worked out once, from the model's largest item: off the event loop.
+            await asyncio.to_thread(media.encoder_budget, config)
+        budget = media.encoder_budget(config)
         return pb.GetServerInfoResponse(
             active_requests=self.active_requests,
             is_paused=is_paused,
