@@ -487,7 +487,9 @@ class Bench:
                 "raw",
                 "--output",
                 str(out),
-                "--nonblocking",
+                # Native frames (grpc's Cython core, the event loop, protobuf)
+                # need the process stopped while its stack is read.
+                *(["--native"] if self.args.profile_native else ["--nonblocking"]),
             ]
             self.log(f"profiling {LABELS[name]} for {self.args.profile} s -> {out}")
             spy = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -734,6 +736,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="after the rounds, py-spy each server for SECONDS at c=64 streaming",
     )
     p.add_argument("--profile-top", type=int, default=25, help="frames to print per profile")
+    p.add_argument(
+        "--profile-native",
+        action="store_true",
+        help="profile C and Cython frames too (pauses the server for each sample)",
+    )
     p.add_argument("--plot", action="store_true", help=f"write {PLOT_PATH.relative_to(ROOT)}")
     p.add_argument(
         "--replot",
