@@ -102,6 +102,7 @@ def build_interceptors(name: str) -> tuple[Sequence[Any], Callable[[], None]]:
 def _stand_in_generate(tokens: int) -> Any:
     """A Generate handler streaming `tokens` one-token chunks and a complete, no engine."""
     from vllm_servicer.proto import vllm_engine_pb2 as pb
+    from vllm_servicer.usage import kept_by_handler
 
     chunks = [
         pb.GenerateResponse(
@@ -114,9 +115,17 @@ def _stand_in_generate(tokens: int) -> Any:
     )
 
     async def generate(request: Any, context: Any) -> Any:
+        # Keeps the usage record the metrics and tracing read, as the servicer does.
+        usage = kept_by_handler()
+        if usage is not None:
+            usage.prompt_tokens = 8
         for chunk in chunks:
             await asyncio.sleep(0)  # streams interleave, as engine steps make them
+            if usage is not None:
+                usage.chunk_sent(1)
             yield chunk
+        if usage is not None:
+            usage.choice_finished(0, "length", 0)
         yield complete
 
     return grpc.unary_stream_rpc_method_handler(

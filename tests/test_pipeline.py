@@ -183,3 +183,28 @@ async def test_the_error_layer_maps_what_a_handler_raises() -> None:
     assert failed.value.details() == f"{STREAM}: no such thing"
     # The interceptors see the mapped code, not UNKNOWN.
     assert journal[-1] == "finish only NOT_FOUND"
+
+
+class Declining(Recording):
+    """Reads no responses of a call once its first message shows the handler began."""
+
+    def reads_responses(self, call: Call) -> bool:
+        self.journal.append(f"asked {self.name}")
+        return False
+
+
+@pytest.mark.parametrize("placement", ["mounted", "server_wide"])
+async def test_an_interceptor_may_decline_a_calls_responses(placement: str) -> None:
+    journal: list[str] = []
+    stack = [Recording("reader", journal), Declining("decliner", journal)]
+    server, address = await _serve(placement, stack)
+    try:
+        async with grpc.aio.insecure_channel(address) as channel:
+            streamed = [m async for m in channel.unary_stream(STREAM)(b"go")]
+    finally:
+        await server.stop(None)
+    assert streamed == [b"1"] * 3, "still one pipeline frame"
+    assert journal.count("asked decliner") == 1, "asked once per call"
+    assert journal.count("response reader") == 3
+    assert journal.count("response decliner") == 0
+    assert journal[-2:] == ["finish decliner OK", "finish reader OK"]

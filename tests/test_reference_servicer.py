@@ -23,12 +23,13 @@ descriptors coexist in one process (theirs in the default pool, ours in
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hashlib
 import importlib.util
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as ref
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as ref_grpc
 
 from vllm_servicer import mount
+from vllm_servicer.interceptors.tracing import FIRST_TOKEN_EVENT
 from vllm_servicer.proto import POOL
 from vllm_servicer.proto import vllm_engine_pb2 as ours
 from vllm_servicer.tiny_model import build_tiny_engine
@@ -192,10 +194,8 @@ async def test_image_tensors_give_the_references_tokens(
 
 
 @pytest.fixture(scope="module")
-async def kv_servers(
-    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> AsyncIterator[Servers]:
-    """Both servicers on an engine with the test connector that echoes its params back."""
+def kv_engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """An engine with the test connector that echoes its params back."""
     from vllm.config import KVTransferConfig
 
     engine = build_engine(
@@ -211,10 +211,16 @@ async def kv_servers(
         ),
     )
     try:
-        async for servers in _serve_both(engine):
-            yield servers
+        yield engine
     finally:
         engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+async def kv_servers(kv_engine: Any) -> AsyncIterator[Servers]:
+    """Both servicers on the echoing engine."""
+    async for servers in _serve_both(kv_engine):
+        yield servers
 
 
 # Shorter than one KV block: the file-based connector then stores and loads
@@ -332,3 +338,96 @@ async def test_typed_params_contradicting_the_json_are_refused_here_and_dropped_
         await _generate(kv_servers.ours, req)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert (err.value.details() or "").startswith("kv_transfer_params.remote_host: ")
+
+
+# ----- our metrics and tracing around the reference's Generate ---------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Observed:
+    """A server with our metrics and tracing, and what they recorded."""
+
+    stub: Any
+    registry: Any
+    exporter: Any
+
+
+async def _observed(engine: Any, *, reference: bool) -> AsyncIterator[Observed]:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from prometheus_client import CollectorRegistry
+    from smg_grpc_servicer.vllm.servicer import VllmEngineServicer
+
+    from vllm_servicer.interceptors import MetricsInterceptor, Pipeline
+    from vllm_servicer.interceptors.tracing import TracingInterceptor
+
+    registry = CollectorRegistry()
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    stack = [TracingInterceptor(provider, model="tiny"), MetricsInterceptor(registry)]
+    if reference:
+        server = grpc.aio.server(interceptors=[Pipeline(stack)])
+        ref_grpc.add_VllmEngineServicer_to_server(VllmEngineServicer(engine, time.time()), server)
+    else:
+        server = grpc.aio.server()
+        mount(server, engine, health=False, reflection_service=False, interceptors=stack)
+    channel = await _started(server)
+    try:
+        yield Observed(ref_grpc.VllmEngineStub(channel), registry, exporter)
+    finally:
+        await channel.close()
+        await server.stop(None)
+
+
+@pytest.mark.parametrize("reference", [False, True], ids=["ours", "reference"])
+async def test_our_metrics_and_spans_count_what_either_servicer_sent(
+    kv_engine: Any, reference: bool
+) -> None:
+    """The reference keeps no usage record: both interceptors read its messages, once each."""
+    async for observed in _observed(kv_engine, reference=reference):
+        received = 0
+        messages = 0
+        for stream in (True, False):
+            req = ref.GenerateRequest(
+                request_id=f"observed-{stream}",
+                tokenized=ref.TokenizedInput(input_ids=PROMPT_IDS),
+                sampling_params=ref.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+                stream=stream,
+            )
+            answer = await _generate(observed.stub, req)
+            received += len(_tokens(answer, stream=stream))
+            messages += len(answer)
+        assert received == 12
+        deadline = time.monotonic() + 10
+        while observed.registry.get_sample_value("grpc_server_handled_total", _HANDLED_OK) != 2:
+            assert time.monotonic() < deadline, "the calls did not finish"
+            await asyncio.sleep(0.05)
+
+        def value(name: str, registry: Any = observed.registry, **labels: str) -> float | None:
+            return registry.get_sample_value(name, labels)
+
+        assert value("vllm_servicer_generation_tokens_total", model_name="") == received
+        assert value("vllm_servicer_prompt_tokens_total", model_name="") == 2 * len(PROMPT_IDS)
+        assert value("grpc_server_msg_sent_total", **_GENERATE) == messages
+        finished = value(
+            "vllm_servicer_request_finish_total", model_name="", finish_reason="length"
+        )
+        assert finished == 2
+        assert value("vllm_servicer_time_to_first_token_seconds_count", model_name="") == 1
+        spans = observed.exporter.get_finished_spans()
+        assert len(spans) == 2
+        for span in spans:
+            assert span.attributes["gen_ai.usage.output_tokens"] == 6
+            assert span.attributes["gen_ai.usage.input_tokens"] == len(PROMPT_IDS)
+            assert tuple(span.attributes["gen_ai.response.finish_reasons"]) == ("length",)
+            assert [e.name for e in span.events].count(FIRST_TOKEN_EVENT) == 1
+
+
+_GENERATE = {
+    "grpc_type": "server_stream",
+    "grpc_service": "vllm.grpc.engine.VllmEngine",
+    "grpc_method": "Generate",
+}
+_HANDLED_OK = {**_GENERATE, "grpc_code": "OK"}

@@ -21,6 +21,7 @@ from vllm.exceptions import VLLMClientError
 from vllm.pooling_params import PoolingParams
 
 from . import admin, convert, fields, kv_events, loads, mm_tensors
+from . import usage as generation_usage
 from .engine import EngineClient, missing_members, served_model_name
 from .errors import (
     InvalidRequestError,
@@ -269,15 +270,29 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 kwargs["reasoning_ended"] = True
             build = convert.ResponseBuilder(params)
             chunk, complete = build.chunk, build.complete
+            # What the metrics and tracing read, kept from the numbers at hand.
+            usage = generation_usage.kept_by_handler()
             async for output in self._engine.generate(prompt, sampling, request_id, **kwargs):
+                if usage is not None and not started:
+                    usage.prompt_tokens = len(output.prompt_token_ids or ())
                 started = True
                 if stream:
                     for completion in output.outputs:
+                        if usage is not None:
+                            usage.chunk_sent(len(completion.token_ids))
                         yield chunk(output, completion)
                         if completion.finish_reason is not None:
+                            if usage is not None:
+                                usage.choice_finished(completion.index, completion.finish_reason, 0)
                             yield complete(output, completion)
                 elif output.finished:
                     for completion in output.outputs:
+                        if usage is not None:
+                            usage.choice_finished(
+                                completion.index,
+                                completion.finish_reason or "stop",
+                                len(completion.token_ids),
+                            )
                         yield complete(output, completion)
         except Exception as exc:
             # The error layer around every method turns what is raised into a status.

@@ -12,7 +12,9 @@ and calls the hooks of every interceptor of a call from one wrapper:
   read; may `await call.context.abort(...)` to reject the call (the handler
   then never runs).
 - `on_request(call, message)`: each request message (unary, iterated or `context.read()`).
-- `on_response(call, message)`: each response message, either streaming style.
+- `on_response(call, message)`: each response message, either streaming style,
+  unless `reads_responses(call)` said no at the first one (a hook that reads
+  a record the handler keeps instead, see `vllm_servicer.usage`).
 - `on_finish(call)`: exactly once per call that started, with `call.code` set:
   OK, the aborted code, CANCELLED (client cancel), DEADLINE_EXCEEDED or UNKNOWN.
 
@@ -193,6 +195,14 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
 
     def on_response(self, call: Call, message: Any) -> None:
         """Each response message."""
+
+    def reads_responses(self, call: Call) -> bool:
+        """Whether `on_response` sees the messages of `call` (default: yes).
+
+        Asked once, at the call's first response message (the handler has
+        begun by then), by a handler that streams by `yield`.
+        """
+        return True
 
     def on_finish(self, call: Call) -> None:
         """Once per started call, after it ended; `call.code` says how."""

@@ -328,8 +328,21 @@ def _fused(
             try:
                 result = behaviour(request, inner)
                 if inspect.isasyncgen(result):
+                    hooks = None
                     if response_hooked:
-                        hooks = [(i.on_response, c) for i, c in started if i.has_response_hook]
+                        # Chosen at the first message, once the handler has begun:
+                        # a hook may read a record the handler keeps instead.
+                        async for message in result:
+                            hooks = [
+                                (i.on_response, c)
+                                for i, c in started
+                                if i.has_response_hook and i.reads_responses(c)
+                            ]
+                            for hook, call in hooks:
+                                hook(call, message)
+                            yield message
+                            break
+                    if hooks:
                         async for message in result:
                             for hook, call in hooks:
                                 hook(call, message)

@@ -6,8 +6,8 @@ Two families:
   py-grpc-prometheus export, so existing dashboards work): started, handled
   (by `grpc_code`), messages received and sent, and handling time, with labels
   `grpc_type`, `grpc_service`, `grpc_method`.
-- `vllm_servicer_*` generation metrics for Generate, read from the
-  GenerateResponse messages as they leave: time to first token, time per
+- `vllm_servicer_*` generation metrics for Generate, from what its
+  responses carried as they left (`vllm_servicer.usage`): time to first token, time per
   output token, request duration, prompt and generated tokens, finish
   reasons, cancellations by cause, and engine requests in flight. Each
   documents the OpenTelemetry GenAI instrument it matches, and carries a
@@ -22,6 +22,7 @@ series.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +30,7 @@ import grpc
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import start_http_server
 
+from .. import usage as generation_usage
 from ..proto import ENGINE_METHODS, GENERATE_METHOD
 from ._base import Call, CallInterceptor, MethodFilter, all_methods
 
@@ -70,7 +72,7 @@ _MODEL = ("model_name",)
 _OK = grpc.StatusCode.OK
 _CANCELLED = grpc.StatusCode.CANCELLED
 # How stale the message and token counters of a running Generate stream may get.
-_FLUSH_INTERVAL_S = 1.0
+_COUNT_INTERVAL_S = 1.0
 _DEADLINE = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
@@ -100,39 +102,33 @@ class _MethodMetrics:
 
 
 class _GenerateCall:
-    """Per-call state of one Generate call."""
+    """Per-call state of one Generate call: its usage record and what was counted of it."""
 
     __slots__ = (
-        "aborted",
-        "first_token_at",
-        "flushed_at",
-        "last_token_at",
+        "counted_messages",
+        "counted_tokens",
         "method",
-        "pending",
+        "own",
         "prompt_counted",
-        "streamed",
-        "tokens_after_first",
+        "started",
+        "ttft_observed",
+        "usage",
     )
 
     generate = True
 
     def __init__(self, method: _MethodMetrics, started: float) -> None:
         self.method = method
-        # Messages as they left, with the time: read and counted at most once
-        # per _FLUSH_INTERVAL_S (and at the end). Between two messages of a
-        # stream the server runs everything else, so per-message bookkeeping
-        # runs cache-cold there and costs several times what it does in a
-        # batch; and the shared counters and histograms take a lock per update.
-        self.pending: list[tuple[float, Any]] = []
-        self.flushed_at = started
-        self.first_token_at: float | None = None
-        # For the call's time per output token: the last chunk with tokens, and
-        # the tokens streamed after the first such chunk.
-        self.last_token_at = 0.0
-        self.tokens_after_first = 0
-        self.streamed = False  # chunks were sent: the completes repeat their tokens
+        self.started = started
+        # Kept by the handler as it sends (read once a second and at the end),
+        # or, for a handler that keeps none, this interceptor's own, read from
+        # the messages.
+        self.usage = generation_usage.shared()
+        self.own = False
+        self.counted_messages = 0
+        self.counted_tokens = 0
         self.prompt_counted = False
-        self.aborted = False
+        self.ttft_observed = False
 
 
 class MetricsInterceptor(CallInterceptor):
@@ -170,6 +166,10 @@ class MetricsInterceptor(CallInterceptor):
         self.model_name = model_name
         self._shutting_down = False
         self._methods: dict[str, _MethodMetrics] = {}
+        # Generate calls running, counted once a second (see _count_running).
+        self._running: set[_GenerateCall] = set()
+        self._count_timer: asyncio.TimerHandle | None = None
+        self._count_loop: asyncio.AbstractEventLoop | None = None
 
         # grpc-ecosystem names (go-grpc-prometheus); prometheus_client adds `_total`.
         self.started = Counter(
@@ -304,21 +304,38 @@ class MetricsInterceptor(CallInterceptor):
         method.started.inc()
         if method.engine and self._counts_in_flight:
             self._in_flight.inc()
-        call.state = _GenerateCall(method, call.started) if method.generate else method
+        if method.generate:
+            state = _GenerateCall(method, call.started)
+            call.state = state
+            self._running.add(state)
+            loop = asyncio.get_running_loop()
+            if self._count_timer is None or self._count_loop is not loop:
+                # (A timer left on a loop that has since closed never fires.)
+                self._count_loop = loop
+                self._count_timer = loop.call_later(_COUNT_INTERVAL_S, self._count_running)
+        else:
+            call.state = method
 
     def on_request(self, call: Call, message: Any) -> None:
         state = call.state
         (state.method if state.generate else state).received.inc()
 
+    def reads_responses(self, call: Call) -> bool:
+        state = call.state
+        return not (state.generate and state.usage.kept)
+
     def on_response(self, call: Call, message: Any) -> None:
         state = call.state
-        if state.generate:
-            now = time.perf_counter()
-            state.pending.append((now, message))
-            if now - state.flushed_at >= _FLUSH_INTERVAL_S:
-                self._catch_up(call, state, now)
-        else:
+        if not state.generate:
             state.sent.inc()
+            return
+        usage = state.usage
+        if usage.kept:
+            return
+        if not state.own:  # not the shared record: another reader may fill that one
+            state.usage = usage = generation_usage.GenerationUsage()
+            state.own = True
+        generation_usage.read_message(usage, message)
 
     def on_finish(self, call: Call) -> None:
         state = call.state
@@ -335,72 +352,64 @@ class MetricsInterceptor(CallInterceptor):
         method.handling.observe(now - call.started)
         if method.engine and self._counts_in_flight:
             self._in_flight.dec()
-        if state.generate:
-            self._catch_up(call, state, now)
-            self._duration_observe(now - call.started)
-            if code is _OK and state.tokens_after_first:
-                # Once per call, as OTel's GenAI conventions define it.
-                per_token = state.last_token_at - state.first_token_at
-                self._tpot_observe(per_token / state.tokens_after_first)
-            cause = None
-            if code is _CANCELLED:
-                cause = "shutdown" if self._shutting_down else "client_cancel"
-            elif code is _DEADLINE:
-                cause = "deadline"
-            elif state.aborted:
-                cause = "shutdown" if self._shutting_down else "abort_rpc"
-            if cause is not None:
-                self._cancel_children[cause].inc()
+        if not state.generate:
+            return
+        self._running.discard(state)
+        self._count(state)
+        self._duration_observe(now - call.started)
+        usage = state.usage
+        if code is _OK and usage.streamed and usage.tokens_after_first:
+            # Once per call, as OTel's GenAI conventions define it.
+            per_token = usage.last_token_at - usage.first_token_at
+            self._tpot_observe(per_token / usage.tokens_after_first)
+        aborted = False
+        for reason in usage.finish_reasons.values():
+            child = self._finish_children.get(reason)
+            if child is None:
+                child = self._finish_children[reason] = self.request_finish.labels(
+                    self.model_name, reason
+                )
+            child.inc()
+            aborted = aborted or reason == "abort"
+        cause = None
+        if code is _CANCELLED:
+            cause = "shutdown" if self._shutting_down else "client_cancel"
+        elif code is _DEADLINE:
+            cause = "deadline"
+        elif aborted:
+            cause = "shutdown" if self._shutting_down else "abort_rpc"
+        if cause is not None:
+            self._cancel_children[cause].inc()
 
     # ----- Generate -------------------------------------------------------------
 
-    def _catch_up(self, call: Call, state: _GenerateCall, now: float) -> None:
-        """Reads the messages sent since the last catch-up into the shared metrics."""
-        pending, state.pending = state.pending, []
-        state.flushed_at = now
-        if not pending:
-            return
-        tokens = 0
-        for sent_at, message in pending:
-            tokens += self._generated(call, state, message, sent_at)
-        state.method.sent.inc(len(pending))
-        if tokens:
-            self._generation_inc(tokens)
-
-    def _generated(self, call: Call, state: _GenerateCall, message: Any, now: float) -> int:
-        """Observes one sent message; returns the output tokens it adds to the count."""
-        if message.WhichOneof("response") == "chunk":
-            chunk = message.chunk
-            if not state.prompt_counted:
-                state.prompt_counted = True
-                self._prompt_inc(chunk.prompt_tokens)
-            state.streamed = True
-            tokens = len(chunk.token_ids)
-            if not tokens:
-                return 0
-            if state.first_token_at is None:
-                state.first_token_at = now
-                self._ttft_observe(now - call.started)
-            else:
-                state.tokens_after_first += tokens
-            state.last_token_at = now
-            return tokens
-        complete = message.complete
-        if not state.prompt_counted:
-            state.prompt_counted = True
-            self._prompt_inc(complete.prompt_tokens)
-        # Not streamed, the complete carries all of the choice's tokens; streamed,
-        # it repeats the last chunk's, which were counted then.
-        reason = complete.finish_reason
-        child = self._finish_children.get(reason)
-        if child is None:
-            child = self._finish_children[reason] = self.request_finish.labels(
-                self.model_name, reason
+    def _count_running(self) -> None:
+        """Brings the counters up to date with every running Generate call, once a second."""
+        self._count_timer = None
+        for state in self._running:
+            self._count(state)
+        if self._running:
+            self._count_timer = asyncio.get_running_loop().call_later(
+                _COUNT_INTERVAL_S, self._count_running
             )
-        child.inc()
-        if reason == "abort":
-            state.aborted = True
-        return 0 if state.streamed else len(complete.output_ids)
+
+    def _count(self, state: _GenerateCall) -> None:
+        """Adds what `state`'s call sent since it was last counted to the shared metrics."""
+        usage = state.usage
+        if not state.prompt_counted and usage.prompt_tokens >= 0:
+            state.prompt_counted = True
+            self._prompt_inc(usage.prompt_tokens)
+        if not state.ttft_observed and usage.streamed and usage.first_token_at:
+            state.ttft_observed = True
+            self._ttft_observe(usage.first_token_at - state.started)
+        messages = usage.messages - state.counted_messages
+        if messages:
+            state.counted_messages = usage.messages
+            state.method.sent.inc(messages)
+        tokens = usage.output_tokens - state.counted_tokens
+        if tokens:
+            state.counted_tokens = usage.output_tokens
+            self._generation_inc(tokens)
 
 
 def start_metrics_server(

@@ -58,8 +58,9 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from .. import usage as generation_usage
 from ..engine import served_model_name
-from ..proto import EMBED_METHOD, ENGINE_METHODS, GENERATE_METHOD
+from ..proto import ENGINE_METHODS, GENERATE_METHOD
 from ..proto import vllm_engine_pb2 as pb
 from ._base import Call, CallInterceptor, MethodFilter
 
@@ -88,7 +89,7 @@ HEALTH_WATCH = "/grpc.health.v1.Health/Watch"
 _TRACED_REQUESTS = (pb.GenerateRequest, pb.EmbedRequest)
 
 FIRST_TOKEN_EVENT = "gen_ai.first_token"
-"""Event added to the Generate span when the first response message is sent."""
+"""Event added to the Generate span at the first response message that carried output tokens."""
 
 SERVER_FAULT_CODES: frozenset[grpc.StatusCode] = frozenset(
     {
@@ -303,26 +304,15 @@ def engine_trace_headers(context: Any) -> dict[str, str] | None:
 class _GenAiState:
     """What one Generate/Embed call has told the span so far."""
 
-    __slots__ = (
-        "chunked",
-        "embedding_dim",
-        "finish_reasons",
-        "first_token_at",
-        "input_tokens",
-        "output_tokens",
-        "unread",
-    )
+    __slots__ = ("embedding_dim", "input_tokens", "own", "usage")
 
-    def __init__(self) -> None:
-        self.first_token_at = 0  # time.time_ns() of the first response message; 0: none yet
-        self.chunked = False  # streaming: usage comes from the chunks
-        self.input_tokens = -1
-        self.output_tokens = 0
+    def __init__(self, usage: generation_usage.GenerationUsage | None) -> None:
+        # Generate: the record the handler keeps as it sends, or (for a handler
+        # that keeps none) this interceptor's own, read from the messages.
+        self.usage = usage
+        self.own = False
+        self.input_tokens = -1  # Embed
         self.embedding_dim = 0
-        self.finish_reasons: dict[int, str] = {}
-        # Messages sent and not yet read: read in batches (see _read), which
-        # costs several times less per message than reading each as it leaves.
-        self.unread: list[Any] = []
 
 
 class TracingInterceptor(CallInterceptor):
@@ -411,7 +401,10 @@ class TracingInterceptor(CallInterceptor):
         span = self._current_span()
         # The span object, not the context: on_finish may run after the
         # handler's context was detached.
-        call.state = (span, _GenAiState()) if call.method in ENGINE_METHODS else (span, None)
+        if call.method == GENERATE_METHOD:
+            call.state = (span, _GenAiState(generation_usage.shared()))
+        else:
+            call.state = (span, _GenAiState(None) if call.method in ENGINE_METHODS else None)
 
     def on_request(self, call: Call, message: Any) -> None:
         span, state = call.state
@@ -441,28 +434,39 @@ class TracingInterceptor(CallInterceptor):
             attrs["gen_ai.request.id"] = message.request_id
         span.set_attributes(attrs)
 
+    def reads_responses(self, call: Call) -> bool:
+        span, state = call.state
+        return state is not None and not (state.usage is not None and state.usage.kept)
+
     def on_response(self, call: Call, message: Any) -> None:
         span, state = call.state
         if state is None:
             return
-        if not state.first_token_at:
-            state.first_token_at = time.time_ns()
-        unread = state.unread
-        unread.append(message)
-        if len(unread) >= _READ_BATCH:
-            _read(call.method, state)
+        usage = state.usage
+        if usage is None:  # Embed
+            state.input_tokens = message.prompt_tokens
+            state.embedding_dim = message.embedding_dim
+            return
+        if usage.kept:
+            return
+        if not state.own:  # not the shared record: another reader may fill that one
+            state.usage = usage = generation_usage.GenerationUsage()
+            state.own = True
+        generation_usage.read_message(usage, message)
 
     def on_finish(self, call: Call) -> None:
         span, state = call.state
-        if state is not None:
-            _read(call.method, state)
-            if state.first_token_at and span.is_recording():
-                ttft = (state.first_token_at - span.start_time) / 1e9
-                span.add_event(
-                    FIRST_TOKEN_EVENT,
-                    {"gen_ai.server.time_to_first_token": max(ttft, 0.0)},
-                    timestamp=state.first_token_at,
-                )
+        usage = state.usage if state is not None else None
+        if usage is not None and usage.first_token_at and span.is_recording():
+            # A perf_counter() time, placed on the span's clock.
+            ago = time.perf_counter() - usage.first_token_at
+            first_token_ns = time.time_ns() - int(ago * 1e9)
+            ttft = (first_token_ns - span.start_time) / 1e9
+            span.add_event(
+                FIRST_TOKEN_EVENT,
+                {"gen_ai.server.time_to_first_token": max(ttft, 0.0)},
+                timestamp=first_token_ns,
+            )
         self._end(call, span, state)
 
     def _end(self, call: Call, span: Any, state: _GenAiState | None) -> None:
@@ -474,48 +478,25 @@ class TracingInterceptor(CallInterceptor):
         assert code is not None
         attrs = self._conventions.attributes({"rpc.grpc.status_code": code.value[0]})
         if state is not None:
-            if state.input_tokens >= 0:
-                attrs["gen_ai.usage.input_tokens"] = state.input_tokens
-            if call.method == GENERATE_METHOD:
-                attrs["gen_ai.usage.output_tokens"] = state.output_tokens
-                if state.finish_reasons:
-                    reasons = state.finish_reasons
+            usage = state.usage
+            if usage is None:  # Embed
+                if state.input_tokens >= 0:
+                    attrs["gen_ai.usage.input_tokens"] = state.input_tokens
+                if state.embedding_dim:
+                    attrs["gen_ai.embeddings.dimension.count"] = state.embedding_dim
+            else:
+                if usage.prompt_tokens >= 0:
+                    attrs["gen_ai.usage.input_tokens"] = usage.prompt_tokens
+                attrs["gen_ai.usage.output_tokens"] = usage.output_tokens
+                if usage.finish_reasons:
+                    reasons = usage.finish_reasons
                     attrs["gen_ai.response.finish_reasons"] = [reasons[i] for i in sorted(reasons)]
-            elif state.embedding_dim:
-                attrs["gen_ai.embeddings.dimension.count"] = state.embedding_dim
         span.set_attributes(attrs)
         if code in SERVER_FAULT_CODES and span.status.status_code is not self._error:
             details = (
                 call.context.details() if code is not grpc.StatusCode.DEADLINE_EXCEEDED else ""
             )
             span.set_status(self._status(self._error, f"{code}:{details or ''}"))
-
-
-_READ_BATCH = 256
-"""Messages a call holds unread at most, so a long stream's memory stays bounded."""
-
-
-def _read(method: str, state: _GenAiState) -> None:
-    """Fold the unread messages of a Generate or Embed call into its usage figures."""
-    unread, state.unread = state.unread, []
-    if method == EMBED_METHOD:
-        for message in unread:
-            state.input_tokens = message.prompt_tokens
-            state.embedding_dim = message.embedding_dim
-        return
-    for message in unread:
-        kind = message.WhichOneof("response")
-        if kind == "chunk":
-            chunk = message.chunk
-            state.chunked = True
-            state.input_tokens = chunk.prompt_tokens
-            state.output_tokens += chunk.completion_tokens
-        elif kind == "complete":
-            done = message.complete
-            state.input_tokens = done.prompt_tokens
-            state.finish_reasons[done.index] = done.finish_reason
-            if not state.chunked:  # streaming completes repeat the last chunk's tokens
-                state.output_tokens += done.completion_tokens
 
 
 def configure_tracing_from_env() -> TracerProvider | None:

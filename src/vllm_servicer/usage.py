@@ -1,0 +1,118 @@
+"""What one Generate call has sent: tokens, their times, finish reasons.
+
+The Generate handler keeps this record as it sends, from the plain integers it
+builds each message from. The metrics and tracing interceptors read it when
+they report (metrics once a second while the call runs, both at its end)
+instead of each reading every message back: a protobuf field read allocates,
+and a hook per message per interceptor cost more than relaying the message.
+
+A handler that keeps no record (another implementation of the protocol) is
+read from its messages instead (`read_message`), at that higher cost.
+
+Pure data: no grpc, no vLLM, no protocol module.
+"""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+from time import perf_counter
+from typing import Any
+
+
+class GenerationUsage:
+    """The running totals of one Generate call's responses."""
+
+    __slots__ = (
+        "finish_reasons",
+        "first_token_at",
+        "kept",
+        "last_token_at",
+        "messages",
+        "output_tokens",
+        "prompt_tokens",
+        "streamed",
+        "tokens_after_first",
+    )
+
+    def __init__(self) -> None:
+        self.kept = False  # the handler keeps it; else it is read from the messages
+        self.prompt_tokens = -1  # -1: not known yet
+        self.output_tokens = 0
+        self.messages = 0
+        self.streamed = False  # chunks were sent: the completes repeat their tokens
+        # time.perf_counter() when the first message with output tokens left
+        # (0.0: none yet) and the last; the tokens sent after the first one.
+        self.first_token_at = 0.0
+        self.last_token_at = 0.0
+        self.tokens_after_first = 0
+        self.finish_reasons: dict[int, str] = {}  # choice index -> finish_reason
+
+    def chunk_sent(self, tokens: int) -> None:
+        """A streamed chunk with `tokens` new output tokens left."""
+        self.messages += 1
+        self.streamed = True
+        if tokens:
+            now = perf_counter()
+            if self.first_token_at:
+                self.tokens_after_first += tokens
+            else:
+                self.first_token_at = now
+            self.last_token_at = now
+            self.output_tokens += tokens
+
+    def choice_finished(self, index: int, reason: str, tokens: int) -> None:
+        """A choice's complete message left, carrying `tokens` output tokens.
+
+        Streamed, those repeat the last chunk's (counted then); not streamed,
+        they are all of the choice's.
+        """
+        self.messages += 1
+        self.finish_reasons[index] = reason
+        if tokens and not self.streamed:
+            now = perf_counter()
+            if not self.first_token_at:
+                self.first_token_at = now
+            self.last_token_at = now
+            self.output_tokens += tokens
+
+
+_current: ContextVar[GenerationUsage | None] = ContextVar(
+    "vllm_servicer_generation_usage", default=None
+)
+
+
+def shared() -> GenerationUsage:
+    """For an interceptor: the record of the current call, created on first use.
+
+    Every interceptor of the call (and of every pipeline around it) gets the
+    same record, as does the handler: the call runs in one task, whose context
+    holds it.
+    """
+    usage = _current.get()
+    if usage is None:
+        usage = GenerationUsage()
+        _current.set(usage)
+    return usage
+
+
+def kept_by_handler() -> GenerationUsage | None:
+    """For the handler: the record to keep for this call; None when nothing reads one."""
+    usage = _current.get()
+    if usage is not None:
+        usage.kept = True
+    return usage
+
+
+def read_message(usage: GenerationUsage, message: Any) -> None:
+    """Fold one GenerateResponse into `usage` (for a handler that keeps no record)."""
+    kind = message.WhichOneof("response")
+    if kind == "chunk":
+        chunk = message.chunk
+        if usage.prompt_tokens < 0:
+            usage.prompt_tokens = chunk.prompt_tokens
+        usage.chunk_sent(len(chunk.token_ids))
+    elif kind == "complete":
+        done = message.complete
+        if usage.prompt_tokens < 0:
+            usage.prompt_tokens = done.prompt_tokens
+        usage.choice_finished(done.index, done.finish_reason, len(done.output_ids))
