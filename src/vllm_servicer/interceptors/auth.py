@@ -225,9 +225,11 @@ class AuthInterceptor(CallInterceptor):
     async def on_admit(self, method: str, metadata: Any, context: Any) -> None:
         # Before the request is parsed: a refused call must not cost a parse of
         # a message up to the size limit.
-        if context is None and _reads_auth_context(self._verifier):
+        reads_auth_context = _reads_auth_context(self._verifier)
+        if context is None and reads_auth_context:
             return  # asked before the call runs, without its auth context: on_start decides
-        auth_context = _auth_context(context) if context is not None else {}
+        # grpc builds the auth context afresh on each ask: only for a verifier that reads it.
+        auth_context = _auth_context(context) if context is not None and reads_auth_context else {}
         try:
             identity = await self._identify(metadata, auth_context, method)
         except AuthError as rejection:
