@@ -386,7 +386,7 @@ class MetricsInterceptor(CallInterceptor):
     def _count_running(self) -> None:
         """Brings the counters up to date with every running Generate call, once a second."""
         self._count_timer = None
-        for state in self._running:
+        for state in tuple(self._running):  # a copy: another loop's thread may add one
             self._count(state)
         if self._running:
             self._count_timer = asyncio.get_running_loop().call_later(
