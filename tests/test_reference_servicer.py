@@ -24,6 +24,7 @@ descriptors coexist in one process (theirs in the default pool, ours in
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import importlib.util
@@ -352,6 +353,7 @@ class Observed:
     exporter: Any
 
 
+@contextlib.asynccontextmanager
 async def _observed(engine: Any, *, reference: bool) -> AsyncIterator[Observed]:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -386,7 +388,7 @@ async def test_our_metrics_and_spans_count_what_either_servicer_sent(
     kv_engine: Any, reference: bool
 ) -> None:
     """The reference keeps no usage record: both interceptors read its messages, once each."""
-    async for observed in _observed(kv_engine, reference=reference):
+    async with _observed(kv_engine, reference=reference) as observed:
         received = 0
         messages = 0
         for stream in (True, False):

@@ -73,3 +73,17 @@ async def test_the_handler_keeps_nothing_when_nothing_reads() -> None:
         return usage.kept_by_handler()
 
     assert await asyncio.create_task(call()) is None
+
+
+async def test_a_record_copied_into_another_tasks_context_is_not_its_own() -> None:
+    # A task's context starts as a copy of its creator's: a record there
+    # belongs to the creator's call, not to the new one.
+    outer = usage.shared()
+
+    async def inner() -> tuple[usage.GenerationUsage | None, usage.GenerationUsage]:
+        kept = usage.kept_by_handler()
+        return kept, usage.shared()
+
+    kept, own = await asyncio.create_task(inner())
+    assert kept is None and not outer.kept
+    assert own is not outer

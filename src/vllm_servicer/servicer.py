@@ -276,24 +276,28 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 if usage is not None and not started:
                     usage.prompt_tokens = len(output.prompt_token_ids or ())
                 started = True
+                # Recorded once built: the time a message leaves includes building it.
                 if stream:
                     for completion in output.outputs:
+                        message = chunk(output, completion)
                         if usage is not None:
                             usage.chunk_sent(len(completion.token_ids))
-                        yield chunk(output, completion)
+                        yield message
                         if completion.finish_reason is not None:
+                            message = complete(output, completion)
                             if usage is not None:
                                 usage.choice_finished(completion.index, completion.finish_reason, 0)
-                            yield complete(output, completion)
+                            yield message
                 elif output.finished:
                     for completion in output.outputs:
+                        message = complete(output, completion)
                         if usage is not None:
                             usage.choice_finished(
                                 completion.index,
                                 completion.finish_reason or "stop",
                                 len(completion.token_ids),
                             )
-                        yield complete(output, completion)
+                        yield message
         except Exception as exc:
             # The error layer around every method turns what is raised into a status.
             if kv_transfer is not None and not started:

@@ -14,6 +14,7 @@ Pure data: no grpc, no vLLM, no protocol module.
 
 from __future__ import annotations
 
+from asyncio import current_task
 from contextvars import ContextVar
 from time import perf_counter
 from typing import Any
@@ -26,6 +27,7 @@ class GenerationUsage:
         "finish_reasons",
         "first_token_at",
         "kept",
+        "owner",
         "last_token_at",
         "messages",
         "output_tokens",
@@ -34,7 +36,8 @@ class GenerationUsage:
         "tokens_after_first",
     )
 
-    def __init__(self) -> None:
+    def __init__(self, owner: object = None) -> None:
+        self.owner = owner  # the task of the call it belongs to
         self.kept = False  # the handler keeps it; else it is read from the messages
         self.prompt_tokens = -1  # -1: not known yet
         self.output_tokens = 0
@@ -85,12 +88,14 @@ def shared() -> GenerationUsage:
     """For an interceptor: the record of the current call, created on first use.
 
     Every interceptor of the call (and of every pipeline around it) gets the
-    same record, as does the handler: the call runs in one task, whose context
-    holds it.
+    same record, as does the handler: grpc.aio runs a call in a task of its
+    own, whose context holds the record. A record of another task (one the
+    context was copied from) is not this call's.
     """
+    task = current_task()
     usage = _current.get()
-    if usage is None:
-        usage = GenerationUsage()
+    if usage is None or usage.owner is not task:
+        usage = GenerationUsage(task)
         _current.set(usage)
     return usage
 
@@ -98,15 +103,18 @@ def shared() -> GenerationUsage:
 def kept_by_handler() -> GenerationUsage | None:
     """For the handler: the record to keep for this call; None when nothing reads one."""
     usage = _current.get()
-    if usage is not None:
-        usage.kept = True
+    if usage is None or usage.owner is not current_task():
+        return None
+    usage.kept = True
     return usage
 
 
 def read_message(usage: GenerationUsage, message: Any) -> None:
     """Fold one GenerateResponse into `usage` (for a handler that keeps no record)."""
     kind = message.WhichOneof("response")
-    if kind == "chunk":
+    if kind is None:  # neither: still a message sent
+        usage.messages += 1
+    elif kind == "chunk":
         chunk = message.chunk
         if usage.prompt_tokens < 0:
             usage.prompt_tokens = chunk.prompt_tokens

@@ -12,9 +12,10 @@ and calls the hooks of every interceptor of a call from one wrapper:
   read; may `await call.context.abort(...)` to reject the call (the handler
   then never runs).
 - `on_request(call, message)`: each request message (unary, iterated or `context.read()`).
-- `on_response(call, message)`: each response message, either streaming style,
-  unless `reads_responses(call)` said no at the first one (a hook that reads
-  a record the handler keeps instead, see `vllm_servicer.usage`).
+- `on_response(call, message)`: each response message, either streaming style;
+  for a handler that streams by `yield`, only when `reads_responses(call)`
+  said yes at the first one (a hook may read a record the handler keeps
+  instead, see `vllm_servicer.usage`).
 - `on_finish(call)`: exactly once per call that started, with `call.code` set:
   OK, the aborted code, CANCELLED (client cancel), DEADLINE_EXCEEDED or UNKNOWN.
 

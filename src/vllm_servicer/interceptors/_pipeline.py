@@ -336,7 +336,7 @@ def _fused(
                             hooks = [
                                 (i.on_response, c)
                                 for i, c in started
-                                if i.has_response_hook and i.reads_responses(c)
+                                if i.has_response_hook and _reads_responses(i, c)
                             ]
                             for hook, call in hooks:
                                 hook(call, message)
@@ -368,6 +368,15 @@ def _fused(
                 finish(started, context, exc)
 
     return rebuild(handler, streaming_response, deserializer)
+
+
+def _reads_responses(interceptor: CallInterceptor, call: Call) -> bool:
+    try:
+        return interceptor.reads_responses(call)
+    except Exception:
+        # Bookkeeping must never change how the call ends: give it the messages.
+        logger.exception("reads_responses of %s failed", type(interceptor).__name__)
+        return True
 
 
 async def _counted(requests: Any, hooks: list[tuple[Any, Call]]) -> AsyncIterator[Any]:

@@ -23,6 +23,7 @@ series.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -110,6 +111,7 @@ class _GenerateCall:
         "method",
         "own",
         "prompt_counted",
+        "running",
         "started",
         "ttft_observed",
         "usage",
@@ -117,9 +119,10 @@ class _GenerateCall:
 
     generate = True
 
-    def __init__(self, method: _MethodMetrics, started: float) -> None:
+    def __init__(self, method: _MethodMetrics, started: float, running: set[_GenerateCall]) -> None:
         self.method = method
         self.started = started
+        self.running = running  # the running calls of its event loop
         # Kept by the handler as it sends (read once a second and at the end),
         # or, for a handler that keeps none, this interceptor's own, read from
         # the messages.
@@ -166,10 +169,9 @@ class MetricsInterceptor(CallInterceptor):
         self.model_name = model_name
         self._shutting_down = False
         self._methods: dict[str, _MethodMetrics] = {}
-        # Generate calls running, counted once a second (see _count_running).
-        self._running: set[_GenerateCall] = set()
-        self._count_timer: asyncio.TimerHandle | None = None
-        self._count_loop: asyncio.AbstractEventLoop | None = None
+        # Generate calls running, per event loop, each loop's counted once a
+        # second by a timer of its own (see _count_running).
+        self._running: dict[asyncio.AbstractEventLoop, set[_GenerateCall]] = {}
 
         # grpc-ecosystem names (go-grpc-prometheus); prometheus_client adds `_total`.
         self.started = Counter(
@@ -305,14 +307,14 @@ class MetricsInterceptor(CallInterceptor):
         if method.engine and self._counts_in_flight:
             self._in_flight.inc()
         if method.generate:
-            state = _GenerateCall(method, call.started)
-            call.state = state
-            self._running.add(state)
             loop = asyncio.get_running_loop()
-            if self._count_timer is None or self._count_loop is not loop:
-                # (A timer left on a loop that has since closed never fires.)
-                self._count_loop = loop
-                self._count_timer = loop.call_later(_COUNT_INTERVAL_S, self._count_running)
+            running = self._running.get(loop)
+            if running is None:
+                running = self._running[loop] = set()
+                self._count_later(loop)
+            state = _GenerateCall(method, call.started, running)
+            running.add(state)
+            call.state = state
         else:
             call.state = method
 
@@ -354,7 +356,7 @@ class MetricsInterceptor(CallInterceptor):
             self._in_flight.dec()
         if not state.generate:
             return
-        self._running.discard(state)
+        state.running.discard(state)
         self._count(state)
         self._duration_observe(now - call.started)
         usage = state.usage
@@ -383,15 +385,19 @@ class MetricsInterceptor(CallInterceptor):
 
     # ----- Generate -------------------------------------------------------------
 
-    def _count_running(self) -> None:
-        """Brings the counters up to date with every running Generate call, once a second."""
-        self._count_timer = None
-        for state in tuple(self._running):  # a copy: another loop's thread may add one
+    def _count_later(self, loop: asyncio.AbstractEventLoop) -> None:
+        # In an empty context: the timer must not keep a call's context alive.
+        loop.call_later(_COUNT_INTERVAL_S, self._count_running, loop, context=contextvars.Context())
+
+    def _count_running(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Brings the counters up to date with `loop`'s running Generate calls, once a second."""
+        running = self._running.get(loop)
+        if not running:
+            self._running.pop(loop, None)  # the next call on this loop starts a timer again
+            return
+        for state in running:
             self._count(state)
-        if self._running:
-            self._count_timer = asyncio.get_running_loop().call_later(
-                _COUNT_INTERVAL_S, self._count_running
-            )
+        self._count_later(loop)
 
     def _count(self, state: _GenerateCall) -> None:
         """Adds what `state`'s call sent since it was last counted to the shared metrics."""
