@@ -109,6 +109,30 @@ def kept_by_handler() -> GenerationUsage | None:
     return usage
 
 
+class UsageReader:
+    """One interceptor's view of a Generate call's usage.
+
+    The handler's record when it keeps one; else a record of the reader's
+    own, filled from the messages (`read`): two readers of one call never
+    fill the same record twice.
+    """
+
+    __slots__ = ("own", "usage")
+
+    def __init__(self) -> None:
+        self.usage = shared()
+        self.own = False
+
+    def read(self, message: Any) -> None:
+        """A response message, read only when the handler keeps no record."""
+        if self.usage.kept:
+            return
+        if not self.own:
+            self.usage = GenerationUsage()
+            self.own = True
+        read_message(self.usage, message)
+
+
 def read_message(usage: GenerationUsage, message: Any) -> None:
     """Fold one GenerateResponse into `usage` (for a handler that keeps no record)."""
     kind = message.WhichOneof("response")

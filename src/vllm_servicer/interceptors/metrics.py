@@ -102,19 +102,18 @@ class _MethodMetrics:
         self.generate = call.method == GENERATE_METHOD
 
 
-class _GenerateCall:
-    """Per-call state of one Generate call: its usage record and what was counted of it."""
+class _GenerateCall(generation_usage.UsageReader):
+    """Per-call state of one Generate call: its usage (read once a second and at
+    the end) and what was counted of it."""
 
     __slots__ = (
         "counted_messages",
         "counted_tokens",
         "method",
-        "own",
         "prompt_counted",
         "running",
         "started",
         "ttft_observed",
-        "usage",
     )
 
     generate = True
@@ -123,11 +122,7 @@ class _GenerateCall:
         self.method = method
         self.started = started
         self.running = running  # the running calls of its event loop
-        # Kept by the handler as it sends (read once a second and at the end),
-        # or, for a handler that keeps none, this interceptor's own, read from
-        # the messages.
-        self.usage = generation_usage.shared()
-        self.own = False
+        super().__init__()
         self.counted_messages = 0
         self.counted_tokens = 0
         self.prompt_counted = False
@@ -328,16 +323,10 @@ class MetricsInterceptor(CallInterceptor):
 
     def on_response(self, call: Call, message: Any) -> None:
         state = call.state
-        if not state.generate:
+        if state.generate:
+            state.read(message)
+        else:
             state.sent.inc()
-            return
-        usage = state.usage
-        if usage.kept:
-            return
-        if not state.own:  # not the shared record: another reader may fill that one
-            state.usage = usage = generation_usage.GenerationUsage()
-            state.own = True
-        generation_usage.read_message(usage, message)
 
     def on_finish(self, call: Call) -> None:
         state = call.state

@@ -304,13 +304,10 @@ def engine_trace_headers(context: Any) -> dict[str, str] | None:
 class _GenAiState:
     """What one Generate/Embed call has told the span so far."""
 
-    __slots__ = ("embedding_dim", "input_tokens", "own", "usage")
+    __slots__ = ("embedding_dim", "generation", "input_tokens")
 
-    def __init__(self, usage: generation_usage.GenerationUsage | None) -> None:
-        # Generate: the record the handler keeps as it sends, or (for a handler
-        # that keeps none) this interceptor's own, read from the messages.
-        self.usage = usage
-        self.own = False
+    def __init__(self, generation: generation_usage.UsageReader | None) -> None:
+        self.generation = generation  # Generate: its usage, read when the call ends
         self.input_tokens = -1  # Embed
         self.embedding_dim = 0
 
@@ -402,7 +399,7 @@ class TracingInterceptor(CallInterceptor):
         # The span object, not the context: on_finish may run after the
         # handler's context was detached.
         if call.method == GENERATE_METHOD:
-            call.state = (span, _GenAiState(generation_usage.shared()))
+            call.state = (span, _GenAiState(generation_usage.UsageReader()))
         else:
             call.state = (span, _GenAiState(None) if call.method in ENGINE_METHODS else None)
 
@@ -436,27 +433,24 @@ class TracingInterceptor(CallInterceptor):
 
     def reads_responses(self, call: Call) -> bool:
         span, state = call.state
-        return state is not None and not (state.usage is not None and state.usage.kept)
+        return state is not None and not (
+            state.generation is not None and state.generation.usage.kept
+        )
 
     def on_response(self, call: Call, message: Any) -> None:
         span, state = call.state
         if state is None:
             return
-        usage = state.usage
-        if usage is None:  # Embed
+        if state.generation is not None:
+            state.generation.read(message)
+        else:  # Embed
             state.input_tokens = message.prompt_tokens
             state.embedding_dim = message.embedding_dim
-            return
-        if usage.kept:
-            return
-        if not state.own:  # not the shared record: another reader may fill that one
-            state.usage = usage = generation_usage.GenerationUsage()
-            state.own = True
-        generation_usage.read_message(usage, message)
 
     def on_finish(self, call: Call) -> None:
         span, state = call.state
-        usage = state.usage if state is not None else None
+        generation = state.generation if state is not None else None
+        usage = generation.usage if generation is not None else None
         if usage is not None and usage.first_token_at and span.is_recording():
             # A perf_counter() time, placed on the span's clock.
             ago = time.perf_counter() - usage.first_token_at
@@ -478,13 +472,14 @@ class TracingInterceptor(CallInterceptor):
         assert code is not None
         attrs = self._conventions.attributes({"rpc.grpc.status_code": code.value[0]})
         if state is not None:
-            usage = state.usage
-            if usage is None:  # Embed
+            generation = state.generation
+            if generation is None:  # Embed
                 if state.input_tokens >= 0:
                     attrs["gen_ai.usage.input_tokens"] = state.input_tokens
                 if state.embedding_dim:
                     attrs["gen_ai.embeddings.dimension.count"] = state.embedding_dim
             else:
+                usage = generation.usage
                 if usage.prompt_tokens >= 0:
                     attrs["gen_ai.usage.input_tokens"] = usage.prompt_tokens
                 attrs["gen_ai.usage.output_tokens"] = usage.output_tokens
