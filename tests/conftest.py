@@ -8,7 +8,7 @@ these machines, so it is built once per session and shut down at the end.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ from helpers import build_engine
 from vllm_servicer import MountedServices, mount
 from vllm_servicer.proto import vllm_engine_pb2_grpc
 from vllm_servicer.tiny_model import write_tiny_model
+from vllm_servicer.tiny_vlm import write_tiny_vlm
 
 
 @dataclasses.dataclass
@@ -31,6 +32,20 @@ class RunningServer:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny LLaVA-shaped vision model (no download)."""
+    return write_tiny_vlm(tmp_path_factory.mktemp("models") / "tiny-llava")
+
+
+@pytest.fixture(scope="session")
+def preprocess(vlm_dir: Path) -> Callable[[tuple[int, int, int]], Any]:
+    """A router's image preprocessing for that model (see router_side.py)."""
+    from router_side import router_preprocessor
+
+    return router_preprocessor(vlm_dir)
 
 
 @pytest.fixture(scope="session")

@@ -32,3 +32,15 @@ class EchoConnector(ExampleConnector):
         with open(os.path.join(self._storage_path, FINISHED_LOG), "a") as log:
             log.write(json.dumps({"request_id": request.request_id, "params": params}) + "\n")
         return False, ({**params, "echoed_by": "EchoConnector"} if params else None)
+
+
+def echo_transfer_config(storage: str | os.PathLike[str]) -> Any:
+    """The engine setting that loads this connector, storing KV under `storage`."""
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(
+        kv_connector=EchoConnector.__name__,
+        kv_connector_module_path=__name__,
+        kv_role="kv_both",
+        kv_connector_extra_config={"shared_storage_path": str(storage)},
+    )

@@ -8,6 +8,7 @@ ids and makes the pixel tensors itself; the tests send what it makes as
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,32 @@ class Routed:
     offset: int
     length: int
     image_token: int
+
+
+def router_request(routed: Routed, request_id: str, *, content_hash: bool = False) -> Any:
+    """The GenerateRequest a router sends for `routed`, built with the reference's stubs.
+
+    `content_hash`: also send the image's `mm_hashes` entry (a sha256 of its
+    pixels), which vLLM's own server keys its caches by.
+    """
+    from smg_grpc_proto.generated import common_pb2 as ref_common
+    from smg_grpc_proto.generated import vllm_engine_pb2 as ref
+
+    return ref.GenerateRequest(
+        request_id=request_id,
+        tokenized=ref.TokenizedInput(input_ids=routed.ids),
+        sampling_params=ref.SamplingParams(temperature=0.0, max_tokens=8),
+        mm_inputs=ref.MultimodalInputs(
+            pixel_values=ref.TensorData(inline=routed.pixels, shape=routed.shape, dtype="float32"),
+            im_token_id=routed.image_token,
+            mm_placeholders=[ref.PlaceholderRange(offset=routed.offset, length=routed.length)],
+            mm_hashes=["router-sha256:" + hashlib.sha256(routed.pixels).hexdigest()]
+            if content_hash
+            else [],
+            batched_keys=["pixel_values"],
+            modality=ref_common.IMAGE,
+        ),
+    )
 
 
 def solid_image(color: tuple[int, int, int]) -> Any:

@@ -130,16 +130,19 @@ async def test_server_info_counts_active_requests(ref_stub: Any, engine: Any) ->
 
 
 def test_a_reasoning_engine_tells_routers_its_grammar_waits_for_the_thought() -> None:
-    """What a config with a reasoning parser gives (the tiny model has no thinking tokens)."""
+    """What vLLM's structured-output config with a reasoning parser gives (the tiny
+    model has no thinking tokens to build an engine with one)."""
     from types import SimpleNamespace
+
+    from vllm.config import StructuredOutputsConfig
 
     from vllm_servicer.servicer import _engine_facts
 
     def facts(**structured: Any) -> dict[str, Any]:
-        config = SimpleNamespace(structured_outputs_config=SimpleNamespace(**structured))
+        config = SimpleNamespace(structured_outputs_config=StructuredOutputsConfig(**structured))
         return _engine_facts(config)
 
-    held = facts(reasoning_parser="deepseek_r1", enable_in_reasoning=False)
+    held = facts(reasoning_parser="deepseek_r1")
     assert (held["engine_reasoning_parser"], held["constrained_decoding_start"]) == (
         "deepseek_r1",
         "after_reasoning",

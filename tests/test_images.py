@@ -28,7 +28,7 @@ from vllm_servicer import MediaRefOptions, mount
 from vllm_servicer.proto import common_pb2, vllm_engine_pb2_grpc
 from vllm_servicer.proto import vllm_engine_pb2 as pb
 from vllm_servicer.tiny_model import build_tiny_engine
-from vllm_servicer.tiny_vlm import IMAGE_TOKEN, TINY_VLM_ENGINE_KWARGS, write_tiny_vlm
+from vllm_servicer.tiny_vlm import IMAGE_TOKEN, TINY_VLM_ENGINE_KWARGS
 
 MAX_ITEM_BYTES = 64 * 1024
 
@@ -46,11 +46,6 @@ RED, BLUE = _png((255, 0, 0)), _png((0, 0, 255))
 
 def _data_url(data: bytes, media_type: str = "image/png") -> str:
     return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
-
-
-@pytest.fixture(scope="module")
-def vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_vlm(tmp_path_factory.mktemp("models") / "tiny-llava")
 
 
 @pytest.fixture(scope="module")

@@ -30,32 +30,20 @@ from helpers import (
     streamed_tokens,
     wait_until_idle,
 )
-from router_side import BLUE, PROMPT, RED, Routed, router_preprocessor, solid_image
-from smg_grpc_proto.generated import common_pb2 as ref_common
-from smg_grpc_proto.generated import vllm_engine_pb2 as ref
+from router_side import BLUE, PROMPT, RED, Routed, router_request, solid_image
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as ref_grpc
 
 from vllm_servicer import MediaRefOptions
 from vllm_servicer.proto import common_pb2, vllm_engine_pb2_grpc
 from vllm_servicer.proto import vllm_engine_pb2 as pb
 from vllm_servicer.tiny_model import build_tiny_engine
-from vllm_servicer.tiny_vlm import TINY_VLM_ENGINE_KWARGS, write_tiny_vlm
+from vllm_servicer.tiny_vlm import TINY_VLM_ENGINE_KWARGS
 
 
 def _png(color: tuple[int, int, int]) -> bytes:
     out = io.BytesIO()
     solid_image(color).save(out, format="PNG")
     return out.getvalue()
-
-
-@pytest.fixture(scope="module")
-def vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_vlm(tmp_path_factory.mktemp("models") / "tiny-llava")
-
-
-@pytest.fixture(scope="module")
-def preprocess(vlm_dir: Path) -> Callable[[tuple[int, int, int]], Routed]:
-    return router_preprocessor(vlm_dir)
 
 
 @pytest.fixture(scope="module")
@@ -229,18 +217,7 @@ async def test_reference_stubs_send_tensors_the_server_serves(
 ) -> None:
     """A request built with the reference's generated code, as a router would."""
     routed = preprocess(RED)
-    req = ref.GenerateRequest(
-        request_id="reference-mm",
-        tokenized=ref.TokenizedInput(input_ids=routed.ids),
-        sampling_params=ref.SamplingParams(temperature=0.0, max_tokens=8),
-        mm_inputs=ref.MultimodalInputs(
-            pixel_values=ref.TensorData(inline=routed.pixels, shape=routed.shape, dtype="float32"),
-            im_token_id=routed.image_token,
-            mm_placeholders=[ref.PlaceholderRange(offset=routed.offset, length=routed.length)],
-            batched_keys=["pixel_values"],
-            modality=ref_common.IMAGE,
-        ),
-    )
+    req = router_request(routed, "reference-mm")
     reference = ref_grpc.VllmEngineStub(channel)
     assert await _tokens(reference, req) == await _tokens(stub, _tensor_request(routed))
 

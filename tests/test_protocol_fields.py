@@ -281,18 +281,13 @@ async def handoff(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[tuple[Any, Path]]:
     """A stub on an engine with the echoing KV connector and n-gram speculative decoding."""
-    from vllm.config import KVTransferConfig
+    from kv_echo_connector import echo_transfer_config
 
     storage = tmp_path_factory.mktemp("kv-handoff")
     engine = build_engine(
         tiny_model_dir,
         enable_prefix_caching=False,
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="EchoConnector",
-            kv_connector_module_path="kv_echo_connector",
-            kv_role="kv_both",
-            kv_connector_extra_config={"shared_storage_path": str(storage)},
-        ),
+        kv_transfer_config=echo_transfer_config(storage),
         speculative_config={
             "method": "ngram",
             "num_speculative_tokens": 3,

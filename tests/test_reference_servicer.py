@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hashlib
 import importlib.util
 import json
 import time
@@ -37,7 +36,7 @@ from typing import Any
 import grpc
 import pytest
 from helpers import build_engine, collect, completes, streamed_tokens
-from router_side import BLUE, RED, Routed, router_preprocessor
+from router_side import BLUE, RED, Routed, router_request
 from smg_grpc_proto.generated import common_pb2 as ref_common
 from smg_grpc_proto.generated import vllm_engine_pb2 as ref
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as ref_grpc
@@ -47,7 +46,7 @@ from vllm_servicer.interceptors.tracing import FIRST_TOKEN_EVENT
 from vllm_servicer.proto import POOL
 from vllm_servicer.proto import vllm_engine_pb2 as ours
 from vllm_servicer.tiny_model import build_tiny_engine
-from vllm_servicer.tiny_vlm import TINY_VLM_ENGINE_KWARGS, write_tiny_vlm
+from vllm_servicer.tiny_vlm import TINY_VLM_ENGINE_KWARGS
 
 if importlib.util.find_spec("smg_grpc_servicer") is None:
     pytest.skip(
@@ -131,16 +130,6 @@ def test_the_references_descriptors_and_ours_coexist_in_one_process() -> None:
 
 
 @pytest.fixture(scope="module")
-def vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_vlm(tmp_path_factory.mktemp("models") / "tiny-llava")
-
-
-@pytest.fixture(scope="module")
-def preprocess(vlm_dir: Path) -> Callable[[tuple[int, int, int]], Routed]:
-    return router_preprocessor(vlm_dir)
-
-
-@pytest.fixture(scope="module")
 async def vlm_servers(vlm_dir: Path) -> AsyncIterator[Servers]:
     engine = build_tiny_engine(vlm_dir, **TINY_VLM_ENGINE_KWARGS)
     try:
@@ -148,29 +137,6 @@ async def vlm_servers(vlm_dir: Path) -> AsyncIterator[Servers]:
             yield servers
     finally:
         engine.shutdown()
-
-
-def _image_request(routed: Routed, name: str) -> ref.GenerateRequest:
-    """A router's request: every field the reference reads to rebuild the image input.
-
-    The reference keys the engine's caches by `mm_hashes` as sent (ours derives
-    its key from the tensors), so each image carries its own content hash, as a
-    router's does; different keys also keep either server from being served
-    the other's cached image.
-    """
-    return ref.GenerateRequest(
-        request_id=f"image-{name}",
-        tokenized=ref.TokenizedInput(input_ids=routed.ids),
-        sampling_params=ref.SamplingParams(temperature=0.0, max_tokens=8),
-        mm_inputs=ref.MultimodalInputs(
-            pixel_values=ref.TensorData(inline=routed.pixels, shape=routed.shape, dtype="float32"),
-            im_token_id=routed.image_token,
-            mm_placeholders=[ref.PlaceholderRange(offset=routed.offset, length=routed.length)],
-            mm_hashes=["router-sha256:" + hashlib.sha256(routed.pixels).hexdigest()],
-            batched_keys=["pixel_values"],
-            modality=ref_common.IMAGE,
-        ),
-    )
 
 
 async def _both_tokens(servers: Servers, req: ref.GenerateRequest) -> tuple[list[int], list[int]]:
@@ -182,9 +148,15 @@ async def _both_tokens(servers: Servers, req: ref.GenerateRequest) -> tuple[list
 async def test_image_tensors_give_the_references_tokens(
     vlm_servers: Servers, preprocess: Callable[[tuple[int, int, int]], Routed]
 ) -> None:
+    # The reference keys the engine's caches by `mm_hashes` as sent (ours
+    # derives its key from the tensors), so each image carries its own content
+    # hash, as a router's does; different keys also keep either server from
+    # being served the other's cached image.
     by_image = {}
     for name, color in (("red", RED), ("blue", BLUE)):
-        ours, reference = await _both_tokens(vlm_servers, _image_request(preprocess(color), name))
+        ours, reference = await _both_tokens(
+            vlm_servers, router_request(preprocess(color), f"image-{name}", content_hash=True)
+        )
         assert len(ours) == 8, name
         assert ours == reference, name
         by_image[name] = ours
@@ -197,19 +169,12 @@ async def test_image_tensors_give_the_references_tokens(
 @pytest.fixture(scope="module")
 def kv_engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """An engine with the test connector that echoes its params back."""
-    from vllm.config import KVTransferConfig
+    from kv_echo_connector import echo_transfer_config
 
     engine = build_engine(
         tiny_model_dir,
         enable_prefix_caching=False,
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="EchoConnector",
-            kv_connector_module_path="kv_echo_connector",
-            kv_role="kv_both",
-            kv_connector_extra_config={
-                "shared_storage_path": str(tmp_path_factory.mktemp("kv-reference"))
-            },
-        ),
+        kv_transfer_config=echo_transfer_config(tmp_path_factory.mktemp("kv-reference")),
     )
     try:
         yield engine

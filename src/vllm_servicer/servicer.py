@@ -377,10 +377,12 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         kv_transfer = getattr(config, "kv_transfer_config", None)
         is_paused = await self._engine.is_paused()
         media = self._model_media
-        if not media.encoder_budget_known:
-            # Worked out once, from the model's largest item: off the event loop.
-            await asyncio.to_thread(media.encoder_budget, config)
-        budget = media.encoder_budget(config)
+        # Worked out once, from the model's largest item: off the event loop.
+        budget = (
+            media.encoder_budget(config)
+            if media.encoder_budget_known
+            else await asyncio.to_thread(media.encoder_budget, config)
+        )
         return pb.GetServerInfoResponse(
             active_requests=self.active_requests,
             is_paused=is_paused,
@@ -401,10 +403,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             if self._media is not None and self._takes_images
             else "",
             # What a router reads to send tensors, and through shared memory.
-            mm_item_limits=self._model_media.item_limits,
-            shm_namespace_id=mm_tensors.shm_namespace()
-            if self._model_media.shm and self._model_media.limits
-            else "",
+            mm_item_limits=media.item_limits,
+            shm_namespace_id=mm_tensors.shm_namespace() if media.shm and media.limits else "",
             mm_encoder_budget=budget,
             **_engine_facts(config),
         )

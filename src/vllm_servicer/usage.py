@@ -123,6 +123,11 @@ class UsageReader:
         self.usage = shared()
         self.own = False
 
+    @property
+    def reads_messages(self) -> bool:
+        """Whether the messages must be read: the handler keeps no record."""
+        return not self.usage.kept
+
     def read(self, message: Any) -> None:
         """A response message, read only when the handler keeps no record."""
         if self.usage.kept:

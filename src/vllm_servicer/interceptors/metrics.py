@@ -319,7 +319,7 @@ class MetricsInterceptor(CallInterceptor):
 
     def reads_responses(self, call: Call) -> bool:
         state = call.state
-        return not (state.generate and state.usage.kept)
+        return not state.generate or state.reads_messages
 
     def on_response(self, call: Call, message: Any) -> None:
         state = call.state

@@ -433,9 +433,7 @@ class TracingInterceptor(CallInterceptor):
 
     def reads_responses(self, call: Call) -> bool:
         span, state = call.state
-        return state is not None and not (
-            state.generation is not None and state.generation.usage.kept
-        )
+        return state is not None and (state.generation is None or state.generation.reads_messages)
 
     def on_response(self, call: Call, message: Any) -> None:
         span, state = call.state
