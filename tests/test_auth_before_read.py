@@ -233,34 +233,155 @@ async def test_undecodable_request_with_tracing_before_auth_gets_a_proper_code(
         await server.stop(None)
 
 
-@pytest.mark.parametrize("placement", PLACEMENTS)
-async def test_compressed_request_is_bounded_after_inflation_and_never_parsed(
-    placement: str,
-) -> None:
-    # 16 MiB of zeros gzip to a few KiB: grpc stops inflating at the receive
-    # limit, before any handler, key or no key.
-    auth = AuthInterceptor(ApiKeyVerifier([KEY]), methods=all_methods)
-    server_options = [("grpc.max_receive_message_length", 1 << 20)]
+class HostInterceptor(grpc.aio.ServerInterceptor):
+    """A host's own interceptor, as hosts write them: it wraps every behaviour."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def intercept_service(self, continuation: Any, details: Any) -> Any:
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        kind = ("stream" if handler.request_streaming else "unary") + "_"
+        kind += "stream" if handler.response_streaming else "unary"
+        inner = getattr(handler, kind)
+
+        async def unary(request: Any, context: Any) -> Any:
+            self.calls += 1
+            return await inner(request, context)
+
+        async def streaming(request: Any, context: Any) -> AsyncIterator[Any]:
+            self.calls += 1
+            async for message in inner(request, context):
+                yield message
+
+        factory = getattr(grpc, f"{kind}_rpc_method_handler")
+        return factory(
+            streaming if handler.response_streaming else unary,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+
+def _stack(names: str) -> list[Any]:
+    """Interceptors outermost first, in the launcher's order: "host,tracing,metrics,auth,limit"."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from prometheus_client import CollectorRegistry
+
+    from vllm_servicer.interceptors import InflightInterceptor, MetricsInterceptor
+
+    made = {
+        "host": HostInterceptor,
+        "tracing": lambda: TracingInterceptor(TracerProvider()),
+        "metrics": lambda: MetricsInterceptor(CollectorRegistry()),
+        "auth": lambda: AuthInterceptor(ApiKeyVerifier([KEY]), methods=all_methods),
+        "limit": lambda: InflightInterceptor(1024, limited=all_methods),
+    }
+    return [made[name]() for name in names.split(",")]
+
+
+# Placements: grpc's own chain of server-wide interceptors; the stack mounted
+# (wrapped per method); the stack mounted under a host's server-wide interceptor.
+MATRIX_PLACEMENTS = ("server_wide", "mounted", "mounted_under_host")
+STACKS = (
+    "auth",
+    "metrics,auth,limit",
+    "tracing,auth",
+    "tracing,metrics,auth,limit",  # the launcher's with OTEL_* set and a metrics port
+    "auth,tracing,metrics",  # OpenTelemetry's wrapper inside the refusing interceptor
+    "metrics,tracing,auth",  # hooks on both sides of OpenTelemetry's wrapper
+    "host,auth",
+    "host,tracing,metrics,auth,limit",
+)
+
+
+def _serve_stack(placement: str, stack: list[Any]) -> grpc.aio.Server:
     if placement == "server_wide":
-        server = grpc.aio.server(interceptors=[auth], options=server_options)
+        return _serve_host_service(placement, stack)
+    server = grpc.aio.server(interceptors=[HostInterceptor()] if placement != "mounted" else None)
+    wrapped = {
+        name: wrapped_handler(stack, f"/{SERVICE}/{name}", handler)
+        for name, handler in HANDLERS.items()
+    }
+    register(server, SERVICE, wrapped)
+    return server
+
+
+@pytest.mark.parametrize("stack_names", STACKS)
+@pytest.mark.parametrize("placement", MATRIX_PLACEMENTS)
+@pytest.mark.parametrize("name", list(HANDLERS))
+async def test_no_stack_reads_a_refused_request(
+    placement: str, name: str, stack_names: str
+) -> None:
+    stack = _stack(stack_names)
+    server = _serve_stack(placement, stack)
+    address = await _start(server)
+    parsed.clear()
+    try:
+        async with grpc.aio.insecure_channel(address) as channel:
+            for metadata in ((), bearer("unknown-0123456789abcdef")):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await _call(channel, name, metadata)
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, err.value.details()
+            assert parsed[name] == 0
+            await _call(channel, name, bearer(KEY))
+            assert parsed[name] >= 1
+    finally:
+        await server.stop(None)
+    hosts = [i for i in stack if isinstance(i, HostInterceptor)]
+    assert all(host.calls == 3 for host in hosts)  # the host's wrapper saw every call
+
+
+@pytest.mark.parametrize("placement", MATRIX_PLACEMENTS)
+@pytest.mark.parametrize("stack_names", ["auth", "tracing,metrics,auth,limit"])
+async def test_a_refused_gzip_request_is_never_inflated(placement: str, stack_names: str) -> None:
+    # 16 MiB of zeros gzip to a few KiB. Refused, it is never received, so
+    # grpc never inflates it: UNAUTHENTICATED, not the RESOURCE_EXHAUSTED of
+    # the receive limit that an admitted one meets while grpc inflates it.
+    stack = _stack(stack_names)
+    options = [("grpc.max_receive_message_length", 1 << 20)]
+    if placement == "server_wide":
+        server = grpc.aio.server(interceptors=stack, options=options)
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, HANDLERS),))
     else:
-        server = grpc.aio.server(options=server_options)
+        host = [HostInterceptor()] if placement != "mounted" else None
+        server = grpc.aio.server(interceptors=host, options=options)
         register(
             server,
             SERVICE,
-            {n: wrapped_handler([auth], f"/{SERVICE}/{n}", h) for n, h in HANDLERS.items()},
+            {n: wrapped_handler(stack, f"/{SERVICE}/{n}", h) for n, h in HANDLERS.items()},
         )
     address = await _start(server)
     parsed.clear()
     try:
         async with grpc.aio.insecure_channel(address) as channel:
             call = channel.unary_unary(f"/{SERVICE}/UnaryUnary")
-            for metadata in ((), bearer(KEY)):
+            gzip = grpc.Compression.Gzip
+            for metadata, code in (
+                ((), grpc.StatusCode.UNAUTHENTICATED),
+                (bearer(KEY), grpc.StatusCode.RESOURCE_EXHAUSTED),
+            ):
                 with pytest.raises(grpc.aio.AioRpcError) as err:
-                    gzip = grpc.Compression.Gzip
                     await call(bytes(16 << 20), metadata=metadata, compression=gzip)
-                assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert err.value.code() == code, err.value.details()
             assert parsed["UnaryUnary"] == 0
+    finally:
+        await server.stop(None)
+
+
+@pytest.mark.parametrize("placement", MATRIX_PLACEMENTS)
+async def test_a_unary_call_without_its_message_is_invalid_argument(placement: str) -> None:
+    # A unary method is read by the wrapper: a client that half-closes without
+    # sending the message is told so, rather than left to grpc.
+    server = _serve_stack(placement, _stack("auth"))
+    address = await _start(server)
+    try:
+        async with grpc.aio.insecure_channel(address) as channel:
+            call = channel.stream_unary(f"/{SERVICE}/UnaryUnary")
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call(iter(()), metadata=bearer(KEY))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+            assert "no request message" in (err.value.details() or "")
     finally:
         await server.stop(None)

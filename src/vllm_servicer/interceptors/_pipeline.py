@@ -14,16 +14,22 @@ The order of a call:
    parsed; the first `Refusal` ends the call, and only the interceptors
    outside the refusing one see it (`on_start`, `on_finish`).
 2. `on_start` of each, outermost first; an abort there ends the call.
-3. The request is parsed (when the wrapper received raw bytes) and given to
-   `on_request`; each response message to `on_response`.
+3. The innermost wrapper reads the request and gives it to `on_request`;
+   each response message goes to `on_response`. A unary request is read by
+   the wrapper, not by grpc (the wrapper is registered as a request stream of
+   one message, the same on the wire): a refused call's request is never
+   received, inflated nor parsed, whatever encloses the wrapper.
 4. The handler's exception, if any, goes through the error layer (an
    `ErrorLayer` turning it into a status) before anything sees the outcome.
 5. `on_finish` of each started interceptor, innermost first, with the code.
 
 Two ways in: `Pipeline` is a grpc.aio server interceptor (server-wide; grpc
-asks it per call, so admission happens at lookup time, before grpc parses the
-request), and `Pipeline.wrap` wraps one method's handler once, for `mount()`
-(admission happens in the call, before the wrapper parses the raw bytes).
+asks it per call, so admission happens at lookup time), and `Pipeline.wrap`
+wraps one method's handler once, for `mount()` (admission happens in the
+call). Either way the request is read only after every interceptor of the
+stack admitted and started the call, OpenTelemetry's wrapper or a host's own
+interceptor between them or not; an interceptor outside the wrapper sees the
+method as request-streaming.
 """
 
 from __future__ import annotations
@@ -82,6 +88,27 @@ def rebuild(handler: Any, behaviour: Any, request_deserializer: Any) -> Any:
     )
 
 
+def _rebuilt(kind: str, behaviour: Any, request_deserializer: Any, handler: Any) -> Any:
+    """A handler running `behaviour`, registered as `_reading(kind)`.
+
+    It keeps the kind its clients see (`rpc_kind_of`) for interceptors that
+    wrap it later.
+    """
+    rebuilt = _FACTORIES[_reading(kind)](
+        behaviour,
+        request_deserializer=request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
+    rebuilt.rpc_kind = rpc_kind_of(handler)
+    return rebuilt
+
+
+def rpc_kind_of(handler: Any) -> str:
+    """The kind of `handler`'s method as its clients see it, though a wrapper
+    of this module registers a unary request as a stream of one message."""
+    return getattr(handler, "rpc_kind", None) or kind_of(handler)
+
+
 class CallDetails(grpc.HandlerCallDetails):
     """The method and metadata of one call, as interceptors receive them."""
 
@@ -119,11 +146,6 @@ def tolerant(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
             return UndecodableRequest(name, exc)
 
     return parse
-
-
-def _unread(data: bytes) -> None:
-    """The deserializer of a refused call: its bytes are never parsed."""
-    return None
 
 
 def _returning(handler: Any) -> Continuation:
@@ -203,36 +225,56 @@ async def _admit(
     return len(layers), None
 
 
+_MISSING = object()
+"""What the wrapper reads from a unary call whose client sent no message."""
+
+
+def _reading(kind: str) -> str:
+    """The grpc kind under which a wrapper of a `kind` handler is registered.
+
+    A unary request is read by the wrapper itself, once every interceptor has
+    admitted and started the call: grpc then neither receives, inflates nor
+    parses the bytes of a call that is refused. On the wire a unary call and a
+    request stream of one message are the same.
+    """
+    return "stream_" + kind.split("_", 1)[1] if kind[0] == "u" else kind
+
+
+async def _read_one(requests: Any) -> Any:
+    """The one message of a unary request, read from grpc's request stream."""
+    try:
+        return await anext(requests)
+    except StopAsyncIteration:
+        return _MISSING
+
+
 def _fused(
     handler: Any,
     method: str,
     layers: _Layers,
     *,
+    kind: str | None = None,
     admit_in_call: bool,
     metadata: Any = None,
     refused: tuple[int, Refusal] | None = None,
     errors: ErrorLayer | None = None,
 ) -> Any:
-    """`handler` wrapped by every hook of `layers`, the error layer and the parser.
+    """`handler` wrapped by every hook of `layers` and the error layer.
 
-    With `admit_in_call` and an interceptor that admits calls, grpc hands the
-    wrapper a unary request as raw bytes, parsed only once every interceptor
-    admitted the call.
+    `kind` is the method's kind as its clients see it (default: `handler`'s).
+    When `handler` takes a unary request, the wrapper is the one that reads it
+    (see `_reading`), after admission and every `on_start`; around a wrapper
+    that reads, a request is a stream of one message, hooked as it is read.
     """
-    kind = kind_of(handler)
+    physical = kind_of(handler)
+    kind = kind or rpc_kind_of(handler)
     behaviour = behaviour_of(handler)
+    reads_request = physical[0] == "u"
     deserializer = handler.request_deserializer
-    parse: Callable[[bytes], Any] | None = None
-    if errors is not None and deserializer is not None and kind[0] == "u":
+    if reads_request and deserializer is not None:
         deserializer = tolerant(deserializer)
-    if refused is not None:
-        deserializer = _unread if kind[0] == "u" else deserializer
-    elif admit_in_call and layers.admitting and deserializer is not None and kind[0] == "u":
-        # Parsed by the wrapper once admitted. Only then: an interceptor outside
-        # this wrapper (server-wide) sees what grpc parses, which is raw bytes here.
-        parse, deserializer = deserializer, None
     interceptors = layers.interceptors
-    streams_requests = kind[0] == "s"
+    streams_requests = physical[0] == "s"
     streams_responses = kind.endswith("stream")
     response_hooked = bool(layers.response_hooks)
     context_hooked = (streams_requests and bool(layers.request_hooks)) or (
@@ -257,13 +299,12 @@ def _fused(
         request: Any, context: Any, started: list[tuple[CallInterceptor, Call]]
     ) -> tuple[Any, Any]:
         """The request and the context the handler gets."""
-        if parse is not None:
-            try:
-                request = parse(request)
-            except Exception as exc:
-                request = UndecodableRequest(method, exc)
-        if type(request) is UndecodableRequest:
-            await _reject_undecodable(context, request, method, errors)
+        if reads_request:
+            request = await _read_one(request)
+            if request is _MISSING:
+                request = UndecodableRequest(method, ValueError("no request message was sent"))
+            if type(request) is UndecodableRequest:
+                await _reject_undecodable(context, request, method, errors)
         if layers.request_hooks:
             hooks = [(i.on_request, c) for i, c in started if i.has_request_hook]
             if not streams_requests:
@@ -314,7 +355,7 @@ def _fused(
             finally:
                 finish(started, context, exc)
 
-        return rebuild(handler, unary_response, deserializer)
+        return _rebuilt(physical, unary_response, deserializer, handler)
 
     async def streaming_response(request: Any, context: Any) -> AsyncIterator[Any]:
         exc: BaseException | None = None
@@ -367,7 +408,7 @@ def _fused(
             finally:
                 finish(started, context, exc)
 
-    return rebuild(handler, streaming_response, deserializer)
+    return _rebuilt(physical, streaming_response, deserializer, handler)
 
 
 def _reads_responses(interceptor: CallInterceptor, call: Call) -> bool:
@@ -500,7 +541,8 @@ class Pipeline(grpc.aio.ServerInterceptor):
         segments = self._for(handler_call_details.method)
         if not segments:
             return await continuation(handler_call_details)
-        return await _resolve(segments, continuation, handler_call_details)  # type: ignore[no-any-return]
+        handler, _ = await _resolve(segments, continuation, handler_call_details)
+        return handler  # type: ignore[no-any-return]
 
     def wrap(
         self, method: str, handler: Any, *, errors: ErrorLayer | None = None
@@ -508,23 +550,26 @@ class Pipeline(grpc.aio.ServerInterceptor):
         """`handler` of `method` wrapped once for every call (what `mount()` registers).
 
         Needs a `fully_fused` pipeline. Admission runs in the call, before the
-        wrapper parses the request; `errors` maps the handler's exceptions.
+        innermost wrapper reads the request; `errors` maps the handler's exceptions.
         """
         if not self.fully_fused:
             raise ValueError("wrap() needs CallInterceptors only; use it as an interceptor")
         segments = self._for(method)
         if not is_async(handler):
             return _sync_handler(handler, method, segments)  # type: ignore[no-any-return]
+        kind = rpc_kind_of(handler)
         wrapped = handler
         innermost = True
-        for index in range(len(segments) - 1, -1, -1):
-            segment = segments[index]
+        for segment in reversed(segments):
             if isinstance(segment, _Layers):
+                # Every segment admits in the call: only the innermost reads
+                # the request, after all of them (OpenTelemetry's span between).
                 wrapped = _fused(
                     wrapped,
                     method,
                     segment,
-                    admit_in_call=index == 0,
+                    kind=kind,
+                    admit_in_call=True,
                     errors=errors if innermost else None,
                 )
                 innermost = False
@@ -545,35 +590,50 @@ async def _resolve(
     segments: list[_Layers | _Enclosing | grpc.aio.ServerInterceptor],
     continuation: Continuation,
     details: grpc.HandlerCallDetails,
-) -> Any:
+) -> tuple[Any, str | None]:
+    """The handler for one call (server-wide), and the method's kind as clients see it."""
     segment, rest = segments[0], segments[1:]
+    kind: str | None = None
 
     async def inner(d: grpc.HandlerCallDetails) -> Any:
-        return await _resolve(rest, continuation, d) if rest else await continuation(d)
+        nonlocal kind
+        if rest:
+            handler, kind = await _resolve(rest, continuation, d)
+            return handler
+        handler = await continuation(d)
+        kind = rpc_kind_of(handler) if handler is not None else None
+        return handler
 
     if isinstance(segment, _Enclosing):
         handler = await inner(details)
         if handler is None or not is_async(handler):
-            return handler  # it would run a sync handler on the event loop
-        return await segment.interceptor.intercept_service(_returning(handler), details)
+            return handler, kind  # it would run a sync handler on the event loop
+        return await segment.interceptor.intercept_service(_returning(handler), details), kind
     if not isinstance(segment, _Layers):
-        return await segment.intercept_service(inner, details)
-    handler = await inner(details)
-    if handler is None:
-        return None
-    return await _lookup_time(handler, details.method, segment, details.invocation_metadata)
-
-
-async def _lookup_time(handler: Any, method: str, layers: _Layers, metadata: Any) -> Any:
-    """`handler` wrapped for one call when grpc looks it up (server-wide)."""
-    if not is_async(handler):
-        return _sync_handler(handler, method, [layers])
+        return await segment.intercept_service(inner, details), kind
+    # Admitted while grpc looks the handler up, outermost first, before any
+    # inner interceptor is asked.
     refused = None
-    if layers.admitting:
-        cut, refusal = await _admit(layers.interceptors, method, metadata, None)
+    if segment.admitting:
+        method, metadata = details.method, details.invocation_metadata
+        cut, refusal = await _admit(segment.interceptors, method, metadata, None)
         if refusal is not None:
             refused = (cut, refusal)
-    return _fused(handler, method, layers, admit_in_call=False, metadata=metadata, refused=refused)
+    handler = await inner(details)
+    if handler is None:
+        return None, kind
+    if not is_async(handler):
+        return _sync_handler(handler, details.method, [segment]), kind
+    wrapped = _fused(
+        handler,
+        details.method,
+        segment,
+        kind=kind,
+        admit_in_call=False,
+        metadata=details.invocation_metadata,
+        refused=refused,
+    )
+    return wrapped, kind
 
 
 def _sync_handler(handler: Any, method: str, segments: list[Any]) -> Any:
@@ -635,13 +695,14 @@ def relayed(
 
     Such an interceptor may return another handler per call, so the chain is
     asked per call, as a server would ask it, and the wrapper relays what the
-    handler it returned does. A unary request arrives as raw bytes and is
-    parsed with the resolved handler's deserializer: a refused call never is.
+    handler it returned does. The request is read by the innermost wrapper, as
+    in `wrap`: every interceptor of the chain sees a unary request as a stream
+    of one message, and a refused call's request is never read.
     """
-    base = Pipeline(()).wrap(method, handler, errors=errors)
-    if not is_async(base):
-        return base
-    kind = kind_of(base)
+    if not is_async(handler):
+        return _sync_handler(handler, method, pipeline._for(method))
+    kind = rpc_kind_of(handler)
+    base = _fused(handler, method, _Layers(()), kind=kind, admit_in_call=True, errors=errors)
 
     async def resolve(context: Any) -> Any:
         details = CallDetails(method, context.invocation_metadata())
@@ -650,26 +711,28 @@ def relayed(
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"method {method} not found")
         return resolved
 
-    async def parsed(resolved: Any, raw: Any, context: Any) -> Any:
-        deserializer = resolved.request_deserializer
-        if deserializer is None or kind[0] == "s":
-            return raw
-        try:
-            return deserializer(raw)
-        except Exception:
+    async def request_of(resolved: Any, requests: Any, context: Any) -> Any:
+        if resolved.request_streaming or kind[0] == "s":
+            return requests
+        # An interceptor put a unary handler of its own in place of ours.
+        request = await _read_one(requests)
+        if request is _MISSING or type(request) is UndecodableRequest:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request could not be parsed")
+        return request
 
     if not kind.endswith("stream"):
 
-        async def unary_response(request: Any, context: Any) -> Any:
+        async def unary_response(requests: Any, context: Any) -> Any:
             resolved = await resolve(context)
-            return await getattr(resolved, kind)(await parsed(resolved, request, context), context)
+            request = await request_of(resolved, requests, context)
+            return await behaviour_of(resolved)(request, context)
 
-        return rebuild(base, unary_response, None if kind[0] == "u" else base.request_deserializer)
+        return _rebuilt(kind, unary_response, base.request_deserializer, base)
 
-    async def streaming_response(request: Any, context: Any) -> AsyncIterator[Any]:
+    async def streaming_response(requests: Any, context: Any) -> AsyncIterator[Any]:
         resolved = await resolve(context)
-        result = getattr(resolved, kind)(await parsed(resolved, request, context), context)
+        request = await request_of(resolved, requests, context)
+        result = behaviour_of(resolved)(request, context)
         if inspect.isasyncgen(result):
             try:
                 async for message in result:
@@ -680,7 +743,7 @@ def relayed(
         else:
             await result
 
-    return rebuild(base, streaming_response, None if kind[0] == "u" else base.request_deserializer)
+    return _rebuilt(kind, streaming_response, base.request_deserializer, base)
 
 
 def pipeline_of(interceptors: Sequence[grpc.aio.ServerInterceptor] | Pipeline) -> Pipeline:
