@@ -20,7 +20,7 @@ import grpc
 import pytest
 from google.protobuf import message_factory
 
-from vllm_servicer import SERVICE_NAME, mount
+from vllm_servicer import SERVICE_NAME, mount, server_options
 from vllm_servicer._registration import register
 from vllm_servicer.interceptors._base import all_methods
 from vllm_servicer.interceptors._pipeline import wrapped_handler
@@ -383,5 +383,31 @@ async def test_a_unary_call_without_its_message_is_invalid_argument(placement: s
                 await call(iter(()), metadata=bearer(KEY))
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
             assert "no request message" in (err.value.details() or "")
+    finally:
+        await server.stop(None)
+
+
+@pytest.mark.parametrize("allowed", [False, True], ids=["default", "allowed"])
+async def test_server_options_refuse_compressed_requests_unless_allowed(allowed: bool) -> None:
+    # Refused by grpc's core at the request's headers: nothing is inflated,
+    # for a method that needs no key as for one that does.
+    server = grpc.aio.server(options=server_options(request_compression=allowed))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, HANDLERS),))
+    address = await _start(server)
+    parsed.clear()
+    try:
+        async with grpc.aio.insecure_channel(address) as channel:
+            call = channel.unary_unary(f"/{SERVICE}/UnaryUnary")
+            plain = await call(b"x" * 1000)
+            assert plain == b"ok"
+            if allowed:
+                assert await call(b"x" * 1000, compression=grpc.Compression.Gzip) == b"ok"
+                assert parsed["UnaryUnary"] == 2
+            else:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await call(b"x" * 1000, compression=grpc.Compression.Gzip)
+                assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+                assert "gzip" in (err.value.details() or ""), err.value.details()
+                assert parsed["UnaryUnary"] == 1
     finally:
         await server.stop(None)

@@ -327,3 +327,44 @@ async def test_open_watch_and_reflection_streams_do_not_delay_the_stop(
             assert await watch.read() == grpc.aio.EOF
     finally:
         await _stop_and_reap(proc, output, engine_processes)
+
+
+def _engine_core(pid: int) -> int:
+    """The launcher's EngineCore process."""
+    for child in _children(pid):
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{child}/cmdline").read_bytes().startswith(b"VLLM::EngineCore"):
+                return child
+    raise AssertionError("no EngineCore process under the launcher")
+
+
+@pytest.mark.parametrize("keep_alive", [False, True], ids=["exits", "keep-alive"])
+async def test_a_dead_engine_ends_the_launcher(env: dict[str, str], keep_alive: bool) -> None:
+    """As vLLM's HTTP server: once the engine died the process ends (non-zero), so a
+    restart policy brings the server back; VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1 keeps it."""
+    launch_env = {**env, "VLLM_KEEP_ALIVE_ON_ENGINE_DEATH": "1" if keep_alive else "0"}
+    proc, address = await _launch(launch_env, "--drain-grace", "0.5")
+    lines: list[str] = []
+    output = asyncio.ensure_future(_drain_output(proc, lines))
+    engine_processes = _children(proc.pid)
+    try:
+        os.kill(_engine_core(proc.pid), signal.SIGKILL)
+        if not keep_alive:
+            code = await asyncio.wait_for(proc.wait(), 60)
+            assert code == 1, "".join(lines[-30:])
+            assert any("engine died" in line for line in lines), "".join(lines[-30:])
+            return
+        async with grpc.aio.insecure_channel(address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            for _ in range(100):
+                reply = await health.Check(health_pb2.HealthCheckRequest(service=LIVENESS_SERVICE))
+                if reply.status == health_pb2.HealthCheckResponse.NOT_SERVING:
+                    break
+                await asyncio.sleep(0.1)
+            assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            await asyncio.sleep(2.0)  # longer than the launcher's watch takes to act
+            assert proc.returncode is None, "".join(lines[-30:])
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 60) == 0
+    finally:
+        await _stop_and_reap(proc, output, engine_processes)

@@ -80,6 +80,12 @@ def build_parser() -> Any:
         default=None,
         help="seconds after which clients are asked to reconnect (re-spreads load)",
     )
+    net.add_argument(
+        "--allow-request-compression",
+        action="store_true",
+        help="accept gzip/deflate-compressed requests (off: UNIMPLEMENTED before any "
+        "handler, so no client, with a key or without, can make the server inflate a request)",
+    )
     net.add_argument("--no-reflection", action="store_true", help="do not serve reflection")
     net.add_argument(
         "--warm-up",
@@ -479,7 +485,9 @@ async def serve(args: argparse.Namespace) -> int:
         server = grpc.aio.server(
             maximum_concurrent_rpcs=args.max_concurrent_rpcs or None,
             options=server_options(
-                args.max_message_bytes, max_connection_age=args.max_connection_age
+                args.max_message_bytes,
+                max_connection_age=args.max_connection_age,
+                request_compression=args.allow_request_compression,
             ),
         )
         mounted = mount(
@@ -543,9 +551,13 @@ async def serve(args: argparse.Namespace) -> int:
         print(f"vllm-servicer listening on {args.host}:{port}", flush=True)
         if http is not None:
             print(f"vllm-servicer http on {http.scheme}://{http_host}:{http.port}", flush=True)
+        watchdog = asyncio.ensure_future(stop_when_engine_dies(engine, shutdown.request_stop))
         await shutdown.wait_for_stop_request()
+        # Died first, or stopped by a signal (that may reach the engine's processes too).
+        died = watchdog.done() and not watchdog.cancelled() and watchdog.result()
+        watchdog.cancel()
         await shutdown.run()
-        return 0
+        return 1 if died else 0
     finally:
         if http is not None:
             await http.stop(0)  # a no-op after a drain; ends it on an error
@@ -556,6 +568,29 @@ async def serve(args: argparse.Namespace) -> int:
         if metrics_http is not None:
             metrics_http.shutdown()
         logger.info("stopped")
+
+
+async def stop_when_engine_dies(engine: Any, stop: Any, interval: float = 0.5) -> bool:
+    """Call `stop` once the engine has died, as vLLM's HTTP server ends itself
+    then; True when it did.
+
+    A dead EngineCore never comes back: a server left running answers every
+    call UNAVAILABLE, and only a liveness probe would restart it, not systemd
+    or a container's restart policy. `VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1`
+    (vLLM's own switch) keeps serving, health NOT_SERVING.
+    """
+    import vllm.envs
+
+    if vllm.envs.VLLM_KEEP_ALIVE_ON_ENGINE_DEATH:
+        return False
+    while not engine.errored:  # noqa: ASYNC110 - vLLM offers no event; one attribute read
+        await asyncio.sleep(interval)
+    logger.error(
+        "the vLLM engine died: draining and stopping with exit code 1 "
+        "(VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1 keeps serving, health NOT_SERVING)"
+    )
+    stop()
+    return True
 
 
 def main(argv: Sequence[str] | None = None) -> NoReturn:

@@ -15,6 +15,7 @@ def server_options(
     *,
     max_connection_age: float | None = None,
     max_connection_age_grace: float = 30.0,
+    request_compression: bool = False,
 ) -> list[tuple[str, int]]:
     """grpc.aio server options that suit LLM serving, for `grpc.aio.server(options=...)`.
 
@@ -32,6 +33,16 @@ def server_options(
       `max_connection_age_grace` more seconds. Client-side and proxy
       balancing then re-spread load after a scale-up instead of keeping every
       long-lived HTTP/2 connection on the old replicas.
+    - Compressed requests are refused (`request_compression=False`, the
+      default): a client that sends `grpc-encoding: gzip` or `deflate` gets
+      UNIMPLEMENTED ("Compression algorithm 'gzip' is disabled") from grpc's
+      core, before any handler and before a byte is inflated. A few KiB of
+      gzip inflate to the whole receive limit, and grpc inflates in the
+      serving process before an interceptor can refuse the call: for methods
+      that take no key (health, reflection) and for clients with a key.
+      Clients send uncompressed requests unless told otherwise (grpc's own,
+      Go's and Rust's tonic alike); turn it on only where every client is
+      trusted. The server still answers uncompressed.
     - `so_reuseport=0`: grpc turns SO_REUSEPORT on by default, so a second
       server started on a port that one already serves binds it too and the
       kernel splits the traffic between them (perhaps two different models);
@@ -48,6 +59,8 @@ def server_options(
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.so_reuseport", 0),
     ]
+    if not request_compression:
+        options.append(("grpc.compression_enabled_algorithms_bitset", 1))  # identity only
     if max_connection_age is not None:
         if max_connection_age <= 0:
             raise ValueError("max_connection_age must be positive")
