@@ -42,9 +42,10 @@ async def main(http_port: int, grpc_address: str, model: str) -> None:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
     from vllm.entrypoints.launchers.app import build_app
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
     from vllm.v1.engine.async_llm import AsyncLLM
+
+    from vllm_servicer.vllm_releases import make_arg_parser  # where this vLLM keeps it
 
     # The arguments `vllm serve` would take; extra flags pass through.
     args = make_arg_parser(FlexibleArgumentParser()).parse_args([model, *sys.argv[4:]])

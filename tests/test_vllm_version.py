@@ -29,7 +29,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize(
-    "version", ["0.31.0", "0.31.2", "0.32.0", "0.32.0+cpu", "0.32.1rc1", "0.31.0.dev3+gabc"]
+    "version",
+    ["0.31.0", "0.31.2", "0.32.0", "0.32.0+cpu", "0.32.1rc1", "0.31.0.dev3+gabc", "0.33.0"],
 )
 def test_in_range(version: str) -> None:
     assert is_supported(version)
@@ -37,7 +38,7 @@ def test_in_range(version: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "version", ["0.30.9", "0.33.0", "0.33.0.dev12+g1234", "1.0.0", "0.3.2", "dev", ""]
+    "version", ["0.30.9", "0.34.0", "0.34.0.dev12+g1234", "1.0.0", "0.3.2", "dev", ""]
 )
 def test_out_of_range_names_both_versions(version: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(SKIP_ENV, raising=False)
@@ -57,7 +58,7 @@ def test_no_vllm_installed(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_skip_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(SKIP_ENV, "1")
-    check_vllm_version("0.33.0")
+    check_vllm_version("0.34.0")
 
 
 def test_the_installed_vllm_is_in_range() -> None:

@@ -13,7 +13,7 @@ import os
 import re
 
 # Lower bound inclusive, upper bound exclusive, compared on (major, minor).
-SUPPORTED_VLLM = ">=0.31,<0.33"
+SUPPORTED_VLLM = ">=0.31,<0.34"
 
 # Set to 1 to import with an untested vLLM (to try a new release).
 SKIP_ENV = "VLLM_SERVICER_SKIP_VLLM_VERSION_CHECK"

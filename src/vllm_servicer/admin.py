@@ -7,11 +7,10 @@ Errors are raised, not answered: the servicer hands them to
 from __future__ import annotations
 
 import asyncio
-import inspect
 import math
 from typing import Any
 
-from . import fields
+from . import fields, vllm_releases
 from .engine import EngineClient
 from .errors import InvalidRequestError, UnsupportedError
 from .proto import common_pb2
@@ -92,39 +91,49 @@ async def start_profile(
 ) -> common_pb2.ProfileResponse:
     """Start the engine's profiler on every worker.
 
-    `start_step` and `num_steps` become vLLM's delay and iteration bounds;
-    the trace directory and what is recorded are fixed when the engine
-    starts, so a request that sets them is refused rather than ignored (the
-    rows of `fields.REFUSED["StartProfile"]`), with or without a profiler.
+    `start_step` and `num_steps` become vLLM's delay and iteration bounds,
+    `with_stack` and `record_shapes` its per-session profiler options where
+    the release takes them (`vllm_releases.start_profile_options`); the trace
+    directory and the activities are fixed when the engine starts, so a
+    request that sets what this engine cannot take is refused rather than
+    ignored (the rows of `fields.REFUSED["StartProfile"]`).
 
     Raises:
-        InvalidRequestError: the request sets an option vLLM takes only at start.
+        InvalidRequestError: the request sets an option this vLLM takes only at start.
         UnsupportedError: the engine has no profiler configured, or its profiler
             takes no step bounds (vLLM 0.31).
         TimeoutError: the profiler did not start within the call's deadline.
     """
     # Refused whatever the engine: no profiler would take these per request.
     fields.refuse_unserved("StartProfile", request)
+    options = vllm_releases.start_profile_options(engine.start_profile)
+    overrides = {
+        name: getattr(request, name) for name in PROFILER_OVERRIDES if request.HasField(name)
+    }
+    if overrides and "profiler_kwargs" not in options:
+        name = next(iter(overrides))
+        raise InvalidRequestError(name, fields.REFUSED["StartProfile"][name].reason)
     if not profiler_configured(engine):
         raise UnsupportedError(PROFILER_HINT)
-    kwargs: dict[str, Any] = {}  # only the bounds asked for: vLLM 0.31 takes neither
+    kwargs: dict[str, Any] = {}  # only what was asked for: vLLM 0.31 takes none of it
     if request.HasField("start_step"):
         kwargs["delay_iterations"] = request.start_step
     if request.HasField("num_steps"):
         kwargs["max_iterations"] = request.num_steps
-    if kwargs and not _takes_step_bounds(engine.start_profile):
-        raise UnsupportedError(
-            "this vLLM's profiler takes no step bounds (vLLM 0.32 and later do)",
-            field="start_step" if "delay_iterations" in kwargs else "num_steps",
-        )
+    if overrides:
+        kwargs["profiler_kwargs"] = overrides
+    if "delay_iterations" in kwargs or "max_iterations" in kwargs:
+        if "delay_iterations" not in options:
+            raise UnsupportedError(
+                "this vLLM's profiler takes no step bounds (vLLM 0.32 and later do)",
+                field="start_step" if "delay_iterations" in kwargs else "num_steps",
+            )
     await _bounded(engine.start_profile(**kwargs), time_remaining, "start")
     return common_pb2.ProfileResponse(success=True, message="profiler started")
 
 
-def _takes_step_bounds(start_profile: Any) -> bool:
-    # vLLM 0.31's AsyncLLM.start_profile takes only a file prefix.
-    params = inspect.signature(start_profile).parameters.values()
-    return any(p.name == "delay_iterations" or p.kind is p.VAR_KEYWORD for p in params)
+# The torch profiler's options a session may override (vLLM 0.33's profiler_kwargs).
+PROFILER_OVERRIDES = ("with_stack", "record_shapes")
 
 
 async def stop_profile(engine: EngineClient, time_remaining: Any) -> common_pb2.ProfileResponse:

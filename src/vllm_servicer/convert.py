@@ -193,8 +193,9 @@ def tokenization_kwargs(params: pb.SamplingParams) -> dict[str, int] | None:
     return None
 
 
-# Words in vLLM's structured-output error messages, which do not name the field.
-_CONSTRAINT_WORDS = ("grammar", "schema", "regex", "structural", "choice", "json")
+# Words in vLLM's structured-output error messages, which do not name the field
+# ("Invalid structured outputs: ..." from vLLM 0.33, raised as VLLMValidationError).
+_CONSTRAINT_WORDS = ("grammar", "schema", "regex", "structural", "structured", "choice", "json")
 
 
 def grammar_from_first_token(params: pb.SamplingParams) -> bool:

@@ -149,6 +149,11 @@ MEDIA_REFS_HINT = (
     "start the server with --enable-media-refs (mount(..., media_refs=MediaRefOptions()))"
 )
 _AT_START = "set when the engine starts (--profiler-config), not per request"
+_BEFORE_033 = "on vLLM before 0.33"
+_AT_START_BEFORE_033 = (
+    "set when the engine starts (--profiler-config) on this vLLM; vLLM 0.33 and later "
+    "take it per session"
+)
 LOAD_SECTIONS = ("core", "all")
 
 REFUSED: Mapping[str, Mapping[str, Refusal]] = {
@@ -187,8 +192,11 @@ REFUSED: Mapping[str, Mapping[str, Refusal]] = {
     "StartProfile": {
         "output_dir": Refusal(grpc.StatusCode.INVALID_ARGUMENT, "", _AT_START),
         "activities": Refusal(grpc.StatusCode.INVALID_ARGUMENT, "", _AT_START),
-        "with_stack": Refusal(grpc.StatusCode.INVALID_ARGUMENT, "", _AT_START),
-        "record_shapes": Refusal(grpc.StatusCode.INVALID_ARGUMENT, "", _AT_START),
+        # Taken per session from vLLM 0.33 (its profiler_kwargs); before, at start only.
+        "with_stack": Refusal(grpc.StatusCode.INVALID_ARGUMENT, _BEFORE_033, _AT_START_BEFORE_033),
+        "record_shapes": Refusal(
+            grpc.StatusCode.INVALID_ARGUMENT, _BEFORE_033, _AT_START_BEFORE_033
+        ),
         "profile_by_stage": Refusal(
             grpc.StatusCode.INVALID_ARGUMENT, "", "not supported by vLLM's profiler"
         ),

@@ -63,8 +63,9 @@ def frontend_args(args: argparse.Namespace, host: str, port: int) -> argparse.Na
     `--chat-template` come from the launcher. vLLM's own key middleware and
     TLS options stay off: this module does both.
     """
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from .vllm_releases import make_arg_parser
 
     parser_class: Any = FlexibleArgumentParser  # untyped in vLLM
     served: argparse.Namespace = make_arg_parser(parser_class()).parse_args([])

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncGenerator, Callable, Iterator
 from typing import Any, NamedTuple
@@ -48,6 +49,7 @@ from .interceptors.auth import ADMIN_ROLE, current_identity
 from .loads import managed_ranks
 from .options import DEFAULT_MAX_KV_SUBSCRIBERS
 from .proto import common_pb2
+from .vllm_releases import BLOCK_STORED_LOOKAHEAD
 
 logger = logging.getLogger("vllm_servicer")
 
@@ -227,6 +229,15 @@ def to_int64(value: int | bytes) -> int:
     return value - _U64 if value >= _U64 // 2 else value
 
 
+@functools.cache
+def _warn_lookahead_dropped() -> None:
+    logger.warning(
+        "KV events: stored blocks carry lookahead (draft) tokens, which the protocol's "
+        "KvBlocksStored cannot carry; their block hashes cover tokens a router does not "
+        "see, so prefix matching on them may miss (see docs/protocol.md, KV events)"
+    )
+
+
 def convert_event(event: Any, event_id: int) -> common_pb2.KvCacheEvent | None:
     """One vLLM KV event as a wire event (None for kinds the protocol lacks)."""
     if isinstance(event, BlockStored):
@@ -241,6 +252,8 @@ def convert_event(event: Any, event_id: int) -> common_pb2.KvCacheEvent | None:
                 size,
             )
             return None
+        if getattr(event, BLOCK_STORED_LOOKAHEAD, None):
+            _warn_lookahead_dropped()
         stored = common_pb2.KvBlocksStored()
         for i, block_hash in enumerate(event.block_hashes):
             block = stored.blocks.add(

@@ -19,7 +19,7 @@ import contextvars
 import logging
 import os
 import re
-from typing import TYPE_CHECKING, NamedTuple, NoReturn
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
 # Before vLLM is imported below: an untested vLLM release fails here, naming both versions.
 from . import _vllm_version  # noqa: F401
@@ -49,14 +49,7 @@ from .errors import (
     UnsupportedError,
 )
 from .proto import vllm_engine_pb2 as pb
-
-try:
-    from vllm.exceptions import ProfilerAlreadyActiveError
-except ImportError:  # vLLM 0.31 does not refuse a second profiler start: never raised there.
-
-    class ProfilerAlreadyActiveError(Exception):  # type: ignore[no-redef]
-        """Stand-in for vLLM 0.32's error, for the table below."""
-
+from .vllm_releases import ProfilerAlreadyActiveError, RetryableRequestError
 
 if TYPE_CHECKING:
     import grpc.aio
@@ -87,6 +80,9 @@ ERROR_TABLE: tuple[ErrorRule, ...] = (
     # Admission limits: this replica is full, another may not be.
     ErrorRule(QueueOverflowError, grpc.StatusCode.UNAVAILABLE, "ENGINE_BUSY"),
     ErrorRule(MaxQueuedTokensError, grpc.StatusCode.UNAVAILABLE, "ENGINE_BUSY"),
+    # A transient failure the engine says is safe to retry: from vLLM 0.33 a
+    # paused engine ("abort" or "wait" mode) refuses new requests with it.
+    ErrorRule(RetryableRequestError, grpc.StatusCode.UNAVAILABLE, "RETRYABLE"),
     ErrorRule(TooManySubscribersError, grpc.StatusCode.RESOURCE_EXHAUSTED, "TOO_MANY_SUBSCRIBERS"),
     ErrorRule(EventsLostError, grpc.StatusCode.DATA_LOSS, "EVENTS_LOST"),
     ErrorRule(MediaUnavailableError, grpc.StatusCode.UNAVAILABLE, "MEDIA_UNAVAILABLE"),
@@ -110,6 +106,11 @@ ERROR_TABLE: tuple[ErrorRule, ...] = (
     ErrorRule(OverflowError, grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ARGUMENT"),
 )
 _INTERNAL = ErrorRule(BaseException, grpc.StatusCode.INTERNAL, "INTERNAL")
+
+# Reasons whose status tells the client when to try again: grpc's retry
+# pushback (`grpc-retry-pushback-ms`, honoured by grpc's retry policy) and a
+# google.rpc.RetryInfo in the details.
+RETRY_AFTER_MS = {"RETRYABLE": 1000}
 
 _INTERNAL_MESSAGE = "internal error while serving request {request_id!r}; see server log"
 # vLLM names sampling parameters as the wire does, one level down.
@@ -203,6 +204,11 @@ def rich_status(
         metadata["field"] = field
     info = error_details_pb2.ErrorInfo(reason=rule.reason, domain=ERROR_DOMAIN, metadata=metadata)
     details = [_pack(info)]
+    retry_ms = RETRY_AFTER_MS.get(rule.reason)
+    if retry_ms is not None:
+        retry = error_details_pb2.RetryInfo()
+        retry.retry_delay.FromMilliseconds(retry_ms)
+        details.append(_pack(retry))
     if rule.code is grpc.StatusCode.INVALID_ARGUMENT:
         violation = field_violation(exc)
         if violation is not None:
@@ -215,7 +221,7 @@ def rich_status(
     )
 
 
-def _pack(message: error_details_pb2.ErrorInfo | error_details_pb2.BadRequest) -> any_pb2.Any:
+def _pack(message: Any) -> any_pb2.Any:
     packed = any_pb2.Any()
     packed.Pack(message)
     return packed
@@ -243,7 +249,12 @@ async def abort_for_exception(
     else:
         logger.info("%s request %r rejected with %s: %s", method, request_id, code.name, exc)
     message = message_for(exc, code, request_id)
-    await context.abort_with_status(rpc_status.to_status(rich_status(exc, rule, message, method)))
+    status = rpc_status.to_status(rich_status(exc, rule, message, method))
+    retry_ms = RETRY_AFTER_MS.get(rule.reason)
+    if retry_ms is not None:
+        pushback = (("grpc-retry-pushback-ms", str(retry_ms)),)
+        status = status._replace(trailing_metadata=status.trailing_metadata + pushback)
+    await context.abort_with_status(status)
     raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
 
 

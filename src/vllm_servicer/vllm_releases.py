@@ -1,0 +1,144 @@
+"""Every difference between the vLLM releases this package supports, in one place.
+
+Supported: 0.31, 0.32 and 0.33 (`_vllm_version.SUPPORTED_VLLM`). Each name
+below says which release it is for and is feature-detected, not read off a
+version number, so a backport or a patch release works too. Porting to the
+next release is a change to this module and its tests: run
+`make vllm-api-check VERSION=X` to list what moved, then add a branch here.
+
+What each difference means for clients is in `docs/index.md` ("vLLM releases").
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+# Before vLLM is imported below: an untested vLLM release fails here, naming both versions.
+from . import _vllm_version  # noqa: F401
+
+# isort: split
+from vllm import exceptions as _exceptions
+
+# ----- errors ----------------------------------------------------------------
+
+
+class _NeverRaised(Exception):
+    """Stand-in for an exception class a release does not have: no row matches it."""
+
+
+ProfilerAlreadyActiveError: type[Exception] = getattr(
+    _exceptions, "ProfilerAlreadyActiveError", _NeverRaised
+)
+"""0.32+: a second profiler start is refused with it; 0.31 never refuses."""
+
+RetryableRequestError: type[Exception] = getattr(_exceptions, "RetryableRequestError", _NeverRaised)
+"""0.32+: a transient request failure, safe to retry (0.32 raises it only for
+pooling requests; 0.33 also for a multimodal cache miss and, below, a pause)."""
+
+
+def _engine_rejects_while_paused() -> bool:
+    from vllm.v1.engine.core import EngineCore
+
+    return hasattr(EngineCore, "_reject_add_while_paused")
+
+
+PAUSE_REJECTS = _engine_rejects_while_paused()
+"""0.33+: an engine paused in "abort" or "wait" mode rejects each new request
+with RetryableRequestError; on 0.31 and 0.32 such requests wait in the queue
+until it resumes. "keep" mode queues them on every release."""
+
+REJECTION_FREES_KV = PAUSE_REJECTS
+"""0.33+: for a request it rejects while paused, the engine frees the remote KV
+blocks itself; telling the connector again would free them twice. Before
+0.33 the engine never rejected a request it had taken."""
+
+
+def engine_rejected(exc: BaseException) -> bool:
+    """Whether `exc` is the engine's own rejection of a request it received (0.33+)."""
+    return isinstance(exc, RetryableRequestError)
+
+
+# ----- the HTTP API's argument parser ------------------------------------------
+
+
+def make_arg_parser(parser: Any) -> Any:
+    """vLLM's OpenAI-server argument parser, wherever the release keeps it.
+
+    0.33 moved it to `vllm.entrypoints.common.cli_args`; 0.31 and 0.32 have
+    it in `vllm.entrypoints.launchers.cli_args`.
+    """
+    try:
+        from vllm.entrypoints.common.cli_args import (  # type: ignore[import-not-found,unused-ignore]
+            make_arg_parser as make,
+        )
+    except ImportError:
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser as make
+    return make(parser)
+
+
+# ----- the profiler ------------------------------------------------------------
+
+
+def start_profile_options(start_profile: Any) -> frozenset[str]:
+    """The keyword arguments beyond the prefix that `AsyncLLM.start_profile` takes.
+
+    0.31: none. 0.32: `delay_iterations`, `max_iterations`. 0.33 adds
+    `profiler_kwargs` (overrides of the torch profiler's options for one
+    session: `with_stack`, `record_shapes`).
+    """
+    params = inspect.signature(start_profile).parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return frozenset({"delay_iterations", "max_iterations", "profiler_kwargs"})
+    return frozenset(p.name for p in params if p.name != "profile_prefix")
+
+
+# ----- KV events ---------------------------------------------------------------
+
+BLOCK_STORED_LOOKAHEAD = "lookahead_token_ids"
+"""0.33+: `BlockStored.lookahead_token_ids`, the draft tokens (EAGLE/MTP with
+prefix caching) that a block's hash covers beyond its `token_ids`. The
+protocol's `KvBlocksStored` has no field for them: they are dropped, and such
+a block's hash cannot be recomputed from the tokens a router sees."""
+
+
+# ----- seeded sampling on CPU (every supported release: 0.31 to 0.33) ----------------
+
+_SAMPLING_EPS = 1e-5  # vLLM's: a lower temperature is greedy and draws nothing
+
+
+def seeded_sampling_hazard(vllm_config: Any) -> str | None:
+    """Why a seeded sampling request would kill this engine, or None when it is safe.
+
+    When vLLM schedules part of a prompt (a chunked prefill), it discards the
+    token sampled for it and rewinds the request's random generator with
+    `Generator.set_offset`, which a CPU generator refuses ("CPU Generator does
+    not use offset"): the worker raises and the EngineCore dies, for every
+    client (`GPUModelRunner._bookkeeping_sync`, unchanged from 0.31 to 0.33;
+    the CPU runner inherits it). Only requests with a seed and a temperature
+    above zero own a generator. A partial prefill happens on CPU when chunked
+    prefill is on and the prompts waiting at one step can exceed the token
+    budget, or with a `long_prefill_token_threshold`.
+    """
+    device = getattr(getattr(vllm_config, "device_config", None), "device_type", "")
+    scheduler = getattr(vllm_config, "scheduler_config", None)
+    model = getattr(vllm_config, "model_config", None)
+    if device != "cpu" or scheduler is None:
+        return None
+    if (getattr(scheduler, "long_prefill_token_threshold", 0) or 0) > 0:
+        return "long_prefill_token_threshold > 0 splits prompts"
+    if getattr(scheduler, "enable_chunked_prefill", False):
+        budget = int(getattr(scheduler, "max_num_batched_tokens", 0) or 0)
+        seqs = int(getattr(scheduler, "max_num_seqs", 0) or 0)
+        longest = int(getattr(model, "max_model_len", 0) or 0)
+        if budget < seqs * longest:
+            return (
+                f"chunked prefill is on with a budget of {budget} tokens "
+                f"(below max_num_seqs x max_model_len = {seqs * longest})"
+            )
+    return None
+
+
+def draws_from_own_generator(sampling: Any) -> bool:
+    """Whether vLLM gives this request a random generator of its own (a seed, sampling)."""
+    return sampling.seed is not None and sampling.temperature >= _SAMPLING_EPS
