@@ -276,7 +276,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.model = str(ensure_tiny_model())
         if args.tokenizer is None:
             args.tokenizer = args.model
+    if args.enable_chunked_prefill is None and _on_cpu():
+        # Whole prompts only, unless asked: a split prompt's seeded draw kills a
+        # CPU engine (vllm_releases.seeded_sampling_hazard). vLLM then raises
+        # the step's token budget to at least the context length.
+        args.enable_chunked_prefill = False
     return args
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
 
 
 def build_interceptors(args: argparse.Namespace, verifier: Any = None) -> tuple[list[Any], Any]:

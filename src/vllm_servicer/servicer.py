@@ -20,7 +20,7 @@ from grpc_status import rpc_status  # type: ignore[import-untyped]
 from vllm.exceptions import VLLMClientError
 from vllm.pooling_params import PoolingParams
 
-from . import admin, convert, fields, kv_events, loads, mm_tensors
+from . import admin, convert, fields, kv_events, loads, mm_tensors, vllm_releases
 from . import usage as generation_usage
 from .engine import EngineClient, missing_members, served_model_name
 from .errors import (
@@ -155,6 +155,15 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         # Prefill/decode hand-off needs a KV connector in the engine (--kv-transfer-config).
         config = engine.vllm_config
         self._kv_connector = getattr(config, "kv_transfer_config", None)
+        # A seeded sampling request would kill an engine set up so (a vLLM CPU fault).
+        self._seed_hazard = vllm_releases.seeded_sampling_hazard(config)
+        if self._seed_hazard is not None:
+            logger.warning(
+                "seeded sampling requests will be refused: on this CPU engine %s, and vLLM's "
+                "CPU generator cannot rewind a split prompt's draw (the engine would die); "
+                "start it with enable_chunked_prefill=False (--no-enable-chunked-prefill)",
+                self._seed_hazard,
+            )
         # vLLM's renderer turns a token prompt into engine input synchronously.
         self._render = engine.renderer.process_for_engine
         # Reads the engine's own per-step scheduler stats for GetLoads.
@@ -241,6 +250,13 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             sampling = convert.sampling_params_from_proto(
                 params, stream=stream, kv_transfer=kv_transfer
             )
+            if self._seed_hazard and vllm_releases.draws_from_own_generator(sampling):
+                raise UnsupportedError(
+                    f"seeded sampling would stop this CPU engine ({self._seed_hazard}); "
+                    "send no seed, a temperature of 0, or serve with "
+                    "--no-enable-chunked-prefill",
+                    field="sampling_params.seed",
+                )
             tokenization = convert.tokenization_kwargs(params)
             # With truncation asked for, a longer prompt is the engine's to cut.
             limit = None if tokenization is not None else self._max_prompt_tokens
@@ -300,7 +316,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                         yield message
         except Exception as exc:
             # The error layer around every method turns what is raised into a status.
-            if kv_transfer is not None and not started:
+            # An engine that rejected the request freed its KV blocks itself (vLLM 0.33+).
+            if kv_transfer is not None and not started and not vllm_releases.engine_rejected(exc):
                 await self._kv_transfer_rejected(request, request_id, kv_transfer)
             if isinstance(exc, (ValueError, VLLMClientError)):
                 named = convert.constraint_error(exc, request.sampling_params)
