@@ -24,6 +24,7 @@ from grpc_status import rpc_status
 from helpers import build_engine, collect, completes, mounted_channel, request, wait_until_idle
 from kv_echo_connector import FINISHED_LOG
 
+from vllm_servicer import vllm_releases
 from vllm_servicer.fields import HONOURED, REFUSED
 from vllm_servicer.proto import common_pb2, vllm_engine_pb2_grpc
 from vllm_servicer.proto import vllm_engine_pb2 as pb
@@ -289,8 +290,9 @@ async def test_grammar_from_first_token_constrains_from_the_first_token(stub: An
 @pytest.fixture(scope="module")
 async def handoff(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> AsyncIterator[tuple[Any, Path]]:
-    """A stub on an engine with the echoing KV connector and n-gram speculative decoding."""
+) -> AsyncIterator[tuple[Any, Path, Any]]:
+    """A stub on an engine with the echoing KV connector and n-gram speculative
+    decoding, its connector's log folder, and the engine."""
     from kv_echo_connector import echo_transfer_config
 
     storage = tmp_path_factory.mktemp("kv-handoff")
@@ -308,7 +310,7 @@ async def handoff(
     )
     try:
         async with mounted_channel(engine, health=False, reflection_service=False) as channel:
-            yield vllm_engine_pb2_grpc.VllmEngineStub(channel), storage
+            yield vllm_engine_pb2_grpc.VllmEngineStub(channel), storage, engine
     finally:
         engine.shutdown()
 
@@ -318,9 +320,9 @@ REPEATING = [5, 6, 7] * 6  # n-gram lookup finds drafts in a repeating prompt
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_kv_transfer_params_reach_the_connector_and_come_back(
-    handoff: tuple[Any, Path], stream: bool
+    handoff: tuple[Any, Path, Any], stream: bool
 ) -> None:
-    stub, _ = handoff
+    stub, _, _ = handoff
     sent = {"do_remote_decode": True, "remote_host": "10.0.0.2", "remote_port": 7000, "ids": [1]}
     req = request(REPEATING, max_tokens=4, stream=stream)
     req.kv_transfer_params_json = json.dumps(sent)
@@ -334,9 +336,9 @@ async def test_kv_transfer_params_reach_the_connector_and_come_back(
 
 
 async def test_typed_kv_transfer_params_alone_reach_the_connector(
-    handoff: tuple[Any, Path],
+    handoff: tuple[Any, Path, Any],
 ) -> None:
-    stub, _ = handoff
+    stub, _, _ = handoff
     req = request(max_tokens=2)
     req.kv_transfer_params.remote_host, req.kv_transfer_params.remote_port = "10.0.0.3", 7001
     done = completes(await collect(stub.Generate(req, timeout=60)))[0]
@@ -348,10 +350,10 @@ async def test_typed_kv_transfer_params_alone_reach_the_connector(
 
 
 async def test_a_rejected_remote_prefill_request_is_reported_to_the_connector(
-    handoff: tuple[Any, Path],
+    handoff: tuple[Any, Path, Any],
 ) -> None:
     """The prefill side would otherwise hold the request's blocks until its lease ran out."""
-    stub, storage = handoff
+    stub, storage, _ = handoff
     req = request(max_tokens=2, temperature=-1.0, request_id="rejected-decode")
     req.kv_transfer_params_json = '{"do_remote_prefill": true, "remote_block_ids": [3]}'
     with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -368,11 +370,49 @@ async def test_a_rejected_remote_prefill_request_is_reported_to_the_connector(
     assert [e["params"] for e in told] == [{"do_remote_prefill": True, "remote_block_ids": [3]}]
 
 
+async def _connector_told(storage: Path, request_id: str, settle_s: float) -> list[Any]:
+    log = storage / FINISHED_LOG
+    await asyncio.sleep(settle_s)  # the engine core runs the connector's hook on its next steps
+    lines = log.read_text().splitlines() if log.exists() else []
+    return [e["params"] for e in map(json.loads, lines) if e["request_id"] == request_id]
+
+
+async def test_a_paused_engine_tells_the_connector_of_a_rejection_once(
+    handoff: tuple[Any, Path, Any],
+) -> None:
+    """vLLM 0.33 rejects a request while paused: the connector hears of it once
+    (from the servicer: the engine's own abort path does not reach its hook),
+    neither twice nor never."""
+    stub, storage, engine = handoff
+    req = request(max_tokens=2, request_id="paused-decode")
+    req.kv_transfer_params_json = '{"do_remote_prefill": true, "remote_block_ids": [4]}'
+    await engine.pause_generation(mode="abort", clear_cache=False)
+    try:
+        call = stub.Generate(req, timeout=30)
+        if vllm_releases.PAUSE_REJECTS:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await collect(call)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
+        else:
+            # Before 0.33 the request waits for the resume: nothing is rejected.
+            pending = asyncio.ensure_future(collect(call))
+            await asyncio.sleep(1.0)
+            assert not pending.done()
+            assert await _connector_told(storage, "paused-decode", 0) == []
+    finally:
+        await engine.resume_generation()
+    if not vllm_releases.PAUSE_REJECTS:
+        completes(await pending)
+        return
+    told = await _connector_told(storage, "paused-decode", 2.0)
+    assert told == [{"do_remote_prefill": True, "remote_block_ids": [4]}]
+
+
 @pytest.mark.parametrize("stream", [False, True])
 async def test_speculative_counts_come_from_the_engine(
-    handoff: tuple[Any, Path], stream: bool
+    handoff: tuple[Any, Path, Any], stream: bool
 ) -> None:
-    stub, _ = handoff
+    stub, _, _ = handoff
     req = request(REPEATING, max_tokens=12, ignore_eos=True, stream=stream)
     done = completes(await collect(stub.Generate(req, timeout=60)))[0]
     assert done.spec_draft_tokens > 0

@@ -37,7 +37,6 @@ def test_the_installed_release_is_detected_consistently(engine: Any) -> None:
     # 0.33 brought all three together: the retryable rejection, the profiler's
     # per-session options and the lookahead tokens of stored blocks.
     assert PAUSE_REFUSES == ("profiler_kwargs" in options) == lookahead
-    assert vllm_releases.REJECTION_FREES_KV == PAUSE_REFUSES
     parser = vllm_releases.make_arg_parser(_parser())
     assert parser.parse_args([]).port == 8000  # vLLM's own serve defaults
 
@@ -266,3 +265,14 @@ async def test_seeded_sampling_is_refused_where_it_would_kill_the_engine(engine:
             messages = await collect(stub.Generate(request(max_tokens=4, **sampling)))
             assert len(completes(messages)[0].output_ids) == 4
     assert not engine.errored
+
+
+def test_the_http_api_builds_vllm_s_arguments_on_this_release() -> None:
+    # --http-port died on vLLM 0.33 after the engine started: the parser had moved.
+    from vllm_servicer.__main__ import parse_args
+    from vllm_servicer.http_api import frontend_args
+
+    args = parse_args(["serve", "--http-port", "0", "--max-model-len", "256"])
+    served = frontend_args(args, "127.0.0.1", 0)
+    assert (served.host, served.port, served.api_key) == ("127.0.0.1", 0, None)
+    assert served.max_model_len == 256  # the launcher's engine settings carried over

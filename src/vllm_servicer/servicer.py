@@ -316,8 +316,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                         yield message
         except Exception as exc:
             # The error layer around every method turns what is raised into a status.
-            # An engine that rejected the request freed its KV blocks itself (vLLM 0.33+).
-            if kv_transfer is not None and not started and not vllm_releases.engine_rejected(exc):
+            if kv_transfer is not None and not started:
                 await self._kv_transfer_rejected(request, request_id, kv_transfer)
             if isinstance(exc, (ValueError, VLLMClientError)):
                 named = convert.constraint_error(exc, request.sampling_params)

@@ -38,9 +38,9 @@ pooling requests; 0.33 also for a multimodal cache miss and, below, a pause)."""
 
 
 def _engine_rejects_while_paused() -> bool:
-    from vllm.v1.engine.core import EngineCore
+    from vllm.v1.engine.core import EngineCoreProc
 
-    return hasattr(EngineCore, "_reject_add_while_paused")
+    return hasattr(EngineCoreProc, "_reject_add_while_paused")
 
 
 PAUSE_REJECTS = _engine_rejects_while_paused()
@@ -48,15 +48,11 @@ PAUSE_REJECTS = _engine_rejects_while_paused()
 with RetryableRequestError; on 0.31 and 0.32 such requests wait in the queue
 until it resumes. "keep" mode queues them on every release."""
 
-REJECTION_FREES_KV = PAUSE_REJECTS
-"""0.33+: for a request it rejects while paused, the engine frees the remote KV
-blocks itself; telling the connector again would free them twice. Before
-0.33 the engine never rejected a request it had taken."""
-
-
-def engine_rejected(exc: BaseException) -> bool:
-    """Whether `exc` is the engine's own rejection of a request it received (0.33+)."""
-    return isinstance(exc, RetryableRequestError)
+# A paused 0.33 engine also marks a rejected request with KV-transfer params
+# `abort_immediately` and adds it, "to let the KV connector free any remote
+# blocks"; measured with a connector that logs its hook, that path never
+# reaches `request_finished`, so the servicer still sends its one rejection
+# notice (test_protocol_fields: exactly one notice reaches the connector).
 
 
 # ----- the HTTP API's argument parser ------------------------------------------
