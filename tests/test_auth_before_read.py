@@ -411,3 +411,39 @@ async def test_server_options_refuse_compressed_requests_unless_allowed(allowed:
                 assert parsed["UnaryUnary"] == 1
     finally:
         await server.stop(None)
+
+
+@pytest.mark.parametrize("placement", MATRIX_PLACEMENTS)
+async def test_a_call_over_the_in_flight_limit_is_refused_unread(placement: str) -> None:
+    # The limit refuses from its count alone (on_start), before the request is read.
+    from vllm_servicer.interceptors import InflightInterceptor
+
+    stack = [*_stack("tracing,auth"), InflightInterceptor(1, limited=all_methods)]
+    server = _serve_stack(placement, stack)
+    address = await _start(server)
+    parsed.clear()
+    try:
+        async with grpc.aio.insecure_channel(address) as channel:
+            held_open: asyncio.Queue[bytes | None] = asyncio.Queue()
+
+            async def requests() -> AsyncIterator[bytes]:
+                while (message := await held_open.get()) is not None:
+                    yield message
+
+            holder = channel.stream_stream(f"/{SERVICE}/StreamStream")(
+                requests(), metadata=bearer(KEY)
+            )
+            await held_open.put(b"x")
+            assert await holder.read() == b"x"  # the one slot is taken
+            parsed.clear()
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await channel.unary_unary(f"/{SERVICE}/UnaryUnary")(b"y", metadata=bearer(KEY))
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert parsed["UnaryUnary"] == 0
+            await held_open.put(None)
+            assert await holder.read() is grpc.aio.EOF
+            assert await holder.code() == grpc.StatusCode.OK
+            assert await channel.unary_unary(f"/{SERVICE}/UnaryUnary")(b"y", metadata=bearer(KEY))
+            assert parsed["UnaryUnary"] == 1
+    finally:
+        await server.stop(None)

@@ -101,7 +101,7 @@ def test_container_recipe_runs_the_launcher_on_its_exposed_ports() -> None:
     lines = [line.split(maxsplit=1) for line in dockerfile.splitlines() if line[:1].isupper()]
     instructions = {word: rest for word, rest in lines}
     assert instructions["FROM"] == "${VLLM_IMAGE}"
-    assert instructions["ARG"].startswith("VLLM_IMAGE=vllm/vllm-openai:v0.32")
+    assert instructions["ARG"].startswith("VLLM_IMAGE=vllm/vllm-openai:v0.33")
     assert json.loads(instructions["ENTRYPOINT"]) == ["vllm-servicer"]
     args = parse_args(json.loads(instructions["CMD"]))  # every flag exists
     assert {args.port, args.metrics_port} == {int(p) for p in instructions["EXPOSE"].split()}
