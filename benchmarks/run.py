@@ -240,17 +240,10 @@ def engine_flags(extra: Sequence[str]) -> list[str]:
     """
     if has_model_flag(extra):
         return list(extra)
-    from vllm_servicer.tiny_model import TINY_ENGINE_KWARGS, ensure_tiny_model
+    from vllm_servicer.tiny_model import ensure_tiny_model, tiny_engine_flags
 
     model = str(ensure_tiny_model())
-    flags = ["--model", model, "--tokenizer", model]
-    for key, value in TINY_ENGINE_KWARGS.items():
-        flag = "--" + key.replace("_", "-")
-        if value is True:
-            flags.append(flag)
-        elif value is not False:
-            flags += [flag, str(value)]
-    return flags + list(extra)
+    return ["--model", model, "--tokenizer", model, *tiny_engine_flags(), *extra]
 
 
 def check_reference_server() -> str | None:

@@ -22,6 +22,7 @@ from google.protobuf import message_factory
 
 from vllm_servicer import SERVICE_NAME, mount, server_options
 from vllm_servicer._registration import register
+from vllm_servicer.interceptors._base import CallInterceptor as CallInterceptorBase
 from vllm_servicer.interceptors._base import all_methods
 from vllm_servicer.interceptors._pipeline import wrapped_handler
 from vllm_servicer.interceptors.auth import ApiKeyVerifier, AuthInterceptor
@@ -447,3 +448,38 @@ async def test_a_call_over_the_in_flight_limit_is_refused_unread(placement: str)
             assert parsed["UnaryUnary"] == 1
     finally:
         await server.stop(None)
+
+
+class KindRecorder(CallInterceptorBase):
+    """Records the kind of each call it starts, as metrics labels it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kinds: dict[str, str] = {}
+
+    async def on_start(self, call: Any) -> None:
+        self.kinds[call.name] = call.kind
+
+
+@pytest.mark.parametrize("placement", MATRIX_PLACEMENTS)
+@pytest.mark.parametrize("stack_names", ["auth", "tracing,auth", "host,tracing,auth"])
+async def test_interceptors_see_each_method_s_own_kind(placement: str, stack_names: str) -> None:
+    # The wrapper reads a unary request as a stream of one message; the hooks,
+    # and so the metrics' grpc_type, still see the method's declared kind.
+    outer, inner = KindRecorder(), KindRecorder()
+    stack = [outer, *_stack(stack_names), inner]
+    server = _serve_stack(placement, stack)
+    address = await _start(server)
+    try:
+        async with grpc.aio.insecure_channel(address) as channel:
+            for name in HANDLERS:
+                await _call(channel, name, bearer(KEY))
+    finally:
+        await server.stop(None)
+    declared = {
+        "UnaryUnary": "unary_unary",
+        "UnaryStream": "unary_stream",
+        "StreamUnary": "stream_unary",
+        "StreamStream": "stream_stream",
+    }
+    assert outer.kinds == inner.kinds == declared

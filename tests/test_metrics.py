@@ -32,7 +32,7 @@ from vllm_servicer.interceptors import (
 )
 from vllm_servicer.proto import vllm_engine_pb2 as pb
 from vllm_servicer.proto import vllm_engine_pb2_grpc
-from vllm_servicer.tiny_model import TINY_ENGINE_KWARGS, apply_cpu_env_defaults
+from vllm_servicer.tiny_model import apply_cpu_env_defaults, tiny_engine_flags
 
 LONG = {"max_tokens": 5000, "ignore_eos": True}
 GENERATE = {"grpc_type": "server_stream", "grpc_service": SERVICE_NAME, "grpc_method": "Generate"}
@@ -469,10 +469,7 @@ async def test_launcher_endpoint_shows_both_families_per_model(tiny_model_dir: P
     # A served name differs from the model path only with --model given, so the
     # tiny model's settings are passed as flags.
     env = {**os.environ, **apply_cpu_env_defaults()}
-    engine_flags = [
-        f"--{key.replace('_', '-')}" if value is True else f"--{key.replace('_', '-')}={value}"
-        for key, value in TINY_ENGINE_KWARGS.items()
-    ]
+    engine_flags = tiny_engine_flags()
     proc = await _spawn(
         "-m",
         "vllm_servicer",

@@ -34,6 +34,7 @@ from typing import Any, Final, Literal
 __all__ = [
     "TINY_EMBED_ENGINE_KWARGS",
     "TINY_ENGINE_KWARGS",
+    "tiny_engine_flags",
     "TINY_MODEL_VERSION",
     "apply_cpu_env_defaults",
     "default_embedding_model_dir",
@@ -69,6 +70,19 @@ TINY_ENGINE_KWARGS: Final[dict[str, Any]] = {
 Use with :func:`apply_cpu_env_defaults` (``VLLM_CPU_KVCACHE_SPACE=1``) set before the
 engine is built: ``AsyncEngineArgs(model=str(ensure_tiny_model()), **TINY_ENGINE_KWARGS)``.
 """
+
+
+def tiny_engine_flags() -> list[str]:
+    """TINY_ENGINE_KWARGS as the launcher's (vLLM's) command-line flags."""
+    flags = []
+    for key, value in TINY_ENGINE_KWARGS.items():
+        flag = key.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(f"--{flag}" if value else f"--no-{flag}")
+        else:
+            flags.append(f"--{flag}={value}")
+    return flags
+
 
 TINY_EMBED_ENGINE_KWARGS: Final[dict[str, Any]] = {
     **TINY_ENGINE_KWARGS,

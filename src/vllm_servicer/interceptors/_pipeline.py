@@ -88,25 +88,31 @@ def rebuild(handler: Any, behaviour: Any, request_deserializer: Any) -> Any:
     )
 
 
-def _rebuilt(kind: str, behaviour: Any, request_deserializer: Any, handler: Any) -> Any:
-    """A handler running `behaviour`, registered as `_reading(kind)`.
+# The kind clients see of each method whose unary request a wrapper reads
+# (registered as a stream of one message): what interceptors wrapping it later,
+# OpenTelemetry's or a host's included, must still call it. A method's full name
+# has one kind.
+_DECLARED_KINDS: dict[str, str] = {}
 
-    It keeps the kind its clients see (`rpc_kind_of`) for interceptors that
-    wrap it later.
-    """
-    rebuilt = _FACTORIES[_reading(kind)](
+
+def _rebuilt(
+    kind: str, method: str, declared: str, behaviour: Any, request_deserializer: Any, handler: Any
+) -> Any:
+    """A handler running `behaviour`, registered as `_reading(kind)`, of a
+    method whose clients see `declared`."""
+    if kind[0] == "u":
+        _DECLARED_KINDS[method] = declared
+    return _FACTORIES[_reading(kind)](
         behaviour,
         request_deserializer=request_deserializer,
         response_serializer=handler.response_serializer,
     )
-    rebuilt.rpc_kind = rpc_kind_of(handler)
-    return rebuilt
 
 
-def rpc_kind_of(handler: Any) -> str:
-    """The kind of `handler`'s method as its clients see it, though a wrapper
-    of this module registers a unary request as a stream of one message."""
-    return getattr(handler, "rpc_kind", None) or kind_of(handler)
+def rpc_kind_of(handler: Any, method: str) -> str:
+    """The kind of `method` as its clients see it, though a wrapper of this
+    module registers a unary request as a stream of one message."""
+    return _DECLARED_KINDS.get(method) or kind_of(handler)
 
 
 class CallDetails(grpc.HandlerCallDetails):
@@ -267,7 +273,7 @@ def _fused(
     that reads, a request is a stream of one message, hooked as it is read.
     """
     physical = kind_of(handler)
-    kind = kind or rpc_kind_of(handler)
+    kind = kind or rpc_kind_of(handler, method)
     behaviour = behaviour_of(handler)
     reads_request = physical[0] == "u"
     deserializer = handler.request_deserializer
@@ -355,7 +361,7 @@ def _fused(
             finally:
                 finish(started, context, exc)
 
-        return _rebuilt(physical, unary_response, deserializer, handler)
+        return _rebuilt(physical, method, kind, unary_response, deserializer, handler)
 
     async def streaming_response(request: Any, context: Any) -> AsyncIterator[Any]:
         exc: BaseException | None = None
@@ -408,7 +414,7 @@ def _fused(
             finally:
                 finish(started, context, exc)
 
-    return _rebuilt(physical, streaming_response, deserializer, handler)
+    return _rebuilt(physical, method, kind, streaming_response, deserializer, handler)
 
 
 def _reads_responses(interceptor: CallInterceptor, call: Call) -> bool:
@@ -557,7 +563,7 @@ class Pipeline(grpc.aio.ServerInterceptor):
         segments = self._for(method)
         if not is_async(handler):
             return _sync_handler(handler, method, segments)  # type: ignore[no-any-return]
-        kind = rpc_kind_of(handler)
+        kind = rpc_kind_of(handler, method)
         wrapped = handler
         innermost = True
         for segment in reversed(segments):
@@ -601,7 +607,7 @@ async def _resolve(
             handler, kind = await _resolve(rest, continuation, d)
             return handler
         handler = await continuation(d)
-        kind = rpc_kind_of(handler) if handler is not None else None
+        kind = rpc_kind_of(handler, d.method) if handler is not None else None
         return handler
 
     if isinstance(segment, _Enclosing):
@@ -701,7 +707,7 @@ def relayed(
     """
     if not is_async(handler):
         return _sync_handler(handler, method, pipeline._for(method))
-    kind = rpc_kind_of(handler)
+    kind = rpc_kind_of(handler, method)
     base = _fused(handler, method, _Layers(()), kind=kind, admit_in_call=True, errors=errors)
 
     async def resolve(context: Any) -> Any:
@@ -727,7 +733,7 @@ def relayed(
             request = await request_of(resolved, requests, context)
             return await behaviour_of(resolved)(request, context)
 
-        return _rebuilt(kind, unary_response, base.request_deserializer, base)
+        return _rebuilt(kind, method, kind, unary_response, base.request_deserializer, base)
 
     async def streaming_response(requests: Any, context: Any) -> AsyncIterator[Any]:
         resolved = await resolve(context)
@@ -743,7 +749,7 @@ def relayed(
         else:
             await result
 
-    return _rebuilt(kind, streaming_response, base.request_deserializer, base)
+    return _rebuilt(kind, method, kind, streaming_response, base.request_deserializer, base)
 
 
 def pipeline_of(interceptors: Sequence[grpc.aio.ServerInterceptor] | Pipeline) -> Pipeline:
