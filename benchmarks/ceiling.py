@@ -69,7 +69,7 @@ async def serve(argv: list[str], out: TextIO) -> None:
     from vllm.utils.argparse_utils import FlexibleArgumentParser
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from vllm_servicer.tiny_model import (
+    from vllm_servicer.testing.tiny_model import (
         TINY_ENGINE_KWARGS,
         apply_cpu_env_defaults,
         ensure_tiny_model,

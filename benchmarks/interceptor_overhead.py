@@ -102,7 +102,7 @@ def build_interceptors(name: str) -> tuple[Sequence[Any], Callable[[], None]]:
 def _stand_in_generate(tokens: int) -> Any:
     """A Generate handler streaming `tokens` one-token chunks and a complete, no engine."""
     from vllm_servicer.proto import vllm_engine_pb2 as pb
-    from vllm_servicer.usage import kept_by_handler
+    from vllm_servicer.wire.usage import kept_by_handler
 
     chunks = [
         pb.GenerateResponse(
@@ -136,10 +136,10 @@ def _stand_in_generate(tokens: int) -> Any:
 async def _serve_and_drive(args: argparse.Namespace) -> None:
     from vllm_servicer import mount
     from vllm_servicer.interceptors._pipeline import wrapped_handler
-    from vllm_servicer.mount import engine_pipeline
+    from vllm_servicer.mounting import engine_pipeline
     from vllm_servicer.proto import SERVICE_NAME
     from vllm_servicer.status import error_layer
-    from vllm_servicer.tiny_model import build_tiny_engine
+    from vllm_servicer.testing.tiny_model import build_tiny_engine
 
     engine = None
     if args.micro:

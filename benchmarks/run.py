@@ -240,7 +240,7 @@ def engine_flags(extra: Sequence[str]) -> list[str]:
     """
     if has_model_flag(extra):
         return list(extra)
-    from vllm_servicer.tiny_model import ensure_tiny_model, tiny_engine_flags
+    from vllm_servicer.testing.tiny_model import ensure_tiny_model, tiny_engine_flags
 
     model = str(ensure_tiny_model())
     return ["--model", model, "--tokenizer", model, *tiny_engine_flags(), *extra]
@@ -776,7 +776,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
     sys.path.insert(0, str(ROOT / "src"))
-    from vllm_servicer.tiny_model import apply_cpu_env_defaults
+    from vllm_servicer.testing.tiny_model import apply_cpu_env_defaults
 
     apply_cpu_env_defaults()  # inherited by every engine this script starts
     flags = engine_flags(extra)

@@ -34,7 +34,7 @@ class CertificateAuthority:
         self.name = name
         self._key = ec.generate_private_key(ec.SECP256R1())
         subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-        now = datetime.datetime.now(datetime.timezone.utc)
+        now = datetime.datetime.now(datetime.UTC)
         self._cert = (
             x509.CertificateBuilder()
             .subject_name(subject)
@@ -75,7 +75,7 @@ class CertificateAuthority:
         client: bool = False,
     ) -> Pem:
         key = ec.generate_private_key(ec.SECP256R1())
-        now = datetime.datetime.now(datetime.timezone.utc)
+        now = datetime.datetime.now(datetime.UTC)
         names: list[x509.GeneralName] = [x509.DNSName(d) for d in dns]
         names += [x509.IPAddress(ipaddress.ip_address(i)) for i in ips]
         names += [x509.UniformResourceIdentifier(u) for u in uris]

@@ -18,8 +18,8 @@ from helpers import build_engine
 
 from vllm_servicer import MountedServices, mount
 from vllm_servicer.proto import vllm_engine_pb2_grpc
-from vllm_servicer.tiny_model import write_tiny_model
-from vllm_servicer.tiny_vlm import write_tiny_vlm
+from vllm_servicer.testing.tiny_model import write_tiny_model
+from vllm_servicer.testing.tiny_vlm import write_tiny_vlm
 
 
 @dataclasses.dataclass

@@ -12,7 +12,7 @@ import grpc
 
 from vllm_servicer import mount
 from vllm_servicer.proto import vllm_engine_pb2 as pb
-from vllm_servicer.tiny_model import build_tiny_engine
+from vllm_servicer.testing.tiny_model import build_tiny_engine
 
 
 def build_engine(model_dir: Path, **overrides: Any) -> Any:

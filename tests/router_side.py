@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from vllm_servicer.tiny_vlm import IMAGE_TOKEN
+from vllm_servicer.testing.tiny_vlm import IMAGE_TOKEN
 
 PROMPT = f"{IMAGE_TOKEN} What is in this picture?"
 RED, BLUE = (255, 0, 0), (0, 0, 255)

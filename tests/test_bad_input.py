@@ -23,7 +23,7 @@ from helpers import build_engine, collect, completes, request, wait_until_idle
 from vllm_servicer import mount
 from vllm_servicer.proto import vllm_engine_pb2 as pb
 from vllm_servicer.proto import vllm_engine_pb2_grpc
-from vllm_servicer.tiny_model import TINY_EMBED_ENGINE_KWARGS, write_tiny_embedding_model
+from vllm_servicer.testing.tiny_model import TINY_EMBED_ENGINE_KWARGS, write_tiny_embedding_model
 
 GENERATE = "/vllm.grpc.engine.VllmEngine/Generate"
 CLIENT_CODES = {

@@ -136,7 +136,7 @@ def test_a_reasoning_engine_tells_routers_its_grammar_waits_for_the_thought() ->
 
     from vllm.config import StructuredOutputsConfig
 
-    from vllm_servicer.servicer import _engine_facts
+    from vllm_servicer.servicer.service import _engine_facts
 
     def facts(**structured: Any) -> dict[str, Any]:
         config = SimpleNamespace(structured_outputs_config=StructuredOutputsConfig(**structured))

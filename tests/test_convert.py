@@ -14,10 +14,10 @@ from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.metrics.stats import RequestSpecDecodeMetrics
 
-from vllm_servicer import convert
 from vllm_servicer.errors import InvalidRequestError
-from vllm_servicer.fields import is_set
 from vllm_servicer.proto import vllm_engine_pb2 as pb
+from vllm_servicer.wire import convert
+from vllm_servicer.wire.fields import is_set
 
 
 def _request(json_text: str | None = None, host: str = "", port: int = 0) -> pb.GenerateRequest:

@@ -1,7 +1,7 @@
 """Data parallelism inside one server: rank pinning and per-rank loads.
 
 Two data-parallel ranks do not run usefully on a 2-core CPU machine, so this
-uses a stand-in engine (tests/fault_engine.py) that claims two ranks; the
+uses a stand-in engine (vllm_servicer.testing.stand_in) that claims two ranks; the
 mapping under test is the servicer's: `GenerateRequest.data_parallel_rank`
 reaches `engine.generate`, and GetLoads reports each rank from the
 SchedulerStats the engine's output loop hands to stat loggers.
@@ -15,11 +15,12 @@ from typing import Any
 
 import grpc
 import pytest
-from fault_engine import FaultEngine
 
-from vllm_servicer import loads, mount
+from vllm_servicer import mount
 from vllm_servicer.proto import vllm_engine_pb2 as pb
 from vllm_servicer.proto import vllm_engine_pb2_grpc
+from vllm_servicer.servicer import loads
+from vllm_servicer.testing.stand_in import FaultEngine
 
 
 class TwoRankEngine(FaultEngine):

@@ -1,6 +1,6 @@
 """An engine that dies mid-stream: every client learns it at once, and nothing hangs.
 
-The death is injected with `FaultEngine` (tests/fault_engine.py), a stand-in
+The death is injected with `FaultEngine` (vllm_servicer.testing.stand_in), a stand-in
 shaped like `AsyncLLM`: a real engine cannot be made to die at a chosen moment
 mid-stream. Each test gets a fresh stand-in and server, because death is final.
 """
@@ -14,7 +14,6 @@ from typing import Any
 
 import grpc
 import pytest
-from fault_engine import FaultEngine
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers import collect, request
 from probes import settle
@@ -22,6 +21,7 @@ from probes import settle
 from vllm_servicer import SERVICE_NAME, MountedServices, mount
 from vllm_servicer.proto import vllm_engine_pb2 as pb
 from vllm_servicer.proto import vllm_engine_pb2_grpc
+from vllm_servicer.testing.stand_in import FaultEngine
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

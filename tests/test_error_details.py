@@ -10,7 +10,6 @@ from typing import Any
 
 import grpc
 import pytest
-from fault_engine import FaultEngine, StandInEngine
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from helpers import collect, request
@@ -28,6 +27,7 @@ from vllm_servicer.status import (
     rich_status,
     rule_for,
 )
+from vllm_servicer.testing.stand_in import FaultEngine, StandInEngine
 
 
 def _details(err: grpc.aio.AioRpcError) -> tuple[Any, Any, Any]:

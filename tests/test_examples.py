@@ -179,7 +179,7 @@ async def test_mount_quickstart_serves(env: dict[str, str], tmp_path: Path) -> N
         "import asyncio, sys\n"
         f"sys.path.insert(0, {str(EXAMPLES)!r})\n"
         "from vllm.engine.arg_utils import AsyncEngineArgs\n"
-        "from vllm_servicer.tiny_model import TINY_ENGINE_KWARGS, apply_cpu_env_defaults, "
+        "from vllm_servicer.testing.tiny_model import TINY_ENGINE_KWARGS, apply_cpu_env_defaults, "
         "ensure_tiny_model\n"
         "import mount_quickstart\n"
         "if __name__ == '__main__':\n"

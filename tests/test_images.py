@@ -27,8 +27,8 @@ from helpers import collect, completes, request, wait_until_idle
 from vllm_servicer import MediaRefOptions, mount
 from vllm_servicer.proto import common_pb2, vllm_engine_pb2_grpc
 from vllm_servicer.proto import vllm_engine_pb2 as pb
-from vllm_servicer.tiny_model import build_tiny_engine
-from vllm_servicer.tiny_vlm import IMAGE_TOKEN, TINY_VLM_ENGINE_KWARGS
+from vllm_servicer.testing.tiny_model import build_tiny_engine
+from vllm_servicer.testing.tiny_vlm import IMAGE_TOKEN, TINY_VLM_ENGINE_KWARGS
 
 MAX_ITEM_BYTES = 64 * 1024
 

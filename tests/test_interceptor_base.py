@@ -386,7 +386,7 @@ async def test_client_cancel_counts_once_and_ends_the_handler_at_once(
             assert finished.code == CANCELLED, (i, finished)
             try:
                 await asyncio.wait_for(_ended(tag).wait(), 10.0)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise AssertionError(f"call {i}: the handler was left running") from None
             await asyncio.sleep(0.05)
             assert len(svc.recorder.finished) == 1, svc.recorder.finished

@@ -38,8 +38,8 @@ from vllm_servicer.interceptors.auth import (
     Identity,
     current_identity,
 )
-from vllm_servicer.kv_events import BatchDecoder, Source, SubscriberLimit, relay, to_int64
 from vllm_servicer.proto import common_pb2, vllm_engine_pb2_grpc
+from vllm_servicer.servicer.kv_events import BatchDecoder, Source, SubscriberLimit, relay, to_int64
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,8 @@ import pytest
 import yaml
 
 from vllm_servicer import SERVICE_NAME
-from vllm_servicer.__main__ import parse_args
 from vllm_servicer.health import LIVENESS_SERVICE
+from vllm_servicer.serve.launcher import parse_args
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "examples" / "kubernetes"
@@ -125,7 +125,7 @@ def test_launcher_process_reads_vllm_env_once_and_freezes_start_up_heap() -> Non
         [
             "import gc, os",
             "import vllm.envs as envs",
-            "from vllm_servicer.__main__ import settle_process_for_serving",
+            "from vllm_servicer.serve.launcher import settle_process_for_serving",
             "os.environ['VLLM_COMPUTE_NANS_IN_LOGITS'] = '0'",
             "assert envs.VLLM_COMPUTE_NANS_IN_LOGITS is False",
             "os.environ['VLLM_COMPUTE_NANS_IN_LOGITS'] = '1'",

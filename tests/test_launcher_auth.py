@@ -22,10 +22,15 @@ from certs import CertificateAuthority, Pem
 from helpers import collect, request
 
 from vllm_servicer import mount
-from vllm_servicer.__main__ import _http_verifier, authenticates, build_interceptors, parse_args
 from vllm_servicer.interceptors.auth import ADMIN_ROLE
 from vllm_servicer.proto import common_pb2, vllm_engine_pb2_grpc
 from vllm_servicer.proto import vllm_engine_pb2 as pb
+from vllm_servicer.serve.launcher import (
+    _http_verifier,
+    authenticates,
+    build_interceptors,
+    parse_args,
+)
 from vllm_servicer.tls import server_credentials, warn_if_exposed
 
 TENANT_A = "tenant-a-0123456789abcdefABCDEF"

@@ -32,7 +32,7 @@ from vllm_servicer.interceptors import (
 )
 from vllm_servicer.proto import vllm_engine_pb2 as pb
 from vllm_servicer.proto import vllm_engine_pb2_grpc
-from vllm_servicer.tiny_model import apply_cpu_env_defaults, tiny_engine_flags
+from vllm_servicer.testing.tiny_model import apply_cpu_env_defaults, tiny_engine_flags
 
 LONG = {"max_tokens": 5000, "ignore_eos": True}
 GENERATE = {"grpc_type": "server_stream", "grpc_service": SERVICE_NAME, "grpc_method": "Generate"}

@@ -36,8 +36,8 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as ref_grpc
 from vllm_servicer import MediaRefOptions
 from vllm_servicer.proto import common_pb2, vllm_engine_pb2_grpc
 from vllm_servicer.proto import vllm_engine_pb2 as pb
-from vllm_servicer.tiny_model import build_tiny_engine
-from vllm_servicer.tiny_vlm import TINY_VLM_ENGINE_KWARGS
+from vllm_servicer.testing.tiny_model import build_tiny_engine
+from vllm_servicer.testing.tiny_vlm import TINY_VLM_ENGINE_KWARGS
 
 
 def _png(color: tuple[int, int, int]) -> bytes:

@@ -65,7 +65,7 @@ async def test_probes_reach_health_in_plaintext_and_nothing_else(
 
 
 def test_the_probe_port_is_refused_without_tls() -> None:
-    from vllm_servicer.__main__ import parse_args
+    from vllm_servicer.serve.launcher import parse_args
 
     with pytest.raises(SystemExit):
         parse_args(["serve", "--model", "m", "--health-port", "8081"])

@@ -29,8 +29,8 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as ref_grpc
 from test_drain import _children, _gone, _stop_and_reap
 from test_examples import START_TIMEOUT, _drain_output, _exit, _spawn, _wait_for_line
 
-from vllm_servicer.__main__ import ADMIN_KEY_ENV, API_KEY_ENV
 from vllm_servicer.proto import common_pb2, vllm_engine_pb2_grpc
+from vllm_servicer.serve.launcher import ADMIN_KEY_ENV, API_KEY_ENV
 
 ADMIN = "admin-0123456789abcdefABCDEF"
 TENANT = "tenant-0123456789abcdefABCDEF"
@@ -152,7 +152,7 @@ async def test_the_launcher_serves_and_stops_cleanly_after_profiling(launcher: L
     launcher.proc.send_signal(signal.SIGTERM)
     try:
         code = await asyncio.wait_for(_exit(launcher.proc), 90)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise AssertionError(f"no exit 90 s after SIGTERM\n{launcher.output()}") from None
     assert code == 0, launcher.output()
     assert not await _gone(launcher.engine_processes, 10), "engine processes left behind"

@@ -1,7 +1,7 @@
 """No request field is ignored: each is honoured, or refused with a typed status naming it.
 
 The inventory walks the protocol's own descriptors, so a field added to the
-protocol fails here until `vllm_servicer.fields` says what happens to it. Every
+protocol fails here until `vllm_servicer.wire.fields` says what happens to it. Every
 refusal is then shown over a real channel against the session's real engine,
 and the prefill/decode hand-off and speculative counts against an engine with
 a KV connector and n-gram speculative decoding (this module's own).
@@ -25,10 +25,10 @@ from helpers import build_engine, collect, completes, mounted_channel, request, 
 from kv_echo_connector import FINISHED_LOG
 
 from vllm_servicer import vllm_releases
-from vllm_servicer.fields import HONOURED, REFUSED
 from vllm_servicer.proto import common_pb2, vllm_engine_pb2_grpc
 from vllm_servicer.proto import vllm_engine_pb2 as pb
 from vllm_servicer.vllm_releases import start_profile_options
+from vllm_servicer.wire.fields import HONOURED, REFUSED
 
 SERVICE = pb.DESCRIPTOR.services_by_name["VllmEngine"]
 PROTOCOL_DOC = Path(__file__).resolve().parent.parent / "docs" / "protocol.md"

@@ -2,7 +2,7 @@
 
 vLLM's `--grpc` server is `smg_grpc_servicer.vllm.servicer.VllmEngineServicer`.
 Here each scenario's real engine is served twice in this process, on two
-loopback ports: through `vllm_servicer.mount` and through the reference
+loopback ports: through `vllm_servicer.mounting` and through the reference
 servicer on a plain `grpc.aio` server, registered with the reference's own
 generated code. Every request is built with the reference's stubs and sent,
 unchanged, to both; greedy tokens must be the same.
@@ -45,8 +45,8 @@ from vllm_servicer import mount
 from vllm_servicer.interceptors.tracing import FIRST_TOKEN_EVENT
 from vllm_servicer.proto import POOL
 from vllm_servicer.proto import vllm_engine_pb2 as ours
-from vllm_servicer.tiny_model import build_tiny_engine
-from vllm_servicer.tiny_vlm import TINY_VLM_ENGINE_KWARGS
+from vllm_servicer.testing.tiny_model import build_tiny_engine
+from vllm_servicer.testing.tiny_vlm import TINY_VLM_ENGINE_KWARGS
 
 if importlib.util.find_spec("smg_grpc_servicer") is None:
     pytest.skip(

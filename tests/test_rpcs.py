@@ -21,7 +21,6 @@ from typing import Any
 import grpc
 import pytest
 import vllm
-from fault_engine import StandInEngine
 from helpers import request, wait_until_idle
 from smg_grpc_proto.generated import common_pb2 as ref_common
 from smg_grpc_proto.generated import vllm_engine_pb2 as ref
@@ -29,10 +28,11 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as ref_grpc
 from tokenizers import Tokenizer
 
 from vllm_servicer import mount
-from vllm_servicer.loads import MISSING_RANKS_KEY
 from vllm_servicer.proto import common_pb2, vllm_engine_pb2_grpc
 from vllm_servicer.proto import vllm_engine_pb2 as pb
-from vllm_servicer.tokenizer_bundle import CHUNK_SIZE
+from vllm_servicer.servicer.loads import MISSING_RANKS_KEY
+from vllm_servicer.servicer.tokenizer_bundle import CHUNK_SIZE
+from vllm_servicer.testing.stand_in import StandInEngine
 
 STUB_KINDS = ["own", "reference"]
 
@@ -140,7 +140,7 @@ async def test_get_tokenizer_zip_loads_and_matches_its_sha256(
 
 
 async def test_get_tokenizer_chunks_are_bounded() -> None:
-    from vllm_servicer.tokenizer_bundle import chunks
+    from vllm_servicer.servicer.tokenizer_bundle import chunks
 
     data = bytes(range(256)) * (CHUNK_SIZE // 128 + 3)  # a bit over 2 chunks
     parts = list(chunks(data, "digest"))

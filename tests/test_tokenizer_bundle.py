@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from vllm_servicer.errors import UnsupportedError
-from vllm_servicer.tokenizer_bundle import build_zip, tokenizer_dir
+from vllm_servicer.servicer.tokenizer_bundle import build_zip, tokenizer_dir
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 

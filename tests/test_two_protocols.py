@@ -27,10 +27,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers import request
 from test_examples import ROOT, _drain_output, _free_port, _spawn, _stop, _wait_for_line
 
-from vllm_servicer.__main__ import _key_verifier, parse_args
-from vllm_servicer.http_api import _Front, frontend_args, uvicorn_config
 from vllm_servicer.proto import vllm_engine_pb2 as pb
 from vllm_servicer.proto import vllm_engine_pb2_grpc
+from vllm_servicer.serve.http_api import _Front, frontend_args, uvicorn_config
+from vllm_servicer.serve.launcher import _key_verifier, parse_args
 
 KEY = "two-protocols-0123456789abcdefABCDEF"
 PROMPTS = [[5, 17, 42, 99, 7, 63, 21, 88], [11, 12, 13], [200, 3, 150, 77, 9]]
@@ -378,8 +378,9 @@ async def test_grpc_beside_an_http_app_starts_and_stops_with_its_lifespan() -> N
     """The example's `add_grpc()` on a bare FastAPI app (a stand-in engine: wiring only)."""
     sys.path.insert(0, str(ROOT / "examples"))
     from fastapi import FastAPI
-    from fault_engine import FaultEngine
     from grpc_beside_http import add_grpc
+
+    from vllm_servicer.testing.stand_in import FaultEngine
 
     app = FastAPI()
     address = f"127.0.0.1:{_free_port()}"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from vllm_servicer import usage
 from vllm_servicer.proto import vllm_engine_pb2 as pb
+from vllm_servicer.wire import usage
 
 
 def _chunk(*tokens: int) -> pb.GenerateResponse:

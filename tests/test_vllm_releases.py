@@ -21,10 +21,11 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from helpers import collect, completes, request, wait_until_idle
 
-from vllm_servicer import admin, vllm_releases
+from vllm_servicer import vllm_releases
 from vllm_servicer.errors import InvalidRequestError
 from vllm_servicer.proto import common_pb2
 from vllm_servicer.proto import vllm_engine_pb2 as pb
+from vllm_servicer.servicer import admin
 
 PAUSE_REFUSES = vllm_releases.PAUSE_REJECTS
 
@@ -170,7 +171,7 @@ def test_an_unnamed_structured_output_error_names_the_constraint_field() -> None
     # and no parameter; 0.32 finished such a request with finish_reason "error".
     from vllm.exceptions import VLLMValidationError
 
-    from vllm_servicer import convert
+    from vllm_servicer.wire import convert
 
     params = pb.SamplingParams(json_schema='{"type": "object", "minProperties": "x"}')
     named = convert.constraint_error(
@@ -269,8 +270,8 @@ async def test_seeded_sampling_is_refused_where_it_would_kill_the_engine(engine:
 
 def test_the_http_api_builds_vllm_s_arguments_on_this_release() -> None:
     # --http-port died on vLLM 0.33 after the engine started: the parser had moved.
-    from vllm_servicer.__main__ import parse_args
-    from vllm_servicer.http_api import frontend_args
+    from vllm_servicer.serve.http_api import frontend_args
+    from vllm_servicer.serve.launcher import parse_args
 
     args = parse_args(["serve", "--http-port", "0", "--max-model-len", "256"])
     served = frontend_args(args, "127.0.0.1", 0)

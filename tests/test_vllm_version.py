@@ -13,7 +13,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_servicer import admin
 from vllm_servicer._vllm_version import (
     SKIP_ENV,
     SUPPORTED_VLLM,
@@ -24,6 +23,7 @@ from vllm_servicer._vllm_version import (
 )
 from vllm_servicer.errors import UnsupportedError
 from vllm_servicer.proto import common_pb2
+from vllm_servicer.servicer import admin
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the names of _SOURCES, for type checkers (test_packaging compares)
     from .engine import EngineClient
     from .errors import InvalidRequestError
     from .health import EngineHealthServicer
@@ -25,8 +23,8 @@ if TYPE_CHECKING:
         MetricsInterceptor,
         TracingInterceptor,
     )
-    from .media import MediaRefOptions
-    from .mount import MountedServices, MountError, mount
+    from .mounting import MountedServices, MountError, mount
+    from .multimodal.media import MediaRefOptions
     from .options import server_options
     from .proto import SERVICE_NAME
     from .servicer import VllmEngineServicer
@@ -37,26 +35,7 @@ try:
 except importlib.metadata.PackageNotFoundError:  # imported from a source tree
     __version__ = "0+unknown"
 
-__all__ = [
-    "ERROR_TABLE",
-    "SERVICE_NAME",
-    "EngineClient",
-    "EngineHealthServicer",
-    "AuthInterceptor",
-    "InflightInterceptor",
-    "InvalidRequestError",
-    "MediaRefOptions",
-    "MetricsInterceptor",
-    "MountError",
-    "TracingInterceptor",
-    "MountedServices",
-    "VllmEngineServicer",
-    "__version__",
-    "mount",
-    "server_options",
-]
-
-# Each public name and the submodule that defines it (the imports above, for type checkers).
+# Each public name and the submodule that defines it: the one list of them.
 _SOURCES: dict[str, str] = {
     "ERROR_TABLE": ".status",
     "SERVICE_NAME": ".proto",
@@ -65,15 +44,17 @@ _SOURCES: dict[str, str] = {
     "AuthInterceptor": ".interceptors",
     "InflightInterceptor": ".interceptors",
     "InvalidRequestError": ".errors",
-    "MediaRefOptions": ".media",
+    "MediaRefOptions": ".multimodal.media",
     "MetricsInterceptor": ".interceptors",
-    "MountError": ".mount",
+    "MountError": ".mounting",
     "TracingInterceptor": ".interceptors",
-    "MountedServices": ".mount",
+    "MountedServices": ".mounting",
     "VllmEngineServicer": ".servicer",
-    "mount": ".mount",
+    "mount": ".mounting",
     "server_options": ".options",
 }
+
+__all__ = [*sorted(_SOURCES), "__version__"]
 
 
 def __getattr__(name: str) -> Any:
@@ -87,20 +68,3 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *__all__})
-
-
-class _Package(types.ModuleType):
-    def __setattr__(self, name: str, value: Any) -> None:
-        # Importing a submodule binds it on the package under its own name, and
-        # `vllm_servicer.mount` is both a submodule and the function it defines:
-        # the package keeps the function there, whichever is imported first.
-        if (
-            name in _SOURCES
-            and isinstance(value, types.ModuleType)
-            and value.__name__ == f"{self.__name__}.{name}"
-        ):
-            value = getattr(value, name, value)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

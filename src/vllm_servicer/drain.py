@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from .mount import MountedServices
+    from .mounting import MountedServices
 
 logger = logging.getLogger("vllm_servicer.drain")
 

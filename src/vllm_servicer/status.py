@@ -95,9 +95,7 @@ ERROR_TABLE: tuple[ErrorRule, ...] = (
     # VLLMValidationError and the rest of the request's faults (no longer ValueError in 0.32).
     ErrorRule(VLLMClientError, grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ARGUMENT"),
     ErrorRule(InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ARGUMENT"),
-    # An engine call that outlived its budget (FlushCache, profiling); a
-    # distinct class from TimeoutError before Python 3.11.
-    ErrorRule(asyncio.TimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED, "TIMEOUT"),
+    # An engine call that outlived its budget (FlushCache, profiling).
     ErrorRule(TimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED, "TIMEOUT"),
     # vLLM also validates with plain ValueError/OverflowError (e.g.
     # SamplingParams checks, tokenizer limits): the client's fault. A TypeError

@@ -90,9 +90,9 @@ PROBE_MODULES = (
     "vllm.distributed.kv_events",
     "vllm.entrypoints.openai.api_server",
     "vllm_servicer",
-    "vllm_servicer.servicer",
-    "vllm_servicer.kv_events",
-    "vllm_servicer.loads",
+    "vllm_servicer.servicer.service",
+    "vllm_servicer.servicer.kv_events",
+    "vllm_servicer.servicer.loads",
 )
 
 

@@ -39,7 +39,7 @@ async def stream(engine: object, prompt_ids: list[int], max_tokens: int) -> list
 def main() -> int:
     import vllm.version
 
-    from vllm_servicer.tiny_model import build_tiny_engine
+    from vllm_servicer.testing.tiny_model import build_tiny_engine
 
     print(f"vllm.version.__version__ = {vllm.version.__version__}", flush=True)
     print(f"VLLM_TARGET_DEVICE = {os.environ.get('VLLM_TARGET_DEVICE')!r}", flush=True)

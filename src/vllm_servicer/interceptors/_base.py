@@ -15,7 +15,7 @@ and calls the hooks of every interceptor of a call from one wrapper:
 - `on_response(call, message)`: each response message, either streaming style;
   for a handler that streams by `yield`, only when `reads_responses(call)`
   said yes at the first one (a hook may read a record the handler keeps
-  instead, see `vllm_servicer.usage`).
+  instead, see `vllm_servicer.wire.usage`).
 - `on_finish(call)`: exactly once per call that started, with `call.code` set:
   OK, the aborted code, CANCELLED (client cancel), DEADLINE_EXCEEDED or UNKNOWN.
 

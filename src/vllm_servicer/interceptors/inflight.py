@@ -95,7 +95,7 @@ class InflightInterceptor(CallInterceptor):
         event = self._event(include_all)
         try:
             await asyncio.wait_for(event.wait(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
         return True
 

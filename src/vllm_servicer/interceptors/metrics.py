@@ -7,7 +7,7 @@ Two families:
   (by `grpc_code`), messages received and sent, and handling time, with labels
   `grpc_type`, `grpc_service`, `grpc_method`.
 - `vllm_servicer_*` generation metrics for Generate, from what its
-  responses carried as they left (`vllm_servicer.usage`): time to first token, time per
+  responses carried as they left (`vllm_servicer.wire.usage`): time to first token, time per
   output token, request duration, prompt and generated tokens, finish
   reasons, cancellations by cause, and engine requests in flight. Each
   documents the OpenTelemetry GenAI instrument it matches, and carries a
@@ -31,8 +31,8 @@ import grpc
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import start_http_server
 
-from .. import usage as generation_usage
 from ..proto import ENGINE_METHODS, GENERATE_METHOD
+from ..wire import usage as generation_usage
 from ._base import Call, CallInterceptor, MethodFilter, all_methods
 
 if TYPE_CHECKING:

@@ -58,10 +58,10 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from .. import usage as generation_usage
 from ..engine import served_model_name
 from ..proto import ENGINE_METHODS, GENERATE_METHOD
 from ..proto import vllm_engine_pb2 as pb
+from ..wire import usage as generation_usage
 from ._base import Call, CallInterceptor, MethodFilter
 
 if TYPE_CHECKING:

@@ -15,11 +15,11 @@ from .engine import EngineClient
 from .health import EngineHealthServicer
 from .interceptors import InflightInterceptor, MetricsInterceptor, Pipeline
 from .interceptors._pipeline import wrapped_handler
-from .kv_events import DEFAULT_MAX_SUBSCRIBERS
-from .media import MediaRefOptions
+from .multimodal.media import MediaRefOptions
 from .proto import SERVICE_NAME, vllm_engine_pb2_grpc
 from .reflection import ChainedPool
-from .servicer import VllmEngineServicer
+from .servicer.kv_events import DEFAULT_MAX_SUBSCRIBERS
+from .servicer.service import VllmEngineServicer
 from .status import error_layer
 
 HEALTH_SERVICE_NAME: str = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name

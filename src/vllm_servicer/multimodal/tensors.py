@@ -52,10 +52,10 @@ from typing import Any
 
 import torch
 
-from . import fields
-from .errors import InvalidRequestError, UnimplementedFieldError, UnsupportedError
-from .proto import common_pb2
-from .proto import vllm_engine_pb2 as pb
+from ..errors import InvalidRequestError, UnimplementedFieldError, UnsupportedError
+from ..proto import common_pb2
+from ..proto import vllm_engine_pb2 as pb
+from ..wire import fields
 
 logger = logging.getLogger("vllm_servicer")
 

@@ -1,6 +1,6 @@
 """A tiny LLaVA-shaped vision-language model that a real vLLM engine runs with no download.
 
-It is the tiny Llama of :mod:`vllm_servicer.tiny_model` (its tokenizer plus an
+It is the tiny Llama of :mod:`vllm_servicer.testing.tiny_model` (its tokenizer plus an
 ``<image>`` token) behind a tiny CLIP vision tower (32x32 images, 16-pixel
 patches) and a projector, with a ``LlavaProcessor`` saved beside it; one
 ``<image>`` in a prompt expands to 4 image tokens. Unlike the text model it
@@ -11,12 +11,12 @@ same tokens.
 
 Typical use::
 
-    from vllm_servicer.tiny_vlm import TINY_VLM_ENGINE_KWARGS, ensure_tiny_vlm
-    from vllm_servicer.tiny_model import build_tiny_engine
+    from vllm_servicer.testing.tiny_vlm import TINY_VLM_ENGINE_KWARGS, ensure_tiny_vlm
+    from vllm_servicer.testing.tiny_model import build_tiny_engine
 
     engine = build_tiny_engine(ensure_tiny_vlm(), **TINY_VLM_ENGINE_KWARGS)
 
-The engine's processes need :mod:`vllm_servicer._vision_imports` (a vLLM
+The engine's processes need :mod:`vllm_servicer.multimodal._vision_imports` (a vLLM
 plugin this package registers) where torchvision does not import.
 """
 
@@ -79,7 +79,7 @@ def write_tiny_vlm(path: str | os.PathLike[str]) -> Path:
     """Writes the tiny LLaVA model directory, without any network access.
 
     Deterministic (seeded weights), cached and written atomically like
-    :func:`vllm_servicer.tiny_model.write_tiny_model`.
+    :func:`vllm_servicer.testing.tiny_model.write_tiny_model`.
 
     Returns:
         ``path`` as an absolute :class:`~pathlib.Path`.

@@ -29,7 +29,7 @@ from typing import Any
 
 import uvicorn
 
-from .interceptors.auth import ADMIN_ROLE, AuthError, Unauthenticated
+from ..interceptors.auth import ADMIN_ROLE, AuthError, Unauthenticated
 
 __all__ = ["HttpApi", "frontend_args", "uvicorn_config"]
 
@@ -65,7 +65,7 @@ def frontend_args(args: argparse.Namespace, host: str, port: int) -> argparse.Na
     """
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    from .vllm_releases import make_arg_parser
+    from ..vllm_releases import make_arg_parser
 
     parser_class: Any = FlexibleArgumentParser  # untyped in vLLM
     served: argparse.Namespace = make_arg_parser(parser_class()).parse_args([])

@@ -14,8 +14,8 @@ import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from .errors import UnsupportedError
-from .proto import common_pb2
+from ..errors import UnsupportedError
+from ..proto import common_pb2
 
 # Well under grpc's default 4 MiB receive limit on any client.
 CHUNK_SIZE = 512 * 1024

@@ -52,11 +52,13 @@ class StandInEngine:
     def errored(self) -> bool:
         return False
 
-    async def generate(self, prompt: Any, params: Any, request_id: str, **kwargs: Any) -> Any:
+    async def generate(
+        self, prompt: Any, sampling_params: Any, request_id: str, **kwargs: Any
+    ) -> Any:
         raise EngineDeadError() if self.errored else NotImplementedError("no generation here")
         yield  # pragma: no cover - makes this an async generator
 
-    async def encode(self, prompt: Any, params: Any, request_id: str, **kwargs: Any) -> Any:
+    async def encode(self, prompt: Any, pooling_params: Any, request_id: str, **kwargs: Any) -> Any:
         raise EngineDeadError() if self.errored else NotImplementedError("no pooling here")
         yield  # pragma: no cover - makes this an async generator
 
@@ -145,11 +147,11 @@ class FaultEngine(StandInEngine):
         # Either the next token is due, or the engine died first.
         try:
             await asyncio.wait_for(self._dead.wait(), self._step_interval)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return
         raise EngineDeadError()
 
-    async def generate(
+    async def generate(  # type: ignore[override]
         self,
         prompt: Any,
         sampling_params: Any,
@@ -195,7 +197,7 @@ class FaultEngine(StandInEngine):
         finally:
             self.running.discard(request_id)
 
-    async def encode(
+    async def encode(  # type: ignore[override]
         self,
         prompt: Any,
         pooling_params: Any,

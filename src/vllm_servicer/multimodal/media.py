@@ -31,9 +31,9 @@ from typing import Any
 from urllib.parse import urlsplit
 from urllib.request import url2pathname
 
-from .errors import InvalidRequestError, MediaUnavailableError, UnimplementedFieldError
-from .proto import common_pb2
-from .proto import vllm_engine_pb2 as pb
+from ..errors import InvalidRequestError, MediaUnavailableError, UnimplementedFieldError
+from ..proto import common_pb2
+from ..proto import vllm_engine_pb2 as pb
 
 ENABLE_FLAG = "--enable-media-refs"
 DEFAULT_MAX_ITEM_BYTES = 16 * 1024 * 1024

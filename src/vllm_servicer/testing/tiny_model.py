@@ -8,7 +8,7 @@ structured output and pooling are all the real engine's.
 
 Typical use in a test suite::
 
-    from vllm_servicer.tiny_model import build_tiny_engine
+    from vllm_servicer.testing.tiny_model import build_tiny_engine
 
     engine = build_tiny_engine()  # AsyncLLM with TINY_ENGINE_KWARGS and the CPU env
 
@@ -260,7 +260,11 @@ def _cache_root() -> Path:
 
 
 def _marker(kind: _Kind) -> dict[str, str]:
-    return {"writer": "vllm_servicer.tiny_model", "version": TINY_MODEL_VERSION, "kind": kind}
+    return {
+        "writer": "vllm_servicer.testing.tiny_model",
+        "version": TINY_MODEL_VERSION,
+        "kind": kind,
+    }
 
 
 def _read_marker(path: Path) -> dict[str, Any] | None:
@@ -293,7 +297,7 @@ def _write(path: Path, kind: _Kind, populate: Callable[[Path, _Kind], None] | No
                 return path  # Another process won the race.
             if found is None or found.get("writer") != _marker(kind)["writer"]:
                 raise FileExistsError(
-                    f"{path} exists and was not written by vllm_servicer.tiny_model; "
+                    f"{path} exists and was not written by vllm_servicer.testing.tiny_model; "
                     "refusing to replace it"
                 )
             # Ours, but another version or kind: move it aside, then retry.

@@ -14,14 +14,14 @@ import math
 from typing import TYPE_CHECKING, Any
 
 # Before vLLM is imported below: an untested vLLM release fails here, naming both versions.
-from . import _vllm_version  # noqa: F401
+from .. import _vllm_version  # noqa: F401
 
 # isort: split
 from vllm.inputs import TokensPrompt
 from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
-from .errors import InvalidRequestError
-from .proto import vllm_engine_pb2 as pb
+from ..errors import InvalidRequestError
+from ..proto import vllm_engine_pb2 as pb
 
 if TYPE_CHECKING:
     from vllm.outputs import CompletionOutput, RequestOutput

@@ -18,19 +18,19 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any, NamedTuple
 
 # Before vLLM is imported below: an untested vLLM release fails here, naming both versions.
-from . import _vllm_version  # noqa: F401
+from .. import _vllm_version  # noqa: F401
 
 # isort: split
 import vllm
 from vllm.v1.metrics.loggers import AggregateStatLoggerBase
 
-from .engine import EngineClient
-from .errors import InvalidRequestError
-from .proto import vllm_engine_pb2 as pb
+from ..engine import EngineClient
+from ..errors import InvalidRequestError
+from ..proto import vllm_engine_pb2 as pb
 
 logger = logging.getLogger("vllm_servicer")
 
@@ -198,7 +198,7 @@ def load_report(
             )
         )
     response = pb.GetLoadsResponse(
-        timestamp=datetime.now(timezone.utc).isoformat(),
+        timestamp=datetime.now(UTC).isoformat(),
         version=VLLM_VERSION,
         dp_rank_count=len(ranks),
         loads=loads,

@@ -10,10 +10,11 @@ import asyncio
 import math
 from typing import Any
 
-from . import fields, vllm_releases
-from .engine import EngineClient
-from .errors import InvalidRequestError, UnsupportedError
-from .proto import common_pb2
+from .. import vllm_releases
+from ..engine import EngineClient
+from ..errors import InvalidRequestError, UnsupportedError
+from ..proto import common_pb2
+from ..wire import fields
 
 # A reset that gets no answer within this long is reported as a timeout, even
 # with timeout_s 0 ("one attempt, now").
@@ -62,7 +63,7 @@ async def flush_cache(
             raise TimeoutError("the call's deadline passed before the prefix cache was flushed")
         try:
             ok = await asyncio.wait_for(engine.reset_prefix_cache(), timeout=budget)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise TimeoutError(
                 f"the engine did not answer the prefix-cache reset within {budget:g}s; "
                 "it may still complete it"
@@ -153,5 +154,5 @@ async def _bounded(call: Any, time_remaining: Any, what: str) -> None:
     budget = _budget(PROFILE_CALL_LIMIT_S, time_remaining())
     try:
         await asyncio.wait_for(call, timeout=max(budget, 0.0))
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise TimeoutError(f"the profiler did not {what} within {budget:g}s") from None

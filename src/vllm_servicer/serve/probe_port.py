@@ -11,8 +11,8 @@ from __future__ import annotations
 import grpc
 from grpc_health.v1 import health_pb2_grpc  # type: ignore[import-untyped]
 
-from .health import EngineHealthServicer
-from .options import server_options
+from ..health import EngineHealthServicer
+from ..options import server_options
 
 _MAX_MESSAGE_BYTES = 64 * 1024
 _MAX_CALLS = 64

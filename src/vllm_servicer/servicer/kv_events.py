@@ -23,7 +23,7 @@ from collections.abc import AsyncGenerator, Callable, Iterator
 from typing import Any, NamedTuple
 
 # Before vLLM is imported below: an untested vLLM release fails here, naming both versions.
-from . import _vllm_version  # noqa: F401
+from .. import _vllm_version  # noqa: F401
 
 # isort: split
 import msgspec
@@ -38,18 +38,18 @@ from vllm.distributed.kv_events import (
 )
 from vllm.v1.engine.exceptions import EngineDeadError
 
-from .engine import EngineClient
-from .errors import (
+from ..engine import EngineClient
+from ..errors import (
     EventsLostError,
     FieldOutOfRangeError,
     NotEnabledError,
     TooManySubscribersError,
 )
-from .interceptors.auth import ADMIN_ROLE, current_identity
+from ..interceptors.auth import ADMIN_ROLE, current_identity
+from ..options import DEFAULT_MAX_KV_SUBSCRIBERS
+from ..proto import common_pb2
+from ..vllm_releases import BLOCK_STORED_LOOKAHEAD
 from .loads import managed_ranks
-from .options import DEFAULT_MAX_KV_SUBSCRIBERS
-from .proto import common_pb2
-from .vllm_releases import BLOCK_STORED_LOOKAHEAD
 
 logger = logging.getLogger("vllm_servicer")
 

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 # Before vLLM is imported below: an untested vLLM release fails here, naming both versions.
-from . import _vllm_version  # noqa: F401
+from .. import _vllm_version  # noqa: F401
 
 # isort: split
 import grpc
@@ -20,22 +20,25 @@ from grpc_status import rpc_status  # type: ignore[import-untyped]
 from vllm.exceptions import VLLMClientError
 from vllm.pooling_params import PoolingParams
 
-from . import admin, convert, fields, kv_events, loads, mm_tensors, vllm_releases
-from . import usage as generation_usage
-from .engine import EngineClient, missing_members, served_model_name
-from .errors import (
+from .. import vllm_releases
+from ..engine import EngineClient, missing_members, served_model_name
+from ..errors import (
     InvalidRequestError,
     NotEnabledError,
     UnimplementedFieldError,
     UnsupportedError,
 )
-from .interceptors.auth import ADMIN_ROLE, current_identity
-from .interceptors.inflight import InflightInterceptor
-from .interceptors.tracing import engine_trace_headers as _trace_headers
-from .media import MediaRefOptions, MediaResolver
-from .proto import common_pb2, vllm_engine_pb2_grpc
-from .proto import vllm_engine_pb2 as pb
-from .status import ErrorRule, current_request_id, rich_status
+from ..interceptors.auth import ADMIN_ROLE, current_identity
+from ..interceptors.inflight import InflightInterceptor
+from ..interceptors.tracing import engine_trace_headers as _trace_headers
+from ..multimodal import tensors as mm_tensors
+from ..multimodal.media import MediaRefOptions, MediaResolver
+from ..proto import common_pb2, vllm_engine_pb2_grpc
+from ..proto import vllm_engine_pb2 as pb
+from ..status import ErrorRule, current_request_id, rich_status
+from ..wire import convert, fields
+from ..wire import usage as generation_usage
+from . import admin, kv_events, loads
 from .tokenizer_bundle import TokenizerBundle, chunks, tokenizer_dir
 
 if TYPE_CHECKING:

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import grpc
 from google.protobuf.message import Message
 
-from .errors import FieldOutOfRangeError, InvalidRequestError, UnimplementedFieldError
+from ..errors import FieldOutOfRangeError, InvalidRequestError, UnimplementedFieldError
 
 
 class Refusal(NamedTuple):
@@ -72,7 +72,7 @@ _SAMPLING = (
     "choice.choices",
 )
 
-# A preprocessed multimodal batch (mm_tensors.py). `mm_hashes` is checked
+# A preprocessed multimodal batch (multimodal/tensors.py). `mm_hashes` is checked
 # against the items, and the engine's cache key computed from the tensors
 # themselves. Shared memory is refused unless switched on (see REFUSED).
 _TENSOR = ("shape", "dtype", "inline")
@@ -164,7 +164,7 @@ REFUSED: Mapping[str, Mapping[str, Refusal]] = {
         "extra_mm_inputs.pixel_values.remote": Refusal(
             grpc.StatusCode.UNIMPLEMENTED, _ANY_TENSOR, REMOTE_TENSOR_HINT
         ),
-        # Honoured when on (mm_tensors.py): the segment is read and copied,
+        # Honoured when on (multimodal/tensors.py): the segment is read and copied,
         # never unlinked (its owner_id does that).
         "mm_inputs.pixel_values.shm": Refusal(
             grpc.StatusCode.FAILED_PRECONDITION,

@@ -1,0 +1,1 @@
+"""Images and other media for Generate: tensors, shared memory, media references."""
