@@ -39,7 +39,8 @@ from vllm_servicer.interceptors.auth import (
     current_identity,
 )
 from vllm_servicer.proto import common_pb2, vllm_engine_pb2_grpc
-from vllm_servicer.servicer.kv_events import BatchDecoder, Source, SubscriberLimit, relay, to_int64
+from vllm_servicer.servicer.kv_events import BatchDecoder, Source, relay, to_int64
+from vllm_servicer.servicer.tenancy import SubscriberLimit
 
 
 @pytest.fixture(scope="module")

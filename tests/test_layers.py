@@ -1,15 +1,18 @@
-"""The package's layers, as its imports draw them.
+"""The package's layers, as its imports draw them: the import contract.
 
-Three rules, read from the source (every import that runs: at module level or
-inside a function, but not under `if TYPE_CHECKING:`), followed through the
-modules of the package:
+Read from the source (every import that runs: at module level or inside a
+function, but not under `if TYPE_CHECKING:`):
 
-1. no module but `__main__` imports the launcher (`vllm_servicer.serve.launcher`);
-2. the interceptors import no vLLM;
-3. `convert` imports no grpc.
+1. `LAYERS`: a module imports only modules of its own part or of a part in a
+   layer below; parts of one layer do not import each other (the servicer and
+   the interceptors share `context`, they never import one another);
+2. no module outside the launcher (`serve/`, `__main__`) imports it;
+3. the interceptors import no vLLM, followed through every module they reach;
+4. `wire/` and `context` import no grpc, likewise.
 
-A failure names the chain of imports that breaks the rule. Subprocess checks
-confirm rule 2 (and that the package itself imports no vLLM) at run time.
+A failure names the import, or the chain of imports, that breaks the rule.
+Subprocess checks confirm rule 3 (and that the package itself imports no
+vLLM) at run time.
 """
 
 from __future__ import annotations
@@ -203,13 +206,78 @@ def _is_grpc(name: str) -> bool:
     return _is_under(name, "grpc") or name.startswith("grpc_")
 
 
-def cli_violations(package_dir: Path, package: str) -> list[str]:
-    """Rule 1: chains from a module other than `__main__` to `__main__`."""
-    graph = import_graph(package_dir, package)
-    launcher = f"{package}.__main__"
-    starts = [name for name in graph if name != launcher]
-    return _violations(graph, package_dir, starts, lambda name: name == launcher)
+# Lowest first; each layer's parts (a module, or a package with everything under it).
+LAYERS: tuple[tuple[str, ...], ...] = (
+    (
+        "errors",
+        "context",
+        "options",
+        "proto",
+        "engine",
+        "tls",
+        "wire",
+        "_vllm_version",
+        "vllm_releases",
+        "_registration",
+        "testing",
+    ),
+    ("multimodal", "status", "health", "reflection"),
+    # Side by side: they share `context`, never import one another.
+    ("servicer", "interceptors"),
+    ("mounting", "drain"),
+    ("serve",),
+    ("__main__",),
+)
+# The foundations share one layer and may use each other.
+_FOUNDATIONS = 0
 
+
+def _part_of(
+    name: str, package: str, layers: tuple[tuple[str, ...], ...]
+) -> tuple[int, str] | None:
+    """The layer and part of the package's module `name`; None for the package itself."""
+    rest = name.removeprefix(f"{package}.")
+    if rest == name or rest == package:
+        return None
+    top = rest.split(".")[0]
+    for level, parts in enumerate(layers):
+        if top in parts:
+            return level, top
+    raise AssertionError(f"{name} belongs to no layer of LAYERS: add it to one")
+
+
+def layer_violations(
+    package_dir: Path, package: str, layers: tuple[tuple[str, ...], ...] = LAYERS
+) -> list[str]:
+    """Rule 1: imports of a part in a higher layer, or of a sibling part of one layer."""
+    graph = import_graph(package_dir, package)
+    found = []
+    for module in graph.values():
+        source = _part_of(module.name, package, layers)
+        if source is None:
+            continue
+        for imported in module.imports:
+            if imported not in graph:
+                continue
+            target = _part_of(imported, package, layers)
+            if target is None or target[1] == source[1]:
+                continue
+            upward = target[0] > source[0]
+            sideways = target[0] == source[0] != _FOUNDATIONS
+            if upward or sideways:
+                found.append(_shown(graph, [module.name, imported], package_dir))
+    return found
+
+
+def cli_violations(package_dir: Path, package: str) -> list[str]:
+    """Rule 2: chains from a module outside the launcher to the launcher."""
+    graph = import_graph(package_dir, package)
+
+    def launcher(name: str) -> bool:
+        return _is_under(name, f"{package}.__main__") or _is_under(name, f"{package}.serve")
+
+    starts = [name for name in graph if not launcher(name)]
+    return _violations(graph, package_dir, starts, launcher)
 
 
 def interceptor_vllm_violations(package_dir: Path, package: str) -> list[str]:
@@ -220,15 +288,24 @@ def interceptor_vllm_violations(package_dir: Path, package: str) -> list[str]:
     return _violations(graph, package_dir, starts, _is_vllm)
 
 
-def convert_grpc_violations(package_dir: Path, package: str) -> list[str]:
-    """Rule 3: a chain from `convert` to grpc."""
+def grpc_free_violations(package_dir: Path, package: str, parts: tuple[str, ...]) -> list[str]:
+    """Rule 4: chains from a module of `parts` to grpc."""
     graph = import_graph(package_dir, package)
-    convert = f"{package}.wire.convert" if f"{package}.wire.convert" in graph else f"{package}.convert"
-    assert convert in graph, "no convert module"
-    return _violations(graph, package_dir, [convert], _is_grpc)
+    starts = [n for n in graph for part in parts if _is_under(n, f"{package}.{part}")]
+    assert starts, f"no module of {parts}"
+    return _violations(graph, package_dir, starts, _is_grpc)
+
+
+def convert_grpc_violations(package_dir: Path, package: str) -> list[str]:
+    return grpc_free_violations(package_dir, package, ("convert",))
 
 
 # ----- the rules, on this package ---------------------------------------------------
+
+
+def test_each_layer_imports_only_the_layers_below() -> None:
+    violations = layer_violations(PACKAGE_DIR, PACKAGE)
+    assert not violations, "an import across the layers:\n" + "\n".join(violations)
 
 
 def test_only_the_launcher_imports_the_launcher() -> None:
@@ -241,9 +318,9 @@ def test_the_interceptors_import_no_vllm() -> None:
     assert not violations, "an interceptor imports vLLM:\n" + "\n".join(violations)
 
 
-def test_conversion_imports_no_grpc() -> None:
-    violations = convert_grpc_violations(PACKAGE_DIR, PACKAGE)
-    assert not violations, "convert.py imports grpc:\n" + "\n".join(violations)
+def test_the_wire_and_the_call_context_import_no_grpc() -> None:
+    violations = grpc_free_violations(PACKAGE_DIR, PACKAGE, ("wire", "context"))
+    assert not violations, "grpc imported:\n" + "\n".join(violations)
 
 
 def test_the_type_checking_imports_name_the_public_api() -> None:
@@ -370,6 +447,30 @@ def test_the_checker_finds_vllm_loaded_by_name(tmp_path: Path) -> None:
         "interceptors/__init__.py -> interceptors/auth.py -> version.py -> vllm",
         "interceptors/auth.py -> version.py -> vllm",
     ]
+
+
+def test_the_checker_finds_imports_across_layers(tmp_path: Path) -> None:
+    layers = (("errors", "context"), ("interceptors", "multimodal"), ("servicer",))
+    files = {
+        "__init__.py": "",
+        "errors.py": "",
+        "context.py": "from .errors import *\n",  # foundations use each other
+        "interceptors/__init__.py": "from ..context import x\n",
+        "interceptors/auth.py": "from ..servicer import service\n",  # up a layer
+        "multimodal.py": "from . import interceptors\n",  # a sibling part
+        "servicer/__init__.py": "",
+        "servicer/service.py": "from ..interceptors import auth\nfrom . import rpcs\n",
+        "servicer/rpcs.py": "",
+    }
+    root = _write(tmp_path, files)
+    assert sorted(layer_violations(root, "pkg", layers)) == [
+        "interceptors/auth.py -> servicer/__init__.py",
+        "interceptors/auth.py -> servicer/service.py",
+        "multimodal.py -> interceptors/__init__.py",
+    ]
+    files["notalayer.py"] = ""
+    with pytest.raises(AssertionError, match="no layer"):
+        layer_violations(_write(tmp_path / "again", files), "pkg", layers)
 
 
 def test_the_checker_finds_grpc_behind_conversion(tmp_path: Path) -> None:

@@ -29,6 +29,7 @@ from opentelemetry.trace import SpanKind, StatusCode, get_current_span
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from vllm_servicer import SERVICE_NAME, mount
+from vllm_servicer.context import engine_trace_headers
 from vllm_servicer.interceptors._base import all_methods
 from vllm_servicer.interceptors.tracing import (
     DEFAULT_METHODS,
@@ -36,7 +37,6 @@ from vllm_servicer.interceptors.tracing import (
     SEMCONV_OPT_IN,
     TracingInterceptor,
     configure_tracing_from_env,
-    engine_trace_headers,
     served_model_name,
 )
 from vllm_servicer.proto import vllm_engine_pb2 as pb

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+from vllm_servicer import context
 from vllm_servicer.proto import vllm_engine_pb2 as pb
 from vllm_servicer.wire import usage
 
@@ -56,10 +57,10 @@ def test_a_chunk_without_tokens_sets_no_first_token_time() -> None:
 
 async def test_each_call_has_its_own_record_shared_by_its_readers_and_handler() -> None:
     async def one_call() -> tuple[usage.GenerationUsage, usage.GenerationUsage | None]:
-        first = usage.shared()
-        assert usage.shared() is first  # a second reader of the same call
+        first = context.shared_usage()
+        assert context.shared_usage() is first  # a second reader of the same call
         await asyncio.sleep(0)  # the other call runs meanwhile
-        return first, usage.kept_by_handler()
+        return first, context.kept_usage()
 
     (a, a_kept), (b, b_kept) = await asyncio.gather(
         asyncio.create_task(one_call()), asyncio.create_task(one_call())
@@ -70,7 +71,7 @@ async def test_each_call_has_its_own_record_shared_by_its_readers_and_handler() 
 
 async def test_the_handler_keeps_nothing_when_nothing_reads() -> None:
     async def call() -> usage.GenerationUsage | None:
-        return usage.kept_by_handler()
+        return context.kept_usage()
 
     assert await asyncio.create_task(call()) is None
 
@@ -78,11 +79,11 @@ async def test_the_handler_keeps_nothing_when_nothing_reads() -> None:
 async def test_a_record_copied_into_another_tasks_context_is_not_its_own() -> None:
     # A task's context starts as a copy of its creator's: a record there
     # belongs to the creator's call, not to the new one.
-    outer = usage.shared()
+    outer = context.shared_usage()
 
     async def inner() -> tuple[usage.GenerationUsage | None, usage.GenerationUsage]:
-        kept = usage.kept_by_handler()
-        return kept, usage.shared()
+        kept = context.kept_usage()
+        return kept, context.shared_usage()
 
     kept, own = await asyncio.create_task(inner())
     assert kept is None and not outer.kept

@@ -1,11 +1,15 @@
-"""The exceptions this package raises for a request it will not serve.
+"""The exceptions this package raises for a call it will not serve.
 
-Each names the request field at fault where there is one. `status.py` maps
-them (and vLLM's own) to gRPC status codes; this module knows nothing of gRPC,
-so any layer can raise them.
+Each names the request field at fault where there is one, and carries its
+status: `status_code` (a `grpc.StatusCode` name) and `status_reason` (the
+ErrorInfo reason clients switch on, part of the API). `status.ERROR_TABLE`
+orders them beside vLLM's own exceptions; this module imports no grpc, so
+any layer can raise them.
 """
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 
 class InvalidRequestError(ValueError):
@@ -16,6 +20,9 @@ class InvalidRequestError(ValueError):
             (e.g. "sampling_params.n").
         reason: what is wrong with it.
     """
+
+    status_code: ClassVar[str] = "INVALID_ARGUMENT"
+    status_reason: ClassVar[str] = "INVALID_ARGUMENT"
 
     def __init__(self, field: str, reason: str) -> None:
         super().__init__(f"{field}: {reason}")
@@ -32,6 +39,9 @@ class MediaUnavailableError(RuntimeError):
         reason: what went wrong.
     """
 
+    status_code: ClassVar[str] = "UNAVAILABLE"
+    status_reason: ClassVar[str] = "MEDIA_UNAVAILABLE"
+
     def __init__(self, field: str, reason: str) -> None:
         super().__init__(f"{field}: {reason}")
         self.field = field
@@ -46,6 +56,9 @@ class UnsupportedError(RuntimeError):
         field: the request field that needs it, when one does (named in the message).
     """
 
+    status_code: ClassVar[str] = "FAILED_PRECONDITION"
+    status_reason: ClassVar[str] = "UNSUPPORTED"
+
     def __init__(self, message: str, *, field: str = "") -> None:
         super().__init__(f"{field}: {message}" if field else message)
         self.field = field
@@ -58,6 +71,9 @@ class UnimplementedFieldError(NotImplementedError):
         field: the request field, as a dotted path (e.g. "mm_inputs").
         reason: why, and what would serve it instead.
     """
+
+    status_code: ClassVar[str] = "UNIMPLEMENTED"
+    status_reason: ClassVar[str] = "FIELD_UNIMPLEMENTED"
 
     def __init__(self, field: str, reason: str) -> None:
         super().__init__(f"{field}: {reason}")
@@ -73,6 +89,9 @@ class FieldOutOfRangeError(LookupError):
         reason: what range is served.
     """
 
+    status_code: ClassVar[str] = "OUT_OF_RANGE"
+    status_reason: ClassVar[str] = "OUT_OF_RANGE"
+
     def __init__(self, field: str, reason: str) -> None:
         super().__init__(f"{field}: {reason}")
         self.field = field
@@ -82,9 +101,15 @@ class FieldOutOfRangeError(LookupError):
 class NotEnabledError(RuntimeError):
     """The RPC needs an engine feature that is switched off (e.g. KV-cache events)."""
 
+    status_code: ClassVar[str] = "UNIMPLEMENTED"
+    status_reason: ClassVar[str] = "NOT_ENABLED"
+
 
 class TooManySubscribersError(RuntimeError):
     """A streaming subscription past the server's limit on concurrent subscribers."""
+
+    status_code: ClassVar[str] = "RESOURCE_EXHAUSTED"
+    status_reason: ClassVar[str] = "TOO_MANY_SUBSCRIBERS"
 
 
 class EventsLostError(RuntimeError):
@@ -93,3 +118,36 @@ class EventsLostError(RuntimeError):
     The subscriber's view can no longer be made whole; it resubscribes from
     the current state.
     """
+
+    status_code: ClassVar[str] = "DATA_LOSS"
+    status_reason: ClassVar[str] = "EVENTS_LOST"
+
+
+class RequestIdInUseError(RuntimeError):
+    """A Generate or Embed under a request id another caller's running request holds.
+
+    vLLM aborts by the client's request id, every request under it at once: an
+    id shared by two callers would let one stop the other's request.
+    """
+
+    status_code: ClassVar[str] = "ALREADY_EXISTS"
+    status_reason: ClassVar[str] = "REQUEST_ID_IN_USE"
+    field = "request_id"
+
+
+class AuthError(Exception):
+    """A verifier's rejection. The message goes to the client: never put a secret in it."""
+
+    status_code: ClassVar[str] = "UNAUTHENTICATED"
+    status_reason: ClassVar[str] = "UNAUTHENTICATED"
+
+
+class Unauthenticated(AuthError):
+    """Credentials are missing, malformed or unknown (UNAUTHENTICATED)."""
+
+
+class PermissionDenied(AuthError):
+    """The caller is known but may not call this method (PERMISSION_DENIED)."""
+
+    status_code: ClassVar[str] = "PERMISSION_DENIED"
+    status_reason: ClassVar[str] = "PERMISSION_DENIED"

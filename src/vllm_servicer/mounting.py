@@ -16,9 +16,9 @@ from .health import EngineHealthServicer
 from .interceptors import InflightInterceptor, MetricsInterceptor, Pipeline
 from .interceptors._pipeline import wrapped_handler
 from .multimodal.media import MediaRefOptions
+from .options import DEFAULT_MAX_KV_SUBSCRIBERS
 from .proto import SERVICE_NAME, vllm_engine_pb2_grpc
 from .reflection import ChainedPool
-from .servicer.kv_events import DEFAULT_MAX_SUBSCRIBERS
 from .servicer.service import VllmEngineServicer
 from .status import error_layer
 
@@ -56,7 +56,7 @@ def mount(
     health: bool = True,
     reflection_service: bool = True,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
-    max_kv_subscribers: int = DEFAULT_MAX_SUBSCRIBERS,
+    max_kv_subscribers: int = DEFAULT_MAX_KV_SUBSCRIBERS,
     media_refs: MediaRefOptions | None = None,
     shm_tensors: bool = False,
 ) -> MountedServices:
@@ -107,7 +107,7 @@ def mount(
         engine,
         max_kv_subscribers=max_kv_subscribers,
         media_refs=media_refs,
-        inflight=inflight,
+        active_calls=lambda: inflight.limited_total,
         shm_tensors=shm_tensors,
     )
     vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(servicer, recorder)  # type: ignore[no-untyped-call]

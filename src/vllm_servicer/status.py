@@ -1,4 +1,4 @@
-"""One table from exceptions to gRPC status codes, and the single place that aborts.
+"""One table from exceptions to gRPC status codes, and the single place that aborts for one.
 
 Client mistakes come back as INVALID_ARGUMENT with the engine's own message
 (it names the parameter); a dead engine is UNAVAILABLE (retry elsewhere);
@@ -15,7 +15,6 @@ request field is known, so clients can act on errors without parsing text
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import logging
 import os
 import re
@@ -38,13 +37,18 @@ from vllm.exceptions import (
 )
 from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
+from .context import current_request_id
 from .errors import (
+    AuthError,
     EventsLostError,
     FieldOutOfRangeError,
     InvalidRequestError,
     MediaUnavailableError,
     NotEnabledError,
+    PermissionDenied,
+    RequestIdInUseError,
     TooManySubscribersError,
+    Unauthenticated,
     UnimplementedFieldError,
     UnsupportedError,
 )
@@ -58,12 +62,6 @@ logger = logging.getLogger("vllm_servicer")
 
 ERROR_DOMAIN = "vllm-servicer"
 
-current_request_id: contextvars.ContextVar[str] = contextvars.ContextVar(
-    "vllm_servicer_request_id", default=""
-)
-"""The engine request id of the call being served ("" before it has one); each
-call runs in a task of its own, so this is the call's own."""
-
 
 class ErrorRule(NamedTuple):
     """One row of ERROR_TABLE: an exception class, its status and a stable reason."""
@@ -73,8 +71,14 @@ class ErrorRule(NamedTuple):
     reason: str
 
 
+def _own(exc_type: Any) -> ErrorRule:
+    """The row of one of this package's exceptions: the status it carries (errors.py)."""
+    return ErrorRule(exc_type, grpc.StatusCode[exc_type.status_code], exc_type.status_reason)
+
+
 # Looked up in order by class hierarchy; the first match wins. `reason` is the
-# ErrorInfo reason clients switch on: part of the API, never renamed.
+# ErrorInfo reason clients switch on: part of the API, never renamed. Every
+# status this package answers for an exception comes from this table.
 ERROR_TABLE: tuple[ErrorRule, ...] = (
     ErrorRule(EngineDeadError, grpc.StatusCode.UNAVAILABLE, "ENGINE_DEAD"),
     # Admission limits: this replica is full, another may not be.
@@ -83,18 +87,22 @@ ERROR_TABLE: tuple[ErrorRule, ...] = (
     # A transient failure the engine says is safe to retry: from vLLM 0.33 a
     # paused engine ("abort" or "wait" mode) refuses new requests with it.
     ErrorRule(RetryableRequestError, grpc.StatusCode.UNAVAILABLE, "RETRYABLE"),
-    ErrorRule(TooManySubscribersError, grpc.StatusCode.RESOURCE_EXHAUSTED, "TOO_MANY_SUBSCRIBERS"),
-    ErrorRule(EventsLostError, grpc.StatusCode.DATA_LOSS, "EVENTS_LOST"),
-    ErrorRule(MediaUnavailableError, grpc.StatusCode.UNAVAILABLE, "MEDIA_UNAVAILABLE"),
+    _own(TooManySubscribersError),
+    _own(EventsLostError),
+    _own(MediaUnavailableError),
+    _own(RequestIdInUseError),
     ErrorRule(ProfilerAlreadyActiveError, grpc.StatusCode.FAILED_PRECONDITION, "PROFILER_ACTIVE"),
-    ErrorRule(UnsupportedError, grpc.StatusCode.FAILED_PRECONDITION, "UNSUPPORTED"),
-    ErrorRule(NotEnabledError, grpc.StatusCode.UNIMPLEMENTED, "NOT_ENABLED"),
-    ErrorRule(UnimplementedFieldError, grpc.StatusCode.UNIMPLEMENTED, "FIELD_UNIMPLEMENTED"),
-    ErrorRule(FieldOutOfRangeError, grpc.StatusCode.OUT_OF_RANGE, "OUT_OF_RANGE"),
+    _own(UnsupportedError),
+    _own(NotEnabledError),
+    _own(UnimplementedFieldError),
+    _own(FieldOutOfRangeError),
     ErrorRule(VLLMNotFoundError, grpc.StatusCode.NOT_FOUND, "NOT_FOUND"),
     # VLLMValidationError and the rest of the request's faults (no longer ValueError in 0.32).
     ErrorRule(VLLMClientError, grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ARGUMENT"),
-    ErrorRule(InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ARGUMENT"),
+    _own(InvalidRequestError),
+    _own(Unauthenticated),
+    _own(PermissionDenied),
+    _own(AuthError),
     # An engine call that outlived its budget (FlushCache, profiling).
     ErrorRule(TimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED, "TIMEOUT"),
     # vLLM also validates with plain ValueError/OverflowError (e.g.

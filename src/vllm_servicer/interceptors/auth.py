@@ -36,8 +36,6 @@ Secrets are never logged: keys are named by a label.
 
 from __future__ import annotations
 
-import contextvars
-import dataclasses
 import hashlib
 import hmac
 import inspect
@@ -50,6 +48,8 @@ from typing import Any, Protocol
 
 import grpc
 
+from ..context import ADMIN_ROLE, Identity, current_identity
+from ..errors import AuthError, PermissionDenied, Unauthenticated
 from ..proto import SERVICE_NAME
 from ._base import Call, CallInterceptor, MethodFilter, Refusal
 
@@ -88,56 +88,10 @@ _TOKEN = re.compile(r"[A-Za-z0-9\-._~+/]+=*")
 _SCHEME = "Bearer "
 _EXEMPT_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
-ADMIN_ROLE = "admin"
-"""The role of identities that administer the server (any request may be aborted)."""
-
 ADMIN_METHODS: frozenset[str] = frozenset(
     f"/{SERVICE_NAME}/{name}" for name in ("FlushCache", "StartProfile", "StopProfile")
 )
 """Methods that change the server for everyone or expose its internals."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Identity:
-    """Who is calling, as a verifier established it.
-
-    Attributes:
-        name: a stable, non-secret name (a key's label, a certificate subject,
-            a JWT subject); permissions and logs use it.
-        kind: how it was established: "api_key", "mtls", "custom" or "all_of".
-        attributes: extra non-secret facts (certificate SANs, JWT claims).
-        parts: for `AllOf`, the identity each verifier returned.
-        roles: roles granted to the identity (`ADMIN_ROLE`: may abort any
-            request, not only its own); permissions may use them too.
-    """
-
-    name: str
-    kind: str = "custom"
-    attributes: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    parts: tuple[Identity, ...] = ()
-    roles: frozenset[str] = frozenset()
-
-
-current_identity: contextvars.ContextVar[Identity | None] = contextvars.ContextVar(
-    "vllm_servicer_identity", default=None
-)
-"""The identity of the call being served (None outside an authenticated call)."""
-
-
-class AuthError(Exception):
-    """A verifier's rejection. The message goes to the client: never put a secret in it."""
-
-    code: grpc.StatusCode = grpc.StatusCode.UNAUTHENTICATED
-
-
-class Unauthenticated(AuthError):
-    """Credentials are missing, malformed or unknown (UNAUTHENTICATED)."""
-
-
-class PermissionDenied(AuthError):
-    """The caller is known but may not call this method (PERMISSION_DENIED)."""
-
-    code = grpc.StatusCode.PERMISSION_DENIED
 
 
 class Verifier(Protocol):
@@ -252,7 +206,7 @@ class AuthInterceptor(CallInterceptor):
                 identity = await self._identify(call.metadata, _auth_context(context), call.method)
             except AuthError as rejection:
                 _log_rejection(call.method, context, rejection)
-                await context.abort(rejection.code, str(rejection) or "not authorized")
+                await context.abort(_code(rejection), str(rejection) or "not authorized")
             except Exception:
                 logger.exception("verifier failed for %s from %s", call.method, _peer(context))
                 await context.abort(grpc.StatusCode.INTERNAL, "authentication failed")
@@ -265,9 +219,13 @@ class AuthInterceptor(CallInterceptor):
             current_identity.set(None)
 
 
+def _code(rejection: AuthError) -> grpc.StatusCode:
+    return grpc.StatusCode[rejection.status_code]
+
+
 def _refusal(method: str, rejection: AuthError) -> Refusal:
     return Refusal(
-        rejection.code,
+        _code(rejection),
         str(rejection) or "not authorized",
         log=lambda context: _log_rejection(method, context, rejection),
     )
@@ -275,7 +233,7 @@ def _refusal(method: str, rejection: AuthError) -> Refusal:
 
 def _log_rejection(method: str, context: Any, rejection: AuthError) -> None:
     logger.info(
-        "rejected %s from %s: %s (%s)", method, _peer(context), rejection, rejection.code.name
+        "rejected %s from %s: %s (%s)", method, _peer(context), rejection, rejection.status_code
     )
 
 

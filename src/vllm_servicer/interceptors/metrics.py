@@ -31,6 +31,7 @@ import grpc
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import start_http_server
 
+from ..context import shared_usage
 from ..proto import ENGINE_METHODS, GENERATE_METHOD
 from ..wire import usage as generation_usage
 from ._base import Call, CallInterceptor, MethodFilter, all_methods
@@ -122,7 +123,7 @@ class _GenerateCall(generation_usage.UsageReader):
         self.method = method
         self.started = started
         self.running = running  # the running calls of its event loop
-        super().__init__()
+        super().__init__(shared_usage())
         self.counted_messages = 0
         self.counted_tokens = 0
         self.prompt_counted = False

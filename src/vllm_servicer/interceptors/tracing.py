@@ -39,8 +39,9 @@ conventions define. The instrumentation is not changed for this: it gets a
 tracer that renames what it writes, when it starts the span (where samplers see
 it) and on every later write through the span it was handed.
 
-`engine_trace_headers` gives the servicer the W3C headers to hand the engine:
-the server span's, so vLLM's `llm_request` span is its child.
+The servicer hands the engine the server span's W3C headers
+(`vllm_servicer.context.engine_trace_headers`), so vLLM's `llm_request` span
+is its child.
 
 The `opentelemetry-*` packages are the `otel` extra: this module imports
 without them, and `TracingInterceptor` then raises ImportError saying so.
@@ -49,15 +50,15 @@ without them, and `TracingInterceptor` then raises ImportError saying so.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from ..context import shared_usage
 from ..engine import served_model_name
 from ..proto import ENGINE_METHODS, GENERATE_METHOD
 from ..proto import vllm_engine_pb2 as pb
@@ -76,7 +77,6 @@ __all__ = [
     "SERVER_FAULT_CODES",
     "TracingInterceptor",
     "configure_tracing_from_env",
-    "engine_trace_headers",
     "served_model_name",
 ]
 
@@ -252,55 +252,6 @@ class _RenamingSpan:
         return getattr(self._span, name)
 
 
-@functools.cache
-def _w3c_injector() -> Callable[[], dict[str, str] | None] | None:
-    try:
-        from opentelemetry.trace import get_current_span
-        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-    except ImportError:
-        return None
-    # W3C trace context whatever OTEL_PROPAGATORS says: it is what vLLM reads.
-    propagator = TraceContextTextMapPropagator()
-
-    def inject() -> dict[str, str] | None:
-        if not get_current_span().get_span_context().is_valid:
-            return None
-        carrier: dict[str, str] = {}
-        propagator.inject(carrier)
-        return carrier
-
-    return inject
-
-
-def engine_trace_headers(context: Any) -> dict[str, str] | None:
-    """The W3C trace headers to pass the engine as `trace_headers` for this call.
-
-    Called from the handler: inside a traced RPC they carry the current span,
-    the server's, so vLLM's `llm_request` span is its child. Without a current
-    span they are the caller's `traceparent`/`tracestate` from the call's
-    metadata, so the engine's span still joins the caller's trace.
-
-    Args:
-        context: the call's ServicerContext.
-
-    Returns:
-        The headers, or None when there is no trace to continue.
-    """
-    inject = _w3c_injector()
-    if inject is not None:
-        current = inject()
-        if current is not None:
-            return current
-    found: dict[str, str] | None = None
-    for key, value in context.invocation_metadata() or ():
-        # grpc lower-cases metadata keys on the wire.
-        if key == "traceparent" or key == "tracestate":
-            if found is None:
-                found = {}
-            found[key] = value
-    return found
-
-
 class _GenAiState:
     """What one Generate/Embed call has told the span so far."""
 
@@ -399,7 +350,7 @@ class TracingInterceptor(CallInterceptor):
         # The span object, not the context: on_finish may run after the
         # handler's context was detached.
         if call.method == GENERATE_METHOD:
-            call.state = (span, _GenAiState(generation_usage.UsageReader()))
+            call.state = (span, _GenAiState(generation_usage.UsageReader(shared_usage())))
         else:
             call.state = (span, _GenAiState(None) if call.method in ENGINE_METHODS else None)
 

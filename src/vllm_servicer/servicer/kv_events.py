@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import AsyncGenerator, Callable, Iterator
+from collections.abc import AsyncGenerator, Callable
 from typing import Any, NamedTuple
 
 # Before vLLM is imported below: an untested vLLM release fails here, naming both versions.
@@ -43,10 +43,7 @@ from ..errors import (
     EventsLostError,
     FieldOutOfRangeError,
     NotEnabledError,
-    TooManySubscribersError,
 )
-from ..interceptors.auth import ADMIN_ROLE, current_identity
-from ..options import DEFAULT_MAX_KV_SUBSCRIBERS
 from ..proto import common_pb2
 from ..vllm_releases import BLOCK_STORED_LOOKAHEAD
 from .loads import managed_ranks
@@ -60,7 +57,6 @@ ENABLE_HINT = (
 )
 # How often an idle stream checks that the engine is still alive.
 _IDLE_CHECK_S = 1.0
-DEFAULT_MAX_SUBSCRIBERS = DEFAULT_MAX_KV_SUBSCRIBERS
 # Batches kept for a subscriber whose client reads slower than the engine
 # publishes. The socket is drained regardless (so the queue builds neither in
 # the engine nor in ZMQ); past this the oldest are dropped, and the client sees
@@ -80,70 +76,6 @@ _LOCALITIES = {
     "LOCAL": common_pb2.KV_CACHE_LOCALITY_LOCAL,
     "REMOTE": common_pb2.KV_CACHE_LOCALITY_REMOTE,
 }
-
-
-class SubscriberLimit:
-    """Caps the SubscribeKvEvents streams open at once, in total and per caller.
-
-    Without authentication every stream counts against `maximum` only. With it
-    (an identity in `current_identity`), one identity may also hold at most
-    `per_caller` of them, half of `maximum` rounded up: one key cannot take
-    every slot and lock out another (a router that needs the events), however
-    many streams it opens. Identities are told apart by name, as Abort tells
-    them apart. Identities with `ADMIN_ROLE` are held to the total only: the
-    operator may already change the server for everyone.
-
-    Args:
-        maximum: streams allowed at once; the next one gets RESOURCE_EXHAUSTED.
-    """
-
-    def __init__(self, maximum: int = DEFAULT_MAX_SUBSCRIBERS) -> None:
-        if maximum < 1:
-            raise ValueError(f"the subscriber limit must be at least 1, got {maximum}")
-        self.maximum = maximum
-        self.per_caller = (maximum + 1) // 2
-        self.active = 0
-        self._held: dict[str, int] = {}
-
-    def held_by(self, name: str) -> int:
-        """Streams the identity called `name` holds now."""
-        return self._held.get(name, 0)
-
-    @contextlib.contextmanager
-    def slot(self) -> Iterator[None]:
-        """Holds one stream's place, for the calling identity, while the block runs.
-
-        Raises:
-            TooManySubscribersError: the caller holds `per_caller` streams
-                already, or `maximum` streams are open in all.
-        """
-        identity = current_identity.get()
-        name = None if identity is None or ADMIN_ROLE in identity.roles else identity.name
-        # The caller's own share first: freeing others' streams would not admit it.
-        if name is not None and self.held_by(name) >= self.per_caller:
-            raise TooManySubscribersError(
-                f"this caller holds {self.held_by(name)} KV-event subscriptions, the "
-                f"per-caller limit is {self.per_caller} (half the server's {self.maximum}); "
-                "close one of its streams"
-            )
-        if self.active >= self.maximum:
-            raise TooManySubscribersError(
-                f"{self.active} KV-event subscribers are connected, the total limit is "
-                f"{self.maximum}; close one or raise the server's subscriber limit"
-            )
-        self.active += 1
-        if name is not None:
-            self._held[name] = self.held_by(name) + 1
-        try:
-            yield
-        finally:
-            self.active -= 1
-            if name is not None:
-                left = self._held[name] - 1
-                if left:
-                    self._held[name] = left
-                else:
-                    del self._held[name]  # no entry outlives its identity's streams
 
 
 class Source(NamedTuple):

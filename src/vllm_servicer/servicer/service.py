@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import collections
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 # Before vLLM is imported below: an untested vLLM release fails here, naming both versions.
@@ -16,11 +15,11 @@ from .. import _vllm_version  # noqa: F401
 
 # isort: split
 import grpc
-from grpc_status import rpc_status  # type: ignore[import-untyped]
 from vllm.exceptions import VLLMClientError
 from vllm.pooling_params import PoolingParams
 
 from .. import vllm_releases
+from ..context import current_request_id, engine_trace_headers, kept_usage
 from ..engine import EngineClient, missing_members, served_model_name
 from ..errors import (
     InvalidRequestError,
@@ -28,17 +27,14 @@ from ..errors import (
     UnimplementedFieldError,
     UnsupportedError,
 )
-from ..interceptors.auth import ADMIN_ROLE, current_identity
-from ..interceptors.inflight import InflightInterceptor
-from ..interceptors.tracing import engine_trace_headers as _trace_headers
 from ..multimodal import tensors as mm_tensors
 from ..multimodal.media import MediaRefOptions, MediaResolver
+from ..options import DEFAULT_MAX_KV_SUBSCRIBERS
 from ..proto import common_pb2, vllm_engine_pb2_grpc
 from ..proto import vllm_engine_pb2 as pb
-from ..status import ErrorRule, current_request_id, rich_status
 from ..wire import convert, fields
-from ..wire import usage as generation_usage
 from . import admin, kv_events, loads
+from .tenancy import RunningRequests, SubscriberLimit
 from .tokenizer_bundle import TokenizerBundle, chunks, tokenizer_dir
 
 if TYPE_CHECKING:
@@ -51,19 +47,6 @@ logger = logging.getLogger("vllm_servicer")
 SERVER_TYPE = "vllm-grpc"
 # The generation-config defaults GetModelInfo advertises for the router to apply.
 _ADVERTISED_SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-
-
-class _RequestIdInUseError(RuntimeError):
-    """A Generate or Embed under a request id another caller's running request holds."""
-
-    field = "request_id"
-
-
-# vLLM aborts by the client's request id, every request under it at once: an
-# id shared by two callers would let one stop the other's request.
-_ID_IN_USE = ErrorRule(_RequestIdInUseError, grpc.StatusCode.ALREADY_EXISTS, "REQUEST_ID_IN_USE")
-# Enough of an id to recognise it; a status message travels in the trailers.
-_SHOWN_ID_CHARS = 128
 
 
 def _request_id(given: str, prefix: str) -> str:
@@ -110,8 +93,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         max_kv_subscribers: SubscribeKvEvents streams allowed at once.
         media_refs: resolve images named by URL in `media_refs` by these
             rules; None (the default) refuses them.
-        inflight: the count of calls in flight that `active_requests` reports
-            (`mount()` passes the one its interceptors keep); None: the
+        active_calls: what `active_requests` reports: the count of calls in
+            flight (`mount()` passes the one its interceptors keep); None: the
             requests this servicer runs.
         shm_tensors: take preprocessed tensors (`mm_inputs`) through this
             host's shared memory; off, they must come inline.
@@ -121,9 +104,9 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self,
         engine: EngineClient,
         *,
-        max_kv_subscribers: int = kv_events.DEFAULT_MAX_SUBSCRIBERS,
+        max_kv_subscribers: int = DEFAULT_MAX_KV_SUBSCRIBERS,
         media_refs: MediaRefOptions | None = None,
-        inflight: InflightInterceptor | None = None,
+        active_calls: Callable[[], int] | None = None,
         shm_tensors: bool = False,
     ) -> None:
         missing = missing_members(engine)
@@ -134,24 +117,18 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 f"{type(engine).__name__} has no {', '.join(missing)}"
             )
         self._engine = engine
-        self._inflight = inflight
+        self._active_calls = active_calls
         self._media = (
             MediaResolver(media_refs, engine.model_config) if media_refs is not None else None
         )
         # What preprocessed tensors (mm_inputs) this model takes.
         self._model_media = mm_tensors.ModelMedia.of(engine, shm=shm_tensors)
-        self._kv_subscribers = kv_events.SubscriberLimit(max_kv_subscribers)
+        self._kv_subscribers = SubscriberLimit(max_kv_subscribers)
         # A token prompt past the model's context is refused by its length alone.
         max_len = getattr(engine.model_config, "max_model_len", None)
         self._max_prompt_tokens: int | None = int(max_len) if max_len else None
         self._started_monotonic = time.monotonic()
-        # Request ids in flight, a multiset (a caller may reuse its own running
-        # id, as vLLM allows): its total is the active count, its keys what a
-        # drain aborts.
-        self._running: collections.Counter[str] = collections.Counter()
-        # The identity name (None: no credentials) each running id belongs to:
-        # no other caller may run a request under it, whom Abort may touch.
-        self._owners: dict[str, str | None] = {}
+        self._running = RunningRequests()
         self._last_receive_timestamp = 0.0
         self._model_info: pb.GetModelInfoResponse | None = None
         self._supported_tasks: tuple[str, ...] | None = None
@@ -180,21 +157,21 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         return self._engine
 
     @property
-    def kv_subscribers(self) -> kv_events.SubscriberLimit:
+    def kv_subscribers(self) -> SubscriberLimit:
         """The SubscribeKvEvents streams open now, and their limit."""
         return self._kv_subscribers
 
     @property
     def active_requests(self) -> int:
         """Generate and Embed calls currently being served."""
-        if self._inflight is not None:
-            return self._inflight.limited_total
-        return self._running.total()
+        if self._active_calls is not None:
+            return self._active_calls()
+        return len(self._running)
 
     @property
     def running_request_ids(self) -> list[str]:
         """Ids of the Generate and Embed calls being served now."""
-        return list(self._running)
+        return self._running.ids
 
     async def abort_running(self) -> None:
         """Abort every request in flight in the engine (their streams end with "abort")."""
@@ -202,35 +179,14 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         if ids:
             await self._engine.abort(ids)
 
-    async def _received(self, request_id: str, context: Context, method: str) -> None:
-        """Count `request_id` as running for the caller, or refuse the call (ALREADY_EXISTS).
-
-        An id running for another identity is refused whatever the caller's
-        roles: sharing it, either could abort the other's request by it.
-        """
+    def _received(self, request_id: str, method: str) -> None:
+        """Count `request_id` as running for the caller (RequestIdInUseError if it may not)."""
         self._last_receive_timestamp = time.time()
         current_request_id.set(request_id)
-        identity = current_identity.get()
-        owner = identity.name if identity is not None else None
-        if request_id in self._running and self._owners[request_id] != owner:
-            shown = request_id[:_SHOWN_ID_CHARS] + (
-                "..." if len(request_id) > _SHOWN_ID_CHARS else ""
-            )
-            exc = _RequestIdInUseError(
-                f"request_id {shown!r} is already in use by a running request; choose another id"
-            )
-            logger.info(
-                "%s request %r refused: its id is running for another caller", method, shown
-            )
-            status = rich_status(exc, _ID_IN_USE, str(exc), method)
-            await context.abort_with_status(rpc_status.to_status(status))
-        self._running[request_id] += 1
-        self._owners[request_id] = owner
+        self._running.claim(request_id, method)
 
     def _done(self, request_id: str) -> None:
-        _discard(self._running, request_id)
-        if request_id not in self._running:
-            del self._owners[request_id]
+        self._running.release(request_id)
 
     # ----- generation -------------------------------------------------------
 
@@ -238,7 +194,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self, request: pb.GenerateRequest, context: Context
     ) -> AsyncIterator[pb.GenerateResponse]:
         request_id = _request_id(request.request_id, "generate")
-        await self._received(request_id, context, "Generate")
+        self._received(request_id, "Generate")
         kv_transfer: dict[str, Any] | None = None
         started = False
         try:
@@ -282,7 +238,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 prompt = self._render(prompt, time.time())
             if request.HasField("data_parallel_rank"):
                 kwargs["data_parallel_rank"] = request.data_parallel_rank
-            trace = _trace_headers(context)
+            trace = engine_trace_headers(context)
             if trace is not None:
                 kwargs["trace_headers"] = trace
             if convert.grammar_from_first_token(params):
@@ -290,7 +246,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             build = convert.ResponseBuilder(params)
             chunk, complete = build.chunk, build.complete
             # What the metrics and tracing read, kept from the numbers at hand.
-            usage = generation_usage.kept_by_handler()
+            usage = kept_usage()
             async for output in self._engine.generate(prompt, sampling, request_id, **kwargs):
                 if usage is not None and not started:
                     usage.prompt_tokens = len(output.prompt_token_ids or ())
@@ -331,7 +287,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     async def Embed(self, request: pb.EmbedRequest, context: Context) -> pb.EmbedResponse:
         request_id = _request_id(request.request_id, "embed")
-        await self._received(request_id, context, "Embed")
+        self._received(request_id, "Embed")
         try:
             if "embed" not in await self._tasks():
                 raise UnsupportedError(
@@ -343,7 +299,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 convert.prompt_from_request(request, self._max_prompt_tokens),
                 PoolingParams(task="embed"),
                 request_id,
-                trace_headers=_trace_headers(context),
+                trace_headers=engine_trace_headers(context),
             ):
                 final = output
             if final is None:  # pragma: no cover - the engine always yields once
@@ -359,12 +315,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     async def Abort(self, request: pb.AbortRequest, context: Context) -> pb.AbortResponse:
         # Idempotent: vLLM ignores ids it does not know (finished or never seen).
-        ids = [i for i in request.request_ids if i]
-        identity = current_identity.get()
-        if identity is not None and ADMIN_ROLE not in identity.roles:
-            # A tenant stops only what it started: another's id is skipped like
-            # an unknown one (no engine call, no error that would confirm it runs).
-            ids = [i for i in ids if self._owners.get(i) == identity.name]
+        ids = self._running.abortable(request.request_ids)
         if ids:
             current_request_id.set(",".join(ids))
             await self._engine.abort(ids)
@@ -588,15 +539,6 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             max_req_input_len=max_len,
             default_sampling_params_json=_default_sampling_json(mc),
         )
-
-
-def _discard(counter: collections.Counter[Any], key: Any) -> None:
-    """Take one `key` out of a multiset, dropping it at zero."""
-    left = counter[key] - 1
-    if left > 0:
-        counter[key] = left
-    else:
-        del counter[key]
 
 
 def _default_sampling_json(model_config: Any) -> str:

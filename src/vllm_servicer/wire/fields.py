@@ -17,23 +17,35 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import NamedTuple
 
-import grpc
 from google.protobuf.message import Message
 
-from ..errors import FieldOutOfRangeError, InvalidRequestError, UnimplementedFieldError
+from ..errors import (
+    FieldOutOfRangeError,
+    InvalidRequestError,
+    UnimplementedFieldError,
+    UnsupportedError,
+)
+
+FieldError = (
+    type[InvalidRequestError]
+    | type[UnimplementedFieldError]
+    | type[FieldOutOfRangeError]
+    | type[UnsupportedError]
+)
 
 
 class Refusal(NamedTuple):
     """How a field is refused.
 
     Attributes:
-        code: the status a request that uses it gets.
+        error: what a request that uses it raises; its status (`status_code`)
+            is the one the client gets.
         when: "" when it is refused whenever set; otherwise the condition
             (checked where the field is read, not by `refuse_unserved`).
         reason: what the client is told after the field's name.
     """
 
-    code: grpc.StatusCode
+    error: FieldError
     when: str
     reason: str
 
@@ -159,51 +171,47 @@ LOAD_SECTIONS = ("core", "all")
 REFUSED: Mapping[str, Mapping[str, Refusal]] = {
     "Generate": {
         "mm_inputs.pixel_values.remote": Refusal(
-            grpc.StatusCode.UNIMPLEMENTED, _ANY_TENSOR, REMOTE_TENSOR_HINT
+            UnimplementedFieldError, _ANY_TENSOR, REMOTE_TENSOR_HINT
         ),
         "extra_mm_inputs.pixel_values.remote": Refusal(
-            grpc.StatusCode.UNIMPLEMENTED, _ANY_TENSOR, REMOTE_TENSOR_HINT
+            UnimplementedFieldError, _ANY_TENSOR, REMOTE_TENSOR_HINT
         ),
         # Honoured when on (multimodal/tensors.py): the segment is read and copied,
         # never unlinked (its owner_id does that).
         "mm_inputs.pixel_values.shm": Refusal(
-            grpc.StatusCode.FAILED_PRECONDITION,
+            UnsupportedError,
             "shared-memory tensors are off; " + _ANY_TENSOR,
             SHM_TENSORS_HINT,
         ),
         "extra_mm_inputs.pixel_values.shm": Refusal(
-            grpc.StatusCode.FAILED_PRECONDITION,
+            UnsupportedError,
             "shared-memory tensors are off; " + _ANY_TENSOR,
             SHM_TENSORS_HINT,
         ),
         # Honoured when on (media.py): images by URL, decoded here.
         "media_refs": Refusal(
-            grpc.StatusCode.UNIMPLEMENTED,
+            UnimplementedFieldError,
             "media references are off, or the model takes no images",
             MEDIA_REFS_HINT,
         ),
         "kv_transfer_params": Refusal(
-            grpc.StatusCode.FAILED_PRECONDITION, "the engine has no KV connector", KV_CONNECTOR_HINT
+            UnsupportedError, "the engine has no KV connector", KV_CONNECTOR_HINT
         ),
         "kv_transfer_params_json": Refusal(
-            grpc.StatusCode.FAILED_PRECONDITION, "the engine has no KV connector", KV_CONNECTOR_HINT
+            UnsupportedError, "the engine has no KV connector", KV_CONNECTOR_HINT
         ),
     },
     "StartProfile": {
-        "output_dir": Refusal(grpc.StatusCode.INVALID_ARGUMENT, "", _AT_START),
-        "activities": Refusal(grpc.StatusCode.INVALID_ARGUMENT, "", _AT_START),
+        "output_dir": Refusal(InvalidRequestError, "", _AT_START),
+        "activities": Refusal(InvalidRequestError, "", _AT_START),
         # Taken per session from vLLM 0.33 (its profiler_kwargs); before, at start only.
-        "with_stack": Refusal(grpc.StatusCode.INVALID_ARGUMENT, _BEFORE_033, _AT_START_BEFORE_033),
-        "record_shapes": Refusal(
-            grpc.StatusCode.INVALID_ARGUMENT, _BEFORE_033, _AT_START_BEFORE_033
-        ),
-        "profile_by_stage": Refusal(
-            grpc.StatusCode.INVALID_ARGUMENT, "", "not supported by vLLM's profiler"
-        ),
+        "with_stack": Refusal(InvalidRequestError, _BEFORE_033, _AT_START_BEFORE_033),
+        "record_shapes": Refusal(InvalidRequestError, _BEFORE_033, _AT_START_BEFORE_033),
+        "profile_by_stage": Refusal(InvalidRequestError, "", "not supported by vLLM's profiler"),
     },
     "GetLoads": {
         "include": Refusal(
-            grpc.StatusCode.UNIMPLEMENTED,
+            UnimplementedFieldError,
             "a section other than " + " or ".join(LOAD_SECTIONS),
             "this server's loads carry the core section only; ask for "
             + " or ".join(LOAD_SECTIONS),
@@ -212,19 +220,13 @@ REFUSED: Mapping[str, Mapping[str, Refusal]] = {
     "SubscribeKvEvents": {
         # Honoured where the engine keeps a replay buffer (kv_events.py).
         "start_sequence_number": Refusal(
-            grpc.StatusCode.OUT_OF_RANGE,
+            FieldOutOfRangeError,
             "the engine keeps no replay buffer, publishes from several ranks, or no longer "
             "keeps the batch asked for",
             "subscribe from 0 (the current state) and resynchronise; a resume needs "
             "replay_endpoint in --kv-events-config",
         ),
     },
-}
-
-_ERRORS = {
-    grpc.StatusCode.UNIMPLEMENTED: UnimplementedFieldError,
-    grpc.StatusCode.OUT_OF_RANGE: FieldOutOfRangeError,
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequestError,
 }
 
 
@@ -247,12 +249,18 @@ def refuse_unserved(method: str, request: Message) -> None:
     """Raise for the first field of `request` that `method` refuses whenever it is set.
 
     Raises:
-        UnimplementedFieldError, FieldOutOfRangeError, InvalidRequestError: by
-            the row's code; the message names the field and what would serve it.
+        UnimplementedFieldError, FieldOutOfRangeError, InvalidRequestError: the
+            row's error; the message names the field and what would serve it.
     """
     for path, refusal in REFUSED.get(method, {}).items():
         if not refusal.when and is_set(request, path):
-            raise _ERRORS[refusal.code](path, refusal.reason)
+            raise _raised(refusal, path)
+
+
+def _raised(refusal: Refusal, path: str) -> Exception:
+    if refusal.error is UnsupportedError:
+        return UnsupportedError(refusal.reason, field=path)
+    return refusal.error(path, refusal.reason)  # type: ignore[call-arg]
 
 
 def load_sections(include: list[str]) -> None:

@@ -14,8 +14,6 @@ Pure data: no grpc, no vLLM, no protocol module.
 
 from __future__ import annotations
 
-from asyncio import current_task
-from contextvars import ContextVar
 from time import perf_counter
 from typing import Any
 
@@ -79,36 +77,6 @@ class GenerationUsage:
             self.output_tokens += tokens
 
 
-_current: ContextVar[GenerationUsage | None] = ContextVar(
-    "vllm_servicer_generation_usage", default=None
-)
-
-
-def shared() -> GenerationUsage:
-    """For an interceptor: the record of the current call, created on first use.
-
-    Every interceptor of the call (and of every pipeline around it) gets the
-    same record, as does the handler: grpc.aio runs a call in a task of its
-    own, whose context holds the record. A record of another task (one the
-    context was copied from) is not this call's.
-    """
-    task = current_task()
-    usage = _current.get()
-    if usage is None or usage.owner is not task:
-        usage = GenerationUsage(task)
-        _current.set(usage)
-    return usage
-
-
-def kept_by_handler() -> GenerationUsage | None:
-    """For the handler: the record to keep for this call; None when nothing reads one."""
-    usage = _current.get()
-    if usage is None or usage.owner is not current_task():
-        return None
-    usage.kept = True
-    return usage
-
-
 class UsageReader:
     """One interceptor's view of a Generate call's usage.
 
@@ -119,8 +87,8 @@ class UsageReader:
 
     __slots__ = ("own", "usage")
 
-    def __init__(self) -> None:
-        self.usage = shared()
+    def __init__(self, usage: GenerationUsage) -> None:
+        self.usage = usage  # the call's shared record (`context.shared_usage()`)
         self.own = False
 
     @property

@@ -1,0 +1,152 @@
+"""Who owns what is running: request ids and per-caller shares.
+
+vLLM aborts by the client's request id, every request under it at once, so a
+running id belongs to the caller that started it: no other caller may run a
+request under it, and Abort touches only the caller's own (an administrator's
+touches any). KV-event streams are shared out the same way: no one caller can
+take every slot. Callers are told apart by identity name (`context.tenant`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterable, Iterator
+
+from ..context import caller_name, current_identity, tenant
+from ..errors import RequestIdInUseError, TooManySubscribersError
+from ..options import DEFAULT_MAX_KV_SUBSCRIBERS
+
+logger = logging.getLogger("vllm_servicer")
+
+# Enough of an id to recognise it; a status message travels in the trailers.
+_SHOWN_ID_CHARS = 128
+
+
+def _take_one(counts: dict[str, int], key: str) -> None:
+    """One `key` out of a multiset, dropping it at zero."""
+    left = counts[key] - 1
+    if left > 0:
+        counts[key] = left
+    else:
+        del counts[key]
+
+
+class RunningRequests:
+    """The Generate and Embed requests running now, by request id, and whose each is.
+
+    A multiset: a caller may reuse its own running id, as vLLM allows. Its
+    size is what GetServerInfo reports without an in-flight count, its ids what
+    a drain aborts.
+    """
+
+    def __init__(self) -> None:
+        self._counts: dict[str, int] = {}
+        # The identity name (None: no credentials) each running id belongs to.
+        self._owners: dict[str, str | None] = {}
+
+    def __len__(self) -> int:
+        return sum(self._counts.values())
+
+    @property
+    def ids(self) -> list[str]:
+        """The running request ids, each once."""
+        return list(self._counts)
+
+    def claim(self, request_id: str, method: str) -> None:
+        """Count `request_id` as running for the current caller.
+
+        Raises:
+            RequestIdInUseError: the id runs for another caller, whatever the
+                caller's roles: sharing it, either could abort the other's request.
+        """
+        owner = caller_name()
+        if request_id in self._counts and self._owners[request_id] != owner:
+            shown = request_id[:_SHOWN_ID_CHARS] + (
+                "..." if len(request_id) > _SHOWN_ID_CHARS else ""
+            )
+            logger.info(
+                "%s request %r refused: its id is running for another caller", method, shown
+            )
+            raise RequestIdInUseError(
+                f"request_id {shown!r} is already in use by a running request; choose another id"
+            )
+        self._counts[request_id] = self._counts.get(request_id, 0) + 1
+        self._owners[request_id] = owner
+
+    def release(self, request_id: str) -> None:
+        """One run of `request_id` ended."""
+        _take_one(self._counts, request_id)
+        if request_id not in self._counts:
+            del self._owners[request_id]
+
+    def abortable(self, request_ids: Iterable[str]) -> list[str]:
+        """Of `request_ids`, those the current caller may abort.
+
+        A tenant stops only what it started: another's id is left out like an
+        unknown one (no engine call, no error that would confirm it runs).
+        """
+        identity = current_identity.get()
+        ids = [i for i in request_ids if i]
+        if identity is None or identity.is_admin:
+            return ids
+        return [i for i in ids if self._owners.get(i) == identity.name]
+
+
+class SubscriberLimit:
+    """Caps the SubscribeKvEvents streams open at once, in total and per caller.
+
+    Without authentication every stream counts against `maximum` only. With it
+    (an identity in `current_identity`), one identity may also hold at most
+    `per_caller` of them, half of `maximum` rounded up: one key cannot take
+    every slot and lock out another (a router that needs the events), however
+    many streams it opens. Identities are told apart by name, as Abort tells
+    them apart. Identities with `ADMIN_ROLE` are held to the total only: the
+    operator may already change the server for everyone.
+
+    Args:
+        maximum: streams allowed at once; the next one gets RESOURCE_EXHAUSTED.
+    """
+
+    def __init__(self, maximum: int = DEFAULT_MAX_KV_SUBSCRIBERS) -> None:
+        if maximum < 1:
+            raise ValueError(f"the subscriber limit must be at least 1, got {maximum}")
+        self.maximum = maximum
+        self.per_caller = (maximum + 1) // 2
+        self.active = 0
+        self._held: dict[str, int] = {}
+
+    def held_by(self, name: str) -> int:
+        """Streams the identity called `name` holds now."""
+        return self._held.get(name, 0)
+
+    @contextlib.contextmanager
+    def slot(self) -> Iterator[None]:
+        """Holds one stream's place, for the calling identity, while the block runs.
+
+        Raises:
+            TooManySubscribersError: the caller holds `per_caller` streams
+                already, or `maximum` streams are open in all.
+        """
+        name = tenant()
+        # The caller's own share first: freeing others' streams would not admit it.
+        if name is not None and self.held_by(name) >= self.per_caller:
+            raise TooManySubscribersError(
+                f"this caller holds {self.held_by(name)} KV-event subscriptions, the "
+                f"per-caller limit is {self.per_caller} (half the server's {self.maximum}); "
+                "close one of its streams"
+            )
+        if self.active >= self.maximum:
+            raise TooManySubscribersError(
+                f"{self.active} KV-event subscribers are connected, the total limit is "
+                f"{self.maximum}; close one or raise the server's subscriber limit"
+            )
+        self.active += 1
+        if name is not None:
+            self._held[name] = self.held_by(name) + 1
+        try:
+            yield
+        finally:
+            self.active -= 1
+            if name is not None:
+                _take_one(self._held, name)  # no entry outlives its identity's streams
