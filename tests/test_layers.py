@@ -219,12 +219,13 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "_vllm_version",
         "vllm_releases",
         "_registration",
-        "testing",
     ),
     ("multimodal", "status", "health", "reflection"),
     # Side by side: they share `context`, never import one another.
     ("servicer", "interceptors"),
     ("mounting", "drain"),
+    # Tiny models, stand-in engines and a test server, for users' tests too.
+    ("testing",),
     ("serve",),
     ("__main__",),
 )

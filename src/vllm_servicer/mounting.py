@@ -14,7 +14,6 @@ from ._registration import HandlerRecorder, register, server_started
 from .engine import EngineClient
 from .health import EngineHealthServicer
 from .interceptors import InflightInterceptor, MetricsInterceptor, Pipeline
-from .interceptors._pipeline import wrapped_handler
 from .multimodal.media import MediaRefOptions
 from .options import DEFAULT_MAX_KV_SUBSCRIBERS
 from .proto import SERVICE_NAME, vllm_engine_pb2_grpc
@@ -130,7 +129,7 @@ def mount(
         # The VllmEngine methods raise; the error layer turns that into statuses.
         errors = error_layer if service_name == SERVICE_NAME else None
         wrapped = {
-            method: wrapped_handler(pipeline, f"/{service_name}/{method}", handler, errors=errors)
+            method: pipeline.wrap(f"/{service_name}/{method}", handler, errors=errors)
             for method, handler in handlers.items()
         }
         register(server, service_name, wrapped)

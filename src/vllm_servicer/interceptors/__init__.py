@@ -2,19 +2,18 @@
 or to `grpc.aio.server(interceptors=...)`; they behave the same in both places.
 
 A stack of them runs from one wrapper per call: `mount` fuses its stack, and
-`Pipeline([...])` fuses a server-wide one.
+`Pipeline([...])` fuses a server-wide one, the same way (`_wrapping.py`).
 """
 
 from ._base import (
-    Call,
     CallInterceptor,
     MethodFilter,
-    Refusal,
     all_methods,
     except_methods_of,
     methods_of,
     only_methods,
 )
+from ._call import Call, Refusal
 from ._pipeline import Pipeline
 from .auth import AuthInterceptor
 from .inflight import ENGINE_REQUESTS, InflightInterceptor

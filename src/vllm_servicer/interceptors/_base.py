@@ -1,13 +1,13 @@
 """The hooks every interceptor of this package is built from.
 
-A `CallInterceptor` supplies only its own logic, through hooks; the pipeline
-(`_pipeline.py`) owns the gRPC details (the four handler kinds, their
+A `CallInterceptor` supplies only its own logic, through hooks; the wrapper
+(`_wrapping.py`) owns the gRPC details (the four handler kinds, their
 serializers, async-generator and `context.write` streaming, how a call ended)
-and calls the hooks of every interceptor of a call from one wrapper:
+and calls the hooks of every interceptor of a call from one place:
 
-- `on_admit(method, metadata, context)`: before the request is parsed; raise
-  `Refusal` to refuse the call (authentication). `context` is None when the
-  server asks before the call runs (a server-wide interceptor).
+- `on_admit(method, metadata, context)`: before the request is read; raise
+  `Refusal` to refuse the call (authentication): the interceptors inside
+  the refusing one never see it.
 - `on_start(call)`: before the handler runs and before any request message is
   read; may `await call.context.abort(...)` to reject the call (the handler
   then never runs).
@@ -26,24 +26,19 @@ the wrapper, not one per interceptor.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
 
+from ._call import Call
+from ._wrapping import HandlerCache, Layers, Segment, wrap
+
 logger = logging.getLogger("vllm_servicer.interceptors")
 
 MethodFilter = Callable[[str], bool]
 """A predicate on the full method name, "/package.Service/Method"."""
-
-# A cancel this close to the deadline is the deadline (see ended_code): a
-# fixed allowance plus a share of the call's age, since the server learns its
-# deadline only when the call arrives, later than the client started its timer.
-_DEADLINE_SLACK_S = 0.25
-_DEADLINE_SLACK_SHARE = 0.1
 
 
 def all_methods(method: str) -> bool:
@@ -67,91 +62,6 @@ def only_methods(*methods: str) -> MethodFilter:
     """A filter matching exactly the named methods ("/package.Service/Method")."""
     names = frozenset(methods)
     return names.__contains__
-
-
-class Call:
-    """One RPC as the hooks see it.
-
-    Attributes:
-        method: "/package.Service/Method".
-        service: "package.Service".
-        name: "Method".
-        kind: "unary_unary", "unary_stream", "stream_unary" or "stream_stream".
-        metadata: the invocation metadata, a tuple of (key, value) pairs.
-        context: the call's ServicerContext.
-        started: time.perf_counter() when the call reached the handler wrapper.
-        code: how the call ended (None until just before on_finish).
-        state: free per-call slot for the interceptor (None until it sets one).
-    """
-
-    __slots__ = (
-        "code",
-        "context",
-        "kind",
-        "metadata",
-        "method",
-        "name",
-        "service",
-        "started",
-        "state",
-    )
-
-    def __init__(self, method: str, kind: str, metadata: Any, context: Any) -> None:
-        self.method = method
-        service, _, name = method[1:].rpartition("/")
-        self.service = service
-        self.name = name
-        self.kind = kind
-        self.metadata = metadata
-        self.context = context
-        self.started = time.perf_counter()
-        self.code: grpc.StatusCode | None = None
-        self.state: Any = None
-
-
-def ended_code(context: Any, exc: BaseException | None, started: float) -> grpc.StatusCode:
-    if exc is None:
-        code = context.code()
-        # A handler may set a code without raising (context.set_code).
-        return code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.OK
-    if isinstance(exc, grpc.aio.AbortError):
-        code = context.code()
-        return code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.UNKNOWN
-    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
-        # grpc cancels the handler task both for a client cancel and at the
-        # deadline; only the time left tells them apart. The client's own timer
-        # usually fires first and its cancel arrives a transit time before ours.
-        # A cancel that lands while grpc awaits a write leaves the response
-        # generators suspended: they are closed (GeneratorExit), not cancelled.
-        remaining = context.time_remaining()
-        slack = _DEADLINE_SLACK_S + _DEADLINE_SLACK_SHARE * (time.perf_counter() - started)
-        if remaining is not None and remaining <= slack:
-            return grpc.StatusCode.DEADLINE_EXCEEDED
-        return grpc.StatusCode.CANCELLED
-    return grpc.StatusCode.UNKNOWN
-
-
-class Refusal(Exception):
-    """Raised by `on_admit` to refuse a call before its request is read.
-
-    Args:
-        code: the status the call ends with.
-        details: the status message.
-        log: called with the call's context when the refusal is sent (to log it).
-    """
-
-    def __init__(
-        self, code: grpc.StatusCode, details: str, log: Callable[[Any], None] | None = None
-    ) -> None:
-        super().__init__(details)
-        self.code = code
-        self.details = details
-        self.log = log
-
-    async def abort(self, context: Any, method: str) -> None:
-        if self.log is not None:
-            self.log(context)
-        await context.abort(self.code, self.details)
 
 
 class CallInterceptor(grpc.aio.ServerInterceptor):
@@ -181,7 +91,7 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
         self.has_admit_hook = own.on_admit is not CallInterceptor.on_admit
         self.has_request_hook = own.on_request is not CallInterceptor.on_request
         self.has_response_hook = own.on_response is not CallInterceptor.on_response
-        self._alone: Any = None
+        self._handlers = HandlerCache()
 
     # ----- hooks --------------------------------------------------------------
 
@@ -227,12 +137,19 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
         ],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler[Any, Any] | None:
-        # Alone (server-wide, not in a Pipeline): a pipeline of one.
-        if self._alone is None:
-            from ._pipeline import Pipeline
+        # Alone (server-wide, not in a Pipeline): wrapped as a pipeline of one.
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        return self._handlers.get(handler_call_details.method, handler, self._wrap_alone)  # type: ignore[no-any-return]
 
-            self._alone = Pipeline((self,))
-        return await self._alone.intercept_service(continuation, handler_call_details)  # type: ignore[no-any-return]
+    def _wrap_alone(self, method: str, handler: Any) -> Any:
+        segments: list[Segment] = []
+        if self.applies_to(method):
+            if self.enclosing is not None:
+                segments.append(self.enclosing)
+            segments.append(Layers((self,)))
+        return wrap(segments, method, handler)
 
     def finish(self, call: Call, code: grpc.StatusCode) -> None:
         """Record how `call` ended and run `on_finish`, once."""

@@ -51,7 +51,8 @@ import grpc
 from ..context import ADMIN_ROLE, Identity, current_identity
 from ..errors import AuthError, PermissionDenied, Unauthenticated
 from ..proto import SERVICE_NAME
-from ._base import Call, CallInterceptor, MethodFilter, Refusal
+from ._base import CallInterceptor, MethodFilter
+from ._call import Call, Refusal
 
 __all__ = [
     "DEFAULT_MAX_TOKEN_LENGTH",
@@ -100,9 +101,9 @@ class Verifier(Protocol):
     Must be async (or return quickly): it runs on the server's event loop.
 
     A verifier that decides from the metadata alone sets the attribute
-    `reads_auth_context = False`: `AuthInterceptor` then decides before the
-    request is read and passes an empty auth context. Without it, the decision
-    waits until the call runs (the auth context exists only then).
+    `reads_auth_context = False`: `AuthInterceptor` then passes an empty auth
+    context and spares grpc building one per call. Either way it decides
+    before the request is read.
     """
 
     async def __call__(self, metadata: Metadata, auth_context: AuthContext) -> Identity:
@@ -177,13 +178,10 @@ class AuthInterceptor(CallInterceptor):
         return identity
 
     async def on_admit(self, method: str, metadata: Any, context: Any) -> None:
-        # Before the request is parsed: a refused call must not cost a parse of
+        # Before the request is read: a refused call must not cost a parse of
         # a message up to the size limit.
-        reads_auth_context = _reads_auth_context(self._verifier)
-        if context is None and reads_auth_context:
-            return  # asked before the call runs, without its auth context: on_start decides
         # grpc builds the auth context afresh on each ask: only for a verifier that reads it.
-        auth_context = _auth_context(context) if context is not None and reads_auth_context else {}
+        auth_context = _auth_context(context) if _reads_auth_context(self._verifier) else {}
         try:
             identity = await self._identify(metadata, auth_context, method)
         except AuthError as rejection:
@@ -192,26 +190,12 @@ class AuthInterceptor(CallInterceptor):
             # A verifier bug or an identity provider outage: fail closed.
             logger.exception("verifier failed for %s", method)
             raise Refusal(grpc.StatusCode.INTERNAL, "authentication failed") from None
-        # grpc serves each call in a task of its own, which also looks its handler
-        # up: this value is the call's own and ends with its task.
+        # grpc serves each call in a task of its own: this value is the call's
+        # own and ends with its task.
         current_identity.set(identity)
 
     async def on_start(self, call: Call) -> None:
-        identity = current_identity.get()
-        if identity is None:
-            # Admitted without a decision (server-wide, a verifier reading the
-            # auth context): decide now that the call runs.
-            context = call.context
-            try:
-                identity = await self._identify(call.metadata, _auth_context(context), call.method)
-            except AuthError as rejection:
-                _log_rejection(call.method, context, rejection)
-                await context.abort(_code(rejection), str(rejection) or "not authorized")
-            except Exception:
-                logger.exception("verifier failed for %s from %s", call.method, _peer(context))
-                await context.abort(grpc.StatusCode.INTERNAL, "authentication failed")
-            current_identity.set(identity)
-        call.state = identity
+        call.state = current_identity.get()
 
     def on_finish(self, call: Call) -> None:
         if call.state is not None:

@@ -8,7 +8,8 @@ from collections import Counter
 import grpc
 
 from ..proto import ENGINE_METHODS
-from ._base import Call, CallInterceptor, MethodFilter, all_methods, only_methods
+from ._base import CallInterceptor, MethodFilter, all_methods, only_methods
+from ._call import Call
 
 ENGINE_REQUESTS: MethodFilter = only_methods(*ENGINE_METHODS)
 """The calls that occupy the engine: Generate and Embed of `vllm.grpc.engine.VllmEngine`."""

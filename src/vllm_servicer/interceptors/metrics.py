@@ -34,7 +34,8 @@ from prometheus_client.exposition import start_http_server
 from ..context import shared_usage
 from ..proto import ENGINE_METHODS, GENERATE_METHOD
 from ..wire import usage as generation_usage
-from ._base import Call, CallInterceptor, MethodFilter, all_methods
+from ._base import CallInterceptor, MethodFilter, all_methods
+from ._call import Call
 
 if TYPE_CHECKING:
     from .inflight import InflightInterceptor

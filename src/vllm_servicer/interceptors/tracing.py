@@ -63,7 +63,8 @@ from ..engine import served_model_name
 from ..proto import ENGINE_METHODS, GENERATE_METHOD
 from ..proto import vllm_engine_pb2 as pb
 from ..wire import usage as generation_usage
-from ._base import Call, CallInterceptor, MethodFilter
+from ._base import CallInterceptor, MethodFilter
+from ._call import Call
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider

@@ -1,0 +1,101 @@
+"""One call as the hooks see it, how it ended, and the refusal that ends it early."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+# A cancel this close to the deadline is the deadline (see ended_code): a
+# fixed allowance plus a share of the call's age, since the server learns its
+# deadline only when the call arrives, later than the client started its timer.
+_DEADLINE_SLACK_S = 0.25
+_DEADLINE_SLACK_SHARE = 0.1
+
+
+class Call:
+    """One RPC as the hooks see it.
+
+    Attributes:
+        method: "/package.Service/Method".
+        service: "package.Service".
+        name: "Method".
+        kind: "unary_unary", "unary_stream", "stream_unary" or "stream_stream".
+        metadata: the invocation metadata, a tuple of (key, value) pairs.
+        context: the call's ServicerContext.
+        started: time.perf_counter() when the call reached the handler wrapper.
+        code: how the call ended (None until just before on_finish).
+        state: free per-call slot for the interceptor (None until it sets one).
+    """
+
+    __slots__ = (
+        "code",
+        "context",
+        "kind",
+        "metadata",
+        "method",
+        "name",
+        "service",
+        "started",
+        "state",
+    )
+
+    def __init__(self, method: str, kind: str, metadata: Any, context: Any) -> None:
+        self.method = method
+        service, _, name = method[1:].rpartition("/")
+        self.service = service
+        self.name = name
+        self.kind = kind
+        self.metadata = metadata
+        self.context = context
+        self.started = time.perf_counter()
+        self.code: grpc.StatusCode | None = None
+        self.state: Any = None
+
+
+def ended_code(context: Any, exc: BaseException | None, started: float) -> grpc.StatusCode:
+    if exc is None:
+        code = context.code()
+        # A handler may set a code without raising (context.set_code).
+        return code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.OK
+    if isinstance(exc, grpc.aio.AbortError):
+        code = context.code()
+        return code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.UNKNOWN
+    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+        # grpc cancels the handler task both for a client cancel and at the
+        # deadline; only the time left tells them apart. The client's own timer
+        # usually fires first and its cancel arrives a transit time before ours.
+        # A cancel that lands while grpc awaits a write leaves the response
+        # generators suspended: they are closed (GeneratorExit), not cancelled.
+        remaining = context.time_remaining()
+        slack = _DEADLINE_SLACK_S + _DEADLINE_SLACK_SHARE * (time.perf_counter() - started)
+        if remaining is not None and remaining <= slack:
+            return grpc.StatusCode.DEADLINE_EXCEEDED
+        return grpc.StatusCode.CANCELLED
+    return grpc.StatusCode.UNKNOWN
+
+
+class Refusal(Exception):
+    """Raised by `on_admit` to refuse a call before its request is read.
+
+    Args:
+        code: the status the call ends with.
+        details: the status message.
+        log: called with the call's context when the refusal is sent (to log it).
+    """
+
+    def __init__(
+        self, code: grpc.StatusCode, details: str, log: Callable[[Any], None] | None = None
+    ) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+        self.log = log
+
+    async def abort(self, context: Any, method: str) -> None:
+        if self.log is not None:
+            self.log(context)
+        await context.abort(self.code, self.details)

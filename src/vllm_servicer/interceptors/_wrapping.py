@@ -1,0 +1,550 @@
+"""The one way a handler is wrapped: by `mount()`, by `Pipeline` server-wide, by
+a `CallInterceptor` alone.
+
+This module alone knows grpc's four handler kinds. `wrap(segments, ...)`
+builds a method's handler once, innermost segment first:
+
+- a run of `CallInterceptor`s becomes one wrapper (`_fused`), whose hooks are
+  called in order from one place, so a streamed message makes one generator
+  hop however many interceptors there are;
+- any other grpc.aio server interceptor (OpenTelemetry's, which
+  `TracingInterceptor` brings as its `enclosing` one, or a host's own) is
+  asked per call what to run around the handler inside it (`_relay`), as a
+  server would ask it.
+
+The order of a call, in every wrapper:
+
+1. `on_admit` of each interceptor of the run, outermost first; the first
+   `Refusal` ends the call, and only the interceptors outside the refusing
+   one see it (`on_start`, `on_finish`).
+2. `on_start` of each, outermost first; an abort there ends the call.
+3. The innermost wrapper reads the request and gives it to `on_request`;
+   each response message goes to `on_response`. A unary request is read by
+   that wrapper, not by grpc (it is registered as a request stream of one
+   message, the same on the wire): a refused call's request is never
+   received, inflated nor parsed, whatever sits between the wrappers.
+4. The handler's exception, if any, goes through the error layer (an
+   `ErrorLayer` turning it into a status) before anything sees the outcome.
+5. `on_finish` of each started interceptor, innermost first, with the code.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from ._call import Call, Refusal, ended_code
+
+if TYPE_CHECKING:
+    from ._base import CallInterceptor
+
+logger = logging.getLogger("vllm_servicer.interceptors")
+
+ErrorLayer = Callable[[Any, Exception, str], Awaitable[Any]]
+"""`(context, exception, method)`: aborts the call with the status for the exception."""
+
+_FACTORIES: dict[str, Any] = {
+    "unary_unary": grpc.unary_unary_rpc_method_handler,
+    "unary_stream": grpc.unary_stream_rpc_method_handler,
+    "stream_unary": grpc.stream_unary_rpc_method_handler,
+    "stream_stream": grpc.stream_stream_rpc_method_handler,
+}
+
+
+def kind_of(handler: Any) -> str:
+    """ "unary_unary", "unary_stream", "stream_unary" or "stream_stream"."""
+    if handler.request_streaming:
+        return "stream_stream" if handler.response_streaming else "stream_unary"
+    return "unary_stream" if handler.response_streaming else "unary_unary"
+
+
+def behaviour_of(handler: Any) -> Any:
+    """The function grpc calls for `handler`."""
+    return getattr(handler, kind_of(handler))
+
+
+def is_async(handler: Any) -> bool:
+    """Whether grpc.aio runs `handler` on the event loop (else in its thread pool)."""
+    behaviour = behaviour_of(handler)
+    return inspect.iscoroutinefunction(behaviour) or inspect.isasyncgenfunction(behaviour)
+
+
+# The kind clients see of each method whose unary request a wrapper reads
+# (registered as a stream of one message): what interceptors wrapping it later,
+# OpenTelemetry's or a host's included, must still call it. A method's full name
+# has one kind.
+_DECLARED_KINDS: dict[str, str] = {}
+
+
+def rpc_kind_of(handler: Any, method: str) -> str:
+    """The kind of `method` as its clients see it, though a wrapper of this
+    module registers a unary request as a stream of one message."""
+    return _DECLARED_KINDS.get(method) or kind_of(handler)
+
+
+def _reading(kind: str) -> str:
+    """The grpc kind under which a wrapper of a `kind` handler is registered.
+
+    A unary request is read by the wrapper itself, once every interceptor has
+    admitted and started the call: grpc then neither receives, inflates nor
+    parses the bytes of a call that is refused.
+    """
+    return "stream_" + kind.split("_", 1)[1] if kind[0] == "u" else kind
+
+
+def _registered(
+    kind: str, method: str, declared: str, behaviour: Any, inner: Any, deserializer: Any
+) -> Any:
+    """A handler running `behaviour` around a `kind` handler `inner` of `method`,
+    registered as `_reading(kind)`; its clients see `declared`."""
+    if kind[0] == "u":
+        _DECLARED_KINDS[method] = declared
+    return _FACTORIES[_reading(kind)](
+        behaviour,
+        request_deserializer=deserializer,
+        response_serializer=inner.response_serializer,
+    )
+
+
+class CallDetails(grpc.HandlerCallDetails):
+    """The method and metadata of one call, as interceptors receive them."""
+
+    __slots__ = ("invocation_metadata", "method")
+
+    def __init__(self, method: str, invocation_metadata: Any) -> None:
+        self.method = method
+        self.invocation_metadata = invocation_metadata
+
+
+class UndecodableRequest:
+    """Stands in for a request whose bytes did not parse."""
+
+    __slots__ = ("error", "message_name")
+
+    def __init__(self, message_name: str, error: Exception) -> None:
+        self.message_name = message_name
+        self.error = error
+
+
+def tolerant(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    """`deserializer`, returning an `UndecodableRequest` instead of raising.
+
+    grpc answers a request its deserializer rejects (invalid UTF-8 in a string
+    field, say) with UNKNOWN and a traceback in the log, which tells the client
+    nothing; the wrapper answers INVALID_ARGUMENT instead.
+    """
+    descriptor = getattr(getattr(deserializer, "__self__", None), "DESCRIPTOR", None)
+    name = getattr(descriptor, "full_name", "request")
+
+    def parse(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as exc:
+            return UndecodableRequest(name, exc)
+
+    return parse
+
+
+_MISSING = object()
+"""What the wrapper reads from a unary call whose client sent no message."""
+
+
+async def _read_one(requests: Any) -> Any:
+    """The one message of a unary request, read from grpc's request stream."""
+    try:
+        return await anext(requests)
+    except StopAsyncIteration:
+        return _MISSING
+
+
+class Layers:
+    """The `CallInterceptor`s of one run that apply to one method, and their hooks."""
+
+    __slots__ = ("interceptors", "request_hooks", "response_hooks")
+
+    def __init__(self, interceptors: Sequence[CallInterceptor]) -> None:
+        self.interceptors = tuple(interceptors)
+        self.request_hooks = tuple(i for i in self.interceptors if i.has_request_hook)
+        self.response_hooks = tuple(i for i in self.interceptors if i.has_response_hook)
+
+
+Segment = Layers | grpc.aio.ServerInterceptor
+"""A run of CallInterceptors fused into one wrapper, or an interceptor asked per call."""
+
+
+def wrap(
+    segments: Sequence[Segment], method: str, handler: Any, *, errors: ErrorLayer | None = None
+) -> Any:
+    """`handler` of `method` with `segments` (outermost first) around it, built once.
+
+    `errors` maps the handler's exceptions to statuses (the innermost wrapper
+    hands them to it). A sync handler, which grpc runs in its thread pool where
+    no hook can run, passes through untouched, unless an interceptor that must
+    not let a call through unchecked (authentication) applies: then it is refused.
+    """
+    if not is_async(handler):
+        return _sync_handler(handler, method, segments)
+    if not segments and errors is None:
+        return handler
+    kind = rpc_kind_of(handler, method)
+    wrapped = handler
+    reader = True  # the innermost wrapper reads the request and maps errors
+    for segment in reversed(segments):
+        if isinstance(segment, Layers):
+            wrapped = _fused(wrapped, method, kind, segment, errors if reader else None)
+            reader = False
+        else:
+            if reader:
+                wrapped = _fused(wrapped, method, kind, Layers(()), errors)
+                reader = False
+            wrapped = _relay(segment, wrapped, method, kind)
+    if reader:
+        wrapped = _fused(wrapped, method, kind, Layers(()), errors)
+    return wrapped
+
+
+class HandlerCache:
+    """The wrapped handler of each method, built once for the handler grpc looks up.
+
+    Server-wide, grpc hands an interceptor the method's handler on every call;
+    it is the same object call after call unless an interceptor inside
+    returns a new one each time, and then it is wrapped anew.
+    """
+
+    __slots__ = ("_wrapped",)
+
+    def __init__(self) -> None:
+        self._wrapped: dict[str, tuple[Any, Any]] = {}
+
+    def get(self, method: str, handler: Any, build: Callable[[str, Any], Any]) -> Any:
+        """`build(method, handler)`, or what it returned for this same handler."""
+        found = self._wrapped.get(method)
+        if found is not None and found[0] is handler:
+            return found[1]
+        wrapped = build(method, handler)
+        if found is not None or len(self._wrapped) < 4096:  # method names come from clients
+            self._wrapped[method] = (handler, wrapped)
+        return wrapped
+
+
+class _HookedContext:
+    """The real context, with `read` and `write` reported to the hooks."""
+
+    __slots__ = ("_context", "_on_request", "_on_response")
+
+    def __init__(
+        self,
+        context: Any,
+        on_request: Callable[[Any], None] | None,
+        on_response: Callable[[Any], None] | None,
+    ) -> None:
+        self._context = context
+        self._on_request = on_request
+        self._on_response = on_response
+
+    async def read(self) -> Any:
+        message = await self._context.read()
+        if self._on_request is not None and message is not grpc.aio.EOF:
+            self._on_request(message)
+        return message
+
+    async def write(self, message: Any) -> None:
+        if self._on_response is not None:
+            self._on_response(message)
+        await self._context.write(message)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
+
+
+async def _admit(
+    layers: Sequence[CallInterceptor], method: str, metadata: Any, context: Any
+) -> tuple[int, Refusal | None]:
+    """How many interceptors take part in the call, and the refusal that cut it short."""
+    for index, interceptor in enumerate(layers):
+        if interceptor.has_admit_hook:
+            try:
+                await interceptor.on_admit(method, metadata, context)
+            except Refusal as refusal:
+                return index, refusal
+    return len(layers), None
+
+
+def _fused(handler: Any, method: str, kind: str, layers: Layers, errors: ErrorLayer | None) -> Any:
+    """`handler` wrapped by every hook of `layers` and the error layer.
+
+    `kind` is the method's kind as its clients see it. When `handler` takes a
+    unary request, this wrapper reads it, after admission and every `on_start`;
+    around a wrapper that reads, a request is a stream of one message, hooked
+    as it is read.
+    """
+    physical = kind_of(handler)
+    behaviour = behaviour_of(handler)
+    reads_request = physical[0] == "u"
+    deserializer = handler.request_deserializer
+    if reads_request and deserializer is not None:
+        deserializer = tolerant(deserializer)
+    interceptors = layers.interceptors
+    streams_requests = physical[0] == "s"
+    streams_responses = kind.endswith("stream")
+    response_hooked = bool(layers.response_hooks)
+    context_hooked = (streams_requests and bool(layers.request_hooks)) or (
+        streams_responses and response_hooked
+    )
+
+    async def begin(context: Any, started: list[tuple[CallInterceptor, Call]]) -> None:
+        """Admit and start the call, filling `started`; abort if it is refused."""
+        metadata = context.invocation_metadata()
+        cut, refusal = await _admit(interceptors, method, metadata, context)
+        for interceptor in interceptors[:cut]:
+            call = Call(method, kind, metadata, context)
+            started.append((interceptor, call))  # before on_start: an abort there still ends it
+            await interceptor.on_start(call)
+        if refusal is not None:
+            await refusal.abort(context, method)
+
+    async def prepare(
+        request: Any, context: Any, started: list[tuple[CallInterceptor, Call]]
+    ) -> tuple[Any, Any]:
+        """The request and the context the handler gets."""
+        if reads_request:
+            request = await _read_one(request)
+            if request is _MISSING:
+                request = UndecodableRequest(method, ValueError("no request message was sent"))
+            if type(request) is UndecodableRequest:
+                await _reject_undecodable(context, request, method, errors)
+        if layers.request_hooks:
+            hooks = [(i.on_request, c) for i, c in started if i.has_request_hook]
+            if not streams_requests:
+                for hook, call in hooks:
+                    hook(call, request)
+            else:
+                request = _counted(request, hooks)
+        if context_hooked:
+            context = _hooked(context, started, streams_requests)
+        return request, context
+
+    async def fail(context: Any, error: Exception) -> None:
+        """Hand `error` to the error layer, which aborts; re-raise what it raises."""
+        if errors is None or isinstance(error, grpc.aio.AbortError):
+            raise error
+        await errors(context, error, method)
+        raise error  # pragma: no cover - the error layer aborts
+
+    def finish(started: list[tuple[CallInterceptor, Call]], context: Any, exc: Any) -> None:
+        if not started:
+            return
+        code = ended_code(context, exc, started[0][1].started)
+        for interceptor, call in reversed(started):
+            interceptor.finish(call, code)
+
+    if not streams_responses:
+
+        async def unary_response(request: Any, context: Any) -> Any:
+            exc: BaseException | None = None
+            started: list[tuple[CallInterceptor, Call]] = []
+            try:
+                await begin(context, started)
+                request, inner = await prepare(request, context, started)
+                try:
+                    response = await behaviour(request, inner)
+                except Exception as error:
+                    await fail(context, error)
+                if response_hooked and response is not None:
+                    for interceptor, call in started:
+                        if interceptor.has_response_hook:
+                            interceptor.on_response(call, response)
+                return response
+            except BaseException as error:
+                exc = error
+                raise
+            finally:
+                finish(started, context, exc)
+
+        return _registered(physical, method, kind, unary_response, handler, deserializer)
+
+    async def streaming_response(request: Any, context: Any) -> AsyncIterator[Any]:
+        exc: BaseException | None = None
+        started: list[tuple[CallInterceptor, Call]] = []
+        result: Any = None
+        try:
+            await begin(context, started)
+            request, inner = await prepare(request, context, started)
+            try:
+                result = behaviour(request, inner)
+                if inspect.isasyncgen(result):
+                    hooks = None
+                    if response_hooked:
+                        # Chosen at the first message, once the handler has begun:
+                        # a hook may read a record the handler keeps instead.
+                        async for message in result:
+                            hooks = [
+                                (i.on_response, c)
+                                for i, c in started
+                                if i.has_response_hook and _reads_responses(i, c)
+                            ]
+                            for hook, call in hooks:
+                                hook(call, message)
+                            yield message
+                            break
+                    if hooks:
+                        async for message in result:
+                            for hook, call in hooks:
+                                hook(call, message)
+                            yield message
+                    else:
+                        async for message in result:
+                            yield message
+                else:
+                    await result  # a context.write-style handler
+            except Exception as error:
+                await fail(context, error)
+        except BaseException as error:
+            exc = error
+            raise
+        finally:
+            try:
+                if exc is not None and inspect.isasyncgen(result):
+                    # Cancelled at our `yield`, the handler's generator is still
+                    # suspended at its own: close it now (its cleanup, e.g. an
+                    # engine abort, runs before on_finish) rather than at GC.
+                    await result.aclose()
+            finally:
+                finish(started, context, exc)
+
+    return _registered(physical, method, kind, streaming_response, handler, deserializer)
+
+
+def _returning(handler: Any) -> Callable[[grpc.HandlerCallDetails], Awaitable[Any]]:
+    async def continuation(details: grpc.HandlerCallDetails) -> Any:
+        return handler
+
+    return continuation
+
+
+def _relay(interceptor: grpc.aio.ServerInterceptor, inner: Any, method: str, kind: str) -> Any:
+    """`inner` behind an interceptor that is not a CallInterceptor, asked per call.
+
+    Such an interceptor may return another handler per call, so it is asked
+    per call, as a server would ask it, and the wrapper relays what the
+    handler it returned does. `inner` reads the request itself: the
+    interceptor sees a unary request as a stream of one message.
+    """
+
+    async def resolve(context: Any) -> Any:
+        details = CallDetails(method, context.invocation_metadata())
+        resolved = await interceptor.intercept_service(_returning(inner), details)
+        if resolved is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"method {method} not found")
+        return resolved
+
+    async def request_of(resolved: Any, requests: Any, context: Any) -> Any:
+        if resolved.request_streaming or kind[0] == "s":
+            return requests
+        # An interceptor put a unary handler of its own in place of ours.
+        request = await _read_one(requests)
+        if request is _MISSING or type(request) is UndecodableRequest:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request could not be parsed")
+        return request
+
+    if not kind.endswith("stream"):
+
+        async def unary_response(requests: Any, context: Any) -> Any:
+            resolved = await resolve(context)
+            request = await request_of(resolved, requests, context)
+            return await behaviour_of(resolved)(request, context)
+
+        return _registered(kind, method, kind, unary_response, inner, inner.request_deserializer)
+
+    async def streaming_response(requests: Any, context: Any) -> AsyncIterator[Any]:
+        resolved = await resolve(context)
+        request = await request_of(resolved, requests, context)
+        result = behaviour_of(resolved)(request, context)
+        if inspect.isasyncgen(result):
+            try:
+                async for message in result:
+                    yield message
+            except BaseException:
+                await result.aclose()  # cancelled at our `yield`: close it now, not at GC
+                raise
+        else:
+            await result
+
+    return _registered(kind, method, kind, streaming_response, inner, inner.request_deserializer)
+
+
+def _reads_responses(interceptor: CallInterceptor, call: Call) -> bool:
+    try:
+        return interceptor.reads_responses(call)
+    except Exception:
+        # Bookkeeping must never change how the call ends: give it the messages.
+        logger.exception("reads_responses of %s failed", type(interceptor).__name__)
+        return True
+
+
+async def _counted(requests: Any, hooks: list[tuple[Any, Call]]) -> AsyncIterator[Any]:
+    async for message in requests:
+        for hook, call in hooks:
+            hook(call, message)
+        yield message
+
+
+def _hooked(
+    context: Any, started: list[tuple[CallInterceptor, Call]], streams_requests: bool
+) -> _HookedContext:
+    request_hooks = [(i.on_request, c) for i, c in started if i.has_request_hook]
+    response_hooks = [(i.on_response, c) for i, c in started if i.has_response_hook]
+
+    def on_request(message: Any) -> None:
+        for hook, call in request_hooks:
+            hook(call, message)
+
+    def on_response(message: Any) -> None:
+        for hook, call in response_hooks:
+            hook(call, message)
+
+    return _HookedContext(
+        context,
+        on_request if streams_requests and request_hooks else None,
+        on_response if response_hooks else None,
+    )
+
+
+async def _reject_undecodable(
+    context: Any, request: UndecodableRequest, method: str, errors: ErrorLayer | None
+) -> None:
+    reason = f"not a valid {request.message_name}: {request.error}"
+    if errors is not None:
+        from ..errors import InvalidRequestError
+
+        await errors(context, InvalidRequestError("request", reason), method)
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: {reason}")
+
+
+def _sync_handler(handler: Any, method: str, segments: Sequence[Segment]) -> Any:
+    """A plain (sync) handler: passed through, or refused where authentication applies."""
+    for segment in segments:
+        if isinstance(segment, Layers) and any(i.fails_closed for i in segment.interceptors):
+            logger.error("%s has a sync handler, which cannot be checked: refused", method)
+            return _refusing(handler, method)
+    return handler
+
+
+def _refusing(handler: Any, method: str) -> Any:
+    """An async handler of the kind of `handler` that refuses every call, unread."""
+    details = "method cannot be authenticated"
+
+    async def refuse(requests: Any, context: Any) -> None:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, details)
+
+    async def refuse_stream(requests: Any, context: Any) -> AsyncIterator[Any]:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, details)
+        yield  # pragma: no cover - makes this an async generator
+
+    behaviour = refuse_stream if handler.response_streaming else refuse
+    kind = kind_of(handler)
+    return _registered(kind, method, kind, behaviour, handler, handler.request_deserializer)
