@@ -23,14 +23,13 @@ def missing_members(engine: Any) -> list[str]:
 def served_model_name(engine: Any) -> str:
     """The model name the engine serves (`--served-model-name`, else the model path).
 
+    vLLM's `ModelConfig` settles it when built (its `get_served_model_name`:
+    the first of several names, else the model); this reads that answer.
+
     Args:
         engine: an `AsyncLLM` or anything with a vLLM `model_config`.
     """
-    config = getattr(engine, "model_config", None)
-    served = getattr(config, "served_model_name", None) or getattr(config, "model", "")
-    if isinstance(served, (list, tuple)):
-        served = served[0] if served else ""
-    return str(served or "")
+    return str(getattr(getattr(engine, "model_config", None), "served_model_name", "") or "")
 
 
 class Renderer(Protocol):

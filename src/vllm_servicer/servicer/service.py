@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
 import time
 import uuid
@@ -18,13 +16,10 @@ import grpc
 from vllm.exceptions import VLLMClientError
 from vllm.pooling_params import PoolingParams
 
-from .. import vllm_releases
 from ..context import current_request_id, engine_trace_headers, kept_usage
-from ..engine import EngineClient, missing_members, served_model_name
+from ..engine import EngineClient, missing_members
 from ..errors import (
-    InvalidRequestError,
     NotEnabledError,
-    UnimplementedFieldError,
     UnsupportedError,
 )
 from ..multimodal import tensors as mm_tensors
@@ -33,7 +28,8 @@ from ..options import DEFAULT_MAX_KV_SUBSCRIBERS
 from ..proto import common_pb2, vllm_engine_pb2_grpc
 from ..proto import vllm_engine_pb2 as pb
 from ..wire import convert, fields
-from . import admin, kv_events, loads
+from . import admin, info, kv_events, loads
+from .generate import Generation
 from .tenancy import RunningRequests, SubscriberLimit
 from .tokenizer_bundle import TokenizerBundle, chunks, tokenizer_dir
 
@@ -44,45 +40,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("vllm_servicer")
 
-SERVER_TYPE = "vllm-grpc"
-# The generation-config defaults GetModelInfo advertises for the router to apply.
-_ADVERTISED_SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-
 
 def _request_id(given: str, prefix: str) -> str:
     # vLLM needs an id; a client that sent none cannot Abort by id anyway.
     return given or f"{prefix}-{uuid.uuid4().hex}"
-
-
-# The grammar's start on a prompt that ends inside the model's thought, as
-# routers read GetServerInfo.constrained_decoding_start.
-_AFTER_REASONING, _FROM_FIRST_TOKEN = "after_reasoning", "first_token"
-
-
-def _engine_facts(config: Any) -> dict[str, Any]:
-    """GetServerInfo's fields read off the engine's configuration beyond the basics.
-
-    The attention backend is the one asked for (`--attention-backend`); on
-    the automatic choice the worker picks it, and it is left empty (unknown).
-    """
-    model = getattr(config, "model_config", None)
-    dtype = str(getattr(model, "dtype", "") or "").removeprefix("torch.")
-    multimodal = getattr(model, "multimodal_config", None)
-    backend = getattr(getattr(config, "attention_config", None), "backend", None)
-    structured = getattr(config, "structured_outputs_config", None)
-    parser = str(getattr(structured, "reasoning_parser", "") or "")
-    # vLLM holds a grammar back until the thought ends, unless told to run it inside.
-    held_back = parser and not getattr(structured, "enable_in_reasoning", False)
-    return {
-        "multimodal_encoder_dtype": dtype if dtype in ("float32", "float16", "bfloat16") else "",
-        # Such an engine takes raw pixels and would normalise others twice.
-        "mm_device_do_normalize": bool(getattr(multimodal, "mm_device_do_normalize", False)),
-        "attention_backend": "" if backend is None else str(getattr(backend, "name", backend)),
-        "engine_reasoning_parser": parser,
-        "constrained_decoding_start": ""
-        if structured is None
-        else (_AFTER_REASONING if held_back else _FROM_FIRST_TOKEN),
-    }
 
 
 class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
@@ -124,28 +85,12 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         # What preprocessed tensors (mm_inputs) this model takes.
         self._model_media = mm_tensors.ModelMedia.of(engine, shm=shm_tensors)
         self._kv_subscribers = SubscriberLimit(max_kv_subscribers)
-        # A token prompt past the model's context is refused by its length alone.
-        max_len = getattr(engine.model_config, "max_model_len", None)
-        self._max_prompt_tokens: int | None = int(max_len) if max_len else None
         self._started_monotonic = time.monotonic()
         self._running = RunningRequests()
         self._last_receive_timestamp = 0.0
         self._model_info: pb.GetModelInfoResponse | None = None
         self._supported_tasks: tuple[str, ...] | None = None
-        # Prefill/decode hand-off needs a KV connector in the engine (--kv-transfer-config).
-        config = engine.vllm_config
-        self._kv_connector = getattr(config, "kv_transfer_config", None)
-        # A seeded sampling request would kill an engine set up so (a vLLM CPU fault).
-        self._seed_hazard = vllm_releases.seeded_sampling_hazard(config)
-        if self._seed_hazard is not None:
-            logger.warning(
-                "seeded sampling requests will be refused: on this CPU engine %s, and vLLM's "
-                "CPU generator cannot rewind a split prompt's draw (the engine would die); "
-                "start it with enable_chunked_prefill=False (--no-enable-chunked-prefill)",
-                self._seed_hazard,
-            )
-        # vLLM's renderer turns a token prompt into engine input synchronously.
-        self._render = engine.renderer.process_for_engine
+        self._generation = Generation(engine, media=self._media, model_media=self._model_media)
         # Reads the engine's own per-step scheduler stats for GetLoads.
         self._stats_tap = loads.attach(engine)
         self._tokenizer_bundle: TokenizerBundle | None = None
@@ -200,49 +145,11 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         try:
             fields.refuse_unserved("Generate", request)
             kv_transfer = convert.kv_transfer_params(request)
-            if kv_transfer is not None and self._kv_connector is None:
-                json_set = request.HasField("kv_transfer_params_json")
-                name = "kv_transfer_params_json" if json_set else "kv_transfer_params"
-                raise UnsupportedError(fields.KV_CONNECTOR_HINT, field=name)
+            prompt, sampling, kwargs = await self._generation.engine_call(
+                request, context, kv_transfer
+            )
             params = request.sampling_params
             stream = request.stream
-            sampling = convert.sampling_params_from_proto(
-                params, stream=stream, kv_transfer=kv_transfer
-            )
-            if self._seed_hazard and vllm_releases.draws_from_own_generator(sampling):
-                raise UnsupportedError(
-                    f"seeded sampling would stop this CPU engine ({self._seed_hazard}); "
-                    "send no seed, a temperature of 0, or serve with "
-                    "--no-enable-chunked-prefill",
-                    field="sampling_params.seed",
-                )
-            tokenization = convert.tokenization_kwargs(params)
-            # With truncation asked for, a longer prompt is the engine's to cut.
-            limit = None if tokenization is not None else self._max_prompt_tokens
-            prompt = convert.prompt_from_request(request, limit)
-            images = request.HasField("media_refs")
-            tensors = mm_tensors.sent(request)
-            if tensors:
-                # The router's own processor output: the engine input as it stands.
-                prompt = await mm_tensors.engine_input(request, prompt, self._model_media)
-            elif images:
-                # vLLM's processor expands each image placeholder, off the event loop.
-                prompt = await self._with_images(request, prompt)
-            kwargs: dict[str, Any] = {}
-            if tokenization is not None:
-                kwargs["tokenization_kwargs"] = tokenization
-            elif not isinstance(prompt, str) and not images and not tensors:
-                # Token ids need no tokenizer: render them here, which spares
-                # the engine's hop through a worker thread for raw prompts.
-                # The engine still validates the rendered input.
-                prompt = self._render(prompt, time.time())
-            if request.HasField("data_parallel_rank"):
-                kwargs["data_parallel_rank"] = request.data_parallel_rank
-            trace = engine_trace_headers(context)
-            if trace is not None:
-                kwargs["trace_headers"] = trace
-            if convert.grammar_from_first_token(params):
-                kwargs["reasoning_ended"] = True
             build = convert.ResponseBuilder(params)
             chunk, complete = build.chunk, build.complete
             # What the metrics and tracing read, kept from the numbers at hand.
@@ -276,7 +183,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         except Exception as exc:
             # The error layer around every method turns what is raised into a status.
             if kv_transfer is not None and not started:
-                await self._kv_transfer_rejected(request, request_id, kv_transfer)
+                await self._generation.kv_transfer_rejected(request, request_id, kv_transfer)
             if isinstance(exc, (ValueError, VLLMClientError)):
                 named = convert.constraint_error(exc, request.sampling_params)
                 if named is not exc:
@@ -296,7 +203,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 )
             final = None
             async for output in self._engine.encode(
-                convert.prompt_from_request(request, self._max_prompt_tokens),
+                convert.prompt_from_request(request, self._generation.max_prompt_tokens),
                 PoolingParams(task="embed"),
                 request_id,
                 trace_headers=engine_trace_headers(context),
@@ -334,49 +241,20 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self, request: pb.GetModelInfoRequest, context: Context
     ) -> pb.GetModelInfoResponse:
         if self._model_info is None:
-            self._model_info = await self._build_model_info()
+            supports_vision = self._model_media.takes_images or self._takes_images
+            self._model_info = info.model_info(self._engine, supports_vision=supports_vision)
         return self._model_info
 
     async def GetServerInfo(
         self, request: pb.GetServerInfoRequest, context: Context
     ) -> pb.GetServerInfoResponse:
-        config = self._engine.vllm_config
-        parallel = getattr(config, "parallel_config", None)
-        cache = getattr(config, "cache_config", None)
-        scheduler = getattr(config, "scheduler_config", None)
-        kv_transfer = getattr(config, "kv_transfer_config", None)
-        is_paused = await self._engine.is_paused()
-        media = self._model_media
-        # Worked out once, from the model's largest item: off the event loop.
-        budget = (
-            media.encoder_budget(config)
-            if media.encoder_budget_known
-            else await asyncio.to_thread(media.encoder_budget, config)
-        )
-        return pb.GetServerInfoResponse(
+        return await info.server_info(
+            self._engine,
             active_requests=self.active_requests,
-            is_paused=is_paused,
             last_receive_timestamp=self._last_receive_timestamp,
             uptime_seconds=time.monotonic() - self._started_monotonic,
-            server_type=SERVER_TYPE,
-            kv_connector=getattr(kv_transfer, "kv_connector", None) or "",
-            kv_role=getattr(kv_transfer, "kv_role", None) or "",
-            kv_engine_id=getattr(kv_transfer, "engine_id", None) or "",
-            data_parallel_size=getattr(parallel, "data_parallel_size", 1) or 1,
-            kv_cache_dtype=str(getattr(cache, "cache_dtype", "") or ""),
-            block_size=getattr(cache, "block_size", 0) or 0,
-            model_dtype=str(getattr(self._engine.model_config, "dtype", "") or ""),
-            max_num_seqs=getattr(scheduler, "max_num_seqs", 0) or 0,
-            # What a router reads to send media_refs here rather than tensors.
-            mm_processor="inprocess" if self._takes_images else "",
-            mm_media_ref_schemes=",".join(self._media.schemes)
-            if self._media is not None and self._takes_images
-            else "",
-            # What a router reads to send tensors, and through shared memory.
-            mm_item_limits=media.item_limits,
-            shm_namespace_id=mm_tensors.shm_namespace() if media.shm and media.limits else "",
-            mm_encoder_budget=budget,
-            **_engine_facts(config),
+            model_media=self._model_media,
+            media=self._media,
         )
 
     async def GetLoads(self, request: pb.GetLoadsRequest, context: Context) -> pb.GetLoadsResponse:
@@ -451,52 +329,6 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     def _takes_images(self) -> bool:
         return self._media is not None and self._media.takes_images
 
-    async def _with_images(self, request: pb.GenerateRequest, prompt: Any) -> Any:
-        """`prompt` with the images of `request.media_refs` as its multimodal data."""
-        if self._media is None or not self._media.takes_images:
-            raise UnimplementedFieldError("media_refs", fields.MEDIA_REFS_HINT)
-        if isinstance(prompt, str):
-            # As the reference server: the router tokenizes, placeholders included.
-            raise InvalidRequestError(
-                "media_refs", "needs tokenized input (token ids with one placeholder per image)"
-            )
-        images = await self._media.images(request.media_refs)
-        prompt["multi_modal_data"] = {"image": images[0] if len(images) == 1 else images}
-        render = self._engine.renderer.process_for_engine_async
-        if convert.tokenization_kwargs(request.sampling_params) is not None:
-            return prompt  # the engine processes it (truncating it first)
-        try:
-            # As the engine would; rendered here, a mismatch is named as the
-            # request's fault (vLLM asserts it, which would read as internal).
-            return await render(prompt, time.time())
-        except (AssertionError, RuntimeError, ValueError) as exc:
-            raise InvalidRequestError(
-                "media_refs", f"the images do not fit the prompt's placeholders: {exc}"
-            ) from exc
-
-    async def _kv_transfer_rejected(
-        self, request: pb.GenerateRequest, request_id: str, kv_transfer: dict[str, Any]
-    ) -> None:
-        """Tell the KV connector a remote-prefill request failed before the engine ran it.
-
-        The prefill side holds the request's blocks until the decode side takes
-        them; without this they stay pinned until the connector's lease expires.
-        A cancelled call is not reported: once the engine holds the request, its
-        abort runs the connector's hook itself.
-        """
-        if self._kv_connector is None or not kv_transfer.get("do_remote_prefill"):
-            return
-        notify = self._engine.notify_kv_transfer_request_rejected
-        rank = request.data_parallel_rank if request.HasField("data_parallel_rank") else None
-        try:
-            await notify(request_id, kv_transfer, data_parallel_rank=rank)
-        except Exception:
-            logger.warning(
-                "could not tell the KV connector that request %r was rejected",
-                request_id,
-                exc_info=True,
-            )
-
     def _log_missing(self, ranks: list[int]) -> None:
         # Once per change, not per poll: routers poll GetLoads several times a second.
         missing = frozenset(ranks)
@@ -514,42 +346,3 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             tasks = await self._engine.get_supported_tasks()
             self._supported_tasks = tuple(tasks)
         return self._supported_tasks
-
-    async def _build_model_info(self) -> pb.GetModelInfoResponse:
-        mc = self._engine.model_config
-        hf = getattr(mc, "hf_config", None)
-        max_len = int(getattr(mc, "max_model_len", 0) or 0)
-        eos = getattr(hf, "eos_token_id", None)
-        eos_ids = [eos] if isinstance(eos, int) else list(eos or ())
-        return pb.GetModelInfoResponse(
-            model_path=str(getattr(mc, "model", "")),
-            is_generation=getattr(mc, "runner_type", "generate") == "generate",
-            max_context_length=max_len,
-            vocab_size=int(mc.get_vocab_size()),
-            # Only when a request can carry an image that reaches the model:
-            # preprocessed tensors (mm_inputs), or media_refs when turned on.
-            supports_vision=self._model_media.takes_images or self._takes_images,
-            served_model_name=served_model_name(self._engine),
-            tokenizer_path=str(getattr(mc, "tokenizer", "") or ""),
-            model_type=str(getattr(hf, "model_type", "") or ""),
-            architectures=list(getattr(hf, "architectures", None) or ()),
-            eos_token_ids=eos_ids,
-            pad_token_id=int(getattr(hf, "pad_token_id", None) or 0),
-            bos_token_id=int(getattr(hf, "bos_token_id", None) or 0),
-            max_req_input_len=max_len,
-            default_sampling_params_json=_default_sampling_json(mc),
-        )
-
-
-def _default_sampling_json(model_config: Any) -> str:
-    """The model's generation-config sampling defaults as compact JSON ("" if none)."""
-    get_diff = getattr(model_config, "get_diff_sampling_param", None)
-    if get_diff is None:
-        return ""
-    try:
-        diff = get_diff() or {}
-    except Exception:  # a malformed generation config must not break GetModelInfo
-        logger.warning("could not read the model's generation config", exc_info=True)
-        return ""
-    chosen = {k: diff[k] for k in _ADVERTISED_SAMPLING_DEFAULTS if diff.get(k) is not None}
-    return json.dumps(chosen, separators=(",", ":")) if chosen else ""

@@ -261,7 +261,8 @@ def _cache_root() -> Path:
 
 def _marker(kind: _Kind) -> dict[str, str]:
     return {
-        "writer": "vllm_servicer.testing.tiny_model",
+        # The writer's name as directories already written carry it.
+        "writer": "vllm_servicer.tiny_model",
         "version": TINY_MODEL_VERSION,
         "kind": kind,
     }
@@ -297,7 +298,7 @@ def _write(path: Path, kind: _Kind, populate: Callable[[Path, _Kind], None] | No
                 return path  # Another process won the race.
             if found is None or found.get("writer") != _marker(kind)["writer"]:
                 raise FileExistsError(
-                    f"{path} exists and was not written by vllm_servicer.testing.tiny_model; "
+                    f"{path} exists and was not written by vllm_servicer's tiny model writer; "
                     "refusing to replace it"
                 )
             # Ours, but another version or kind: move it aside, then retry.

@@ -34,7 +34,7 @@ FieldError = (
 )
 
 
-class Refusal(NamedTuple):
+class RefusedField(NamedTuple):
     """How a field is refused.
 
     Attributes:
@@ -168,49 +168,51 @@ _AT_START_BEFORE_033 = (
 )
 LOAD_SECTIONS = ("core", "all")
 
-REFUSED: Mapping[str, Mapping[str, Refusal]] = {
+REFUSED: Mapping[str, Mapping[str, RefusedField]] = {
     "Generate": {
-        "mm_inputs.pixel_values.remote": Refusal(
+        "mm_inputs.pixel_values.remote": RefusedField(
             UnimplementedFieldError, _ANY_TENSOR, REMOTE_TENSOR_HINT
         ),
-        "extra_mm_inputs.pixel_values.remote": Refusal(
+        "extra_mm_inputs.pixel_values.remote": RefusedField(
             UnimplementedFieldError, _ANY_TENSOR, REMOTE_TENSOR_HINT
         ),
         # Honoured when on (multimodal/tensors.py): the segment is read and copied,
         # never unlinked (its owner_id does that).
-        "mm_inputs.pixel_values.shm": Refusal(
+        "mm_inputs.pixel_values.shm": RefusedField(
             UnsupportedError,
             "shared-memory tensors are off; " + _ANY_TENSOR,
             SHM_TENSORS_HINT,
         ),
-        "extra_mm_inputs.pixel_values.shm": Refusal(
+        "extra_mm_inputs.pixel_values.shm": RefusedField(
             UnsupportedError,
             "shared-memory tensors are off; " + _ANY_TENSOR,
             SHM_TENSORS_HINT,
         ),
         # Honoured when on (media.py): images by URL, decoded here.
-        "media_refs": Refusal(
+        "media_refs": RefusedField(
             UnimplementedFieldError,
             "media references are off, or the model takes no images",
             MEDIA_REFS_HINT,
         ),
-        "kv_transfer_params": Refusal(
+        "kv_transfer_params": RefusedField(
             UnsupportedError, "the engine has no KV connector", KV_CONNECTOR_HINT
         ),
-        "kv_transfer_params_json": Refusal(
+        "kv_transfer_params_json": RefusedField(
             UnsupportedError, "the engine has no KV connector", KV_CONNECTOR_HINT
         ),
     },
     "StartProfile": {
-        "output_dir": Refusal(InvalidRequestError, "", _AT_START),
-        "activities": Refusal(InvalidRequestError, "", _AT_START),
+        "output_dir": RefusedField(InvalidRequestError, "", _AT_START),
+        "activities": RefusedField(InvalidRequestError, "", _AT_START),
         # Taken per session from vLLM 0.33 (its profiler_kwargs); before, at start only.
-        "with_stack": Refusal(InvalidRequestError, _BEFORE_033, _AT_START_BEFORE_033),
-        "record_shapes": Refusal(InvalidRequestError, _BEFORE_033, _AT_START_BEFORE_033),
-        "profile_by_stage": Refusal(InvalidRequestError, "", "not supported by vLLM's profiler"),
+        "with_stack": RefusedField(InvalidRequestError, _BEFORE_033, _AT_START_BEFORE_033),
+        "record_shapes": RefusedField(InvalidRequestError, _BEFORE_033, _AT_START_BEFORE_033),
+        "profile_by_stage": RefusedField(
+            InvalidRequestError, "", "not supported by vLLM's profiler"
+        ),
     },
     "GetLoads": {
-        "include": Refusal(
+        "include": RefusedField(
             UnimplementedFieldError,
             "a section other than " + " or ".join(LOAD_SECTIONS),
             "this server's loads carry the core section only; ask for "
@@ -219,7 +221,7 @@ REFUSED: Mapping[str, Mapping[str, Refusal]] = {
     },
     "SubscribeKvEvents": {
         # Honoured where the engine keeps a replay buffer (kv_events.py).
-        "start_sequence_number": Refusal(
+        "start_sequence_number": RefusedField(
             FieldOutOfRangeError,
             "the engine keeps no replay buffer, publishes from several ranks, or no longer "
             "keeps the batch asked for",
@@ -257,7 +259,7 @@ def refuse_unserved(method: str, request: Message) -> None:
             raise _raised(refusal, path)
 
 
-def _raised(refusal: Refusal, path: str) -> Exception:
+def _raised(refusal: RefusedField, path: str) -> Exception:
     if refusal.error is UnsupportedError:
         return UnsupportedError(refusal.reason, field=path)
     return refusal.error(path, refusal.reason)  # type: ignore[call-arg]
