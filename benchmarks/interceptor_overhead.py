@@ -102,7 +102,7 @@ def build_interceptors(name: str) -> tuple[Sequence[Any], Callable[[], None]]:
 def _stand_in_generate(tokens: int) -> Any:
     """A Generate handler streaming `tokens` one-token chunks and a complete, no engine."""
     from vllm_servicer.proto import vllm_engine_pb2 as pb
-    from vllm_servicer.wire.usage import kept_by_handler
+    from vllm_servicer.context import kept_usage
 
     chunks = [
         pb.GenerateResponse(
@@ -116,7 +116,7 @@ def _stand_in_generate(tokens: int) -> Any:
 
     async def generate(request: Any, context: Any) -> Any:
         # Keeps the usage record the metrics and tracing read, as the servicer does.
-        usage = kept_by_handler()
+        usage = kept_usage()
         if usage is not None:
             usage.prompt_tokens = 8
         for chunk in chunks:
@@ -135,7 +135,6 @@ def _stand_in_generate(tokens: int) -> Any:
 
 async def _serve_and_drive(args: argparse.Namespace) -> None:
     from vllm_servicer import mount
-    from vllm_servicer.interceptors._pipeline import wrapped_handler
     from vllm_servicer.mounting import engine_pipeline
     from vllm_servicer.proto import SERVICE_NAME
     from vllm_servicer.status import error_layer
@@ -167,9 +166,7 @@ async def _serve_and_drive(args: argparse.Namespace) -> None:
                 # The wrapping mount() gives Generate, around the stand-in.
                 method = f"/{SERVICE_NAME}/Generate"
                 pipeline, _ = engine_pipeline(interceptors)
-                handler = wrapped_handler(
-                    pipeline, method, _stand_in_generate(args.tokens), errors=error_layer
-                )
+                handler = pipeline.wrap(method, _stand_in_generate(args.tokens), errors=error_layer)
                 server.add_generic_rpc_handlers(
                     (grpc.method_handlers_generic_handler(SERVICE_NAME, {"Generate": handler}),)
                 )
