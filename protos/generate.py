@@ -19,12 +19,13 @@ import sys
 import tempfile
 from pathlib import Path
 
+import grpc_tools
 from grpc_tools import protoc
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_DIR = ROOT / "protos"
 DEFAULT_OUT = ROOT / "src" / "vllm_servicer" / "proto"
-PROTOS = ("common.proto", "vllm_engine.proto")
+PROTOS = ("common.proto", "vllm_engine.proto", "inference.proto", "control.proto")
 
 
 def _rewrite(text: str) -> str:
@@ -51,6 +52,8 @@ def generate(out_dir: Path) -> list[Path]:
         args = [
             "protoc",
             f"-I{PROTO_DIR}",
+            # The well-known types (google/protobuf/struct.proto) grpc_tools ships.
+            f"-I{Path(grpc_tools.__file__).parent / '_proto'}",
             f"--python_out={tmp}",
             f"--pyi_out={tmp}",
             f"--grpc_python_out={tmp}",

@@ -28,8 +28,16 @@ def test_generated_code_is_up_to_date(tmp_path: Path) -> None:
         "vllm_engine_pb2.py",
         "vllm_engine_pb2.pyi",
         "vllm_engine_pb2_grpc.py",
+        "inference_pb2.py",
+        "inference_pb2.pyi",
+        "inference_pb2_grpc.py",
+        "control_pb2.py",
+        "control_pb2.pyi",
+        "control_pb2_grpc.py",
         "common.proto",
         "vllm_engine.proto",
+        "inference.proto",
+        "control.proto",
     }
     stale = [p.name for p in written if p.read_text() != (GENERATED / p.name).read_text()]
     assert not stale, f"run `make proto`: {stale} differ from protos/"

@@ -1,4 +1,5 @@
-"""Generated protocol modules for `vllm.grpc.engine.VllmEngine` (run `make proto`).
+"""Generated protocol modules (run `make proto`): `vllm.grpc.engine.VllmEngine`,
+and vLLM's own `vllm.Inference` and `vllm.Control`.
 
 from vllm_servicer.proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 
@@ -12,32 +13,50 @@ import importlib
 import types
 from typing import TYPE_CHECKING
 
-from . import common_pb2, vllm_engine_pb2
+from . import common_pb2, control_pb2, inference_pb2, vllm_engine_pb2
 from ._pool import POOL
 
 if TYPE_CHECKING:
-    from . import common_pb2_grpc, vllm_engine_pb2_grpc
+    from . import common_pb2_grpc, control_pb2_grpc, inference_pb2_grpc, vllm_engine_pb2_grpc
 
 SERVICE_NAME: str = vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 
 GENERATE_METHOD: str = f"/{SERVICE_NAME}/Generate"
 EMBED_METHOD: str = f"/{SERVICE_NAME}/Embed"
-ENGINE_METHODS: frozenset[str] = frozenset((GENERATE_METHOD, EMBED_METHOD))
-"""The full names of the calls that run on the engine (Generate and Embed)."""
+INFERENCE_SERVICE: str = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
+CONTROL_SERVICE: str = control_pb2.DESCRIPTOR.services_by_name["Control"].full_name
+
+ENGINE_METHODS: frozenset[str] = frozenset(
+    (
+        GENERATE_METHOD,
+        EMBED_METHOD,
+        f"/{INFERENCE_SERVICE}/Generate",
+        f"/{INFERENCE_SERVICE}/GenerateStream",
+    )
+)
+"""The full names of the calls that run on the engine (generation and embedding)."""
 
 __all__ = [
+    "CONTROL_SERVICE",
     "EMBED_METHOD",
     "ENGINE_METHODS",
     "GENERATE_METHOD",
+    "INFERENCE_SERVICE",
     "POOL",
     "SERVICE_NAME",
     "common_pb2",
     "common_pb2_grpc",
+    "control_pb2",
+    "control_pb2_grpc",
+    "inference_pb2",
+    "inference_pb2_grpc",
     "vllm_engine_pb2",
     "vllm_engine_pb2_grpc",
 ]
 
-_GRPC_MODULES = frozenset(("common_pb2_grpc", "vllm_engine_pb2_grpc"))
+_GRPC_MODULES = frozenset(
+    ("common_pb2_grpc", "vllm_engine_pb2_grpc", "inference_pb2_grpc", "control_pb2_grpc")
+)
 
 
 def __getattr__(name: str) -> types.ModuleType:
