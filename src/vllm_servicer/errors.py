@@ -123,6 +123,40 @@ class EventsLostError(RuntimeError):
     status_reason: ClassVar[str] = "EVENTS_LOST"
 
 
+class NotFoundError(LookupError):
+    """A request names something this server does not have (a model, an adapter).
+
+    Args:
+        field: the request field naming it.
+        reason: what is not there, and what is.
+    """
+
+    status_code: ClassVar[str] = "NOT_FOUND"
+    status_reason: ClassVar[str] = "NOT_FOUND"
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
+class AlreadyExistsError(RuntimeError):
+    """A request would create what exists already (an adapter of that name).
+
+    Args:
+        field: the request field naming it.
+        reason: what exists.
+    """
+
+    status_code: ClassVar[str] = "ALREADY_EXISTS"
+    status_reason: ClassVar[str] = "ALREADY_EXISTS"
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
 class RequestIdInUseError(RuntimeError):
     """A Generate or Embed under a request id another caller's running request holds.
 

@@ -39,12 +39,14 @@ from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
 from .context import current_request_id
 from .errors import (
+    AlreadyExistsError,
     AuthError,
     EventsLostError,
     FieldOutOfRangeError,
     InvalidRequestError,
     MediaUnavailableError,
     NotEnabledError,
+    NotFoundError,
     PermissionDenied,
     RequestIdInUseError,
     TooManySubscribersError,
@@ -91,6 +93,8 @@ ERROR_TABLE: tuple[ErrorRule, ...] = (
     _own(EventsLostError),
     _own(MediaUnavailableError),
     _own(RequestIdInUseError),
+    _own(AlreadyExistsError),
+    _own(NotFoundError),
     ErrorRule(ProfilerAlreadyActiveError, grpc.StatusCode.FAILED_PRECONDITION, "PROFILER_ACTIVE"),
     _own(UnsupportedError),
     _own(NotEnabledError),
