@@ -101,8 +101,8 @@ def build_interceptors(name: str) -> tuple[Sequence[Any], Callable[[], None]]:
 
 def _stand_in_generate(tokens: int) -> Any:
     """A Generate handler streaming `tokens` one-token chunks and a complete, no engine."""
-    from vllm_servicer.proto import vllm_engine_pb2 as pb
     from vllm_servicer.context import kept_usage
+    from vllm_servicer.proto import vllm_engine_pb2 as pb
 
     chunks = [
         pb.GenerateResponse(
