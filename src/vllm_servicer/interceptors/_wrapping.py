@@ -191,19 +191,15 @@ def wrap(
     if not segments and errors is None:
         return handler
     kind = rpc_kind_of(handler, method)
-    wrapped = handler
-    reader = True  # the innermost wrapper reads the request and maps errors
-    for segment in reversed(segments):
+    if not segments or not isinstance(segments[-1], Layers):
+        # The innermost wrapper reads the request and maps errors: a fused one.
+        segments = [*segments, Layers(())]
+    wrapped = _fused(handler, method, kind, segments[-1], errors)  # type: ignore[arg-type]
+    for segment in reversed(segments[:-1]):
         if isinstance(segment, Layers):
-            wrapped = _fused(wrapped, method, kind, segment, errors if reader else None)
-            reader = False
+            wrapped = _fused(wrapped, method, kind, segment, None)
         else:
-            if reader:
-                wrapped = _fused(wrapped, method, kind, Layers(()), errors)
-                reader = False
             wrapped = _relay(segment, wrapped, method, kind)
-    if reader:
-        wrapped = _fused(wrapped, method, kind, Layers(()), errors)
     return wrapped
 
 

@@ -13,7 +13,7 @@ import contextlib
 import logging
 from collections.abc import Iterable, Iterator
 
-from ..context import caller_name, current_identity, tenant
+from ..context import caller_name, tenant
 from ..errors import RequestIdInUseError, TooManySubscribersError
 from ..options import DEFAULT_MAX_KV_SUBSCRIBERS
 
@@ -86,11 +86,11 @@ class RunningRequests:
         A tenant stops only what it started: another's id is left out like an
         unknown one (no engine call, no error that would confirm it runs).
         """
-        identity = current_identity.get()
         ids = [i for i in request_ids if i]
-        if identity is None or identity.is_admin:
+        owner = tenant()
+        if owner is None:  # no credentials, or an administrator: any id
             return ids
-        return [i for i in ids if self._owners.get(i) == identity.name]
+        return [i for i in ids if self._owners.get(i) == owner]
 
 
 class SubscriberLimit:
