@@ -1,32 +1,37 @@
-"""Shared fixtures: one real vLLM engine per session, a real grpc.aio server on loopback.
+"""Shared fixtures: real vLLM engines, each built once per session; a real grpc.aio server.
 
-The engine is vLLM's `AsyncLLM` on the built-in tiny model (random weights,
-seeded, so greedy output is deterministic). Building an engine takes ~30 s on
-these machines, so it is built once per session and shut down at the end.
+Each engine is vLLM's `AsyncLLM` on a tiny model written here (random weights,
+seeded, so greedy output is deterministic): `engine` (the text model, served on
+loopback by `server`), `vlm_engine` (the vision model), `embedding_engine` (the
+text model as an embedding model) and `kv_echo_engine` (the text model with a
+KV connector and speculative decoding). Building one takes ~30 s on these
+machines, so each is built when a test first needs it and shut down when the
+session ends (each holds up to ~2 GiB, most of it its 1 GiB KV cache). A test
+that needs an engine with other settings builds its own and says why.
+
+The helpers the test files share are in the `support` package (tests/support/).
 """
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
-from helpers import build_engine
+from support.servers import Serving, serving
+from support.servers import placement as placement  # a fixture: each placement in turn
 
-from vllm_servicer import MountedServices, mount
 from vllm_servicer.proto import vllm_engine_pb2_grpc
-from vllm_servicer.testing.tiny_model import write_tiny_model
-from vllm_servicer.testing.tiny_vlm import write_tiny_vlm
-
-
-@dataclasses.dataclass
-class RunningServer:
-    address: str
-    server: grpc.aio.Server
-    mounted: MountedServices
+from vllm_servicer.testing.tiny_model import (
+    TINY_EMBED_ENGINE_KWARGS,
+    build_tiny_engine,
+    write_tiny_embedding_model,
+    write_tiny_model,
+)
+from vllm_servicer.testing.tiny_vlm import TINY_VLM_ENGINE_KWARGS, write_tiny_vlm
 
 
 @pytest.fixture(scope="session")
@@ -42,15 +47,28 @@ def vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def preprocess(vlm_dir: Path) -> Callable[[tuple[int, int, int]], Any]:
-    """A router's image preprocessing for that model (see router_side.py)."""
-    from router_side import router_preprocessor
+    """A router's image preprocessing for that model (see support/router_side.py)."""
+    from support.router_side import router_preprocessor
 
     return router_preprocessor(vlm_dir)
 
 
 @pytest.fixture(scope="session")
-async def engine(tiny_model_dir: Path) -> AsyncIterator[Any]:
-    llm = build_engine(tiny_model_dir)
+def embedding_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model's files for an embedding engine (TINY_EMBED_ENGINE_KWARGS)."""
+    return write_tiny_embedding_model(tmp_path_factory.mktemp("models") / "tiny-embed")
+
+
+@pytest.fixture(scope="session")
+def kv_echo_storage(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where `kv_echo_engine`'s connector stores KV and logs what it was told (FINISHED_LOG)."""
+    return tmp_path_factory.mktemp("kv-echo")
+
+
+@contextlib.asynccontextmanager
+async def _running(model_dir: Path, **settings: Any) -> AsyncIterator[Any]:
+    """An engine on `model_dir` with `settings` over the tiny ones; shut down on exit."""
+    llm = build_tiny_engine(model_dir, **settings)
     try:
         yield llm
     finally:
@@ -58,23 +76,62 @@ async def engine(tiny_model_dir: Path) -> AsyncIterator[Any]:
 
 
 @pytest.fixture(scope="session")
-async def server(engine: Any) -> AsyncIterator[RunningServer]:
-    srv = grpc.aio.server()
-    mounted = mount(srv, engine)
-    port = srv.add_insecure_port("127.0.0.1:0")
-    await srv.start()
-    try:
-        yield RunningServer(f"127.0.0.1:{port}", srv, mounted)
-    finally:
-        if mounted.health is not None:
-            await mounted.health.close()
-        await srv.stop(None)
+async def engine(tiny_model_dir: Path) -> AsyncIterator[Any]:
+    async with _running(tiny_model_dir) as llm:
+        yield llm
 
 
 @pytest.fixture(scope="session")
-async def channel(server: RunningServer) -> AsyncIterator[grpc.aio.Channel]:
-    async with grpc.aio.insecure_channel(server.address) as ch:
-        yield ch
+async def vlm_engine(vlm_dir: Path) -> AsyncIterator[Any]:
+    """The tiny LLaVA: images reach it as URLs (media_refs) or as tensors (mm_inputs)."""
+    async with _running(vlm_dir, **TINY_VLM_ENGINE_KWARGS) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="session")
+async def embedding_engine(embedding_model_dir: Path) -> AsyncIterator[Any]:
+    """A pooling engine: Embed's."""
+    async with _running(embedding_model_dir, **TINY_EMBED_ENGINE_KWARGS) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="session")
+async def kv_echo_engine(tiny_model_dir: Path, kv_echo_storage: Path) -> AsyncIterator[Any]:
+    """The text model with the KV connector that echoes its params back
+    (support/kv_echo_connector.py) and n-gram speculative decoding.
+
+    Prefix caching is off, so each request is computed, none read from another's
+    cached blocks; the tests' prompts are shorter than one KV block (128 tokens
+    on CPU), so the connector stores and loads nothing and no request depends
+    on another's.
+    """
+    from support.kv_echo_connector import echo_transfer_config
+
+    async with _running(
+        tiny_model_dir,
+        enable_prefix_caching=False,
+        kv_transfer_config=echo_transfer_config(kv_echo_storage),
+        speculative_config={
+            "method": "ngram",
+            "num_speculative_tokens": 3,
+            "prompt_lookup_max": 3,
+            "prompt_lookup_min": 1,
+        },
+        per_request_spec_decode_metrics="summary",
+    ) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="session")
+async def server(engine: Any) -> AsyncIterator[Serving]:
+    """The session's text engine, mounted on a server of its own."""
+    async with serving(engine) as served:
+        yield served
+
+
+@pytest.fixture(scope="session")
+async def channel(server: Serving) -> grpc.aio.Channel:
+    return server.channel
 
 
 @pytest.fixture

@@ -13,9 +13,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from helpers import collect, completes, request, unfinished
+from support import bearer, collect, completes, placed, request, serving, unfinished
 
-from vllm_servicer import SERVICE_NAME, mount, server_options
+from vllm_servicer import SERVICE_NAME, server_options
 from vllm_servicer.interceptors._base import methods_of
 from vllm_servicer.interceptors.auth import (
     ApiKeyVerifier,
@@ -92,13 +92,9 @@ class Served:
         )
 
 
-def bearer(key: str) -> tuple[tuple[str, str], ...]:
-    return (("authorization", f"Bearer {key}"),)
-
-
-@pytest.fixture(scope="module", params=["server-wide", "mount"])
+@pytest.fixture(scope="module")
 async def served(
-    request: pytest.FixtureRequest, engine: Any, tmp_path_factory: pytest.TempPathFactory
+    placement: str, engine: Any, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[Served]:
     key_file = tmp_path_factory.mktemp("keys") / "keys.txt"
     key_file.write_text(f"# rotated keys\nalice: {ALICE}\n\n{BOB}\nold: {RETIRED}\n")
@@ -120,24 +116,15 @@ async def served(
         },
     )
     spy = SpyEngine(engine)
-    server_wide = request.param == "server-wide"
-    server = grpc.aio.server(
-        interceptors=[auth] if server_wide else None,
-        options=server_options(max_message_bytes=MAX_BYTES),
-    )
-    mounted = mount(server, spy, interceptors=() if server_wide else [auth])
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        served = Served(channel, spy, mounted, engine)
+    options = server_options(max_message_bytes=MAX_BYTES)
+    async with serving(spy, **placed(placement, [auth], options=options)) as running:
+        served = Served(running.channel, spy, running.mounted, engine)
         served.key_file = key_file
         holder.append(served)
         # The retired key works until the file drops it (rotation without restart).
         await served.stub.HealthCheck(pb.HealthCheckRequest(), metadata=bearer(RETIRED))
         key_file.write_text(f"alice: {ALICE}\n{BOB}\n")
         yield served
-    await mounted.health.close()
-    await server.stop(None)
 
 
 async def test_valid_key_generates_and_identity_reaches_the_engine(served: Served) -> None:
@@ -244,23 +231,21 @@ async def test_known_identity_without_permission_is_denied(served: Served) -> No
     deny = AuthInterceptor(
         ApiKeyVerifier([BOB]), permissions=lambda identity, method: method.endswith("/Abort")
     )
-    server = grpc.aio.server(interceptors=[deny])
-    mounted = mount(server, served.spy, health=False, reflection_service=False)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
-            before = len(served.spy.calls)
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await collect(stub.Generate(request(max_tokens=2), metadata=bob))
-            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
-            assert key_label(BOB) in (err.value.details() or "")
-            assert len(served.spy.calls) == before
-            assert mounted.servicer.active_requests == 0
-            await stub.Abort(pb.AbortRequest(request_ids=["y"]), metadata=bob)
-    finally:
-        await server.stop(None)
+    async with serving(
+        served.spy,
+        server=grpc.aio.server(interceptors=[deny]),
+        health=False,
+        reflection_service=False,
+    ) as running:
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(running.channel)
+        before = len(served.spy.calls)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await collect(stub.Generate(request(max_tokens=2), metadata=bob))
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert key_label(BOB) in (err.value.details() or "")
+        assert len(served.spy.calls) == before
+        assert running.mounted.servicer.active_requests == 0
+        await stub.Abort(pb.AbortRequest(request_ids=["y"]), metadata=bob)
 
 
 async def test_oversized_request_is_resource_exhausted_and_server_keeps_serving(

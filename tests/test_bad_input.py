@@ -13,17 +13,14 @@ import asyncio
 import dataclasses
 import math
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
-from helpers import build_engine, collect, completes, request, wait_until_idle
+from support import collect, completes, request, serving, wait_until_idle
 
-from vllm_servicer import mount
 from vllm_servicer.proto import vllm_engine_pb2 as pb
 from vllm_servicer.proto import vllm_engine_pb2_grpc
-from vllm_servicer.testing.tiny_model import TINY_EMBED_ENGINE_KWARGS, write_tiny_embedding_model
 
 GENERATE = "/vllm.grpc.engine.VllmEngine/Generate"
 CLIENT_CODES = {
@@ -272,20 +269,10 @@ async def test_duplicate_request_ids_run_side_by_side(
 
 
 @pytest.fixture(scope="module")
-async def embed_stub(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Any]:
-    model = write_tiny_embedding_model(Path(tmp_path_factory.mktemp("models")) / "tiny-embed")
-    engine = build_engine(model, **TINY_EMBED_ENGINE_KWARGS)
-    server = grpc.aio.server()
-    mounted = mount(server, engine, health=False, reflection_service=False)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            yield vllm_engine_pb2_grpc.VllmEngineStub(channel)
-        assert mounted.servicer.active_requests == 0
-    finally:
-        await server.stop(None)
-        engine.shutdown()
+async def embed_stub(embedding_engine: Any) -> AsyncIterator[Any]:
+    async with serving(embedding_engine, health=False, reflection_service=False) as served:
+        yield vllm_engine_pb2_grpc.VllmEngineStub(served.channel)
+        assert served.mounted.servicer.active_requests == 0
 
 
 def embed(input_ids: list[int] | None, request_id: str = "e") -> pb.EmbedRequest:

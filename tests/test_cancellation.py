@@ -18,8 +18,7 @@ from typing import Any
 
 import grpc
 import pytest
-from helpers import request, wait_until_idle
-from probes import rss_kb, settle
+from support import request, rss_kb, settle, wait_until_idle
 
 from vllm_servicer.proto import vllm_engine_pb2 as pb
 from vllm_servicer.proto import vllm_engine_pb2_grpc

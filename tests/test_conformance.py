@@ -13,13 +13,13 @@ from typing import Any
 import grpc
 import pytest
 from google.protobuf import descriptor_pb2
-from helpers import wait_until_idle
 
 # Both sets of stubs in one process: the reference registers in protobuf's
 # default pool, this package in its own, so neither import fails.
 from smg_grpc_proto.generated import common_pb2 as ref_common
 from smg_grpc_proto.generated import vllm_engine_pb2 as ref
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as ref_grpc
+from support import wait_until_idle
 
 from vllm_servicer.proto import common_pb2, vllm_engine_pb2
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import grpc
 import pytest
+from support import serving
 
-from vllm_servicer import mount
 from vllm_servicer.proto import vllm_engine_pb2 as pb
 from vllm_servicer.proto import vllm_engine_pb2_grpc
 from vllm_servicer.servicer import loads
@@ -55,15 +55,8 @@ def _stats(running: int, waiting: int, usage: float) -> Any:
 @pytest.fixture(scope="module")
 async def dp() -> AsyncIterator[tuple[TwoRankEngine, Any]]:
     engine = TwoRankEngine()
-    server = grpc.aio.server()
-    mounted = mount(server, engine)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        yield engine, vllm_engine_pb2_grpc.VllmEngineStub(channel)
-    assert mounted.health is not None
-    await mounted.health.close()
-    await server.stop(None)
+    async with serving(engine) as served:
+        yield engine, vllm_engine_pb2_grpc.VllmEngineStub(served.channel)
 
 
 async def test_generate_pins_the_requested_rank(dp: Any) -> None:

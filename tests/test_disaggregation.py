@@ -22,7 +22,6 @@ tensors changes the decode tokens.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import itertools
@@ -34,10 +33,12 @@ from typing import Any
 import pytest
 import safetensors.torch
 import torch
-from helpers import build_engine, collect, completes, mounted_channel, request, wait_until_idle
 from prometheus_client import REGISTRY
 from smg_grpc_proto.generated import vllm_engine_pb2 as ref
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as ref_grpc
+from support import collect, completes, request, serving, settle, wait_until_idle
+
+from vllm_servicer.testing.tiny_model import build_tiny_engine
 
 DECODE_TOKENS = 16
 EXTERNAL_HITS = "vllm:external_prefix_cache_hits"
@@ -52,11 +53,13 @@ class Worker:
     stub: ref_grpc.VllmEngineStub
 
 
+# The two sides' engines are this module's own: their connector's role (producer
+# or consumer) is set when an engine is built, and no other test wants either.
 @contextlib.asynccontextmanager
 async def _serving(model_dir: Path, storage: Path, role: str) -> AsyncIterator[Worker]:
     from vllm.config import KVTransferConfig
 
-    engine = build_engine(
+    engine = build_tiny_engine(
         model_dir,
         # The connector only moves the prompt's KV; a local prefix hit would hide it.
         enable_prefix_caching=False,
@@ -67,8 +70,8 @@ async def _serving(model_dir: Path, storage: Path, role: str) -> AsyncIterator[W
         ),
     )
     try:
-        async with mounted_channel(engine, health=False, reflection_service=False) as channel:
-            yield Worker(engine, ref_grpc.VllmEngineStub(channel))
+        async with serving(engine, health=False, reflection_service=False) as served:
+            yield Worker(engine, ref_grpc.VllmEngineStub(served.channel))
     finally:
         engine.shutdown()
 
@@ -164,10 +167,7 @@ def _external_prefix_cache_hits() -> float:
 
 async def _hits_reaching(target: float, timeout: float = 10.0) -> float:
     # The engine records step statistics after it hands the step's outputs out.
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while _external_prefix_cache_hits() < target and loop.time() < deadline:  # noqa: ASYNC110 - a counter has no event to wait on
-        await asyncio.sleep(0.05)
+    await settle(lambda: _external_prefix_cache_hits() >= target, timeout)
     return _external_prefix_cache_hits()
 
 

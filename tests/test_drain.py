@@ -7,7 +7,6 @@ import contextlib
 import os
 import signal
 import socket
-import sys
 import threading
 import time
 from pathlib import Path
@@ -21,55 +20,27 @@ import h2.settings
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from helpers import request
-from test_examples import ROOT, _drain_output, _spawn, _wait_for_line
+from support import request
+from support.launcher import (
+    children,
+    drain_output,
+    gone,
+    is_alive,
+    spawn,
+    stop_and_reap,
+    wait_for_line,
+)
 
 from vllm_servicer.health import LIVENESS_SERVICE
 from vllm_servicer.proto import vllm_engine_pb2_grpc
 
 
-def _children(pid: int) -> set[int]:
-    """Every descendant of a process (the engine core and worker processes)."""
-    found: set[int] = set()
-    todo = [pid]
-    while todo:
-        parent = todo.pop()
-        for task in Path(f"/proc/{parent}/task").glob("*"):
-            try:
-                kids = {int(k) for k in (task / "children").read_text().split()}
-            except OSError:
-                continue
-            todo.extend(kids - found)
-            found |= kids
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    stat = Path(f"/proc/{pid}/stat")
-    return stat.exists() and stat.read_text().split()[2] != "Z"
-
-
 async def _launch(env: dict[str, str], *flags: str, session: bool = False) -> tuple[Any, str]:
     # A long context lets "long" streams outlast any drain timeout here.
     args = ("-m", "vllm_servicer", "serve", "--port", "0", "--max-model-len", "65536", *flags)
-    if session:
-        # Its own session and process group, as a shell job or a service has.
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            *args,
-            cwd=ROOT,
-            env=env,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            start_new_session=True,
-        )
-    else:
-        proc = await _spawn(*args, env=env)
-    match = await _wait_for_line(proc, r"listening on (\S+:\d+)")
+    # `session`: its own session and process group, as a shell job or a service has.
+    proc = await spawn(*args, env=env, new_session=session)
+    match = await wait_for_line(proc, r"listening on (\S+:\d+)")
     return proc, match.group(1)
 
 
@@ -98,8 +69,8 @@ async def _stream(stub: Any, max_tokens: int, started: asyncio.Event | None = No
 
 async def test_sigterm_drains_then_aborts_stragglers(env: dict[str, str]) -> None:
     proc, address = await _launch(env, "--shutdown-timeout", "4", "--drain-grace", "0.5")
-    output = asyncio.ensure_future(_drain_output(proc))
-    engine_processes = _children(proc.pid)
+    output = asyncio.ensure_future(drain_output(proc))
+    engine_processes = children(proc.pid)
     assert engine_processes, "the engine runs in child processes"
     try:
         async with grpc.aio.insecure_channel(address) as channel:
@@ -144,7 +115,7 @@ async def test_sigterm_drains_then_aborts_stragglers(env: dict[str, str]) -> Non
                 assert code == grpc.StatusCode.OK and finish == "abort" and tokens > 0
         assert await asyncio.wait_for(proc.wait(), 60) == 0
         await asyncio.sleep(0.5)
-        assert not [p for p in engine_processes if _alive(p)], "engine processes left behind"
+        assert not [p for p in engine_processes if is_alive(p)], "engine processes left behind"
     finally:
         output.cancel()
         if proc.returncode is None:
@@ -154,7 +125,7 @@ async def test_sigterm_drains_then_aborts_stragglers(env: dict[str, str]) -> Non
 
 async def test_second_signal_exits_promptly(env: dict[str, str]) -> None:
     proc, address = await _launch(env, "--shutdown-timeout", "120", "--drain-grace", "30")
-    output = asyncio.ensure_future(_drain_output(proc))
+    output = asyncio.ensure_future(drain_output(proc))
     try:
         async with grpc.aio.insecure_channel(address) as channel:
             stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
@@ -176,33 +147,14 @@ async def test_second_signal_exits_promptly(env: dict[str, str]) -> None:
             await proc.wait()
 
 
-async def _stop_and_reap(proc: Any, output: Any, engine_processes: set[int]) -> None:
-    output.cancel()
-    # Engine processes left behind hold the launcher's stdout open, and with it
-    # proc.wait(): end them too.
-    for pid in {proc.pid} | engine_processes:
-        if _alive(pid):
-            os.kill(pid, signal.SIGKILL)
-    with contextlib.suppress(asyncio.TimeoutError):
-        await asyncio.wait_for(proc.wait(), 30)
-
-
-async def _gone(pids: set[int], timeout: float) -> set[int]:
-    """The processes of `pids` still alive after up to `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while (left := {p for p in pids if _alive(p)}) and time.monotonic() < deadline:  # noqa: ASYNC110 - no event for another process's exit
-        await asyncio.sleep(0.2)
-    return left
-
-
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 async def test_signal_to_the_whole_process_group_still_drains(
     env: dict[str, str], sig: signal.Signals
 ) -> None:
     """systemd's stop and Ctrl-C signal every process of the group, the engine's too."""
     proc, address = await _launch(env, "--drain-grace", "0.5", session=True)
-    output = asyncio.ensure_future(_drain_output(proc))
-    engine_processes = _children(proc.pid)
+    output = asyncio.ensure_future(drain_output(proc))
+    engine_processes = children(proc.pid)
     try:
         for pid in engine_processes:
             # A process group apart (a group signal misses them), in the launcher's
@@ -220,21 +172,21 @@ async def test_signal_to_the_whole_process_group_still_drains(
             completed = [r for r in results if r == (grpc.StatusCode.OK, 200, "length")]
             assert len(completed) == 16, results
         assert await asyncio.wait_for(proc.wait(), 60) == 0
-        assert not await _gone(engine_processes, 10), "engine processes left behind"
+        assert not await gone(engine_processes, 10), "engine processes left behind"
     finally:
-        await _stop_and_reap(proc, output, engine_processes)
+        await stop_and_reap(proc, output, engine_processes)
 
 
 async def test_engine_processes_end_when_the_launcher_dies_hard(env: dict[str, str]) -> None:
     proc, _ = await _launch(env)
-    output = asyncio.ensure_future(_drain_output(proc))
-    engine_processes = _children(proc.pid)
+    output = asyncio.ensure_future(drain_output(proc))
+    engine_processes = children(proc.pid)
     try:
         assert engine_processes
         proc.kill()  # SIGKILL to the launcher alone: no drain, no engine shutdown
-        assert not await _gone(engine_processes, 30), "engine processes outlived the launcher"
+        assert not await gone(engine_processes, 30), "engine processes outlived the launcher"
     finally:
-        await _stop_and_reap(proc, output, engine_processes)
+        await stop_and_reap(proc, output, engine_processes)
 
 
 class _StuckWatch:
@@ -277,8 +229,8 @@ class _StuckWatch:
 
 async def test_a_watch_client_that_never_reads_cannot_hold_the_stop(env: dict[str, str]) -> None:
     proc, address = await _launch(env, "--shutdown-timeout", "3", "--drain-grace", "0.5")
-    output = asyncio.ensure_future(_drain_output(proc))
-    engine_processes = _children(proc.pid)
+    output = asyncio.ensure_future(drain_output(proc))
+    engine_processes = children(proc.pid)
     stuck = _StuckWatch(address)
     try:
         await asyncio.sleep(1.0)  # the server's write of SERVING is now blocked
@@ -288,18 +240,18 @@ async def test_a_watch_client_that_never_reads_cannot_hold_the_stop(env: dict[st
         elapsed = time.perf_counter() - sent
         # Grace, shutdown timeout, abort flush and the engine's shutdown, at most.
         assert elapsed < 3 + 0.5 + 5 + 10, f"stopped after {elapsed:.1f} s"
-        assert not await _gone(engine_processes, 10), "engine processes left behind"
+        assert not await gone(engine_processes, 10), "engine processes left behind"
     finally:
         stuck.close()
-        await _stop_and_reap(proc, output, engine_processes)
+        await stop_and_reap(proc, output, engine_processes)
 
 
 async def test_open_watch_and_reflection_streams_do_not_delay_the_stop(
     env: dict[str, str],
 ) -> None:
     proc, address = await _launch(env, "--shutdown-timeout", "30", "--drain-grace", "0.5")
-    output = asyncio.ensure_future(_drain_output(proc))
-    engine_processes = _children(proc.pid)
+    output = asyncio.ensure_future(drain_output(proc))
+    engine_processes = children(proc.pid)
     try:
         async with grpc.aio.insecure_channel(address) as channel:
             watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
@@ -326,12 +278,12 @@ async def test_open_watch_and_reflection_streams_do_not_delay_the_stop(
             assert elapsed < 10, f"stopped after {elapsed:.1f} s"
             assert await watch.read() == grpc.aio.EOF
     finally:
-        await _stop_and_reap(proc, output, engine_processes)
+        await stop_and_reap(proc, output, engine_processes)
 
 
 def _engine_core(pid: int) -> int:
     """The launcher's EngineCore process."""
-    for child in _children(pid):
+    for child in children(pid):
         with contextlib.suppress(OSError):
             if Path(f"/proc/{child}/cmdline").read_bytes().startswith(b"VLLM::EngineCore"):
                 return child
@@ -345,8 +297,8 @@ async def test_a_dead_engine_ends_the_launcher(env: dict[str, str], keep_alive: 
     launch_env = {**env, "VLLM_KEEP_ALIVE_ON_ENGINE_DEATH": "1" if keep_alive else "0"}
     proc, address = await _launch(launch_env, "--drain-grace", "0.5")
     lines: list[str] = []
-    output = asyncio.ensure_future(_drain_output(proc, lines))
-    engine_processes = _children(proc.pid)
+    output = asyncio.ensure_future(drain_output(proc, lines))
+    engine_processes = children(proc.pid)
     try:
         os.kill(_engine_core(proc.pid), signal.SIGKILL)
         if not keep_alive:
@@ -367,4 +319,4 @@ async def test_a_dead_engine_ends_the_launcher(env: dict[str, str], keep_alive: 
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 60) == 0
     finally:
-        await _stop_and_reap(proc, output, engine_processes)
+        await stop_and_reap(proc, output, engine_processes)

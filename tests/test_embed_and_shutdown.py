@@ -1,7 +1,8 @@
-"""Embed on a real pooling engine, then health across that engine's shutdown.
+"""Embed on a real pooling engine, then health across a pooling engine's shutdown.
 
-This module builds a second engine (the tiny model as an embedding model); its
-last test shuts it down, so its server shows what clients see of a dead engine.
+Embed runs on the session's embedding engine. The shutdown test builds a
+pooling engine of its own and shuts it down, so its server shows what clients
+see of a dead engine; no other test could share that engine.
 """
 
 from __future__ import annotations
@@ -14,28 +15,29 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers import build_engine
+from support import serving
 
-from vllm_servicer import SERVICE_NAME, mount
+from vllm_servicer import SERVICE_NAME
 from vllm_servicer.proto import vllm_engine_pb2 as pb
 from vllm_servicer.proto import vllm_engine_pb2_grpc
-from vllm_servicer.testing.tiny_model import TINY_EMBED_ENGINE_KWARGS, write_tiny_embedding_model
+from vllm_servicer.testing.tiny_model import TINY_EMBED_ENGINE_KWARGS, build_tiny_engine
 
 
 @pytest.fixture(scope="module")
-async def pooling(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Any]:
-    model = write_tiny_embedding_model(Path(tmp_path_factory.mktemp("models")) / "tiny-embed")
-    engine = build_engine(model, **TINY_EMBED_ENGINE_KWARGS)
-    server = grpc.aio.server()
-    mounted = mount(server, engine)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        yield engine, channel
-    assert mounted.health is not None
-    await mounted.health.close()
-    await server.stop(None)
-    engine.shutdown()
+async def pooling(embedding_engine: Any) -> AsyncIterator[Any]:
+    async with serving(embedding_engine) as served:
+        yield embedding_engine, served.channel
+
+
+@pytest.fixture
+async def dying(embedding_model_dir: Path) -> AsyncIterator[Any]:
+    """A pooling engine of the test's own, served: the test shuts the engine down."""
+    engine = build_tiny_engine(embedding_model_dir, **TINY_EMBED_ENGINE_KWARGS)
+    try:
+        async with serving(engine) as served:
+            yield engine, served.channel
+    finally:
+        engine.shutdown()
 
 
 async def test_embed_returns_a_hidden_size_vector(pooling: Any) -> None:
@@ -69,9 +71,8 @@ async def test_embed_on_a_generation_engine_is_failed_precondition(stub: Any) ->
     assert "pooling" in err.value.details()
 
 
-async def test_health_after_engine_shutdown(pooling: Any) -> None:
-    """Last in this module: it shuts the pooling engine down."""
-    engine, channel = pooling
+async def test_health_after_engine_shutdown(dying: Any) -> None:
+    engine, channel = dying
     health = health_pb2_grpc.HealthStub(channel)
     watch = health.Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
     assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING

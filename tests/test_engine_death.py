@@ -15,10 +15,9 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers import collect, request
-from probes import settle
+from support import collect, request, serving, settle
 
-from vllm_servicer import SERVICE_NAME, MountedServices, mount
+from vllm_servicer import SERVICE_NAME, MountedServices
 from vllm_servicer.proto import vllm_engine_pb2 as pb
 from vllm_servicer.proto import vllm_engine_pb2_grpc
 from vllm_servicer.testing.stand_in import FaultEngine
@@ -41,17 +40,8 @@ class Rig:
 @pytest.fixture
 async def rig() -> AsyncIterator[Rig]:
     fault = FaultEngine(step_interval=0.02)
-    server = grpc.aio.server()
-    mounted = mount(server, fault, reflection_service=False)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            yield Rig(fault, mounted, channel)
-    finally:
-        assert mounted.health is not None
-        await mounted.health.close()
-        await server.stop(None)
+    async with serving(fault, reflection_service=False) as served:
+        yield Rig(fault, served.mounted, served.channel)
 
 
 async def _wait_running(fault: FaultEngine, n: int) -> None:

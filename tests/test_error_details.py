@@ -12,7 +12,7 @@ import grpc
 import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
-from helpers import collect, request
+from support import collect, request, serving
 from vllm.exceptions import VLLMValidationError
 from vllm.v1.engine.exceptions import EngineDeadError
 
@@ -151,7 +151,6 @@ def test_messages_leave_out_this_servers_paths(tmp_path: Any) -> None:
 
 async def test_tokenizer_errors_on_the_wire_name_no_server_path(tmp_path: Any) -> None:
     """GetTokenizer's refusal from a real server, when its tokenizer folder holds no files."""
-    from vllm_servicer import mount
     from vllm_servicer.proto import vllm_engine_pb2_grpc
 
     empty = tmp_path / "srv" / "tokenizer"
@@ -163,17 +162,10 @@ async def test_tokenizer_errors_on_the_wire_name_no_server_path(tmp_path: Any) -
         def __init__(self) -> None:
             super().__init__(model_config=SimpleNamespace(tokenizer=str(empty)))
 
-    server = grpc.aio.server()
-    mount(server, NoTokenizerFiles(), health=False, reflection_service=False)  # type: ignore[arg-type]
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await collect(stub.GetTokenizer(common_pb2.GetTokenizerRequest()))
-    finally:
-        await server.stop(None)
+    async with serving(NoTokenizerFiles(), health=False, reflection_service=False) as served:  # type: ignore[arg-type]
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(served.channel)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await collect(stub.GetTokenizer(common_pb2.GetTokenizerRequest()))
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert str(tmp_path) not in (err.value.details() or "") and "<path>" in err.value.details()
 
@@ -246,7 +238,6 @@ async def test_field_violations_on_the_wire_name_no_server_path(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An engine's validation error naming server files, as a client decodes it."""
-    from vllm_servicer import mount
     from vllm_servicer.proto import vllm_engine_pb2_grpc
 
     (tmp_path / "grammars").mkdir()
@@ -264,17 +255,10 @@ async def test_field_violations_on_the_wire_name_no_server_path(
             raise VLLMValidationError(said, parameter="grammar")
             yield  # an async generator, as vLLM's
 
-    server = grpc.aio.server()
-    mount(server, RefusingEngine(), health=False, reflection_service=False)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await collect(stub.Generate(request()))
-    finally:
-        await server.stop(None)
+    async with serving(RefusingEngine(), health=False, reflection_service=False) as served:
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(served.channel)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await collect(stub.Generate(request()))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     status, _, bad = _details(err.value)
     assert bad is not None and [v.field for v in bad.field_violations] == [

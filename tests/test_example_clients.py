@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support import bearer
 
 NODE_DIR = Path(__file__).resolve().parent.parent / "examples" / "node"
 
@@ -49,6 +50,29 @@ async def test_node_client_streams_tokens(node_client: Path, server: Any) -> Non
     assert len(streamed) == 6 and all(isinstance(t, int) for t in streamed)
     assert "finish_reason: length" in text
     assert "total tokens: 6" in text
+
+
+async def test_node_client_streams_text_from_vllms_own_protocol(
+    node_client: Path, server: Any
+) -> None:
+    """examples/node/inference.js: vllm.Inference/GenerateStream, served by default."""
+    proc = await asyncio.create_subprocess_exec(
+        shutil.which("node") or "node",
+        str(node_client.parent / "inference.js"),
+        server.address,
+        "5",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    out, _ = await asyncio.wait_for(proc.communicate(), 120)
+    text = out.decode()
+    assert proc.returncode == 0, text
+    assert "prompt tokens: 4" in text
+    streamed = [t for line in re.findall(r"^tokens: (.*)$", text, re.M) for t in json.loads(line)]
+    assert len(streamed) == 5 and all(isinstance(t, int) for t in streamed)
+    assert "finish_reason: LENGTH" in text and "output tokens: 5" in text
+    assert "total tokens: 5" in text
+    assert re.search(r'^text: ".+"$', text, re.M), text
 
 
 async def test_python_client_tour(server: Any) -> None:
@@ -99,9 +123,7 @@ async def test_host_server_example(engine: Any) -> None:
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await stub.GetModelInfo(pb.GetModelInfoRequest())
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            info = await stub.GetModelInfo(
-                pb.GetModelInfoRequest(), metadata=(("authorization", "Bearer k1"),)
-            )
+            info = await stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=bearer("k1"))
             assert info.max_context_length > 0
         handled = registry.get_sample_value(
             "grpc_server_handled_total",

@@ -9,96 +9,26 @@ import contextlib
 import os
 import re
 import signal
-import socket
-import sys
 from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from support import free_port
+from support.launcher import (
+    EXAMPLES,
+    ROOT,
+    START_TIMEOUT,
+    drain_output,
+    exit_code,
+    spawn,
+    stop,
+    wait_for_line,
+)
 from transformers import AutoTokenizer
-
-ROOT = Path(__file__).resolve().parent.parent
-EXAMPLES = ROOT / "examples"
-START_TIMEOUT = 420
 
 # A test here may wait START_TIMEOUT for a launcher; the suite's default would cut it short.
 pytestmark = pytest.mark.timeout(START_TIMEOUT + 180)
-
-
-async def _spawn(
-    *args: str, env: dict[str, str], new_session: bool = False
-) -> asyncio.subprocess.Process:
-    return await asyncio.create_subprocess_exec(
-        sys.executable,
-        *args,
-        cwd=ROOT,
-        env=env,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-        start_new_session=new_session,
-    )
-
-
-async def _wait_for_line(proc: asyncio.subprocess.Process, pattern: str) -> re.Match[str]:
-    assert proc.stdout is not None
-    seen: list[str] = []
-
-    async def scan() -> re.Match[str]:
-        while line := (await proc.stdout.readline()).decode(errors="replace"):  # type: ignore[union-attr]
-            seen.append(line)
-            if match := re.search(pattern, line):
-                return match
-        raise AssertionError("process ended before it served:\n" + "".join(seen[-40:]))
-
-    # The process may die while a child it started (an engine) keeps the pipe
-    # open; its exit ends the wait too. (On Python 3.11 `proc.wait()` returns
-    # only once the pipes close, so the exit is read from `returncode`.)
-    found = asyncio.ensure_future(scan())
-    exited = asyncio.ensure_future(_exit(proc))
-    try:
-        await asyncio.wait(
-            {found, exited}, timeout=START_TIMEOUT, return_when=asyncio.FIRST_COMPLETED
-        )
-        if not found.done() and exited.done():
-            await asyncio.wait({found}, timeout=2)  # its last lines may still be in the pipe
-        if found.done():
-            return found.result()
-        if exited.done():
-            raise AssertionError(
-                f"process exited ({proc.returncode}) before it served:\n" + "".join(seen[-40:])
-            )
-        raise AssertionError("no start-up line in time:\n" + "".join(seen[-40:]))
-    finally:
-        found.cancel()
-        exited.cancel()
-
-
-async def _exit(proc: asyncio.subprocess.Process) -> int:
-    """The process's exit status, whoever else still holds its pipes."""
-    while proc.returncode is None:  # noqa: ASYNC110 - asyncio sets it on exit, signals nothing
-        await asyncio.sleep(0.1)
-    return proc.returncode
-
-
-async def _drain_output(
-    proc: asyncio.subprocess.Process, tail: collections.deque[str] | None = None
-) -> None:
-    """Read a process's output so that it never blocks on a full pipe; keep its tail."""
-    assert proc.stdout is not None
-    while line := await proc.stdout.readline():
-        if tail is not None:
-            tail.append(line.decode(errors="replace"))
-
-
-async def _stop(proc: asyncio.subprocess.Process) -> int:
-    if proc.returncode is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        return await asyncio.wait_for(proc.wait(), 60)
-    except TimeoutError:
-        proc.kill()
-        raise
 
 
 @pytest.fixture(scope="module")
@@ -110,15 +40,15 @@ async def test_launcher_serves_the_example_client_then_stops_cleanly_on_sigterm(
     env: dict[str, str],
 ) -> None:
     """One launcher, from start to stop: the stop consumes it, so no other test shares it."""
-    proc = await _spawn("-m", "vllm_servicer", "serve", "--port", "0", "--warm-up", env=env)
+    proc = await spawn("-m", "vllm_servicer", "serve", "--port", "0", "--warm-up", env=env)
     try:
         # The warm-up generation runs before the port opens.
-        await _wait_for_line(proc, r"warm-up generation done in")
-        match = await _wait_for_line(proc, r"listening on (\S+:\d+)")
+        await wait_for_line(proc, r"warm-up generation done in")
+        match = await wait_for_line(proc, r"listening on (\S+:\d+)")
         address = match.group(1)
         output: collections.deque[str] = collections.deque(maxlen=200)
-        drain = asyncio.ensure_future(_drain_output(proc, output))
-        client = await _spawn(str(EXAMPLES / "client.py"), address, "Hello", "--ids", env=env)
+        drain = asyncio.ensure_future(drain_output(proc, output))
+        client = await spawn(str(EXAMPLES / "client.py"), address, "Hello", "--ids", env=env)
         out, _ = await asyncio.wait_for(client.communicate(), 120)
         text = out.decode()
         assert client.returncode == 0, text
@@ -129,7 +59,7 @@ async def test_launcher_serves_the_example_client_then_stops_cleanly_on_sigterm(
 
         # By default the client prints text, decoded with the tokenizer it fetched
         # through GetTokenizer: the same greedy tokens, as the model's tokenizer reads them.
-        client = await _spawn(str(EXAMPLES / "client.py"), address, "Hello", env=env)
+        client = await spawn(str(EXAMPLES / "client.py"), address, "Hello", env=env)
         out, _ = await asyncio.wait_for(client.communicate(), 120)
         assert client.returncode == 0, out.decode()
         printed = re.search(
@@ -144,13 +74,13 @@ async def test_launcher_serves_the_example_client_then_stops_cleanly_on_sigterm(
             health = health_pb2_grpc.HealthStub(channel)
             reply = await health.Check(health_pb2.HealthCheckRequest())
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
-        assert await _stop(proc) == 0
+        assert await stop(proc) == 0
         await asyncio.wait_for(drain, 30)  # the rest of its output, to the end
         # A clean stop ends with the launcher's own line, not a library's exit noise.
         stop_lines = "".join(output)
         # Its own lines in vLLM's format (process, level, time, source), as vLLM's are.
         assert re.search(
-            r"\(MainProcess pid=\d+\) INFO \d\d-\d\d [\d:]{8} \[launcher\.py:\d+\] stopped$",
+            r"\(MainProcess pid=\d+\) INFO \d\d-\d\d [\d:]{8} \[__main__\.py:\d+\] stopped$",
             stop_lines,
             re.M,
         ), stop_lines
@@ -161,12 +91,6 @@ async def test_launcher_serves_the_example_client_then_stops_cleanly_on_sigterm(
             await proc.wait()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_readme_mount_sample_is_the_example_file() -> None:
     readme = (ROOT / "README.md").read_text()
     sample = (EXAMPLES / "mount_quickstart.py").read_text()
@@ -174,7 +98,7 @@ def test_readme_mount_sample_is_the_example_file() -> None:
 
 
 async def test_mount_quickstart_serves(env: dict[str, str], tmp_path: Path) -> None:
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     driver = (
         "import asyncio, sys\n"
         f"sys.path.insert(0, {str(EXAMPLES)!r})\n"
@@ -190,11 +114,11 @@ async def test_mount_quickstart_serves(env: dict[str, str], tmp_path: Path) -> N
     script = tmp_path / "drive_quickstart.py"
     script.write_text(driver)
     # A group of its own: whatever the example leaves running is stopped with it.
-    proc = await _spawn(str(script), env=env, new_session=True)
+    proc = await spawn(str(script), env=env, new_session=True)
     try:
-        await _wait_for_line(proc, r"serving on")
-        drain = asyncio.ensure_future(_drain_output(proc))
-        client = await _spawn(str(EXAMPLES / "client.py"), address, "hi", env=env)
+        await wait_for_line(proc, r"serving on")
+        drain = asyncio.ensure_future(drain_output(proc))
+        client = await spawn(str(EXAMPLES / "client.py"), address, "hi", env=env)
         out, _ = await asyncio.wait_for(client.communicate(), 120)
         assert client.returncode == 0, out.decode()
         assert "finish_reason: length" in out.decode()
@@ -203,7 +127,7 @@ async def test_mount_quickstart_serves(env: dict[str, str], tmp_path: Path) -> N
         if proc.returncode is None:
             proc.send_signal(signal.SIGINT)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(_exit(proc), 60)
+                await asyncio.wait_for(exit_code(proc), 60)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         await asyncio.wait_for(proc.wait(), 60)

@@ -25,9 +25,9 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers import request, wait_until_idle
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support import request, wait_until_idle
 
 from vllm_servicer import SERVICE_NAME
 from vllm_servicer.proto import vllm_engine_pb2 as pb

@@ -9,7 +9,7 @@ from typing import Any
 
 import grpc
 import pytest
-from helpers import collect, completes, request, streamed_tokens, wait_until_idle
+from support import collect, completes, request, streamed_tokens, wait_until_idle
 
 from vllm_servicer.proto import vllm_engine_pb2 as pb
 

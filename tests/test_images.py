@@ -1,6 +1,6 @@
 """Images named by URL (`media_refs`) reach a real vision-language model.
 
-One engine for the module, on the tiny LLaVA (random weights on disk, so each
+The session's vision engine, the tiny LLaVA (random weights on disk, so each
 image changes the logits), served twice: with media references on (data:
 URLs, files under one directory, http from loopback only) and with them off.
 Greedy tokens show the image reaches the model: two images give two outputs,
@@ -14,7 +14,6 @@ import base64
 import functools
 import http.server
 import io
-import socket
 import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -22,13 +21,12 @@ from typing import Any
 
 import grpc
 import pytest
-from helpers import collect, completes, request, wait_until_idle
+from support import collect, completes, free_port, request, serving, wait_until_idle
 
-from vllm_servicer import MediaRefOptions, mount
+from vllm_servicer import MediaRefOptions
 from vllm_servicer.proto import common_pb2, vllm_engine_pb2_grpc
 from vllm_servicer.proto import vllm_engine_pb2 as pb
-from vllm_servicer.testing.tiny_model import build_tiny_engine
-from vllm_servicer.testing.tiny_vlm import IMAGE_TOKEN, TINY_VLM_ENGINE_KWARGS
+from vllm_servicer.testing.tiny_vlm import IMAGE_TOKEN
 
 MAX_ITEM_BYTES = 64 * 1024
 
@@ -73,47 +71,20 @@ def web(media_dir: Path) -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-async def vlm(vlm_dir: Path) -> AsyncIterator[Any]:
-    llm = build_tiny_engine(vlm_dir, **TINY_VLM_ENGINE_KWARGS)
-    try:
-        yield llm
-    finally:
-        llm.shutdown()
-
-
-async def _serve(engine: Any, **options: Any) -> tuple[grpc.aio.Server, Any, str]:
-    server = grpc.aio.server()
-    mounted = mount(server, engine, **options)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    return server, mounted, f"127.0.0.1:{port}"
-
-
-async def _stub_for(engine: Any, **options: Any) -> AsyncIterator[Any]:
-    server, mounted, address = await _serve(engine, **options)
-    try:
-        async with grpc.aio.insecure_channel(address) as channel:
-            yield vllm_engine_pb2_grpc.VllmEngineStub(channel)
-    finally:
-        await mounted.health.close()
-        await server.stop(None)
-
-
-@pytest.fixture(scope="module")
-async def images_on(vlm: Any, media_dir: Path) -> AsyncIterator[Any]:
+async def images_on(vlm_engine: Any, media_dir: Path) -> AsyncIterator[Any]:
     options = MediaRefOptions(
         allowed_local_media_path=str(media_dir),
         allowed_media_domains=["127.0.0.1"],
         max_item_bytes=MAX_ITEM_BYTES,
     )
-    async for stub in _stub_for(vlm, media_refs=options):
-        yield stub
+    async with serving(vlm_engine, media_refs=options) as served:
+        yield vllm_engine_pb2_grpc.VllmEngineStub(served.channel)
 
 
 @pytest.fixture(scope="module")
-async def images_off(vlm: Any) -> AsyncIterator[Any]:
-    async for stub in _stub_for(vlm):
-        yield stub
+async def images_off(vlm_engine: Any) -> AsyncIterator[Any]:
+    async with serving(vlm_engine) as served:
+        yield vllm_engine_pb2_grpc.VllmEngineStub(served.channel)
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +137,7 @@ async def test_the_same_image_gives_the_same_tokens_by_any_route(
 
 
 async def test_tokens_equal_vllm_offline_generate(
-    images_on: Any, vlm: Any, prompt_ids: list[int]
+    images_on: Any, vlm_engine: Any, prompt_ids: list[int]
 ) -> None:
     from PIL import Image
     from vllm import SamplingParams
@@ -174,7 +145,7 @@ async def test_tokens_equal_vllm_offline_generate(
     served = await _tokens(images_on, prompt_ids, _data_url(BLUE))
     image = Image.open(io.BytesIO(BLUE)).convert("RGB")
     final = None
-    async for output in vlm.generate(
+    async for output in vlm_engine.generate(
         {"prompt_token_ids": prompt_ids, "multi_modal_data": {"image": image}},
         SamplingParams(temperature=0.0, max_tokens=8),
         "offline-blue",
@@ -202,13 +173,13 @@ async def test_vision_and_schemes_are_advertised_only_when_images_can_be_sent(
 
 
 async def test_off_by_default_the_refusal_names_the_switch(
-    images_off: Any, prompt_ids: list[int], vlm: Any
+    images_off: Any, prompt_ids: list[int], vlm_engine: Any
 ) -> None:
     err = await _refused(images_off, _with_images(prompt_ids, _data_url(RED)))
     assert err.code() == grpc.StatusCode.UNIMPLEMENTED
     assert (err.details() or "").startswith("media_refs: ")
     assert "--enable-media-refs" in (err.details() or "")
-    assert await wait_until_idle(vlm) == 0
+    assert await wait_until_idle(vlm_engine) == 0
 
 
 @pytest.mark.parametrize(
@@ -246,13 +217,19 @@ async def test_off_by_default_the_refusal_names_the_switch(
     ],
 )
 async def test_bad_items_are_invalid_and_named(
-    url: Any, words: str, images_on: Any, prompt_ids: list[int], media_dir: Path, web: str, vlm: Any
+    url: Any,
+    words: str,
+    images_on: Any,
+    prompt_ids: list[int],
+    media_dir: Path,
+    web: str,
+    vlm_engine: Any,
 ) -> None:
     err = await _refused(images_on, _with_images(prompt_ids, url(media_dir, web)))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
     details = err.details() or ""
     assert details.startswith("media_refs.items[0].url: ") and words in details, details
-    assert await wait_until_idle(vlm) == 0
+    assert await wait_until_idle(vlm_engine) == 0
 
 
 class _Unavailable(http.server.BaseHTTPRequestHandler):
@@ -275,32 +252,24 @@ def down_web() -> Iterator[str]:
         httpd.server_close()
 
 
-def _closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.mark.parametrize("where", ["http-503", "connection-refused"])
 async def test_a_fetch_failing_on_the_far_side_is_unavailable(
-    where: str, images_on: Any, prompt_ids: list[int], down_web: str, vlm: Any
+    where: str, images_on: Any, prompt_ids: list[int], down_web: str, vlm_engine: Any
 ) -> None:
     """The server's fault, not the request's: UNAVAILABLE, so a client may retry."""
     url = (
-        f"{down_web}/red.png"
-        if where == "http-503"
-        else f"http://127.0.0.1:{_closed_port()}/red.png"
+        f"{down_web}/red.png" if where == "http-503" else f"http://127.0.0.1:{free_port()}/red.png"
     )
     err = await _refused(images_on, _with_images(prompt_ids, url))
     assert err.code() == grpc.StatusCode.UNAVAILABLE, err.details()
     assert (err.details() or "").startswith("media_refs.items[0].url: could not fetch"), (
         err.details()
     )
-    assert await wait_until_idle(vlm) == 0
+    assert await wait_until_idle(vlm_engine) == 0
 
 
 async def test_other_malformed_requests_are_refused(
-    images_on: Any, prompt_ids: list[int], vlm: Any
+    images_on: Any, prompt_ids: list[int], vlm_engine: Any
 ) -> None:
     # Text input: the router tokenizes, as for the reference server.
     req = _with_images(prompt_ids, _data_url(RED))
@@ -325,6 +294,6 @@ async def test_other_malformed_requests_are_refused(
     # An image but no placeholder for it: vLLM's processor refuses it.
     err = await _refused(images_on, _with_images(prompt_ids[:1] + prompt_ids[2:], _data_url(RED)))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
-    assert await wait_until_idle(vlm) == 0
+    assert await wait_until_idle(vlm_engine) == 0
     # The engine still serves images afterwards.
     assert len(await _tokens(images_on, prompt_ids, _data_url(RED))) == 8

@@ -9,9 +9,9 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers import collect, request, wait_until_idle
+from support import collect, placed, request, serving, wait_until_idle
 
-from vllm_servicer import SERVICE_NAME, mount
+from vllm_servicer import SERVICE_NAME
 from vllm_servicer.interceptors import InflightInterceptor
 from vllm_servicer.proto import vllm_engine_pb2 as pb
 from vllm_servicer.proto import vllm_engine_pb2_grpc
@@ -20,24 +20,14 @@ GENERATE = f"/{SERVICE_NAME}/Generate"
 LONG = {"max_tokens": 5000, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module", params=["server_wide", "mounted"])
+@pytest.fixture(scope="module")
 async def served(
-    request: pytest.FixtureRequest, engine: Any
+    placement: str, engine: Any
 ) -> AsyncIterator[tuple[vllm_engine_pb2_grpc.VllmEngineStub, InflightInterceptor, Any]]:
     inflight = InflightInterceptor()
-    if request.param == "server_wide":
-        server = grpc.aio.server(interceptors=[inflight])
-        mounted = mount(server, engine)
-    else:
-        server = grpc.aio.server()
-        mounted = mount(server, engine, interceptors=[inflight])
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+    async with serving(engine, **placed(placement, [inflight])) as running:
+        channel = running.channel
         yield vllm_engine_pb2_grpc.VllmEngineStub(channel), inflight, channel
-    assert mounted.health is not None
-    await mounted.health.close()
-    await server.stop(None)
 
 
 @pytest.fixture

@@ -16,9 +16,9 @@ from typing import Any
 import grpc
 import msgspec
 import pytest
-from helpers import collect, mounted_channel, request, wait_until_idle
 from smg_grpc_proto.generated import common_pb2 as ref_common
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as ref_grpc
+from support import bearer, collect, request, serving, settle, wait_until_idle
 from vllm.config.kv_events import KVEventsConfig
 from vllm.distributed.kv_events import (
     AllBlocksCleared,
@@ -28,7 +28,6 @@ from vllm.distributed.kv_events import (
     ZmqEventPublisher,
 )
 
-from vllm_servicer import mount
 from vllm_servicer.errors import EventsLostError, FieldOutOfRangeError, TooManySubscribersError
 from vllm_servicer.interceptors.auth import (
     ADMIN_ROLE,
@@ -41,32 +40,27 @@ from vllm_servicer.interceptors.auth import (
 from vllm_servicer.proto import common_pb2, vllm_engine_pb2_grpc
 from vllm_servicer.servicer.kv_events import BatchDecoder, Source, relay, to_int64
 from vllm_servicer.servicer.tenancy import SubscriberLimit
+from vllm_servicer.testing.tiny_model import build_tiny_engine
 
 
+# This module's two engines publish KV events, which no other test's engine does;
+# one keeps a replay buffer and the other must not (a resume point is refused there).
 @pytest.fixture(scope="module")
 async def featured(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[tuple[Any, grpc.aio.Channel]]:
-    from helpers import build_engine
-
     work = tmp_path_factory.mktemp("featured")
-    engine = build_engine(
+    engine = build_tiny_engine(
         tiny_model_dir,
         enable_prefix_caching=True,
         kv_events_config=KVEventsConfig(
             enable_kv_cache_events=True, publisher="zmq", endpoint=f"ipc://{work}/kv-events"
         ),
     )
-    server = grpc.aio.server()
-    mounted = mount(server, engine, health=False)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            yield engine, channel
+        async with serving(engine, health=False) as served:
+            yield engine, served.channel
     finally:
-        assert mounted.health is None
-        await server.stop(None)
         engine.shutdown()
 
 
@@ -230,10 +224,8 @@ async def replaying(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[tuple[Any, grpc.aio.Channel]]:
     """A real engine whose publisher keeps a replay buffer, served with the reference's stubs."""
-    from helpers import build_engine
-
     work = tmp_path_factory.mktemp("replaying")
-    engine = build_engine(
+    engine = build_tiny_engine(
         tiny_model_dir,
         enable_prefix_caching=True,
         kv_events_config=KVEventsConfig(
@@ -244,8 +236,8 @@ async def replaying(
         ),
     )
     try:
-        async with mounted_channel(engine, health=False) as channel:
-            yield engine, channel
+        async with serving(engine, health=False) as served:
+            yield engine, served.channel
     finally:
         engine.shutdown()
 
@@ -440,33 +432,29 @@ async def test_missed_batches_no_longer_kept_end_the_stream_with_events_lost(
 
 async def test_subscribers_past_the_limit_are_resource_exhausted(featured: Any) -> None:
     engine, _ = featured
-    server = grpc.aio.server()
-    mounted = mount(server, engine, health=False, reflection_service=False, max_kv_subscribers=2)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
-            open_calls = [stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest())]
-            open_calls.append(stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest()))
-            for call in open_calls:
-                await call.initial_metadata()  # subscribed
-            refused = stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest())
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await refused.read()
-            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "limit is 2" in (err.value.details() or "")
+    async with serving(
+        engine, health=False, reflection_service=False, max_kv_subscribers=2
+    ) as served:
+        mounted = served.mounted
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(served.channel)
+        open_calls = [stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest())]
+        open_calls.append(stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest()))
+        for call in open_calls:
+            await call.initial_metadata()  # subscribed
+        refused = stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest())
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await refused.read()
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "limit is 2" in (err.value.details() or "")
 
-            # A closed stream gives its place back.
-            open_calls[0].cancel()
-            await _until(lambda: mounted.servicer.kv_subscribers.active == 1)
-            again = stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest())
-            await asyncio.wait_for(again.initial_metadata(), 10)
-            again.cancel()
-            open_calls[1].cancel()
-            await _until(lambda: mounted.servicer.kv_subscribers.active == 0)
-    finally:
-        await server.stop(None)
+        # A closed stream gives its place back.
+        open_calls[0].cancel()
+        assert await settle(lambda: mounted.servicer.kv_subscribers.active == 1)
+        again = stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest())
+        await asyncio.wait_for(again.initial_metadata(), 10)
+        again.cancel()
+        open_calls[1].cancel()
+        assert await settle(lambda: mounted.servicer.kv_subscribers.active == 0)
 
 
 # ----- the subscriber limit, without an engine ------------------------------
@@ -546,21 +534,17 @@ async def test_one_key_cannot_take_every_subscriber_slot(featured: Any) -> None:
             ApiKeyVerifier({"tenant": TENANT_KEY, "router": ROUTER_KEY}),
         )
     )
-    server = grpc.aio.server()
-    mounted = mount(
-        server,
+    open_calls: list[Any] = []
+    async with serving(
         engine,
         health=False,
         reflection_service=False,
         interceptors=[auth],
         max_kv_subscribers=5,
-    )
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    open_calls: list[Any] = []
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+    ) as served:
+        mounted = served.mounted
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(served.channel)
+        try:
 
             async def subscribe(key: str) -> Any:
                 call = stub.SubscribeKvEvents(
@@ -591,24 +575,10 @@ async def test_one_key_cannot_take_every_subscriber_slot(featured: Any) -> None:
             # An admin is not held to a share, but the total binds everyone.
             details = await refused(ADMIN_KEY)
             assert "total limit is 5" in details, details
-    finally:
-        for call in open_calls:
-            call.cancel()
-        await _until(lambda: mounted.servicer.kv_subscribers.active == 0)
-        await server.stop(None)
-
-
-def bearer(key: str) -> tuple[tuple[str, str], ...]:
-    return (("authorization", f"Bearer {key}"),)
-
-
-async def _until(condition: Any, timeout: float = 10.0) -> None:
-    """Poll `condition` until it holds; fail after `timeout` seconds."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not condition():  # noqa: ASYNC110 - a plain counter has no event to wait on
-        assert loop.time() < deadline, "condition never held"
-        await asyncio.sleep(0.02)
+        finally:
+            for call in open_calls:
+                call.cancel()
+            assert await settle(lambda: mounted.servicer.kv_subscribers.active == 0)
 
 
 async def test_a_slow_subscriber_keeps_the_newest_batches_not_the_engines_memory(

@@ -25,12 +25,9 @@ from vllm_servicer import mount
 from vllm_servicer.interceptors.auth import ADMIN_ROLE
 from vllm_servicer.proto import common_pb2, vllm_engine_pb2_grpc
 from vllm_servicer.proto import vllm_engine_pb2 as pb
-from vllm_servicer.serve.launcher import (
-    _http_verifier,
-    authenticates,
-    build_interceptors,
-    parse_args,
-)
+from vllm_servicer.serve.args import parse_args
+from vllm_servicer.serve.stack import authenticates, build_interceptors
+from vllm_servicer.serve.stack import http_verifier as _http_verifier
 from vllm_servicer.tls import server_credentials, warn_if_exposed
 
 TENANT_A = "tenant-a-0123456789abcdefABCDEF"

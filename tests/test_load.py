@@ -16,8 +16,7 @@ from typing import Any
 
 import grpc
 import pytest
-from helpers import request, unfinished, wait_until_idle
-from probes import rss_kb, settle
+from support import request, rss_kb, settle, unfinished, wait_until_idle
 
 from vllm_servicer.proto import vllm_engine_pb2_grpc
 

@@ -9,21 +9,21 @@ import gc
 import json
 import os
 import shutil
-import socket
 import urllib.parse
 import urllib.request
 from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
-from helpers import request, wait_until_idle
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
-from test_examples import START_TIMEOUT, _drain_output, _spawn, _stop, _wait_for_line
+from support import free_port, placed, request, serving, wait_until_idle
+from support.launcher import START_TIMEOUT, drain_output, spawn, stop, wait_for_line
 
-from vllm_servicer import SERVICE_NAME, mount
+from vllm_servicer import SERVICE_NAME
 from vllm_servicer.engine import served_model_name
 from vllm_servicer.interceptors import (
     InflightInterceptor,
@@ -76,33 +76,22 @@ class Served:
         assert self.value("vllm_servicer_requests_in_flight") == 0
 
 
+@asynccontextmanager
 async def _serve(
     engine: Any, placement: str, outer: tuple[Any, ...] = ()
-) -> tuple[grpc.aio.Server, Any, Served, Any]:
+) -> AsyncIterator[tuple[grpc.aio.Server, Served]]:
     metrics = MetricsInterceptor(CollectorRegistry(), model_name=served_model_name(engine))
     # Inside metrics, so metrics sees the limit's rejections too.
     inflight = InflightInterceptor()
-    chain = [*outer, metrics, inflight]
-    if placement == "server_wide":
-        server = grpc.aio.server(interceptors=chain)
-        mounted = mount(server, engine)
-    else:
-        server = grpc.aio.server()
-        mounted = mount(server, engine, interceptors=chain)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    served = Served(vllm_engine_pb2_grpc.VllmEngineStub(channel), metrics, inflight)
-    return server, mounted, served, channel
+    async with serving(engine, **placed(placement, [*outer, metrics, inflight])) as running:
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(running.channel)
+        yield running.server, Served(stub, metrics, inflight)
 
 
-@pytest.fixture(scope="module", params=["server_wide", "mounted"])
-async def served(request: pytest.FixtureRequest, engine: Any) -> AsyncIterator[Served]:
-    server, mounted, served, channel = await _serve(engine, request.param)
-    yield served
-    await channel.close()
-    await mounted.health.close()
-    await server.stop(None)
+@pytest.fixture(scope="module")
+async def served(placement: str, engine: Any) -> AsyncIterator[Served]:
+    async with _serve(engine, placement) as (_, served):
+        yield served
 
 
 async def _read_all(call: Any) -> list[Any]:
@@ -258,20 +247,17 @@ async def test_client_cancel_counted_once_wherever_it_lands(
         from vllm_servicer.interceptors import TracingInterceptor
 
         outer = (TracingInterceptor(tracer_provider=TracerProvider()),)
-    server, mounted, served, channel = await _serve(engine, "server_wide", outer)
     calls = 6
-    delta = served.snapshot()
-    gc.disable()
-    try:
-        for _ in range(calls):
-            await _cancel_at(served, point)
-        assert await served.inflight.wait_idle(5, include_all=True), "calls left in flight"
-        assert await wait_until_idle(engine, timeout=5) == 0, "cancelled requests left running"
-    finally:
-        gc.enable()
-        await channel.close()
-        await mounted.health.close()
-        await server.stop(None)
+    async with _serve(engine, "server_wide", outer) as (_, served):
+        delta = served.snapshot()
+        gc.disable()
+        try:
+            for _ in range(calls):
+                await _cancel_at(served, point)
+            assert await served.inflight.wait_idle(5, include_all=True), "calls left in flight"
+            assert await wait_until_idle(engine, timeout=5) == 0, "cancelled requests left running"
+        finally:
+            gc.enable()
     assert delta("grpc_server_handled_total", **GENERATE, grpc_code="CANCELLED") == calls
     assert delta("grpc_server_handled_total", **GENERATE, grpc_code="OK") == 0
     assert delta("vllm_servicer_request_cancelled_total", cause="client_cancel") == calls
@@ -298,8 +284,7 @@ async def test_limit_rejections_are_counted(served: Served, engine: Any) -> None
 
 
 async def test_shutdown_cause(engine: Any) -> None:
-    server, mounted, served, channel = await _serve(engine, "mounted")
-    try:
+    async with _serve(engine, "mounted") as (server, served):
         call = served.stub.Generate(request(stream=True, **LONG))
         await call.read()
         served.metrics.mark_shutdown()
@@ -309,10 +294,6 @@ async def test_shutdown_cause(engine: Any) -> None:
         await served.settle()
         assert served.value("vllm_servicer_request_cancelled_total", cause="shutdown") == 1
         assert served.value("vllm_servicer_request_cancelled_total", cause="client_cancel") == 0
-    finally:
-        await channel.close()
-        await mounted.health.close()
-        await server.stop(None)
     assert await wait_until_idle(engine) == 0
 
 
@@ -344,12 +325,6 @@ def test_separate_registries_do_not_collide() -> None:
 # ----- a real Prometheus --------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _get_json(url: str) -> Any:
     with urllib.request.urlopen(url, timeout=2) as reply:
         return json.load(reply)
@@ -378,7 +353,7 @@ async def test_real_prometheus_scrapes_the_series(
 ) -> None:
     http_server, _ = start_metrics_server(0, registry=served.registry)
     metrics_port = http_server.server_port
-    web_port = _free_port()
+    web_port = free_port()
     config = tmp_path / "prometheus.yml"
     config.write_text(
         "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
@@ -470,7 +445,7 @@ async def test_launcher_endpoint_shows_both_families_per_model(tiny_model_dir: P
     # tiny model's settings are passed as flags.
     env = {**os.environ, **apply_cpu_env_defaults()}
     engine_flags = tiny_engine_flags()
-    proc = await _spawn(
+    proc = await spawn(
         "-m",
         "vllm_servicer",
         "serve",
@@ -487,9 +462,9 @@ async def test_launcher_endpoint_shows_both_families_per_model(tiny_model_dir: P
     )
     output = None
     try:
-        url = (await _wait_for_line(proc, r"metrics on (http://\S+/metrics)")).group(1)
-        address = (await _wait_for_line(proc, r"listening on (\S+:\d+)")).group(1)
-        output = asyncio.ensure_future(_drain_output(proc))
+        url = (await wait_for_line(proc, r"metrics on (http://\S+/metrics)")).group(1)
+        address = (await wait_for_line(proc, r"listening on (\S+:\d+)")).group(1)
+        output = asyncio.ensure_future(drain_output(proc))
         before = await asyncio.to_thread(_scrape_text, url)
         async with grpc.aio.insecure_channel(address) as channel:
             stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
@@ -543,7 +518,7 @@ async def test_launcher_endpoint_shows_both_families_per_model(tiny_model_dir: P
             grew(after, "vllm_servicer_request_finish_total", **model, finish_reason="length") == 1
         )
         assert _sum(after, "vllm_servicer_requests_in_flight", **model) == 0
-        assert await _stop(proc) == 0
+        assert await stop(proc) == 0
     finally:
         if output is not None:
             output.cancel()

@@ -1,6 +1,6 @@
 """Preprocessed images (`mm_inputs`, `extra_mm_inputs`) reach a real vision-language model.
 
-One engine for the module, on the tiny LLaVA (random weights on disk, so each
+The session's vision engine, the tiny LLaVA (random weights on disk, so each
 image changes the logits). The requests are made the way a router makes them:
 the model directory's own HF processor expands the image placeholder in the
 token ids and produces `pixel_values`, sent inline or through POSIX shared
@@ -22,22 +22,13 @@ from typing import Any
 
 import grpc
 import pytest
-from helpers import (
-    collect,
-    completes,
-    mounted_channel,
-    request,
-    streamed_tokens,
-    wait_until_idle,
-)
-from router_side import BLUE, PROMPT, RED, Routed, router_request, solid_image
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as ref_grpc
+from support import collect, completes, request, serving, streamed_tokens, wait_until_idle
+from support.router_side import BLUE, PROMPT, RED, Routed, router_request, solid_image
 
 from vllm_servicer import MediaRefOptions
 from vllm_servicer.proto import common_pb2, vllm_engine_pb2_grpc
 from vllm_servicer.proto import vllm_engine_pb2 as pb
-from vllm_servicer.testing.tiny_model import build_tiny_engine
-from vllm_servicer.testing.tiny_vlm import TINY_VLM_ENGINE_KWARGS
 
 
 def _png(color: tuple[int, int, int]) -> bytes:
@@ -54,19 +45,10 @@ def unexpanded_ids(vlm_dir: Path) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-async def vlm(vlm_dir: Path) -> AsyncIterator[Any]:
-    llm = build_tiny_engine(vlm_dir, **TINY_VLM_ENGINE_KWARGS)
-    try:
-        yield llm
-    finally:
-        llm.shutdown()
-
-
-@pytest.fixture(scope="module")
-async def channel(vlm: Any) -> AsyncIterator[grpc.aio.Channel]:
+async def channel(vlm_engine: Any) -> AsyncIterator[grpc.aio.Channel]:
     """A server with media references and shared memory on, to compare the routes on one engine."""
-    async with mounted_channel(vlm, media_refs=MediaRefOptions(), shm_tensors=True) as channel:
-        yield channel
+    async with serving(vlm_engine, media_refs=MediaRefOptions(), shm_tensors=True) as served:
+        yield served.channel
 
 
 @pytest.fixture(scope="module")
@@ -75,10 +57,10 @@ def stub(channel: grpc.aio.Channel) -> Any:
 
 
 @pytest.fixture(scope="module")
-async def refs_off(vlm: Any) -> AsyncIterator[Any]:
+async def refs_off(vlm_engine: Any) -> AsyncIterator[Any]:
     """A server with media references off: tensors are then the only way in."""
-    async with mounted_channel(vlm) as channel:
-        yield vllm_engine_pb2_grpc.VllmEngineStub(channel)
+    async with serving(vlm_engine) as served:
+        yield vllm_engine_pb2_grpc.VllmEngineStub(served.channel)
 
 
 @pytest.fixture
@@ -228,7 +210,7 @@ def _this_hosts_shm() -> str:
 
 
 async def test_vision_is_advertised_without_media_refs(
-    refs_off: Any, preprocess: Any, vlm: Any
+    refs_off: Any, preprocess: Any, vlm_engine: Any
 ) -> None:
     assert (await refs_off.GetModelInfo(pb.GetModelInfoRequest())).supports_vision
     info = await refs_off.GetServerInfo(pb.GetServerInfoRequest())
@@ -237,7 +219,7 @@ async def test_vision_is_advertised_without_media_refs(
     assert (info.mm_item_limits, info.shm_namespace_id) == ("image=1", "")
     # vLLM's encoder budget: the lesser of its compute budget and its cache,
     # each the scheduler's setting where one item fits within it (here).
-    scheduler = vlm.vllm_config.scheduler_config
+    scheduler = vlm_engine.vllm_config.scheduler_config
     limits = (scheduler.max_num_encoder_input_tokens, scheduler.encoder_cache_size)
     routed = preprocess(RED)
     assert routed.length <= info.mm_encoder_budget == min(limits)
@@ -343,7 +325,7 @@ INVALID = [
 
 @pytest.mark.parametrize(("spoil", "message"), INVALID, ids=[f.__name__ for f, _ in INVALID])
 async def test_bad_input_is_invalid_and_named(
-    stub: Any, vlm: Any, preprocess: Any, spoil: Any, message: str
+    stub: Any, vlm_engine: Any, preprocess: Any, spoil: Any, message: str
 ) -> None:
     routed = preprocess(RED)
     req = _tensor_request(routed)
@@ -353,7 +335,7 @@ async def test_bad_input_is_invalid_and_named(
     end = len(routed.ids) - 2
     expected = message.format(end=end, end_plus_4=end + 4)
     assert (err.details() or "").startswith(expected), err.details()
-    assert await wait_until_idle(vlm) == 0
+    assert await wait_until_idle(vlm_engine) == 0
 
 
 async def test_a_segment_too_short_for_its_range_is_invalid(

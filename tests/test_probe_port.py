@@ -8,10 +8,10 @@ import os
 
 import grpc
 import pytest
-from certs import CertificateAuthority
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers import request
-from test_examples import START_TIMEOUT, _drain_output, _spawn, _stop, _wait_for_line
+from support import request
+from support.certs import CertificateAuthority
+from support.launcher import START_TIMEOUT, drain_output, spawn, stop, wait_for_line
 
 from vllm_servicer.health import LIVENESS_SERVICE
 from vllm_servicer.proto import SERVICE_NAME, vllm_engine_pb2_grpc
@@ -27,15 +27,15 @@ async def test_probes_reach_health_in_plaintext_and_nothing_else(
     folder = tmp_path_factory.mktemp("probe-port")
     cert, key = CertificateAuthority("probe-ca").server().write(folder, "server")
     env = {**os.environ, "VLLM_SERVICER_CACHE": str(tmp_path_factory.mktemp("cache"))}
-    proc = await _spawn(
+    proc = await spawn(
         "-m", "vllm_servicer", "serve", "--port", "0", "--tls-cert", str(cert),
         "--tls-key", str(key), "--health-port", "0", env=env,
     )  # fmt: skip
     tail: collections.deque[str] = collections.deque(maxlen=200)
     try:
-        probe = (await _wait_for_line(proc, r"health \(plaintext\) on (\S+:\d+)")).group(1)
-        address = (await _wait_for_line(proc, r"listening on (\S+:\d+)")).group(1)
-        output = asyncio.ensure_future(_drain_output(proc, tail))
+        probe = (await wait_for_line(proc, r"health \(plaintext\) on (\S+:\d+)")).group(1)
+        address = (await wait_for_line(proc, r"listening on (\S+:\d+)")).group(1)
+        output = asyncio.ensure_future(drain_output(proc, tail))
         async with grpc.aio.insecure_channel(probe) as channel:
             health = health_pb2_grpc.HealthStub(channel)
             for service in ("", SERVICE_NAME, LIVENESS_SERVICE):
@@ -56,7 +56,7 @@ async def test_probes_reach_health_in_plaintext_and_nothing_else(
                     health_pb2.HealthCheckRequest(), timeout=5
                 )
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert await _stop(proc) == 0, "".join(tail)
+        assert await stop(proc) == 0, "".join(tail)
         await asyncio.wait_for(output, 30)
     finally:
         if proc.returncode is None:
@@ -65,7 +65,7 @@ async def test_probes_reach_health_in_plaintext_and_nothing_else(
 
 
 def test_the_probe_port_is_refused_without_tls() -> None:
-    from vllm_servicer.serve.launcher import parse_args
+    from vllm_servicer.serve.args import parse_args
 
     with pytest.raises(SystemExit):
         parse_args(["serve", "--model", "m", "--health-port", "8081"])

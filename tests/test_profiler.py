@@ -23,14 +23,22 @@ from typing import Any
 
 import grpc
 import pytest
-from helpers import collect, request
 from smg_grpc_proto.generated import common_pb2 as ref_common
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as ref_grpc
-from test_drain import _children, _gone, _stop_and_reap
-from test_examples import START_TIMEOUT, _drain_output, _exit, _spawn, _wait_for_line
+from support import bearer, collect, request
+from support.launcher import (
+    START_TIMEOUT,
+    children,
+    drain_output,
+    exit_code,
+    gone,
+    spawn,
+    stop_and_reap,
+    wait_for_line,
+)
 
 from vllm_servicer.proto import common_pb2, vllm_engine_pb2_grpc
-from vllm_servicer.serve.launcher import ADMIN_KEY_ENV, API_KEY_ENV
+from vllm_servicer.serve.args import ADMIN_KEY_ENV, API_KEY_ENV
 
 ADMIN = "admin-0123456789abcdefABCDEF"
 TENANT = "tenant-0123456789abcdefABCDEF"
@@ -41,10 +49,6 @@ pytestmark = [
     # The last test stops the module's launcher, so the order in the file is kept.
     pytest.mark.random_order(disabled=True),
 ]
-
-
-def bearer(key: str) -> tuple[tuple[str, str], ...]:
-    return (("authorization", f"Bearer {key}"),)
 
 
 @dataclasses.dataclass
@@ -81,22 +85,22 @@ async def launcher(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[La
         API_KEY_ENV: TENANT,
     }
     config = json.dumps({"profiler": "torch", "torch_profiler_dir": str(traces)})
-    proc = await _spawn(
+    proc = await spawn(
         "-m", "vllm_servicer", "serve", "--port", "0", "--profiler-config", config, env=env
     )
     tail: collections.deque[str] = collections.deque(maxlen=300)
     engine_processes: set[int] = set()
     output: asyncio.Future[None] | None = None
     try:
-        match = await _wait_for_line(proc, r"listening on (\S+:\d+)")
-        engine_processes = _children(proc.pid)
-        output = asyncio.ensure_future(_drain_output(proc, tail))
+        match = await wait_for_line(proc, r"listening on (\S+:\d+)")
+        engine_processes = children(proc.pid)
+        output = asyncio.ensure_future(drain_output(proc, tail))
         async with grpc.aio.insecure_channel(match.group(1)) as channel:
             yield Launcher(proc, match.group(1), traces, engine_processes, tail, channel)
     finally:
         if output is None:
-            output = asyncio.ensure_future(_drain_output(proc))
-        await _stop_and_reap(proc, output, engine_processes | _children(proc.pid))
+            output = asyncio.ensure_future(drain_output(proc))
+        await stop_and_reap(proc, output, engine_processes | children(proc.pid))
 
 
 def _stub(channel: grpc.aio.Channel, kind: str) -> tuple[Any, Any]:
@@ -151,11 +155,11 @@ async def test_the_launcher_serves_and_stops_cleanly_after_profiling(launcher: L
         await _generate(launcher)
     launcher.proc.send_signal(signal.SIGTERM)
     try:
-        code = await asyncio.wait_for(_exit(launcher.proc), 90)
+        code = await asyncio.wait_for(exit_code(launcher.proc), 90)
     except TimeoutError:
         raise AssertionError(f"no exit 90 s after SIGTERM\n{launcher.output()}") from None
     assert code == 0, launcher.output()
-    assert not await _gone(launcher.engine_processes, 10), "engine processes left behind"
+    assert not await gone(launcher.engine_processes, 10), "engine processes left behind"
     # Shown on a failure, or with -rP: what the launcher printed while it profiled.
     print(launcher.output())
     for fatal in ("Fatal Python error", "Segmentation fault"):

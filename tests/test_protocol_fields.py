@@ -1,10 +1,12 @@
 """No request field is ignored: each is honoured, or refused with a typed status naming it.
 
-The inventory walks the protocol's own descriptors, so a field added to the
-protocol fails here until `vllm_servicer.wire.fields` says what happens to it. Every
-refusal is then shown over a real channel against the session's real engine,
-and the prefill/decode hand-off and speculative counts against an engine with
-a KV connector and n-gram speculative decoding (this module's own).
+The inventory walks each protocol's own descriptors (VllmEngine and
+vllm.Inference), so a field added to a protocol fails here until
+`vllm_servicer.wire.fields` says what happens to it. Every VllmEngine refusal
+is then shown over a real channel against the session's real engine (those of
+vllm.Inference in test_inference.py),
+and the prefill/decode hand-off and speculative counts against the session's
+engine with a KV connector and n-gram speculative decoding (`kv_echo_engine`).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,53 +23,82 @@ import pytest
 from google.protobuf.descriptor import Descriptor
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
-from helpers import build_engine, collect, completes, mounted_channel, request, wait_until_idle
-from kv_echo_connector import FINISHED_LOG
+from support import collect, completes, request, serving, wait_until_idle
+from support.kv_echo_connector import FINISHED_LOG
 
 from vllm_servicer import vllm_releases
-from vllm_servicer.proto import common_pb2, vllm_engine_pb2_grpc
+from vllm_servicer.proto import (
+    INFERENCE_SERVICE,
+    SERVICE_NAME,
+    common_pb2,
+    inference_pb2,
+    vllm_engine_pb2,
+    vllm_engine_pb2_grpc,
+)
 from vllm_servicer.proto import vllm_engine_pb2 as pb
 from vllm_servicer.vllm_releases import start_profile_options
 from vllm_servicer.wire.fields import HONOURED, REFUSED
 
-SERVICE = pb.DESCRIPTOR.services_by_name["VllmEngine"]
+# Every protocol service the package serves requests of, by full name.
+SERVICES = {
+    SERVICE_NAME: vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"],
+    INFERENCE_SERVICE: inference_pb2.DESCRIPTOR.services_by_name["Inference"],
+}
 PROTOCOL_DOC = Path(__file__).resolve().parent.parent / "docs" / "protocol.md"
+# Where the page's vllm.Inference section starts: its table has no RPC column
+# (both of its methods take the same request).
+INFERENCE_HEADING = "## vllm.Inference"
 
 
-def _paths(message: Descriptor, method: str, prefix: str = "") -> Iterator[str]:
+def _paths(message: Descriptor, refused: Mapping[str, Any], prefix: str = "") -> Iterator[str]:
     """Every field path of `message` a client can set, down through honoured sub-messages."""
     for field in message.fields:
         path = prefix + field.name
         yield path
         sub = field.message_type
-        if sub is None or sub.GetOptions().map_entry or path in REFUSED.get(method, {}):
+        if sub is None or sub.GetOptions().map_entry or path in refused:
             continue  # a map is one field; nothing inside a refused message is read
-        yield from _paths(sub, method, path + ".")
+        yield from _paths(sub, refused, path + ".")
 
 
-def test_every_request_field_is_honoured_or_refused() -> None:
-    assert set(HONOURED) | set(REFUSED) == set(SERVICE.methods_by_name)
-    for method in SERVICE.methods:
-        honoured = HONOURED.get(method.name, frozenset())
-        refused = set(REFUSED.get(method.name, {}))
-        assert not honoured & refused, f"{method.name}: both honoured and refused"
-        fields = set(_paths(method.input_type, method.name))
-        unlisted = fields - honoured - refused
-        assert not unlisted, f"{method.name}: fields neither honoured nor refused: {unlisted}"
-        stale = (honoured | refused) - fields
-        assert not stale, f"{method.name}: listed but not in the protocol: {stale}"
+@pytest.mark.parametrize("service", list(SERVICES))
+def test_every_request_field_is_honoured_or_refused(service: str) -> None:
+    methods = SERVICES[service].methods_by_name
+    honoured_by, refused_by = HONOURED.get(service, {}), REFUSED.get(service, {})
+    assert set(honoured_by) | set(refused_by) == set(methods)
+    for name, method in methods.items():
+        honoured = honoured_by.get(name, frozenset())
+        refused = refused_by.get(name, {})
+        assert not honoured & set(refused), f"{name}: both honoured and refused"
+        fields = set(_paths(method.input_type, refused))
+        unlisted = fields - honoured - set(refused)
+        assert not unlisted, f"{name}: fields neither honoured nor refused: {unlisted}"
+        stale = (honoured | set(refused)) - fields
+        assert not stale, f"{name}: listed but not in the protocol: {stale}"
 
 
-def test_the_protocol_page_shows_the_same_table() -> None:
-    rows = re.findall(
-        r"^\| (\w+) \| `([\w.]+)` \| (honoured|refused: `(\w+)`)", PROTOCOL_DOC.read_text(), re.M
-    )
+def _table(service: str, method: str) -> dict[str, str]:
+    """What the field table says of each field of one method: "honoured" or the code."""
+    rows = {path: "honoured" for path in HONOURED[service].get(method, ())}
+    rows |= {p: r.error.status_code for p, r in REFUSED[service].get(method, {}).items()}
+    return rows
+
+
+def test_the_protocol_page_shows_the_same_tables() -> None:
+    engine_part, _, inference_part = PROTOCOL_DOC.read_text().partition(INFERENCE_HEADING)
+    assert inference_part, f"no {INFERENCE_HEADING!r} section"
+    rows = re.findall(r"^\| (\w+) \| `([\w.]+)` \| (honoured|refused: `(\w+)`)", engine_part, re.M)
     documented = {(method, path): code or "honoured" for method, path, _, code in rows}
-    expected = {(m, p): "honoured" for m, paths in HONOURED.items() for p in paths}
-    expected |= {
-        (m, p): r.error.status_code for m, rows in REFUSED.items() for p, r in rows.items()
+    expected = {
+        (method, path): handling
+        for method in SERVICES[SERVICE_NAME].methods_by_name
+        for path, handling in _table(SERVICE_NAME, method).items()
     }
     assert documented == expected
+    rows = re.findall(r"^\| `([\w.]+)` \| (honoured|refused: `(\w+)`)", inference_part, re.M)
+    documented_inference = {path: code or "honoured" for path, _, code in rows}
+    for method in SERVICES[INFERENCE_SERVICE].methods_by_name:
+        assert documented_inference == _table(INFERENCE_SERVICE, method), method
 
 
 # ----- every refusal, over the wire ----------------------------------------------------------
@@ -180,7 +211,7 @@ def _unindexed(path: str) -> str:
 
 def test_every_refusal_has_a_wire_test() -> None:
     shown = set(REFUSALS) | set(REFUSALS_ELSEWHERE)
-    assert shown == {(m, p) for m, rows in REFUSED.items() for p in rows}
+    assert shown == {(m, p) for m, rows in REFUSED[SERVICE_NAME].items() for p in rows}
 
 
 @pytest.mark.parametrize(("method", "path"), list(REFUSALS), ids=lambda v: v)
@@ -197,7 +228,7 @@ async def test_a_refused_field_is_refused_with_its_code_and_name(
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, err.value.details()
         assert "--profiler-config" in (err.value.details() or "")
         return
-    expected = grpc.StatusCode[REFUSED[method][path].error.status_code]
+    expected = grpc.StatusCode[REFUSED[SERVICE_NAME][method][path].error.status_code]
     assert err.value.code() == expected, err.value.details()
     details = err.value.details() or ""
     # The message names the item of a repeated field ("extra_mm_inputs[0]..."); the table does not.
@@ -291,30 +322,13 @@ async def test_grammar_from_first_token_constrains_from_the_first_token(stub: An
 
 @pytest.fixture(scope="module")
 async def handoff(
-    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    kv_echo_engine: Any, kv_echo_storage: Path
 ) -> AsyncIterator[tuple[Any, Path, Any]]:
-    """A stub on an engine with the echoing KV connector and n-gram speculative
+    """A stub on the engine with the echoing KV connector and n-gram speculative
     decoding, its connector's log folder, and the engine."""
-    from kv_echo_connector import echo_transfer_config
-
-    storage = tmp_path_factory.mktemp("kv-handoff")
-    engine = build_engine(
-        tiny_model_dir,
-        enable_prefix_caching=False,
-        kv_transfer_config=echo_transfer_config(storage),
-        speculative_config={
-            "method": "ngram",
-            "num_speculative_tokens": 3,
-            "prompt_lookup_max": 3,
-            "prompt_lookup_min": 1,
-        },
-        per_request_spec_decode_metrics="summary",
-    )
-    try:
-        async with mounted_channel(engine, health=False, reflection_service=False) as channel:
-            yield vllm_engine_pb2_grpc.VllmEngineStub(channel), storage, engine
-    finally:
-        engine.shutdown()
+    async with serving(kv_echo_engine, health=False, reflection_service=False) as served:
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(served.channel)
+        yield stub, kv_echo_storage, kv_echo_engine
 
 
 REPEATING = [5, 6, 7] * 6  # n-gram lookup finds drafts in a repeating prompt

@@ -29,24 +29,20 @@ import dataclasses
 import importlib.util
 import json
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
-from pathlib import Path
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
 import pytest
-from helpers import build_engine, collect, completes, streamed_tokens
-from router_side import BLUE, RED, Routed, router_request
 from smg_grpc_proto.generated import common_pb2 as ref_common
 from smg_grpc_proto.generated import vllm_engine_pb2 as ref
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as ref_grpc
+from support import collect, completes, serving, streamed_tokens
+from support.router_side import BLUE, RED, Routed, router_request
 
-from vllm_servicer import mount
 from vllm_servicer.interceptors.tracing import FIRST_TOKEN_EVENT
 from vllm_servicer.proto import POOL
 from vllm_servicer.proto import vllm_engine_pb2 as ours
-from vllm_servicer.testing.tiny_model import build_tiny_engine
-from vllm_servicer.testing.tiny_vlm import TINY_VLM_ENGINE_KWARGS
 
 if importlib.util.find_spec("smg_grpc_servicer") is None:
     pytest.skip(
@@ -77,22 +73,18 @@ async def _serve_both(engine: Any) -> AsyncIterator[Servers]:
     # launcher hooks, which only the tests that serve it need.
     from smg_grpc_servicer.vllm.servicer import VllmEngineServicer
 
-    ours = grpc.aio.server()
-    mount(ours, engine, health=False, reflection_service=False)
     reference = grpc.aio.server()
     servicer = VllmEngineServicer(engine, time.time())
     ref_grpc.add_VllmEngineServicer_to_server(servicer, reference)
-    ours_channel = await _started(ours)
     reference_channel = await _started(reference)
     try:
-        yield Servers(
-            ours=ref_grpc.VllmEngineStub(ours_channel),
-            reference=ref_grpc.VllmEngineStub(reference_channel),
-        )
+        async with serving(engine, health=False, reflection_service=False) as served:
+            yield Servers(
+                ours=ref_grpc.VllmEngineStub(served.channel),
+                reference=ref_grpc.VllmEngineStub(reference_channel),
+            )
     finally:
-        await ours_channel.close()
         await reference_channel.close()
-        await ours.stop(None)
         await reference.stop(None)
 
 
@@ -130,13 +122,9 @@ def test_the_references_descriptors_and_ours_coexist_in_one_process() -> None:
 
 
 @pytest.fixture(scope="module")
-async def vlm_servers(vlm_dir: Path) -> AsyncIterator[Servers]:
-    engine = build_tiny_engine(vlm_dir, **TINY_VLM_ENGINE_KWARGS)
-    try:
-        async for servers in _serve_both(engine):
-            yield servers
-    finally:
-        engine.shutdown()
+async def vlm_servers(vlm_engine: Any) -> AsyncIterator[Servers]:
+    async for servers in _serve_both(vlm_engine):
+        yield servers
 
 
 async def _both_tokens(servers: Servers, req: ref.GenerateRequest) -> tuple[list[int], list[int]]:
@@ -167,25 +155,9 @@ async def test_image_tensors_give_the_references_tokens(
 
 
 @pytest.fixture(scope="module")
-def kv_engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """An engine with the test connector that echoes its params back."""
-    from kv_echo_connector import echo_transfer_config
-
-    engine = build_engine(
-        tiny_model_dir,
-        enable_prefix_caching=False,
-        kv_transfer_config=echo_transfer_config(tmp_path_factory.mktemp("kv-reference")),
-    )
-    try:
-        yield engine
-    finally:
-        engine.shutdown()
-
-
-@pytest.fixture(scope="module")
-async def kv_servers(kv_engine: Any) -> AsyncIterator[Servers]:
-    """Both servicers on the echoing engine."""
-    async for servers in _serve_both(kv_engine):
+async def kv_servers(kv_echo_engine: Any) -> AsyncIterator[Servers]:
+    """Both servicers on the session's engine whose KV connector echoes its params back."""
+    async for servers in _serve_both(kv_echo_engine):
         yield servers
 
 
@@ -334,12 +306,14 @@ async def _observed(engine: Any, *, reference: bool) -> AsyncIterator[Observed]:
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     stack = [TracingInterceptor(provider, model="tiny"), MetricsInterceptor(registry)]
-    if reference:
-        server = grpc.aio.server(interceptors=[Pipeline(stack)])
-        ref_grpc.add_VllmEngineServicer_to_server(VllmEngineServicer(engine, time.time()), server)
-    else:
-        server = grpc.aio.server()
-        mount(server, engine, health=False, reflection_service=False, interceptors=stack)
+    if not reference:
+        async with serving(
+            engine, health=False, reflection_service=False, interceptors=stack
+        ) as served:
+            yield Observed(ref_grpc.VllmEngineStub(served.channel), registry, exporter)
+        return
+    server = grpc.aio.server(interceptors=[Pipeline(stack)])
+    ref_grpc.add_VllmEngineServicer_to_server(VllmEngineServicer(engine, time.time()), server)
     channel = await _started(server)
     try:
         yield Observed(ref_grpc.VllmEngineStub(channel), registry, exporter)
@@ -350,10 +324,10 @@ async def _observed(engine: Any, *, reference: bool) -> AsyncIterator[Observed]:
 
 @pytest.mark.parametrize("reference", [False, True], ids=["ours", "reference"])
 async def test_our_metrics_and_spans_count_what_either_servicer_sent(
-    kv_engine: Any, reference: bool
+    kv_echo_engine: Any, reference: bool
 ) -> None:
     """The reference keeps no usage record: both interceptors read its messages, once each."""
-    async with _observed(kv_engine, reference=reference) as observed:
+    async with _observed(kv_echo_engine, reference=reference) as observed:
         received = 0
         messages = 0
         for stream in (True, False):
@@ -398,3 +372,49 @@ _GENERATE = {
     "grpc_method": "Generate",
 }
 _HANDLED_OK = {**_GENERATE, "grpc_code": "OK"}
+
+
+# ----- several choices with the prompt's logprobs ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+async def text_servers(engine: Any) -> AsyncIterator[Servers]:
+    """Both servicers on the session's text engine."""
+    async for servers in _serve_both(engine):
+        yield servers
+
+
+def _prompt_logprobs_by_choice(messages: list[Any]) -> dict[int, list[tuple[str, int]]]:
+    """Each choice's messages in order: their kind and how many prompt logprobs each carries."""
+    by_choice: dict[int, list[tuple[str, int]]] = {}
+    for message in messages:
+        kind = message.WhichOneof("response")
+        body = getattr(message, kind)
+        by_choice.setdefault(body.index, []).append((kind, len(body.input_logprobs.token_ids)))
+    return by_choice
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "unary"])
+@pytest.mark.parametrize(("n", "max_tokens"), [(2, 1), (2, 3), (2, 12), (3, 6)])
+async def test_several_choices_carry_the_prompt_logprobs_as_from_the_reference(
+    text_servers: Servers, n: int, max_tokens: int, stream: bool
+) -> None:
+    # The engine sends the prompt's logprobs in the step that carries them;
+    # each choice's messages hold them where the reference's do.
+    prompt = [(17 * i + 5) % 240 + 3 for i in range(41)]
+    answers = []
+    for name, stub in (("ours", text_servers.ours), ("reference", text_servers.reference)):
+        req = ref.GenerateRequest(
+            request_id=f"lp-{n}-{max_tokens}-{stream}-{name}",
+            tokenized=ref.TokenizedInput(input_ids=prompt),
+            sampling_params=ref.SamplingParams(
+                n=n, max_tokens=max_tokens, temperature=1.0, seed=7, prompt_logprobs=1
+            ),
+            stream=stream,
+        )
+        answers.append(_prompt_logprobs_by_choice(await _generate(stub, req)))
+    ours_by_choice, reference_by_choice = answers
+    assert sorted(ours_by_choice) == list(range(n))
+    assert ours_by_choice == reference_by_choice
+    carried = [count for messages in ours_by_choice.values() for _, count in messages]
+    assert len(prompt) in carried, ours_by_choice  # the prompt's logprobs were sent

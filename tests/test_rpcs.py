@@ -21,13 +21,12 @@ from typing import Any
 import grpc
 import pytest
 import vllm
-from helpers import request, wait_until_idle
 from smg_grpc_proto.generated import common_pb2 as ref_common
 from smg_grpc_proto.generated import vllm_engine_pb2 as ref
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as ref_grpc
+from support import request, serving, wait_until_idle
 from tokenizers import Tokenizer
 
-from vllm_servicer import mount
 from vllm_servicer.proto import common_pb2, vllm_engine_pb2_grpc
 from vllm_servicer.proto import vllm_engine_pb2 as pb
 from vllm_servicer.servicer.loads import MISSING_RANKS_KEY
@@ -269,13 +268,8 @@ class _RecordingEngine(StandInEngine):
 @pytest.fixture(scope="module")
 async def stand_in() -> AsyncIterator[tuple[_RecordingEngine, Any]]:
     engine = _RecordingEngine()
-    server = grpc.aio.server()
-    mount(server, engine, health=False, reflection_service=False)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        yield engine, vllm_engine_pb2_grpc.VllmEngineStub(channel)
-    await server.stop(None)
+    async with serving(engine, health=False, reflection_service=False) as served:
+        yield engine, vllm_engine_pb2_grpc.VllmEngineStub(served.channel)
 
 
 async def test_get_loads_leaves_out_ranks_without_stats(stand_in: Any) -> None:

@@ -17,7 +17,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import time
 import urllib.request
 from collections.abc import AsyncIterator
@@ -26,14 +25,13 @@ from typing import Any
 
 import grpc
 import pytest
-from helpers import request
 from prometheus_client.parser import text_string_to_metric_families
-from test_examples import START_TIMEOUT, _drain_output, _spawn
+from support import free_port, request
+from support.launcher import EXAMPLES, START_TIMEOUT, children, drain_output, spawn
 
 from vllm_servicer.proto import vllm_engine_pb2_grpc
 
-ROOT = Path(__file__).resolve().parent.parent
-TEMPLATE = ROOT / "examples" / "nginx" / "nginx.conf"
+TEMPLATE = EXAMPLES / "nginx" / "nginx.conf"
 NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
 
 pytestmark = [
@@ -65,15 +63,9 @@ class Cluster:
     prefix: Path
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def _launch(env: dict[str, str], *flags: str) -> Replica:
     """Start a launcher and wait for both its metrics and listening lines."""
-    proc = await _spawn(
+    proc = await spawn(
         "-m", "vllm_servicer", "serve", "--port", "0", "--metrics-port", "0", *flags, env=env
     )
     assert proc.stdout is not None
@@ -94,12 +86,12 @@ async def _launch(env: dict[str, str], *flags: str) -> Replica:
     try:
         await asyncio.wait_for(scan(), START_TIMEOUT)
     except BaseException:
-        output = asyncio.ensure_future(_drain_output(proc))
+        output = asyncio.ensure_future(drain_output(proc))
         await _stop(proc, 30)
         output.cancel()
         raise
     log: collections.deque[str] = collections.deque(seen[-40:], maxlen=2000)
-    output = asyncio.ensure_future(_drain_output(proc, log))
+    output = asyncio.ensure_future(drain_output(proc, log))
     return Replica(proc, found["listen"], found["metrics"], output, log)
 
 
@@ -112,7 +104,7 @@ def _render(prefix: Path, listen: str, upstreams: list[str]) -> Path:
 
 
 async def _start_nginx(prefix: Path, upstreams: list[str]) -> tuple[Any, str]:
-    port = _free_port()
+    port = free_port()
     conf = _render(prefix, f"127.0.0.1:{port}", upstreams)
     directives = f"daemon off; pid {prefix}/nginx.pid;"
     if os.geteuid() == 0:  # as root, workers would otherwise run as nobody
@@ -132,19 +124,6 @@ async def _start_nginx(prefix: Path, upstreams: list[str]) -> tuple[Any, str]:
         await asyncio.sleep(0.1)
 
 
-def _descendants(pid: int) -> set[int]:
-    """Every descendant of a process (a launcher's engine core and workers)."""
-    found: set[int] = set()
-    todo = [pid]
-    while todo:
-        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
-            with contextlib.suppress(OSError, ValueError):
-                kids = {int(k) for k in (task / "children").read_text().split()} - found
-                todo.extend(kids)
-                found |= kids
-    return found
-
-
 async def _stop(proc: asyncio.subprocess.Process | None, timeout: float) -> None:
     """SIGTERM, then SIGKILL to the process and its descendants after `timeout` s."""
     if proc is None or proc.returncode is not None:
@@ -153,7 +132,7 @@ async def _stop(proc: asyncio.subprocess.Process | None, timeout: float) -> None
     try:
         await asyncio.wait_for(proc.wait(), timeout)
     except TimeoutError:
-        for pid in _descendants(proc.pid) | {proc.pid}:
+        for pid in children(proc.pid) | {proc.pid}:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         await asyncio.wait_for(proc.wait(), 30)
@@ -506,7 +485,7 @@ async def test_calls_keep_succeeding_when_a_replica_is_gone(
     cluster: Cluster, tmp_path: Path
 ) -> None:
     """nginx over B and an address that refuses connections (a replica that exited)."""
-    gone = f"127.0.0.1:{_free_port()}"
+    gone = f"127.0.0.1:{free_port()}"
     nginx, address = await _start_nginx(tmp_path, [gone, cluster.b.address])
     before = await _handled(cluster.b)
     try:

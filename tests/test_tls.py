@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
-from certs import CertificateAuthority, Pem
-from helpers import collect, completes, request
+from support import Serving, bearer, collect, completes, request, serving
+from support.certs import CertificateAuthority, Pem
 
-from vllm_servicer import mount
 from vllm_servicer.interceptors.auth import (
     AllOf,
     ApiKeyVerifier,
@@ -58,14 +58,17 @@ class RecordingEngine:
         return getattr(self._engine, name)
 
 
-async def _serve(
+def _serve(
     engine: Any, credentials: grpc.ServerCredentials, interceptors: Any = ()
-) -> tuple[grpc.aio.Server, int]:
-    server = grpc.aio.server()
-    mount(server, engine, health=False, reflection_service=False, interceptors=interceptors)
-    port = server.add_secure_port("127.0.0.1:0", credentials)
-    await server.start()
-    return server, port
+) -> AbstractAsyncContextManager[Serving]:
+    """`engine` over TLS with `credentials`, without health or reflection."""
+    return serving(
+        engine,
+        credentials=credentials,
+        health=False,
+        reflection_service=False,
+        interceptors=interceptors,
+    )
 
 
 async def _health(
@@ -90,8 +93,8 @@ def _write_ca(path: Path, *cas: CertificateAuthority) -> Path:
 
 async def test_tls_serves_generate(engine: Any, ca: CertificateAuthority, tmp_path: Path) -> None:
     cert, key = ca.server().write(tmp_path, "server")
-    server, port = await _serve(engine, server_credentials(cert, key))
-    try:
+    async with _serve(engine, server_credentials(cert, key)) as served:
+        port = served.port
         credentials = grpc.ssl_channel_credentials(ca.pem)
         async with grpc.aio.secure_channel(f"localhost:{port}", credentials) as channel:
             stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
@@ -101,8 +104,6 @@ async def test_tls_serves_generate(engine: Any, ca: CertificateAuthority, tmp_pa
         assert await _health(port, CertificateAuthority("stranger").pem) == (
             grpc.StatusCode.UNAVAILABLE
         )
-    finally:
-        await server.stop(None)
 
 
 @pytest.mark.parametrize("reload", [True, False], ids=["dynamic", "static"])
@@ -115,15 +116,13 @@ async def test_mtls_requires_a_client_certificate_from_the_ca(
 ) -> None:
     cert, key = ca.server().write(tmp_path, "server")
     client_ca = _write_ca(tmp_path / "clients.pem", ca)
-    server, port = await _serve(engine, server_credentials(cert, key, client_ca, reload=reload))
-    try:
+    async with _serve(engine, server_credentials(cert, key, client_ca, reload=reload)) as served:
+        port = served.port
         assert await _health(port, ca.pem, ca.client("router")) == grpc.StatusCode.OK
         assert await _health(port, ca.pem) == grpc.StatusCode.UNAVAILABLE
         assert await _health(port, ca.pem, other_ca.client("router")) == (
             grpc.StatusCode.UNAVAILABLE
         )
-    finally:
-        await server.stop(None)
 
 
 async def test_mtls_and_token_together(
@@ -138,12 +137,12 @@ async def test_mtls_and_token_together(
             ApiKeyVerifier([KEY]),
         )
     )
-    server, port = await _serve(
-        RecordingEngine(engine, seen), server_credentials(cert, key, client_ca), [auth]
-    )
     router = ca.client("router", uris=("spiffe://test/router",))
-    token = (("authorization", f"Bearer {KEY}"),)
-    try:
+    token = bearer(KEY)
+    async with _serve(
+        RecordingEngine(engine, seen), server_credentials(cert, key, client_ca), [auth]
+    ) as served:
+        port = served.port
         credentials = grpc.ssl_channel_credentials(ca.pem, router.key, router.cert)
         async with grpc.aio.secure_channel(f"127.0.0.1:{port}", credentials) as channel:
             stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
@@ -161,8 +160,6 @@ async def test_mtls_and_token_together(
         wrong_san = ca.client("router", uris=("spiffe://test/other",))
         assert await _health(port, ca.pem, wrong_san, token) == grpc.StatusCode.PERMISSION_DENIED
         assert len(seen.identities) == 1
-    finally:
-        await server.stop(None)
 
 
 async def test_mtls_verifier_without_client_certificates_is_unauthenticated(
@@ -170,24 +167,16 @@ async def test_mtls_verifier_without_client_certificates_is_unauthenticated(
 ) -> None:
     cert, key = ca.server().write(tmp_path, "server")
     auth = AuthInterceptor(MtlsVerifier())
-    server, port = await _serve(engine, server_credentials(cert, key), [auth])
-    try:
-        assert await _health(port, ca.pem) == grpc.StatusCode.UNAUTHENTICATED
-    finally:
-        await server.stop(None)
-    insecure = grpc.aio.server()
-    mount(insecure, engine, health=False, reflection_service=False, interceptors=[auth])
-    port = insecure.add_insecure_port("127.0.0.1:0")
-    await insecure.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await vllm_engine_pb2_grpc.VllmEngineStub(channel).HealthCheck(
-                    pb.HealthCheckRequest()
-                )
-            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    finally:
-        await insecure.stop(None)
+    async with _serve(engine, server_credentials(cert, key), [auth]) as served:
+        assert await _health(served.port, ca.pem) == grpc.StatusCode.UNAUTHENTICATED
+    async with serving(
+        engine, health=False, reflection_service=False, interceptors=[auth]
+    ) as insecure:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await vllm_engine_pb2_grpc.VllmEngineStub(insecure.channel).HealthCheck(
+                pb.HealthCheckRequest()
+            )
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
 @pytest.fixture
@@ -197,9 +186,8 @@ async def reloading(
     ca.server().write(tmp_path, "server")
     client_ca = _write_ca(tmp_path / "clients.pem", ca)
     credentials = server_credentials(tmp_path / "server.pem", tmp_path / "server.key", client_ca)
-    server, port = await _serve(engine, credentials)
-    yield port, tmp_path
-    await server.stop(None)
+    async with _serve(engine, credentials) as served:
+        yield served.port, tmp_path
 
 
 async def test_hot_reload_serves_new_certificates_to_new_connections(

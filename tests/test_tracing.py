@@ -21,14 +21,14 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers import collect, completes, request, wait_until_idle
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode, get_current_span
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from support import collect, completes, placed, request, serving, wait_until_idle
 
-from vllm_servicer import SERVICE_NAME, mount
+from vllm_servicer import SERVICE_NAME
 from vllm_servicer.context import engine_trace_headers
 from vllm_servicer.interceptors._base import all_methods
 from vllm_servicer.interceptors.tracing import (
@@ -65,48 +65,18 @@ def _provider() -> tuple[TracerProvider, InMemorySpanExporter]:
     return provider, exporter
 
 
-@dataclasses.dataclass
-class _Server:
-    server: grpc.aio.Server
-    address: str
-    mounted: Any
-
-    async def close(self) -> None:
-        if self.mounted.health is not None:
-            await self.mounted.health.close()
-        await self.server.stop(None)
-
-
-async def _serve(
-    engine: Any,
-    *,
-    server_wide: tuple[grpc.aio.ServerInterceptor, ...] = (),
-    mounted: tuple[grpc.aio.ServerInterceptor, ...] = (),
-) -> _Server:
-    server = grpc.aio.server(interceptors=server_wide)
-    services = mount(server, engine, interceptors=mounted)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    return _Server(server, f"127.0.0.1:{port}", services)
-
-
-@pytest.fixture(scope="module", params=["server_wide", "mounted"])
-async def traced(request: pytest.FixtureRequest, engine: Any) -> AsyncIterator[Traced]:
+@pytest.fixture(scope="module")
+async def traced(placement: str, engine: Any) -> AsyncIterator[Traced]:
     provider, exporter = _provider()
     tracing = TracingInterceptor.for_engine(engine, provider)
-    if request.param == "server_wide":
-        running = await _serve(engine, server_wide=(tracing,))
-    else:
-        running = await _serve(engine, mounted=(tracing,))
-    async with grpc.aio.insecure_channel(running.address) as channel:
+    async with serving(engine, **placed(placement, [tracing])) as running:
         yield Traced(
-            request.param,
+            placement,
             running.address,
-            vllm_engine_pb2_grpc.VllmEngineStub(channel),
+            vllm_engine_pb2_grpc.VllmEngineStub(running.channel),
             exporter,
             served_model_name(engine),
         )
-    await running.close()
     provider.shutdown()
 
 
@@ -329,43 +299,43 @@ def _parent_in(headers: Mapping[str, str] | None) -> Any:
 async def test_engine_span_is_a_child_of_the_server_span(engine: Any) -> None:
     recording = RecordingEngine(engine)
     provider, exporter = _provider()
-    running = await _serve(recording, server_wide=(TracingInterceptor(provider),))
     client_provider, _ = _provider()
     try:
-        req = request(stream=True, max_tokens=2, ignore_eos=True)
-        with client_provider.get_tracer("t").start_as_current_span("gateway") as client_span:
-            carrier: dict[str, str] = {}
-            TraceContextTextMapPropagator().inject(carrier)
-            async with grpc.aio.insecure_channel(running.address) as channel:
-                stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
-                await collect(stub.Generate(req, metadata=tuple(carrier.items())))
-        server_span = await _one_span(exporter, req.request_id)
-        parent = _parent_in(recording.trace_headers[req.request_id])
-        assert parent.trace_id == client_span.get_span_context().trace_id
-        assert parent.span_id == server_span.context.span_id
-        assert parent.span_id != client_span.get_span_context().span_id
+        async with serving(
+            recording, **placed("server_wide", [TracingInterceptor(provider)])
+        ) as running:
+            req = request(stream=True, max_tokens=2, ignore_eos=True)
+            with client_provider.get_tracer("t").start_as_current_span("gateway") as client_span:
+                carrier: dict[str, str] = {}
+                TraceContextTextMapPropagator().inject(carrier)
+                async with grpc.aio.insecure_channel(running.address) as channel:
+                    stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+                    await collect(stub.Generate(req, metadata=tuple(carrier.items())))
+            server_span = await _one_span(exporter, req.request_id)
+            parent = _parent_in(recording.trace_headers[req.request_id])
+            assert parent.trace_id == client_span.get_span_context().trace_id
+            assert parent.span_id == server_span.context.span_id
+            assert parent.span_id != client_span.get_span_context().span_id
     finally:
-        await running.close()
         provider.shutdown()
         client_provider.shutdown()
 
 
 async def test_engine_receives_the_clients_trace_without_tracing(engine: Any) -> None:
     recording = RecordingEngine(engine)
-    running = await _serve(recording)
     client_provider, _ = _provider()
     try:
-        req = request(stream=True, max_tokens=2, ignore_eos=True)
-        with client_provider.get_tracer("t").start_as_current_span("gateway") as client_span:
-            carrier: dict[str, str] = {}
-            TraceContextTextMapPropagator().inject(carrier)
-            async with grpc.aio.insecure_channel(running.address) as channel:
-                stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
-                await collect(stub.Generate(req, metadata=tuple(carrier.items())))
-        parent = _parent_in(recording.trace_headers[req.request_id])
-        assert parent.span_id == client_span.get_span_context().span_id
+        async with serving(recording) as running:
+            req = request(stream=True, max_tokens=2, ignore_eos=True)
+            with client_provider.get_tracer("t").start_as_current_span("gateway") as client_span:
+                carrier: dict[str, str] = {}
+                TraceContextTextMapPropagator().inject(carrier)
+                async with grpc.aio.insecure_channel(running.address) as channel:
+                    stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+                    await collect(stub.Generate(req, metadata=tuple(carrier.items())))
+            parent = _parent_in(recording.trace_headers[req.request_id])
+            assert parent.span_id == client_span.get_span_context().span_id
     finally:
-        await running.close()
         client_provider.shutdown()
 
 
@@ -480,10 +450,9 @@ async def conventions(request: pytest.FixtureRequest, engine: Any) -> AsyncItera
         tracing = TracingInterceptor.for_engine(
             engine, provider, server_address="llm.example.internal", server_port=50051
         )
-    running = await _serve(RecordingEngine(engine), server_wide=(tracing,))
-    async with grpc.aio.insecure_channel(running.address) as channel:
-        yield Conventions(request.param, vllm_engine_pb2_grpc.VllmEngineStub(channel), exporter)
-    await running.close()
+    async with serving(RecordingEngine(engine), **placed("server_wide", [tracing])) as running:
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(running.channel)
+        yield Conventions(request.param, stub, exporter)
     provider.shutdown()
 
 
@@ -568,19 +537,18 @@ async def test_server_address_alone_keeps_the_old_conventions(
     monkeypatch.delenv(SEMCONV_OPT_IN, raising=False)
     provider, exporter = _provider()
     tracing = TracingInterceptor(provider, server_address="llm.example.internal")
-    running = await _serve(engine, server_wide=(tracing,))
     try:
-        async with grpc.aio.insecure_channel(running.address) as channel:
-            health = health_pb2_grpc.HealthStub(channel)
-            await health.Check(health_pb2.HealthCheckRequest(service=""))
-        (span,) = await _spans(exporter, lambda s: s.name == CHECK)
-        attrs = _attrs(span)
-        assert attrs["server.address"] == "llm.example.internal"
-        assert "server.port" not in attrs
-        assert attrs["rpc.system"] == "grpc" and attrs["rpc.grpc.status_code"] == 0
-        assert not set(attrs) & set(_CURRENT_ONLY)
+        async with serving(engine, **placed("server_wide", [tracing])) as running:
+            async with grpc.aio.insecure_channel(running.address) as channel:
+                health = health_pb2_grpc.HealthStub(channel)
+                await health.Check(health_pb2.HealthCheckRequest(service=""))
+            (span,) = await _spans(exporter, lambda s: s.name == CHECK)
+            attrs = _attrs(span)
+            assert attrs["server.address"] == "llm.example.internal"
+            assert "server.port" not in attrs
+            assert attrs["rpc.system"] == "grpc" and attrs["rpc.grpc.status_code"] == 0
+            assert not set(attrs) & set(_CURRENT_ONLY)
     finally:
-        await running.close()
         provider.shutdown()
 
 
@@ -593,28 +561,29 @@ async def test_health_watch_streams_with_tracing_server_wide(
 ) -> None:
     provider, exporter = _provider()
     methods = all_methods if watch_traced else DEFAULT_METHODS
-    running = await _serve(engine, server_wide=(TracingInterceptor(provider, methods=methods),))
     try:
-        async with grpc.aio.insecure_channel(running.address) as channel:
-            health = health_pb2_grpc.HealthStub(channel)
-            check = await health.Check(health_pb2.HealthCheckRequest(service=""))
-            assert check.status == health_pb2.HealthCheckResponse.SERVING
-            watch = health.Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
-            first = await asyncio.wait_for(watch.read(), 10)
-            assert first.status == health_pb2.HealthCheckResponse.SERVING
-            watch.cancel()
-        assert await _spans(exporter, lambda s: s.name == CHECK)
-        watch_spans = await _spans(
-            exporter, lambda s: s.name == WATCH, timeout=1 if not watch_traced else 10
-        )
-        if watch_traced:
-            assert len(watch_spans) == 1
-            assert _attrs(watch_spans[0])["rpc.grpc.status_code"] == 1  # CANCELLED
-            assert watch_spans[0].status.status_code is StatusCode.UNSET
-        else:
-            assert watch_spans == []
+        async with serving(
+            engine, **placed("server_wide", [TracingInterceptor(provider, methods=methods)])
+        ) as running:
+            async with grpc.aio.insecure_channel(running.address) as channel:
+                health = health_pb2_grpc.HealthStub(channel)
+                check = await health.Check(health_pb2.HealthCheckRequest(service=""))
+                assert check.status == health_pb2.HealthCheckResponse.SERVING
+                watch = health.Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
+                first = await asyncio.wait_for(watch.read(), 10)
+                assert first.status == health_pb2.HealthCheckResponse.SERVING
+                watch.cancel()
+            assert await _spans(exporter, lambda s: s.name == CHECK)
+            watch_spans = await _spans(
+                exporter, lambda s: s.name == WATCH, timeout=1 if not watch_traced else 10
+            )
+            if watch_traced:
+                assert len(watch_spans) == 1
+                assert _attrs(watch_spans[0])["rpc.grpc.status_code"] == 1  # CANCELLED
+                assert watch_spans[0].status.status_code is StatusCode.UNSET
+            else:
+                assert watch_spans == []
     finally:
-        await running.close()
         provider.shutdown()
 
 
@@ -777,10 +746,12 @@ asyncio.run(main())
 async def test_streaming_throughput_with_and_without_tracing(engine: Any) -> None:
     """Tokens/s streamed with tracing on (always-on sampler, in-memory export) and off."""
     provider, exporter = _provider()
-    on = await _serve(engine, server_wide=(TracingInterceptor.for_engine(engine, provider),))
-    off = await _serve(engine)
+    tracing = TracingInterceptor.for_engine(engine, provider)
     rounds = int(os.environ.get("TRACING_BENCH_ROUNDS", "6"))
-    try:
+    async with (
+        serving(engine, **placed("server_wide", [tracing])) as on,
+        serving(engine) as off,
+    ):
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-c",
@@ -795,9 +766,6 @@ async def test_streaming_throughput_with_and_without_tracing(engine: Any) -> Non
         )
         stdout, stderr = await asyncio.wait_for(proc.communicate(), 600)
         assert proc.returncode == 0, stderr.decode()[-3000:]
-    finally:
-        await on.close()
-        await off.close()
     result = json.loads(stdout.decode().strip().splitlines()[-1])
     median = {k: sorted(v)[len(v) // 2] for k, v in result.items()}
     spans = len([s for s in exporter.get_finished_spans() if s.name == GENERATE])

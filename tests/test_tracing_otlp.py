@@ -23,11 +23,11 @@ from typing import Any
 
 import grpc
 import pytest
-from helpers import request
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.common.v1 import common_pb2
 from opentelemetry.proto.trace.v1 import trace_pb2
-from test_examples import START_TIMEOUT, _drain_output, _spawn, _stop, _wait_for_line
+from support import request
+from support.launcher import START_TIMEOUT, drain_output, spawn, stop, wait_for_line
 
 from vllm_servicer import SERVICE_NAME
 from vllm_servicer.proto import vllm_engine_pb2_grpc
@@ -161,7 +161,7 @@ async def launcher(
             "OTEL_BSP_SCHEDULE_DELAY": "200",
         }
     )
-    proc = await _spawn(
+    proc = await spawn(
         "-m",
         "vllm_servicer",
         "serve",
@@ -174,12 +174,12 @@ async def launcher(
     output: collections.deque[str] = collections.deque(maxlen=200)
     drain: asyncio.Future[None] | None = None
     try:
-        match = await _wait_for_line(proc, r"listening on (\S+:\d+)")
-        drain = asyncio.ensure_future(_drain_output(proc, output))
+        match = await wait_for_line(proc, r"listening on (\S+:\d+)")
+        drain = asyncio.ensure_future(drain_output(proc, output))
         yield Launcher(match.group(1), output)
     finally:
         try:
-            await _stop(proc)
+            await stop(proc)
         finally:
             if proc.returncode is None:
                 proc.kill()

@@ -24,13 +24,14 @@ import httpx
 import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers import request
-from test_examples import ROOT, _drain_output, _free_port, _spawn, _stop, _wait_for_line
+from support import bearer, free_port, request
+from support.launcher import ROOT, drain_output, spawn, stop, wait_for_line
 
 from vllm_servicer.proto import vllm_engine_pb2 as pb
 from vllm_servicer.proto import vllm_engine_pb2_grpc
+from vllm_servicer.serve.args import parse_args
 from vllm_servicer.serve.http_api import _Front, frontend_args, uvicorn_config
-from vllm_servicer.serve.launcher import _key_verifier, parse_args
+from vllm_servicer.serve.stack import key_verifier as _key_verifier
 
 KEY = "two-protocols-0123456789abcdefABCDEF"
 PROMPTS = [[5, 17, 42, 99, 7, 63, 21, 88], [11, 12, 13], [200, 3, 150, 77, 9]]
@@ -55,7 +56,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 async def _serve_both(*flags: str, env: dict[str, str]) -> Any:
     """A launcher serving gRPC and the HTTP API, each on a free port."""
-    return await _spawn(
+    return await spawn(
         "-m", "vllm_servicer", "serve", "--port", "0", "--http-port", "0", *flags, env=env
     )
 
@@ -66,13 +67,13 @@ async def launcher(env: dict[str, str]) -> AsyncIterator[Launcher]:
         "--metrics-port", "0", "--api-key", KEY, "--chat-template", CHAT_TEMPLATE, env=env
     )
     try:
-        metrics = (await _wait_for_line(proc, r"metrics on (http://\S+/metrics)")).group(1)
-        grpc_address = (await _wait_for_line(proc, r"listening on (\S+:\d+)")).group(1)
-        http_url = (await _wait_for_line(proc, r"http on (http://\S+:\d+)")).group(1)
+        metrics = (await wait_for_line(proc, r"metrics on (http://\S+/metrics)")).group(1)
+        grpc_address = (await wait_for_line(proc, r"listening on (\S+:\d+)")).group(1)
+        http_url = (await wait_for_line(proc, r"http on (http://\S+:\d+)")).group(1)
         tail: collections.deque[str] = collections.deque(maxlen=200)
-        output = asyncio.ensure_future(_drain_output(proc, tail))
+        output = asyncio.ensure_future(drain_output(proc, tail))
         yield Launcher(proc, grpc_address, http_url, metrics, tail)
-        assert await _stop(proc) == 0, "".join(tail)
+        assert await stop(proc) == 0, "".join(tail)
         output.cancel()
     finally:
         if proc.returncode is None:
@@ -100,7 +101,7 @@ async def model(client: openai.AsyncOpenAI) -> str:
     return models.data[0].id
 
 
-AUTH = (("authorization", f"Bearer {KEY}"),)
+AUTH = bearer(KEY)
 
 
 async def _grpc_tokens(stub: Any, prompt: list[int], max_tokens: int) -> list[int]:
@@ -280,7 +281,7 @@ async def test_keys_guard_both_protocols(launcher: Launcher, stub: Any) -> None:
         assert (await http.get(f"{url}/metrics")).status_code == 200
         pause = await http.post(f"{url}/pause", headers={"authorization": f"Bearer {KEY}"})
         assert pause.status_code == 403
-    for metadata in ((), (("authorization", "Bearer wrong-key"),)):
+    for metadata in ((), bearer("wrong-key")):
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=metadata)
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -334,9 +335,9 @@ async def test_sigterm_drains_both_protocols_and_exits_zero(env: dict[str, str])
     )
     tail: collections.deque[str] = collections.deque()  # all of it: the drain's lines
     try:
-        address = (await _wait_for_line(proc, r"listening on (\S+:\d+)")).group(1)
-        url = (await _wait_for_line(proc, r"http on (http://\S+:\d+)")).group(1)
-        output = asyncio.ensure_future(_drain_output(proc, tail))
+        address = (await wait_for_line(proc, r"listening on (\S+:\d+)")).group(1)
+        url = (await wait_for_line(proc, r"http on (http://\S+:\d+)")).group(1)
+        output = asyncio.ensure_future(drain_output(proc, tail))
         async with (
             grpc.aio.insecure_channel(address) as channel,
             openai.AsyncOpenAI(
@@ -383,7 +384,7 @@ async def test_grpc_beside_an_http_app_starts_and_stops_with_its_lifespan() -> N
     from vllm_servicer.testing.stand_in import FaultEngine
 
     app = FastAPI()
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     add_grpc(app, FaultEngine(), address)
     async with app.router.lifespan_context(app):
         async with grpc.aio.insecure_channel(address) as channel:
@@ -463,7 +464,7 @@ async def test_http_keys_are_the_grpc_verifier_with_admin_paths_for_admin_keys(
 
 
 def test_https_uses_the_grpc_certificate_and_client_ca(tmp_path: Path) -> None:
-    from certs import CertificateAuthority
+    from support.certs import CertificateAuthority
 
     ca = CertificateAuthority("test-ca")
     cert, key = ca.server().write(tmp_path, "server")

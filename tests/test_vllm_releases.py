@@ -19,7 +19,7 @@ import grpc
 import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
-from helpers import collect, completes, request, wait_until_idle
+from support import collect, completes, request, wait_until_idle
 
 from vllm_servicer import vllm_releases
 from vllm_servicer.errors import InvalidRequestError
@@ -250,12 +250,12 @@ class _SplittingEngine:
 
 
 async def test_seeded_sampling_is_refused_where_it_would_kill_the_engine(engine: Any) -> None:
-    from helpers import mounted_channel
+    from support import serving
 
     from vllm_servicer.proto import vllm_engine_pb2_grpc
 
-    async with mounted_channel(_SplittingEngine(engine)) as channel:  # type: ignore[arg-type]
-        stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+    async with serving(_SplittingEngine(engine)) as served:  # type: ignore[arg-type]
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(served.channel)
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await collect(stub.Generate(request(max_tokens=4, temperature=0.8, seed=3)))
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -270,8 +270,8 @@ async def test_seeded_sampling_is_refused_where_it_would_kill_the_engine(engine:
 
 def test_the_http_api_builds_vllm_s_arguments_on_this_release() -> None:
     # --http-port died on vLLM 0.33 after the engine started: the parser had moved.
+    from vllm_servicer.serve.args import parse_args
     from vllm_servicer.serve.http_api import frontend_args
-    from vllm_servicer.serve.launcher import parse_args
 
     args = parse_args(["serve", "--http-port", "0", "--max-model-len", "256"])
     served = frontend_args(args, "127.0.0.1", 0)

@@ -1,9 +1,10 @@
-"""Probes for the reliability tests: polling a condition, and this process's memory."""
+"""Probes: polling a condition, the requests an engine still holds, this process's memory."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Any
 
 
 async def settle(predicate: Callable[[], object], timeout: float = 10.0) -> bool:
@@ -16,6 +17,17 @@ async def settle(predicate: Callable[[], object], timeout: float = 10.0) -> bool
     while not predicate() and loop.time() < deadline:  # noqa: ASYNC110
         await asyncio.sleep(0.05)
     return bool(predicate())
+
+
+def unfinished(engine: Any) -> int:
+    """Requests the engine still holds (vLLM 0.32: the output processor's count)."""
+    return int(engine.output_processor.get_num_unfinished_requests())
+
+
+async def wait_until_idle(engine: Any, timeout: float = 10.0) -> int:
+    """Poll until the engine holds no request; return what is left at the timeout."""
+    await settle(lambda: not unfinished(engine), timeout)
+    return unfinished(engine)
 
 
 def rss_kb() -> int:

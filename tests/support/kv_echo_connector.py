@@ -9,6 +9,13 @@ client. It also appends each finished request's id and params to
 `<shared_storage_path>/finished.jsonl`, which shows requests that never
 produced output (a rejected request the connector was told about).
 Loaded by the engine through `KVTransferConfig.kv_connector_module_path`.
+
+It loads nothing for a prompt without a whole block before its last token
+(ExampleConnector would load nothing either), so one engine serves short
+prompts in any order: ExampleConnector keys every such prompt by the same
+empty prefix, and counts a one-token prompt's match as minus one block, which
+fails the engine once any short prompt has been stored (the reference
+servicer's warm-up sends one-token prompts).
 """
 
 from __future__ import annotations
@@ -24,6 +31,13 @@ FINISHED_LOG = "finished.jsonl"
 
 class EchoConnector(ExampleConnector):
     """ExampleConnector whose finished requests hand their KV-transfer params back."""
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        if len(request.prompt_token_ids or []) <= self._block_size + 1:
+            return 0, False  # no whole block before the last token: nothing to load
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
 
     def request_finished(
         self, request: Any, block_ids: list[int]

@@ -1,0 +1,39 @@
+"""The tests' support package: what more than one test file needs.
+
+The everyday names are importable from the package itself
+(``from support import request, serving``); the rest from their modules:
+
+- `calls`: GenerateRequests to send, and reading what a call answered.
+- `probes`: polling a condition, the requests an engine still holds, memory.
+- `servers`: `serving` (an engine mounted on loopback), interceptor placements,
+  bearer metadata, free ports.
+- `launcher`: the launcher and examples run in processes of their own.
+- `certs`: CAs and certificates made on the fly.
+- `router_side`: image input as a router preprocesses it.
+- `kv_echo_connector`: a KV connector that hands its params back (loaded by the engine).
+
+`tests/` has no `__init__.py`, so pytest's default import mode ("prepend") puts
+it on `sys.path` when it imports `conftest.py`; the engine processes vLLM
+spawns inherit that path, so they can load `support.kv_echo_connector`.
+"""
+
+from .calls import collect, completes, request, streamed_tokens
+from .probes import rss_kb, settle, unfinished, wait_until_idle
+from .servers import PLACEMENTS, Serving, bearer, free_port, placed, serving
+
+__all__ = [
+    "PLACEMENTS",
+    "Serving",
+    "bearer",
+    "collect",
+    "completes",
+    "free_port",
+    "placed",
+    "request",
+    "rss_kb",
+    "serving",
+    "settle",
+    "streamed_tokens",
+    "unfinished",
+    "wait_until_idle",
+]

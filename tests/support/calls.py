@@ -1,0 +1,58 @@
+"""What a test sends and reads: GenerateRequests, and the messages a call answered with."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from vllm_servicer.proto import vllm_engine_pb2 as pb
+
+_ids = itertools.count(1)
+
+
+def request(
+    prompt: list[int] | str = (5, 17, 42, 99, 7, 63, 21, 88),  # type: ignore[assignment]
+    *,
+    stream: bool = False,
+    request_id: str | None = None,
+    **sampling: Any,
+) -> pb.GenerateRequest:
+    """A GenerateRequest; greedy (temperature 0) unless told otherwise."""
+    sampling.setdefault("temperature", 0.0)
+    sampling.setdefault("max_tokens", 8)
+    choice = sampling.pop("choice", None)
+    params = pb.SamplingParams(**sampling)
+    if choice is not None:
+        params.choice.choices.extend(choice)
+    rid = request_id or f"test-{next(_ids)}"
+    if isinstance(prompt, str):
+        return pb.GenerateRequest(
+            request_id=rid, text=prompt, sampling_params=params, stream=stream
+        )
+    return pb.GenerateRequest(
+        request_id=rid,
+        tokenized=pb.TokenizedInput(input_ids=list(prompt)),
+        sampling_params=params,
+        stream=stream,
+    )
+
+
+async def collect(call: Any) -> list[Any]:
+    """Every message of a streaming call."""
+    return [message async for message in call]
+
+
+def completes(messages: list[Any]) -> dict[int, Any]:
+    """The `complete` message of each choice index."""
+    return {
+        m.complete.index: m.complete for m in messages if m.WhichOneof("response") == "complete"
+    }
+
+
+def streamed_tokens(messages: list[Any]) -> dict[int, list[int]]:
+    """Tokens accumulated from the chunks of each choice index."""
+    out: dict[int, list[int]] = {}
+    for m in messages:
+        if m.WhichOneof("response") == "chunk":
+            out.setdefault(m.chunk.index, []).extend(m.chunk.token_ids)
+    return out
