@@ -13,7 +13,9 @@ import yaml
 
 from vllm_servicer import SERVICE_NAME
 from vllm_servicer.health import LIVENESS_SERVICE
-from vllm_servicer.serve.launcher import parse_args
+from vllm_servicer.serve.args import parse_args
+from vllm_servicer.serve.http_api import frontend_args
+from vllm_servicer.vllm_releases import make_arg_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "examples" / "kubernetes"
@@ -47,6 +49,28 @@ def test_vllm_tls_flag_names_are_accepted() -> None:
         parse_args(["serve", "--model", "m", *tls, "--ssl-ca-certs", "ca.pem"])
 
 
+def test_the_launcher_serves_every_protocol_unless_told(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = parse_args(["serve", "--model", "m"])
+    assert args.services == (SERVICE_NAME, "vllm.Inference", "vllm.Control")
+    assert args.lora_modules == {}
+    args = parse_args(["serve", "--model", "m", "--services", "inference"])
+    assert args.services == ("vllm.Inference",)
+    lora = ["--lora-modules", "sql=/adapters/sql", "chat=/adapters/chat"]
+    args = parse_args(["serve", "--model", "m", *lora])
+    assert args.lora_modules == {"sql": "/adapters/sql", "chat": "/adapters/chat"}
+    for bad, says in (
+        (["--lora-modules", "sql"], "name=path"),
+        (["--lora-modules", "a=/x", "a=/y"], "twice"),
+        (["--services", "vllm-engine", "--lora-modules", "a=/x"], "vllm.Inference"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            parse_args(["serve", "--model", "m", *bad])
+        assert exit_.value.code == 2
+        assert says in capsys.readouterr().err
+
+
 def test_safe_defaults() -> None:
     args = parse_args(["serve", "--model", "m"])
     assert args.host == "127.0.0.1"
@@ -71,6 +95,43 @@ def test_safe_defaults() -> None:
 def test_contradictory_flags_are_refused(argv: list[str]) -> None:
     with pytest.raises(SystemExit):
         parse_args(["serve", "--model", "m", *argv])
+
+
+# Launcher flags that vLLM's own serve parser defines too; the launcher serves them itself.
+LAUNCHER_ONLY = [
+    *("--host", "0.0.0.0", "--port", "7000", "--api-key", "k", "--metrics-port", "9000"),
+    *("--tls-cert", "c.pem", "--tls-key", "k.pem", "--enable-ssl-refresh"),
+    *("--ssl-ca-certs", "ca.pem", "--ssl-cert-reqs", "2"),
+]
+
+
+@pytest.mark.parametrize(
+    ("argv", "handed_over"),
+    [
+        ([], {}),
+        (["--http-port", "0", "--chat-template", "x"], {"chat_template": "x"}),
+        (["--http-port", "0", "--chat-template", "x", *LAUNCHER_ONLY], {"chat_template": "x"}),
+    ],
+    ids=["defaults", "chat-template", "launcher-only-flags"],
+)
+def test_vllm_s_http_app_gets_the_engine_settings_and_only_the_flags_it_reads(
+    argv: list[str], handed_over: dict[str, Any]
+) -> None:
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    vllm_defaults = vars(make_arg_parser(FlexibleArgumentParser()).parse_args([]))
+    engine = ["--max-model-len", "256", "--no-enable-chunked-prefill"]
+    served = vars(frontend_args(parse_args(["serve", "m", *engine, *argv]), "127.0.0.1", 8001))
+    changed = {name: value for name, value in served.items() if value != vllm_defaults.get(name)}
+    assert changed == {
+        "model": "m",
+        "max_model_len": 256,
+        "enable_chunked_prefill": False,
+        "shutdown_timeout": 30,  # the launcher's default for vLLM's flag
+        "host": "127.0.0.1",
+        "port": 8001,
+        **handed_over,
+    }
 
 
 def _load(name: str) -> Any:

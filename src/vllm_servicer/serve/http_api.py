@@ -30,8 +30,9 @@ from typing import Any
 import uvicorn
 
 from ..interceptors.auth import ADMIN_ROLE, AuthError, Unauthenticated
+from .args import ServeArgs
 
-__all__ = ["HttpApi", "frontend_args", "uvicorn_config"]
+__all__ = ["HTTP_APP_FLAGS", "HttpApi", "frontend_args", "uvicorn_config"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,13 +56,23 @@ _INFERENCE_PATHS = frozenset(
 )
 
 
-def frontend_args(args: argparse.Namespace, host: str, port: int) -> argparse.Namespace:
+# The launcher's own flags that vLLM's app reads. The app's host and port are
+# the HTTP API's; the launcher's keys, TLS, limits and other ports stay its own.
+HTTP_APP_FLAGS = ("chat_template",)
+
+
+def frontend_args(args: ServeArgs, host: str, port: int) -> argparse.Namespace:
     """vLLM's serve arguments: its frontend defaults, the launcher's engine settings.
 
-    The HTTP side takes vLLM's defaults for every frontend option (CORS, chat
-    template, tool parsers...); the engine flags, model names and
-    `--chat-template` come from the launcher. vLLM's own key middleware and
-    TLS options stay off: this module does both.
+    The HTTP side takes vLLM's defaults for every frontend option (CORS, tool
+    parsers...) but `HTTP_APP_FLAGS` (`--chat-template`); every engine flag,
+    model names included, comes from the launcher. vLLM's own key middleware
+    and TLS options stay off: this module does both.
+
+    Args:
+        args: the launcher's arguments.
+        host: the address the HTTP API binds.
+        port: the port it binds.
     """
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -69,9 +80,9 @@ def frontend_args(args: argparse.Namespace, host: str, port: int) -> argparse.Na
 
     parser_class: Any = FlexibleArgumentParser  # untyped in vLLM
     served: argparse.Namespace = make_arg_parser(parser_class()).parse_args([])
-    for name, value in vars(args).items():
-        if hasattr(served, name):
-            setattr(served, name, value)
+    vars(served).update(args.engine)
+    for name in HTTP_APP_FLAGS:
+        setattr(served, name, getattr(args, name))
     served.host, served.port, served.api_key = host, port, None
     return served
 
@@ -229,7 +240,7 @@ class HttpApi:
     async def build(
         cls,
         engine: Any,
-        args: argparse.Namespace,
+        args: ServeArgs,
         *,
         host: str,
         port: int,
@@ -240,7 +251,7 @@ class HttpApi:
 
         Args:
             engine: the launcher's `AsyncLLM`.
-            args: the launcher's parsed arguments (engine flags, model names).
+            args: the launcher's arguments (engine flags, model names, `HTTP_APP_FLAGS`).
             host: address to bind.
             port: port to bind; 0 picks a free one (read `port` after `start()`).
             verifier: the gRPC side's key verifier, or None for no keys.

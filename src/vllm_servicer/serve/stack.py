@@ -1,0 +1,130 @@
+"""The launcher's interceptor stack and its callers' verifiers, built from `ServeArgs`.
+
+Callers are known by an admin or inference key (from flags, key files or the
+environment), else, with client certificates required, by their certificate.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ..interceptors import (
+    AuthInterceptor,
+    CallInterceptor,
+    InflightInterceptor,
+    MetricsInterceptor,
+    TracingInterceptor,
+    configure_tracing_from_env,
+)
+from ..interceptors.auth import (
+    ADMIN_ROLE,
+    AnyOf,
+    ApiKeyVerifier,
+    CallableVerifier,
+    Identity,
+    MtlsVerifier,
+    Verifier,
+    role_permissions,
+)
+from .args import ADMIN_KEY_ENV, API_KEY_ENV, ServeArgs
+
+__all__ = ["authenticates", "build_interceptors", "http_verifier", "key_verifier"]
+
+
+def build_interceptors(
+    args: ServeArgs, verifier: Verifier | None = None
+) -> tuple[list[CallInterceptor], MetricsInterceptor | None]:
+    """The launcher's interceptor stack, outermost first, and its metrics interceptor.
+
+    Tracing outermost (its span covers everything), then metrics (rejected calls
+    are counted too), then authentication, then the in-flight limit (only
+    authenticated calls take a slot), each when there is one; `mount` counts
+    the calls in flight either way, and runs the stack from one wrapper per call.
+    Tracing is on when the OTEL_* variables ask for it; metrics are on with a
+    metrics port or the HTTP API (whose `/metrics` shows them).
+
+    Args:
+        args: the launcher's arguments.
+        verifier: the key verifier to use (default: `key_verifier(args)`). Without
+            keys but with client certificates required, the certificate names the
+            caller, and only the `--admin-tls-subject` ones have the admin role.
+    """
+    from vllm.config.model import get_served_model_name
+
+    # vLLM's own rule, so spans and our series name the model as its `vllm:*` series do.
+    served = str(get_served_model_name(args.model, args.served_model_name))
+    stack: list[CallInterceptor] = []
+    tracer_provider = configure_tracing_from_env()
+    if tracer_provider is not None:
+        stack.append(TracingInterceptor(tracer_provider=tracer_provider, model=served))
+    metrics = None
+    if args.metrics_port is not None or args.http_port is not None:
+        metrics = MetricsInterceptor(model_name=served)
+        stack.append(metrics)
+    if verifier is None:
+        verifier = key_verifier(args)
+    if verifier is None and args.tls_client_ca:
+        verifier = _certificate_verifier(args)
+    if verifier is not None:
+        stack.append(AuthInterceptor(verifier, permissions=role_permissions))
+    if args.max_inflight:
+        stack.append(InflightInterceptor(args.max_inflight))
+    return stack, metrics
+
+
+def key_verifier(args: ServeArgs) -> Verifier | None:
+    """Admin keys, then inference keys (flags, else the environment); None: no keys."""
+
+    def keys(
+        flag: tuple[str, ...], file: str | None, env: str, roles: tuple[str, ...]
+    ) -> ApiKeyVerifier | None:
+        if file:
+            return ApiKeyVerifier.from_file(file, roles=roles)
+        if flag:
+            return ApiKeyVerifier(flag, roles=roles)
+        if os.environ.get(env, "").strip():
+            return ApiKeyVerifier.from_env(env, roles=roles)
+        return None
+
+    found = [
+        keys(args.admin_api_key, args.admin_api_key_file, ADMIN_KEY_ENV, (ADMIN_ROLE,)),
+        keys(args.api_key, args.api_key_file, API_KEY_ENV, ()),
+    ]
+    verifiers: list[Verifier] = [v for v in found if v is not None]
+    if not verifiers:
+        return None
+    return verifiers[0] if len(verifiers) == 1 else AnyOf(*verifiers)
+
+
+def _certificate_verifier(args: ServeArgs) -> Verifier:
+    """Client certificates as identities: the admin subjects first, then any certificate.
+
+    The handshake already verified the certificate against --tls-client-ca;
+    without an admin subject no certificate has the admin role.
+    """
+    if not args.admin_tls_subject:
+        return MtlsVerifier()
+    admins = MtlsVerifier(allowed_subjects=args.admin_tls_subject, roles=(ADMIN_ROLE,))
+    return AnyOf(admins, MtlsVerifier())
+
+
+def http_verifier(args: ServeArgs, keys: Verifier | None) -> Verifier | None:
+    """The HTTP API's verifier: the keys, else, with client certificates, no admin role.
+
+    The HTTP side cannot see which certificate a client presented (uvicorn
+    verified it in the handshake), so without keys every client there is an
+    inference caller and vLLM's admin paths are refused to all.
+
+    Args:
+        args: the launcher's arguments.
+        keys: the gRPC side's key verifier (`key_verifier(args)`), or None.
+    """
+    if keys is not None or not args.tls_client_ca:
+        return keys
+    holder = Identity(name="client-certificate", kind="mtls")
+    return CallableVerifier(lambda metadata, auth_context: holder, reads_auth_context=False)
+
+
+def authenticates(args: ServeArgs) -> bool:
+    """Whether calls need credentials: a key from any source, or client certificates."""
+    return args.has_keys() or bool(args.tls_client_ca)
