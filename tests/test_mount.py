@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
-from helpers import collect, completes, request
+from support import collect, completes, request, serving
 
 from vllm_servicer import SERVICE_NAME, MountError, mount
 from vllm_servicer.engine import missing_members
@@ -53,14 +53,8 @@ async def host(engine: Any) -> AsyncIterator[tuple[grpc.aio.Channel, RecordingIn
         interceptors=[interceptor], options=[("grpc.max_receive_message_length", 1 << 20)]
     )
     server.add_generic_rpc_handlers((_host_echo_handler(),))
-    mounted = mount(server, engine)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        yield channel, interceptor, f"127.0.0.1:{port}"
-    assert mounted.health is not None
-    await mounted.health.close()
-    await server.stop(None)
+    async with serving(engine, server=server) as served:
+        yield served.channel, interceptor, served.address
 
 
 async def test_host_service_and_vllm_service_both_answer(host: Any) -> None:
@@ -171,50 +165,38 @@ async def test_an_engine_lacking_members_is_refused_at_mount_naming_them(engine:
 
 
 async def test_switches_leave_services_out(engine: Any) -> None:
-    server = grpc.aio.server()
-    mounted = mount(server, engine, health=False, reflection_service=False)
-    assert mounted.health is None
-    assert mounted.service_names == (SERVICE_NAME,)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
-            assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
-            reply = await vllm_engine_pb2_grpc.VllmEngineStub(channel).HealthCheck(
-                pb.HealthCheckRequest()
-            )
-            assert reply.healthy
-    finally:
-        await server.stop(None)
+    async with serving(engine, health=False, reflection_service=False) as served:
+        assert served.mounted.health is None
+        # The inference protocols by default; vllm.Control only when asked.
+        assert served.mounted.service_names == (SERVICE_NAME, "vllm.Inference")
+        channel = served.channel
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        reply = await vllm_engine_pb2_grpc.VllmEngineStub(channel).HealthCheck(
+            pb.HealthCheckRequest()
+        )
+        assert reply.healthy
 
 
 async def test_mount_level_interceptors_see_only_mounted_services(engine: Any) -> None:
     interceptor = RecordingInterceptor()
     server = grpc.aio.server()
     server.add_generic_rpc_handlers((_host_echo_handler(),))
-    mounted = mount(server, engine, interceptors=[interceptor])
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            assert await channel.unary_unary(HOST_METHOD)(b"x") == b"host:x"
-            stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
-            await stub.HealthCheck(pb.HealthCheckRequest())
-            messages = await collect(stub.Generate(request(max_tokens=2, stream=True)))
-            assert completes(messages)
-            # health Watch is a context.write-style stream: it must still stream.
-            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
-            first = await watch.read()
-            assert first.status == health_pb2.HealthCheckResponse.SERVING
-            watch.cancel()
+    async with serving(engine, server=server, interceptors=[interceptor]) as served:
+        channel = served.channel
+        assert await channel.unary_unary(HOST_METHOD)(b"x") == b"host:x"
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+        await stub.HealthCheck(pb.HealthCheckRequest())
+        messages = await collect(stub.Generate(request(max_tokens=2, stream=True)))
+        assert completes(messages)
+        # health Watch is a context.write-style stream: it must still stream.
+        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
+        first = await watch.read()
+        assert first.status == health_pb2.HealthCheckResponse.SERVING
+        watch.cancel()
         assert interceptor.methods == [
             f"/{SERVICE_NAME}/HealthCheck",
             f"/{SERVICE_NAME}/Generate",
             "/grpc.health.v1.Health/Watch",
         ]
-    finally:
-        assert mounted.health is not None
-        await mounted.health.close()
-        await server.stop(None)

@@ -157,6 +157,17 @@ class AlreadyExistsError(RuntimeError):
         self.reason = reason
 
 
+class EngineRefusedError(RuntimeError):
+    """The engine refused a control operation in its current state, in its own words.
+
+    vLLM's engine core answers a failed control call (a weight update out of
+    order, say) with a bare message; this carries it to the client.
+    """
+
+    status_code: ClassVar[str] = "FAILED_PRECONDITION"
+    status_reason: ClassVar[str] = "ENGINE_REFUSED"
+
+
 class RequestIdInUseError(RuntimeError):
     """A Generate or Embed under a request id another caller's running request holds.
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # type: ignore[import-untyped]
@@ -16,13 +16,30 @@ from .health import EngineHealthServicer
 from .interceptors import InflightInterceptor, MetricsInterceptor, Pipeline
 from .multimodal.media import MediaRefOptions
 from .options import DEFAULT_MAX_KV_SUBSCRIBERS
-from .proto import SERVICE_NAME, vllm_engine_pb2_grpc
+from .proto import (
+    CONTROL_SERVICE,
+    INFERENCE_SERVICE,
+    SERVICE_NAME,
+    control_pb2_grpc,
+    inference_pb2_grpc,
+    vllm_engine_pb2_grpc,
+)
 from .reflection import ChainedPool
+from .servicer.control import ControlServicer
+from .servicer.inference import InferenceServicer
+from .servicer.lora import LoraRegistry
 from .servicer.service import VllmEngineServicer
+from .servicer.tenancy import RunningRequests
 from .status import error_layer
 
 HEALTH_SERVICE_NAME: str = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 REFLECTION_SERVICE_NAME: str = reflection.SERVICE_NAME
+
+
+SERVICES: tuple[str, ...] = (SERVICE_NAME, INFERENCE_SERVICE, CONTROL_SERVICE)
+"""Every protocol service `mount()` can serve, by full name."""
+DEFAULT_SERVICES: tuple[str, ...] = (SERVICE_NAME, INFERENCE_SERVICE)
+"""What `mount()` serves unless told: the inference protocols, not vLLM's Control."""
 
 
 class MountError(RuntimeError):
@@ -40,12 +57,16 @@ class MountedServices:
         inflight: the count of calls in flight (the one passed in `interceptors`,
             else one mount added): what GetServerInfo, the metrics gauge, a
             limit and a drain (`wait_idle`) read.
+        inference: the `vllm.Inference` servicer, or None when not mounted.
+        control: the `vllm.Control` servicer, or None when not mounted.
     """
 
     servicer: VllmEngineServicer
     health: EngineHealthServicer | None
     service_names: tuple[str, ...]
     inflight: InflightInterceptor
+    inference: InferenceServicer | None = None
+    control: ControlServicer | None = None
 
 
 def mount(
@@ -58,12 +79,16 @@ def mount(
     max_kv_subscribers: int = DEFAULT_MAX_KV_SUBSCRIBERS,
     media_refs: MediaRefOptions | None = None,
     shm_tensors: bool = False,
+    services: Sequence[str] = DEFAULT_SERVICES,
+    lora_modules: Mapping[str, str] | None = None,
 ) -> MountedServices:
-    """Serve `vllm.grpc.engine.VllmEngine` from `engine` on the host's `server`.
+    """Serve vLLM's gRPC protocols from `engine` on the host's `server`.
 
-    Also mounts the standard health service (services "" and the VllmEngine
-    name; NOT_SERVING while the engine is dead) and server reflection, each
-    switchable. Call it before `server.start()`.
+    `vllm.grpc.engine.VllmEngine` and vLLM's own `vllm.Inference` by default,
+    `vllm.Control` when `services` names it. Also mounts the standard health
+    service (services "" and each mounted name; NOT_SERVING while the engine
+    is dead) and server reflection, each switchable. Call it before
+    `server.start()`.
 
     Args:
         server: the host's grpc.aio server, built with its own options and
@@ -87,6 +112,12 @@ def mount(
             names the segment, and the server reads any its user can, so turn
             it on only where every caller is trusted with this host's shared
             memory (a router beside the server). Off, they come inline.
+        services: the protocol services to mount, by full name (`SERVICES`).
+            `vllm.Control` changes the engine for everyone (adapters, pause,
+            sleep, shutdown): mount it where callers are authenticated and
+            only administrators may call it (`AuthInterceptor` does so).
+        lora_modules: LoRA adapters `vllm.Control` loads at first use, by
+            name: their paths on this host (vLLM's `--lora-modules`).
 
     Returns:
         The servicers and service names mounted.
@@ -94,27 +125,55 @@ def mount(
     Raises:
         MountError: the server has already been started.
         TypeError: `engine` lacks a member of `EngineClient` (the message names it).
+        ValueError: `services` names a service this package does not serve.
     """
     if server_started(server):
         raise MountError(
             "mount() must be called before server.start(): grpc.aio serves handlers "
             "added after start only through a slow fallback path"
         )
+    unknown = sorted(set(services) - set(SERVICES))
+    if unknown or not services:
+        raise ValueError(f"services must be some of {', '.join(SERVICES)}; got {unknown or 'none'}")
     pipeline, inflight = engine_pipeline(interceptors)
     recorder = HandlerRecorder()
+    # One registry of running requests for every protocol: an id belongs to
+    # its caller whichever protocol started it, and a drain aborts them all.
+    running = RunningRequests()
     servicer = VllmEngineServicer(
         engine,
         max_kv_subscribers=max_kv_subscribers,
         media_refs=media_refs,
         active_calls=lambda: inflight.limited_total,
         shm_tensors=shm_tensors,
+        running=running,
     )
-    vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(servicer, recorder)  # type: ignore[no-untyped-call]
-    names = [SERVICE_NAME]
+    # One adapter registry too (built once the engine's members are checked):
+    # an adapter Control loads is one Inference's lora_name can name.
+    loras = LoraRegistry(engine, lora_modules or {})
+    names: list[str] = []
+    if SERVICE_NAME in services:
+        vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(servicer, recorder)  # type: ignore[no-untyped-call]
+        names.append(SERVICE_NAME)
+    inference = None
+    if INFERENCE_SERVICE in services:
+        inference = InferenceServicer(engine, running=running, media_refs=media_refs, loras=loras)
+        inference_pb2_grpc.add_InferenceServicer_to_server(inference, recorder)  # type: ignore[no-untyped-call]
+        names.append(INFERENCE_SERVICE)
+    control = None
+    if CONTROL_SERVICE in services:
+        control = ControlServicer(
+            engine,
+            running=running,
+            active_calls=lambda: inflight.limited_total,
+            loras=loras,
+        )
+        control_pb2_grpc.add_ControlServicer_to_server(control, recorder)  # type: ignore[no-untyped-call]
+        names.append(CONTROL_SERVICE)
 
     health_servicer = None
     if health:
-        health_servicer = EngineHealthServicer(engine, services=("", SERVICE_NAME))
+        health_servicer = EngineHealthServicer(engine, services=("", *names))
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, recorder)
         names.append(HEALTH_SERVICE_NAME)
 
@@ -126,8 +185,8 @@ def mount(
         )
 
     for service_name, handlers in recorder.services.items():
-        # The VllmEngine methods raise; the error layer turns that into statuses.
-        errors = error_layer if service_name == SERVICE_NAME else None
+        # The protocols' methods raise; the error layer turns that into statuses.
+        errors = error_layer if service_name in SERVICES else None
         wrapped = {
             method: pipeline.wrap(f"/{service_name}/{method}", handler, errors=errors)
             for method, handler in handlers.items()
@@ -138,6 +197,8 @@ def mount(
         health=health_servicer,
         service_names=tuple(names),
         inflight=inflight,
+        inference=inference,
+        control=control,
     )
 
 

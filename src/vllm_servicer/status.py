@@ -41,6 +41,7 @@ from .context import current_request_id
 from .errors import (
     AlreadyExistsError,
     AuthError,
+    EngineRefusedError,
     EventsLostError,
     FieldOutOfRangeError,
     InvalidRequestError,
@@ -97,6 +98,7 @@ ERROR_TABLE: tuple[ErrorRule, ...] = (
     _own(NotFoundError),
     ErrorRule(ProfilerAlreadyActiveError, grpc.StatusCode.FAILED_PRECONDITION, "PROFILER_ACTIVE"),
     _own(UnsupportedError),
+    _own(EngineRefusedError),
     _own(NotEnabledError),
     _own(UnimplementedFieldError),
     _own(FieldOutOfRangeError),

@@ -50,7 +50,7 @@ import grpc
 
 from ..context import ADMIN_ROLE, Identity, current_identity
 from ..errors import AuthError, PermissionDenied, Unauthenticated
-from ..proto import SERVICE_NAME
+from ..proto import CONTROL_SERVICE, SERVICE_NAME
 from ._base import CallInterceptor, MethodFilter
 from ._call import Call, Refusal
 
@@ -89,8 +89,28 @@ _TOKEN = re.compile(r"[A-Za-z0-9\-._~+/]+=*")
 _SCHEME = "Bearer "
 _EXEMPT_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
+# vLLM's Control: everything but discovery and Abort (which touches the
+# caller's own requests only) changes the engine for everyone.
+_CONTROL_ADMIN = (
+    "Shutdown",
+    "LoadLora",
+    "UnloadLora",
+    "PauseGeneration",
+    "ResumeGeneration",
+    "Sleep",
+    "WakeUp",
+    "InitWeightTransferEngine",
+    "StartWeightUpdate",
+    "StartDraftWeightUpdate",
+    "UpdateWeights",
+    "FinishWeightUpdate",
+    "UpdateWeightVersion",
+)
 ADMIN_METHODS: frozenset[str] = frozenset(
-    f"/{SERVICE_NAME}/{name}" for name in ("FlushCache", "StartProfile", "StopProfile")
+    (
+        *(f"/{SERVICE_NAME}/{name}" for name in ("FlushCache", "StartProfile", "StopProfile")),
+        *(f"/{CONTROL_SERVICE}/{name}" for name in _CONTROL_ADMIN),
+    )
 )
 """Methods that change the server for everyone or expose its internals."""
 

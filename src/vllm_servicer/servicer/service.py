@@ -25,7 +25,7 @@ from ..errors import (
 from ..multimodal import tensors as mm_tensors
 from ..multimodal.media import MediaRefOptions, MediaResolver
 from ..options import DEFAULT_MAX_KV_SUBSCRIBERS
-from ..proto import common_pb2, vllm_engine_pb2_grpc
+from ..proto import SERVICE_NAME, common_pb2, vllm_engine_pb2_grpc
 from ..proto import vllm_engine_pb2 as pb
 from ..wire import convert, fields
 from . import admin, info, kv_events, loads
@@ -59,6 +59,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             requests this servicer runs.
         shm_tensors: take preprocessed tensors (`mm_inputs`) through this
             host's shared memory; off, they must come inline.
+        running: the registry of running requests, shared with the other
+            protocols' servicers of the same mount; None: one of its own.
     """
 
     def __init__(
@@ -69,6 +71,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         media_refs: MediaRefOptions | None = None,
         active_calls: Callable[[], int] | None = None,
         shm_tensors: bool = False,
+        running: RunningRequests | None = None,
     ) -> None:
         missing = missing_members(engine)
         if missing:
@@ -86,7 +89,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self._model_media = mm_tensors.ModelMedia.of(engine, shm=shm_tensors)
         self._kv_subscribers = SubscriberLimit(max_kv_subscribers)
         self._started_monotonic = time.monotonic()
-        self._running = RunningRequests()
+        self._running = running if running is not None else RunningRequests()
         self._last_receive_timestamp = 0.0
         self._model_info: pb.GetModelInfoResponse | None = None
         self._supported_tasks: tuple[str, ...] | None = None
@@ -143,7 +146,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         kv_transfer: dict[str, Any] | None = None
         started = False
         try:
-            fields.refuse_unserved("Generate", request)
+            fields.refuse_unserved(SERVICE_NAME, "Generate", request)
             kv_transfer = convert.kv_transfer_params(request)
             prompt, sampling, kwargs = await self._generation.engine_call(
                 request, context, kv_transfer

@@ -103,7 +103,7 @@ _CPU_ENV_DEFAULTS: Final[dict[str, str]] = {
 _MARKER_NAME: Final = ".vllm_servicer_tiny_model.json"
 _CACHE_ENV: Final = "VLLM_SERVICER_CACHE"
 
-_Kind = Literal["generate", "embed", "vision"]
+_Kind = Literal["generate", "embed", "vision", "weighted"]
 
 _PAD, _BOS, _EOS = "<pad>", "<s>", "</s>"
 _VOCAB_TARGET: Final = 320

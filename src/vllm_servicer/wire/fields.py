@@ -2,12 +2,14 @@
 
 A field the server cannot serve is refused with a typed status that names it
 and says what would serve it, so a client never gets a plausible answer that
-left part of its request out. This module is the one list: the servicer
-refuses the unconditional rows through `refuse_unserved`, docs/protocol.md
-shows the same table, and a test walks the protocol's descriptors so that a
-field in neither `HONOURED` nor `REFUSED` fails the build.
+left part of its request out. This module is the one list, by service (full
+name) then method: the servicers refuse the unconditional rows through
+`refuse_unserved`, docs/protocol.md shows the same tables, and a test walks
+each protocol's descriptors so that a field in neither `HONOURED` nor
+`REFUSED` fails the build.
 
-Paths are dotted from the RPC's request message. A message field that is
+Paths are dotted from the RPC's request message, without indexes through
+repeated fields (`media.url` is every item's `url`). A message field that is
 honoured has its own fields listed too; a refused one does not (nothing in it
 is read). Map fields are listed whole.
 """
@@ -25,6 +27,7 @@ from ..errors import (
     UnimplementedFieldError,
     UnsupportedError,
 )
+from ..proto import INFERENCE_SERVICE, SERVICE_NAME
 
 FieldError = (
     type[InvalidRequestError]
@@ -104,7 +107,7 @@ _MULTIMODAL = (
     "encoder_input_key",
 )
 
-HONOURED: Mapping[str, frozenset[str]] = {
+_ENGINE_HONOURED: Mapping[str, frozenset[str]] = {
     "Generate": frozenset(
         (
             "request_id",
@@ -168,7 +171,7 @@ _AT_START_BEFORE_033 = (
 )
 LOAD_SECTIONS = ("core", "all")
 
-REFUSED: Mapping[str, Mapping[str, RefusedField]] = {
+_ENGINE_REFUSED: Mapping[str, Mapping[str, RefusedField]] = {
     "Generate": {
         "mm_inputs.pixel_values.remote": RefusedField(
             UnimplementedFieldError, _ANY_TENSOR, REMOTE_TENSOR_HINT
@@ -232,13 +235,167 @@ REFUSED: Mapping[str, Mapping[str, RefusedField]] = {
 }
 
 
-def is_set(message: Message, path: str) -> bool:
-    """Whether the request sets the field at `path`: present, non-empty or non-zero."""
-    *parents, name = path.split(".")
-    for part in parents:
-        if not message.HasField(part):
-            return False
-        message = getattr(message, part)
+# ----- vllm.Inference (GenerateRequest, the same for Generate and GenerateStream) -------
+
+EC_CONNECTOR_HINT = (
+    "the engine has no encoder-cache connector for encoder/prefill/decode hand-off; start "
+    "vLLM with --ec-transfer-config"
+)
+INFERENCE_MEDIA_HINT = (
+    "this server does not resolve media; serve a model that takes images and start the "
+    "server with --enable-media-refs (mount(..., media_refs=MediaRefOptions()))"
+)
+_CANDIDATES = ("top_n", "all")
+
+_INFERENCE_REQUEST = frozenset(
+    (
+        "request_id",
+        # A name other than the served model's: NOT_FOUND (the model is not here).
+        "model",
+        "text",
+        "token_ids",
+        "token_ids.ids",
+        "temperature",
+        "sampling",
+        "sampling.top_k",
+        "sampling.top_p",
+        "sampling.min_p",
+        "sampling.seed",
+        "decoding",
+        "decoding.presence_penalty",
+        "decoding.frequency_penalty",
+        "decoding.repetition_penalty",
+        "decoding.logit_bias",
+        "decoding.allowed_token_ids",
+        "decoding.json",
+        "decoding.regex",
+        "decoding.choice",
+        "decoding.choice.choices",
+        "decoding.grammar",
+        "decoding.json_object",
+        "decoding.structural_tag",
+        "stopping",
+        "stopping.max_new_tokens",
+        "stopping.min_new_tokens",
+        "stopping.stop_token_ids",
+        "stopping.stop_strings",
+        "stopping.include_stop_strings",
+        "stopping.ignore_eos",
+        "response",
+        "response.prompt_token_ids",
+        "response.prompt_logprobs",
+        "response.prompt_candidates",
+        *(f"response.prompt_candidates.{name}" for name in _CANDIDATES),
+        "response.output_text",
+        "response.output_token_ids",
+        "response.output_logprobs",
+        "response.output_candidates",
+        *(f"response.output_candidates.{name}" for name in _CANDIDATES),
+        "response.output_candidates.token_ids",
+        "response.output_candidates.token_ids.ids",
+        "response.skip_special_tokens",
+        "response.routed_experts_prompt_start",
+        "kv",
+        "kv.bypass_prefix_cache",
+        "kv.cache_salt",
+        "truncate_prompt_tokens",
+        "priority",
+        "session_id",
+        "media",
+        "media.mime_type",
+        "media.uuid",
+        "watermarking",
+    )
+)
+
+_INFERENCE_REFUSED: Mapping[str, RefusedField] = {
+    "sampling.num_sequences": RefusedField(
+        InvalidRequestError,
+        "above 1",
+        "num_sequences > 1 is not supported; send one request per sequence",
+    ),
+    "response.prompt_candidates.token_ids": RefusedField(
+        UnimplementedFieldError,
+        "",
+        "vLLM scores chosen prompt tokens only with its V2 model runner; ask for top_n or all",
+    ),
+    "kv.kv_transfer_params": RefusedField(
+        UnsupportedError, "the engine has no KV connector", KV_CONNECTOR_HINT
+    ),
+    "kv.ec_transfer_params": RefusedField(
+        UnsupportedError, "the engine has no encoder-cache connector", EC_CONNECTOR_HINT
+    ),
+    # Resolved through vllm.Control's adapter registry; an unknown name is NOT_FOUND.
+    "lora_name": RefusedField(
+        UnsupportedError,
+        "no adapter registry (vllm.Control not mounted), or the engine runs without LoRA",
+        "LoRA adapters are not enabled on this server: serve vllm.Control (its adapter "
+        "registry) on an engine started with --enable-lora; an empty lora_name is the base model",
+    ),
+    # Honoured when on (multimodal/inference_media.py): images, decoded here.
+    "media.url": RefusedField(
+        UnimplementedFieldError,
+        "media references are off, or the model takes no images",
+        INFERENCE_MEDIA_HINT,
+    ),
+    "media.data_uri": RefusedField(
+        UnimplementedFieldError,
+        "media references are off, or the model takes no images",
+        INFERENCE_MEDIA_HINT,
+    ),
+    "media.modality": RefusedField(
+        UnimplementedFieldError, "VIDEO or AUDIO (IMAGE is served)", "this server takes images only"
+    ),
+    "media.raw_bytes": RefusedField(
+        UnimplementedFieldError,
+        "",
+        "raw bytes are not decoded by this server; send the image as a base64 data_uri",
+    ),
+    "media.features": RefusedField(
+        UnimplementedFieldError,
+        "",
+        "preprocessed media features are not served; send the image itself as url or data_uri",
+    ),
+}
+
+HONOURED: Mapping[str, Mapping[str, frozenset[str]]] = {
+    SERVICE_NAME: _ENGINE_HONOURED,
+    INFERENCE_SERVICE: {"Generate": _INFERENCE_REQUEST, "GenerateStream": _INFERENCE_REQUEST},
+}
+"""The fields each method honours, by service full name, then method name."""
+
+REFUSED: Mapping[str, Mapping[str, Mapping[str, RefusedField]]] = {
+    SERVICE_NAME: _ENGINE_REFUSED,
+    INFERENCE_SERVICE: {"Generate": _INFERENCE_REFUSED, "GenerateStream": _INFERENCE_REFUSED},
+}
+"""The fields each method refuses and how, by service full name, then method name."""
+
+
+def first_set(message: Message, path: str) -> str | None:
+    """Where the request first sets the field at `path`, indexed through repeated
+    fields (`media[1].raw_bytes`); None when it does not set it anywhere.
+
+    Set means present, non-empty or non-zero.
+    """
+    return _first_set(message, path.split("."), "")
+
+
+def _first_set(message: Message, parts: list[str], prefix: str) -> str | None:
+    name, rest = parts[0], parts[1:]
+    if not rest:
+        return prefix + name if _sets(message, name) else None
+    if message.DESCRIPTOR.fields_by_name[name].is_repeated:
+        for index, item in enumerate(getattr(message, name)):
+            found = _first_set(item, rest, f"{prefix}{name}[{index}].")
+            if found is not None:
+                return found
+        return None
+    if not message.HasField(name):
+        return None
+    return _first_set(getattr(message, name), rest, f"{prefix}{name}.")
+
+
+def _sets(message: Message, name: str) -> bool:
     field = message.DESCRIPTOR.fields_by_name[name]
     if field.is_repeated:
         return len(getattr(message, name)) > 0
@@ -247,16 +404,29 @@ def is_set(message: Message, path: str) -> bool:
     return bool(getattr(message, name) != field.default_value)
 
 
-def refuse_unserved(method: str, request: Message) -> None:
-    """Raise for the first field of `request` that `method` refuses whenever it is set.
+def is_set(message: Message, path: str) -> bool:
+    """Whether the request sets the field at `path` (in any item of a repeated parent)."""
+    return first_set(message, path) is not None
+
+
+def refuse_unserved(service: str, method: str, request: Message) -> None:
+    """Raise for the first field of `request` that the method refuses whenever it is set.
+
+    Args:
+        service: the service's full name (`SERVICE_NAME`, `INFERENCE_SERVICE`).
+        method: the method's name.
+        request: its request.
 
     Raises:
         UnimplementedFieldError, FieldOutOfRangeError, InvalidRequestError: the
-            row's error; the message names the field and what would serve it.
+            row's error; the message names the field (and the item of a
+            repeated one) and what would serve it.
     """
-    for path, refusal in REFUSED.get(method, {}).items():
-        if not refusal.when and is_set(request, path):
-            raise _raised(refusal, path)
+    for path, refusal in REFUSED.get(service, {}).get(method, {}).items():
+        if not refusal.when:
+            found = first_set(request, path)
+            if found is not None:
+                raise _raised(refusal, found)
 
 
 def _raised(refusal: RefusedField, path: str) -> Exception:
@@ -274,5 +444,5 @@ def load_sections(include: list[str]) -> None:
     for section in include:
         if section not in LOAD_SECTIONS:
             raise UnimplementedFieldError(
-                "include", f"section {section!r}: " + REFUSED["GetLoads"]["include"].reason
+                "include", f"section {section!r}: " + _ENGINE_REFUSED["GetLoads"]["include"].reason
             )

@@ -1,0 +1,395 @@
+"""`InferenceServicer`: vLLM's own `vllm.Inference` service (Generate, GenerateStream).
+
+The same engine calls as VllmEngine's Generate, with vLLM's Rust server's
+behaviour for this schema (wire/inference.py has the defaults). Request ids
+are claimed in the mount's one `RunningRequests`, so an id belongs to its
+caller whichever protocol started it, and a drain or Control.Abort reaches
+these requests too. A dropped stream cancels the handler inside
+`engine.generate`, which aborts the request in the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+
+# Before vLLM is imported below: an untested vLLM release fails here, naming both versions.
+from .. import _vllm_version  # noqa: F401
+
+# isort: split
+from vllm.exceptions import VLLMClientError
+
+from .. import vllm_releases
+from ..context import current_request_id, engine_trace_headers, kept_usage
+from ..engine import EngineClient, missing_members, served_model_name
+from ..errors import (
+    InvalidRequestError,
+    NotFoundError,
+    UnimplementedFieldError,
+    UnsupportedError,
+)
+from ..multimodal import inference_media
+from ..multimodal.media import MediaRefOptions, MediaResolver
+from ..proto import INFERENCE_SERVICE, inference_pb2_grpc
+from ..proto import inference_pb2 as pb
+from ..wire import fields
+from ..wire import inference as wire
+from .tenancy import RunningRequests
+
+if TYPE_CHECKING:
+    import grpc.aio
+    from vllm.lora.request import LoRARequest
+    from vllm.sampling_params import SamplingParams
+
+    Context = grpc.aio.ServicerContext[Any, Any]
+
+logger = logging.getLogger("vllm_servicer")
+
+DATA_PARALLEL_RANK_HEADER = "x-data-parallel-rank"
+"""The call metadata that pins a request to one data-parallel rank (u32), as vLLM reads it."""
+_U32 = re.compile(r"\+?\d{1,10}")
+_U32_MAX = 2**32 - 1
+LORA_NOT_ENABLED = fields.REFUSED[INFERENCE_SERVICE]["Generate"]["lora_name"].reason
+
+
+class AdapterLookup(Protocol):
+    """Resolves a request's `lora_name` (vllm.Control's `LoraRegistry` is one)."""
+
+    def request_for(self, name: str) -> LoRARequest | None:
+        """The adapter's `LoRARequest`; None for the base model ("").
+
+        Raises:
+            NotFoundError: no adapter of that name is loaded.
+            UnsupportedError: LoRA is not enabled on the engine.
+        """
+        ...
+
+
+class EngineCall(NamedTuple):
+    """One request as the `engine.generate` call it asks for, and its response builder."""
+
+    prompt: Any
+    sampling: SamplingParams
+    kwargs: dict[str, Any]
+    builder: wire.ResponseBuilder
+    kv_transfer: dict[str, Any] | None
+
+
+def data_parallel_rank(context: Context) -> int | None:
+    """The rank named by the call's `x-data-parallel-rank` metadata, if any.
+
+    Raises:
+        InvalidRequestError: the value is not an unsigned 32-bit integer.
+    """
+    for key, value in context.invocation_metadata() or ():
+        if key == DATA_PARALLEL_RANK_HEADER:
+            text = value.strip() if isinstance(value, str) else ""
+            if not _U32.fullmatch(text) or int(text) > _U32_MAX:
+                raise InvalidRequestError(
+                    DATA_PARALLEL_RANK_HEADER, "metadata must be an unsigned 32-bit integer"
+                )
+            return int(text)
+    return None
+
+
+class InferenceServicer(inference_pb2_grpc.InferenceServicer):
+    """Serves `vllm.Inference` from an `AsyncLLM` (or anything shaped like it).
+
+    Args:
+        engine: the host's engine client, usually `vllm.v1.engine.async_llm.AsyncLLM`.
+        running: the registry of running requests, shared with the other
+            protocols' servicers of the same mount.
+        media_refs: resolve `media` images (url, data_uri) by these rules;
+            None (the default) refuses them.
+        loras: resolves `lora_name` (vllm.Control's adapter registry); None:
+            a request naming an adapter is refused with FAILED_PRECONDITION.
+    """
+
+    def __init__(
+        self,
+        engine: EngineClient,
+        *,
+        running: RunningRequests,
+        media_refs: MediaRefOptions | None = None,
+        loras: AdapterLookup | None = None,
+    ) -> None:
+        missing = missing_members(engine)
+        if missing:
+            raise TypeError(
+                f"the engine must be a vLLM AsyncLLM or shaped like one (EngineClient); "
+                f"{type(engine).__name__} has no {', '.join(missing)}"
+            )
+        self._engine = engine
+        self._running = running
+        self.loras = loras
+        self._media = (
+            MediaResolver(media_refs, engine.model_config) if media_refs is not None else None
+        )
+        config = engine.model_config
+        self._model_name = served_model_name(engine)
+        max_len = getattr(config, "max_model_len", None)
+        self._max_prompt_tokens: int | None = int(max_len) if max_len else None
+        self._defaults = _model_defaults(config)
+        vllm_config = engine.vllm_config
+        self._kv_connector = getattr(vllm_config, "kv_transfer_config", None) is not None
+        self._ec_connector = getattr(vllm_config, "ec_transfer_config", None) is not None
+        # A seeded sampling request would kill an engine set up so (a vLLM CPU fault).
+        self._seed_hazard = vllm_releases.seeded_sampling_hazard(vllm_config)
+        # vLLM's renderer turns a token prompt into engine input synchronously.
+        self._render = engine.renderer.process_for_engine
+
+    # ----- the RPCs ---------------------------------------------------------
+
+    async def Generate(self, request: pb.GenerateRequest, context: Context) -> pb.GenerateResponse:
+        """The whole generation in one message: `prompt_info`, then the finished sequence."""
+        request_id = self._claim(request.request_id, "Generate")
+        call: EngineCall | None = None
+        try:
+            call = await self._engine_call(request, context, stream=False)
+            usage = kept_usage()
+            final = None
+            async for output in self._engine.generate(
+                call.prompt, call.sampling, request_id, **call.kwargs
+            ):
+                final = output
+            if final is None:  # pragma: no cover - the engine always yields once
+                raise RuntimeError("engine returned no output")
+            response = call.builder.whole(final)
+            if usage is not None:
+                completion = final.outputs[0]
+                usage.prompt_tokens = len(final.prompt_token_ids or ())
+                reason = completion.finish_reason or "stop"
+                usage.choice_finished(0, reason, len(completion.token_ids))
+            return response
+        except Exception as exc:
+            # The error layer around every method turns what is raised into a status.
+            failure = await self._failure(exc, request, request_id, call, started=False)
+            if failure is not exc:
+                raise failure from exc
+            raise
+        finally:
+            self._running.release(request_id)
+
+    async def GenerateStream(
+        self, request: pb.GenerateRequest, context: Context
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """`prompt_info` alone, then one message per engine step; the last has `finish_info`."""
+        request_id = self._claim(request.request_id, "GenerateStream")
+        call: EngineCall | None = None
+        started = False
+        try:
+            call = await self._engine_call(request, context, stream=True)
+            delta = call.builder.delta
+            # What the metrics and tracing read, kept from the numbers at hand.
+            usage = kept_usage()
+            async for output in self._engine.generate(
+                call.prompt, call.sampling, request_id, **call.kwargs
+            ):
+                if not started:
+                    started = True
+                    if usage is not None:
+                        usage.prompt_tokens = len(output.prompt_token_ids or ())
+                    yield call.builder.first(output)
+                completion = output.outputs[0]  # one sequence: num_sequences > 1 is refused
+                message = delta(output, completion)
+                if usage is not None:
+                    usage.chunk_sent(len(completion.token_ids))
+                    if completion.finish_reason is not None:
+                        # Finished in this very message: no separate one to count.
+                        usage.finish_reasons[0] = completion.finish_reason
+                yield message
+        except Exception as exc:
+            failure = await self._failure(exc, request, request_id, call, started)
+            if failure is not exc:
+                raise failure from exc
+            raise
+        finally:
+            self._running.release(request_id)
+
+    # ----- preparation ------------------------------------------------------
+
+    def _claim(self, given: str, method: str) -> str:
+        """The request's engine id (one made up when empty), claimed for the caller.
+
+        Raises:
+            RequestIdInUseError: the id runs for another caller.
+        """
+        # vLLM needs an id; a client that sent none cannot abort it by id anyway.
+        request_id = given or f"inference-{uuid.uuid4().hex}"
+        current_request_id.set(request_id)
+        self._running.claim(request_id, method)
+        return request_id
+
+    async def _engine_call(
+        self, request: pb.GenerateRequest, context: Context, *, stream: bool
+    ) -> EngineCall:
+        """The `engine.generate` call a request asks for, each field checked.
+
+        Raises:
+            InvalidRequestError, NotFoundError, UnsupportedError,
+                UnimplementedFieldError: the request asks for what this server
+                or engine cannot do, or is malformed.
+        """
+        method = "GenerateStream" if stream else "Generate"
+        fields.refuse_unserved(INFERENCE_SERVICE, method, request)
+        self._check_model(request.model)
+        kwargs: dict[str, Any] = {}
+        rank = data_parallel_rank(context)
+        if rank is not None:
+            kwargs["data_parallel_rank"] = rank
+        lora = self._lora(request.lora_name)
+        if lora is not None:
+            kwargs["lora_request"] = lora
+        extra_args, kv_transfer = self._transfer_params(request.kv)
+        sampling = wire.sampling_params_from_request(
+            request, stream=stream, defaults=self._defaults, extra_args=extra_args
+        )
+        self._check_seed(sampling)
+        tokenization = wire.tokenization_kwargs(request)
+        if tokenization is not None:
+            kwargs["tokenization_kwargs"] = tokenization
+        # With truncation asked for, a longer prompt is the engine's to cut.
+        limit = None if tokenization is not None else self._max_prompt_tokens
+        prompt: Any = wire.prompt_from_request(request, limit)
+        if request.media:
+            prompt = await self._with_media(request, prompt, truncating=tokenization is not None)
+        elif tokenization is None and "prompt_token_ids" in prompt:
+            # Token ids need no tokenizer: rendered here, which spares the
+            # engine's hop through a worker thread. The engine still validates it.
+            prompt = self._render(prompt, time.time())
+        if request.priority:
+            kwargs["priority"] = request.priority  # lower runs first (--scheduling-policy priority)
+        if request.HasField("session_id") and request.session_id:
+            kwargs["session_id"] = request.session_id
+        trace = engine_trace_headers(context)
+        if trace is not None:
+            kwargs["trace_headers"] = trace
+        builder = wire.ResponseBuilder(request.response)
+        return EngineCall(prompt, sampling, kwargs, builder, kv_transfer)
+
+    def _check_model(self, model: str) -> None:
+        if model and model != self._model_name:
+            raise NotFoundError(
+                "model",
+                f"model {model!r} is not served here (this server serves "
+                f"{self._model_name!r}; empty means the served model)",
+            )
+
+    def _lora(self, name: str) -> LoRARequest | None:
+        if not name:
+            return None
+        if self.loras is None:
+            raise UnsupportedError(LORA_NOT_ENABLED, field="lora_name")
+        return self.loras.request_for(name)
+
+    def _transfer_params(
+        self, kv: pb.KVCacheParameters
+    ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """The connectors' params for the engine's `extra_args`, and the KV ones alone.
+
+        Raises:
+            UnsupportedError: params for a connector the engine does not run.
+        """
+        extra: dict[str, Any] = {}
+        kv_transfer = None
+        if kv.HasField("kv_transfer_params"):
+            if not self._kv_connector:
+                raise UnsupportedError(fields.KV_CONNECTOR_HINT, field="kv.kv_transfer_params")
+            kv_transfer = extra["kv_transfer_params"] = wire.struct_to_dict(kv.kv_transfer_params)
+        if kv.HasField("ec_transfer_params"):
+            if not self._ec_connector:
+                raise UnsupportedError(fields.EC_CONNECTOR_HINT, field="kv.ec_transfer_params")
+            extra["ec_transfer_params"] = wire.struct_to_dict(kv.ec_transfer_params)
+        return extra, kv_transfer
+
+    def _check_seed(self, sampling: SamplingParams) -> None:
+        if self._seed_hazard and vllm_releases.draws_from_own_generator(sampling):
+            raise UnsupportedError(
+                f"seeded sampling would stop this CPU engine ({self._seed_hazard}); "
+                "send no seed, a temperature of 0, or serve with --no-enable-chunked-prefill",
+                field="sampling.seed",
+            )
+
+    async def _with_media(
+        self, request: pb.GenerateRequest, prompt: Any, *, truncating: bool
+    ) -> Any:
+        """`prompt` with the images of `request.media` as its multimodal data."""
+        media = request.media
+        # The items' own faults first: they hold whatever the engine.
+        inference_media.checked_items(media)
+        if self._media is None or not self._media.takes_images:
+            source = media[0].WhichOneof("source")
+            raise UnimplementedFieldError(f"media[0].{source}", inference_media.MEDIA_HINT)
+        if "prompt_token_ids" not in prompt:
+            # As vLLM's server: the client tokenizes, one placeholder per image.
+            raise InvalidRequestError(
+                "media", "needs token_ids input (with one placeholder per image)"
+            )
+        images = await inference_media.images(self._media, media)
+        prompt["multi_modal_data"] = {"image": images[0] if len(images) == 1 else images}
+        uuids = inference_media.uuids(media)
+        if uuids is not None:
+            prompt["multi_modal_uuids"] = {"image": uuids}
+        if truncating:
+            return prompt  # the engine processes it (truncating it first)
+        try:
+            # As the engine would; rendered here, a mismatch is named as the
+            # request's fault (vLLM asserts it, which would read as internal).
+            return await self._engine.renderer.process_for_engine_async(prompt, time.time())
+        except (AssertionError, RuntimeError, ValueError) as exc:
+            raise InvalidRequestError(
+                "media", f"the images do not fit the prompt's placeholders: {exc}"
+            ) from exc
+
+    # ----- failure ----------------------------------------------------------
+
+    async def _failure(
+        self,
+        exc: Exception,
+        request: pb.GenerateRequest,
+        request_id: str,
+        call: EngineCall | None,
+        started: bool,
+    ) -> Exception:
+        """What to raise for `exc`: the structured-output field named when it is at fault.
+
+        A remote-prefill request that failed before the engine produced
+        anything is reported to the KV connector, which would otherwise hold
+        the prefill side's blocks until its lease ran out.
+        """
+        if call is not None and call.kv_transfer is not None and not started:
+            await self._kv_transfer_rejected(request_id, call)
+        if isinstance(exc, (ValueError, VLLMClientError)):
+            return wire.constraint_error(exc, request.decoding)
+        return exc
+
+    async def _kv_transfer_rejected(self, request_id: str, call: EngineCall) -> None:
+        kv_transfer = call.kv_transfer
+        if kv_transfer is None or not kv_transfer.get("do_remote_prefill"):
+            return
+        notify = self._engine.notify_kv_transfer_request_rejected
+        rank = call.kwargs.get("data_parallel_rank")
+        try:
+            await notify(request_id, kv_transfer, data_parallel_rank=rank)
+        except Exception:
+            logger.warning(
+                "could not tell the KV connector that request %r was rejected",
+                request_id,
+                exc_info=True,
+            )
+
+
+def _model_defaults(model_config: Any) -> wire.ModelDefaults:
+    """The model's generation-config defaults (none when it has no readable config)."""
+    get_diff = getattr(model_config, "get_diff_sampling_param", None)
+    if get_diff is None:
+        return wire.ModelDefaults()
+    try:
+        return wire.ModelDefaults.of(get_diff() or {})
+    except Exception:  # a malformed generation config must not stop the server
+        logger.warning("the model's generation config is unreadable; neutral defaults used")
+        return wire.ModelDefaults()

@@ -1,0 +1,255 @@
+"""LoRA adapters by name: the registry behind `vllm.Control`'s LoadLora/UnloadLora/ListLoras.
+
+vLLM's engine knows adapters by integer id only (`AsyncLLM.list_loras()`
+returns ids), while clients name them: this registry keeps the names, hands
+out ids that are never reused (a reloaded adapter is a new one to the
+engine), and builds the `LoRARequest` a generation call passes.
+
+A request naming an adapter the engine cannot load kills the EngineCore
+(measured with vLLM 0.32: a bad path in `generate(lora_request=...)` is
+`EngineDeadError` for every client), so no name is handed out before its
+adapter has been checked: loaded ones by the engine itself (`add_lora`),
+adapters given at start (`--lora-modules`) by vLLM's own validation of the
+adapter's config when the registry is built; those the engine then loads at
+first use, or all at once on `start()`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+# Before vLLM is imported below: an untested vLLM release fails here, naming both versions.
+from .. import _vllm_version  # noqa: F401
+
+# isort: split
+from vllm.lora.peft_helper import PEFTHelper
+from vllm.lora.request import LoRARequest
+from vllm.v1.engine.exceptions import EngineDeadError
+
+from ..engine import EngineClient, served_model_name
+from ..errors import AlreadyExistsError, InvalidRequestError, NotFoundError, UnsupportedError
+
+logger = logging.getLogger("vllm_servicer")
+
+ENABLE_HINT = "LoRA is not enabled on this engine; start the engine with --enable-lora"
+
+# One sequence for the process: an engine loads nothing under an id it already
+# holds, so two registries on one engine must never hand out the same id.
+_ids = itertools.count(1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Adapter:
+    """One adapter the registry knows.
+
+    Attributes:
+        name: the name clients use (`lora_name`).
+        lora_id: the engine's id for it (positive, never reused).
+        path: its directory on this host, as given.
+    """
+
+    name: str
+    lora_id: int
+    path: str
+
+    def request(self) -> LoRARequest:
+        """The `LoRARequest` that names this adapter in an engine call."""
+        return LoRARequest(self.name, self.lora_id, _engine_path(self.path))
+
+
+def _engine_path(path: str) -> str:
+    # vLLM treats a path that is not a local directory as a hub id to download.
+    return os.path.abspath(os.path.expanduser(path))
+
+
+class LoraRegistry:
+    """The LoRA adapters an engine serves, by name.
+
+    Args:
+        engine: the engine (`AsyncLLM`: `add_lora`, `remove_lora`).
+        preloaded: adapters to serve from the start, name to path on this
+            host (vLLM's `--lora-modules`); listed at once, loaded into the
+            engine at first use or on `start()`.
+
+    Raises:
+        ValueError: `preloaded` is given but LoRA is not enabled on the
+            engine, or one of them is unnamed, takes the base model's name,
+            or is not an adapter this engine can load.
+    """
+
+    def __init__(self, engine: EngineClient, preloaded: Mapping[str, str]) -> None:
+        self._engine: Any = engine  # add_lora/remove_lora are AsyncLLM's, not EngineClient's
+        self._config = getattr(engine.vllm_config, "lora_config", None)
+        self._base_name = served_model_name(engine)
+        max_positions = getattr(
+            getattr(engine.model_config, "hf_config", None), "max_position_embeddings", None
+        )
+        self._max_positions = max_positions if isinstance(max_positions, int) else None
+        self._adapters: dict[str, Adapter] = {}
+        # Names whose add_lora is under way: a second load of one fails at once.
+        self._loading: set[str] = set()
+        # Preloaded names the engine has not been asked to load yet.
+        self._pending: set[str] = set()
+        for name, path in preloaded.items():
+            self._preload(name, path)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the engine was started with LoRA (`--enable-lora`)."""
+        return self._config is not None
+
+    @property
+    def max_loras(self) -> int:
+        """Adapters the engine runs in one batch (`--max-loras`); 0 without LoRA."""
+        return int(getattr(self._config, "max_loras", 0) or 0)
+
+    def list(self) -> list[Adapter]:
+        """Every adapter served, preloaded ones included, sorted by name."""
+        return [self._adapters[name] for name in sorted(self._adapters)]
+
+    def request_for(self, name: str) -> LoRARequest | None:
+        """The `LoRARequest` for a generation call naming adapter `name`.
+
+        Args:
+            name: the request's `lora_name`; "" means the base model.
+
+        Returns:
+            None for the base model, else the adapter's request.
+
+        Raises:
+            UnsupportedError: a name is given and LoRA is not enabled.
+            NotFoundError: no adapter of that name is loaded.
+        """
+        if not name:
+            return None
+        self._require_enabled()
+        adapter = self._adapters.get(name)
+        if adapter is None:
+            raise NotFoundError("lora_name", f"no LoRA adapter named {name!r} is loaded")
+        # A preloaded adapter is loaded by the engine with this, its first request.
+        self._pending.discard(name)
+        return adapter.request()
+
+    async def start(self) -> None:
+        """Load every preloaded adapter into the engine now, rather than at first use.
+
+        Raises:
+            InvalidRequestError: the engine could not load one; it is no
+                longer served (the others are loaded all the same).
+        """
+        failures: list[InvalidRequestError] = []
+        for name in sorted(self._pending):
+            adapter = self._adapters[name]
+            self._pending.discard(name)
+            try:
+                await self._add_to_engine(adapter)
+            except InvalidRequestError as exc:
+                del self._adapters[name]
+                logger.error("preloaded LoRA adapter %r not served: %s", name, exc.reason)
+                failures.append(exc)
+        if failures:
+            raise failures[0]
+
+    async def load(self, name: str, path: str) -> Adapter:
+        """Load the adapter at `path` (a directory on this host) under `name`.
+
+        Raises:
+            UnsupportedError: LoRA is not enabled on the engine.
+            InvalidRequestError: `name` or `path` is empty, or the engine
+                cannot load the adapter there (no such directory, not a PEFT
+                adapter, a rank above `--max-lora-rank`...).
+            AlreadyExistsError: an adapter of that name is loaded or being
+                loaded, or it is the base model's name.
+        """
+        self._require_enabled()
+        self._check_name(name)
+        if not path:
+            raise InvalidRequestError("source_path", "required: the adapter's directory")
+        if name in self._adapters or name in self._loading:
+            raise AlreadyExistsError("lora_name", f"a LoRA adapter named {name!r} is loaded")
+        self._loading.add(name)  # before any await: a concurrent load of `name` fails above
+        try:
+            self._check_adapter(path)
+            adapter = Adapter(name, next(_ids), path)
+            await self._add_to_engine(adapter)
+            self._adapters[name] = adapter
+        finally:
+            self._loading.discard(name)
+        logger.info("LoRA adapter %r loaded as id %d", name, adapter.lora_id)
+        return adapter
+
+    async def unload(self, name: str) -> Adapter:
+        """Stop serving adapter `name` and drop it from the engine.
+
+        Raises:
+            UnsupportedError: LoRA is not enabled on the engine.
+            InvalidRequestError: `name` is empty.
+            NotFoundError: no adapter of that name is loaded.
+        """
+        self._require_enabled()
+        if not name:
+            raise InvalidRequestError("lora_name", "required: the adapter to unload")
+        adapter = self._adapters.pop(name, None)  # before the await: one unload wins
+        if adapter is None:
+            raise NotFoundError("lora_name", f"no LoRA adapter named {name!r} is loaded")
+        self._pending.discard(name)
+        # False when the engine never loaded it (preloaded, unused): nothing to drop.
+        await self._engine.remove_lora(adapter.lora_id)
+        logger.info("LoRA adapter %r (id %d) unloaded", name, adapter.lora_id)
+        return adapter
+
+    # ----- helpers ----------------------------------------------------------
+
+    def _require_enabled(self) -> None:
+        if self._config is None:
+            raise UnsupportedError(ENABLE_HINT, field="lora_name")
+
+    def _check_name(self, name: str) -> None:
+        if not name:
+            raise InvalidRequestError("lora_name", "required: the name requests will use")
+        if name == self._base_name:
+            raise AlreadyExistsError(
+                "lora_name", f"{name!r} is the base model's name; choose another"
+            )
+
+    def _check_adapter(self, path: str) -> None:
+        """vLLM's own checks of an adapter's config, before the engine sees it."""
+        assert self._config is not None  # callers check LoRA is enabled first
+        if not os.path.isdir(_engine_path(path)):
+            raise InvalidRequestError("source_path", "no adapter directory there on this server")
+        try:
+            helper = PEFTHelper.from_local_dir(_engine_path(path), self._max_positions)
+            helper.validate_legal(self._config)
+        except (OSError, ValueError, TypeError, KeyError) as exc:
+            raise InvalidRequestError(
+                "source_path", f"not a LoRA adapter this engine can load: {exc}"
+            ) from None
+
+    def _preload(self, name: str, path: str) -> None:
+        if self._config is None:
+            raise ValueError(f"LoRA adapter {name!r} given, but {ENABLE_HINT}")
+        try:
+            self._check_name(name)
+            self._check_adapter(path)
+        except (InvalidRequestError, AlreadyExistsError) as exc:
+            raise ValueError(f"LoRA adapter {name!r} at {path}: {exc.reason}") from None
+        self._adapters[name] = Adapter(name, next(_ids), path)
+        self._pending.add(name)
+
+    async def _add_to_engine(self, adapter: Adapter) -> None:
+        try:
+            loaded = await self._engine.add_lora(adapter.request())
+        except EngineDeadError:
+            raise
+        except Exception as exc:
+            # The engine core's refusal, in its words (missing files, rank, modules).
+            raise InvalidRequestError(
+                "source_path", f"the engine could not load it: {exc}"
+            ) from None
+        if loaded is False:
+            raise InvalidRequestError("source_path", "the engine did not load the adapter")

@@ -1,0 +1,547 @@
+"""vLLM's own `vllm.Inference` messages to vLLM's request objects, and its outputs back.
+
+The request side follows what vLLM's Rust server does with the same schema:
+an omitted `temperature` is greedy (0.0); 0 in any other numeric field means
+unset, which takes the model's generation-config default where vLLM's server
+takes one (top_p, top_k, min_p, repetition_penalty, max_new_tokens) and the
+neutral value otherwise; `max_new_tokens` unset runs to the end of the context
+unless the model's generation config bounds it. vLLM detokenizes and matches
+stop strings itself (`RequestOutputKind.DELTA` when streaming), so each
+message's text is vLLM's own delta.
+
+The response side is on the path of every token: `ResponseBuilder` decides
+once per request what each message carries, and builds each SequenceOutput
+from a dict in one call, with nothing it was not asked for.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+# Before vLLM is imported below: an untested vLLM release fails here, naming both versions.
+from .. import _vllm_version  # noqa: F401
+
+# isort: split
+from vllm.inputs import TextPrompt, TokensPrompt
+from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+
+from ..errors import InvalidRequestError
+from ..proto import inference_pb2 as pb
+from .convert import _CONSTRAINT_WORDS
+
+if TYPE_CHECKING:
+    from google.protobuf import struct_pb2
+    from vllm.outputs import CompletionOutput, RequestOutput
+
+logger = logging.getLogger("vllm_servicer")
+
+GenerateResponse = pb.GenerateResponse
+_FinishReason = pb.FinishInfo.FinishReason
+
+# vLLM's finish reasons as the protocol's. A repetition stop ends the
+# sequence early without a stop, as an abort does (vLLM's Rust server agrees).
+_FINISH_REASONS: Mapping[str, pb.FinishInfo.FinishReason] = {
+    "stop": _FinishReason.STOP,
+    "length": _FinishReason.LENGTH,
+    "abort": _FinishReason.ABORTED,
+    "repetition": _FinishReason.ABORTED,
+}
+_ENGINE_ERROR = "error"
+
+# Integers a JSON number (a double) holds exactly: Struct numbers within it
+# that are whole go to the connector as ints, as vLLM's Rust server sends them.
+_MAX_SAFE_INTEGER = 2**53 - 1
+
+
+class GenerationFailedError(RuntimeError):
+    """The engine ended a request with an error of its own (finish reason "error").
+
+    Not the client's fault: the error layer answers INTERNAL.
+    """
+
+
+class ModelDefaults(NamedTuple):
+    """The model's generation-config sampling defaults that an unset field takes.
+
+    The ones vLLM's Rust server takes from the model; None: the neutral value.
+    """
+
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    max_tokens: int | None = None
+
+    @classmethod
+    def of(cls, diff: Mapping[str, Any]) -> ModelDefaults:
+        """The defaults in vLLM's `ModelConfig.get_diff_sampling_param()` answer."""
+        return cls(**{name: diff[name] for name in cls._fields if diff.get(name) is not None})
+
+
+# ----- request -------------------------------------------------------------------------
+
+
+def prompt_from_request(
+    request: pb.GenerateRequest, max_prompt_tokens: int | None
+) -> TextPrompt | TokensPrompt:
+    """The engine prompt: text (tokenized by vLLM, special tokens added) or token ids.
+
+    Args:
+        request: the request.
+        max_prompt_tokens: refuse token prompts longer than this (the model's
+            context) by their length, before a list of them is built; None
+            when the engine cuts the prompt (truncation asked for) or no limit is known.
+
+    Raises:
+        InvalidRequestError: no prompt, an empty token prompt, or one too long.
+    """
+    kind = request.WhichOneof("prompt")
+    prompt: TextPrompt | TokensPrompt
+    if kind == "text":
+        prompt = TextPrompt(prompt=request.text)
+    elif kind == "token_ids":
+        ids = request.token_ids.ids
+        if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+            raise InvalidRequestError(
+                "token_ids.ids",
+                f"prompt length {len(ids)} is longer than the maximum model length "
+                f"{max_prompt_tokens}",
+            )
+        if not ids:
+            raise InvalidRequestError("token_ids.ids", "the prompt is empty")
+        prompt = TokensPrompt(prompt_token_ids=list(ids))
+    else:
+        raise InvalidRequestError("prompt", "prompt is required (text or token_ids)")
+    if request.kv.cache_salt:
+        prompt["cache_salt"] = request.kv.cache_salt
+    return prompt
+
+
+def tokenization_kwargs(request: pb.GenerateRequest) -> dict[str, int] | None:
+    """Prompt truncation (keep the last N tokens), when the request asks for it."""
+    keep = request.truncate_prompt_tokens
+    return {"truncate_prompt_tokens": keep} if keep else None
+
+
+def _finite(name: str, value: float) -> float:
+    if not math.isfinite(value):
+        raise InvalidRequestError(name, f"must be finite, got {value}")
+    return value
+
+
+def _or_default(name: str, value: float, default: float | None, neutral: float) -> float:
+    """`value` unless it is 0 (unset): then the model's default, else `neutral`."""
+    if value != 0.0:
+        return _finite(name, value)
+    return neutral if default is None else default
+
+
+def _structured_outputs(decoding: pb.DecodingParameters) -> StructuredOutputsParams | None:
+    kind = decoding.WhichOneof("structured_output")
+    if kind is None:
+        return None
+    if kind == "json":
+        return StructuredOutputsParams(json=decoding.json)
+    if kind == "regex":
+        return StructuredOutputsParams(regex=decoding.regex)
+    if kind == "grammar":
+        return StructuredOutputsParams(grammar=decoding.grammar)
+    if kind == "structural_tag":
+        return StructuredOutputsParams(structural_tag=decoding.structural_tag)
+    if kind == "json_object":
+        # An explicit false asks for no constraint, as in vLLM's Rust server.
+        return StructuredOutputsParams(json_object=True) if decoding.json_object else None
+    choices = list(decoding.choice.choices)
+    if not choices:
+        raise InvalidRequestError("decoding.choice.choices", "needs at least one choice")
+    return StructuredOutputsParams(choice=choices)
+
+
+def _logit_bias(decoding: pb.DecodingParameters) -> dict[int, float] | None:
+    bias = dict(decoding.logit_bias)
+    for token_id, value in bias.items():
+        _finite(f"decoding.logit_bias[{token_id}]", value)
+    return bias or None
+
+
+class CandidateSpec(NamedTuple):
+    """What vLLM is asked for at each position: a top-k count, or chosen token ids.
+
+    Attributes:
+        logprobs: vLLM's `logprobs` / `prompt_logprobs` (0: the token itself only,
+            -1: the whole vocabulary); None with `token_ids`.
+        token_ids: vLLM's `logprob_token_ids`.
+        ranked: whether vLLM ranks the candidates in the vocabulary (top_n
+            only: the ranks it gives tokens chosen by id, or of the whole
+            vocabulary, are positions in its own list).
+    """
+
+    logprobs: int | None
+    token_ids: list[int] | None
+    ranked: bool
+
+
+_NO_CANDIDATES = CandidateSpec(0, None, False)
+
+
+def candidate_spec(candidates: pb.CandidateTokens | None) -> CandidateSpec:
+    """The vLLM logprob request for a CandidateTokens selector (None: none asked for).
+
+    As vLLM's Rust server maps it: `top_n` k asks for the k most likely,
+    `all` for the whole vocabulary, non-empty `token_ids` for those ids, and
+    anything else for the token itself only.
+    """
+    kind = candidates.WhichOneof("select") if candidates is not None else None
+    if candidates is None or kind is None:
+        return _NO_CANDIDATES
+    if kind == "top_n":
+        return CandidateSpec(candidates.top_n, None, True)
+    if kind == "all":
+        return CandidateSpec(-1, None, False) if candidates.all else _NO_CANDIDATES
+    ids = list(candidates.token_ids.ids)
+    return CandidateSpec(None, ids, False) if ids else _NO_CANDIDATES
+
+
+def output_candidates(response: pb.ResponseOptions) -> CandidateSpec | None:
+    """The output logprobs asked for, or None when neither logprobs nor candidates are."""
+    asked = response.HasField("output_candidates")
+    if not (response.output_logprobs or asked):
+        return None
+    return candidate_spec(response.output_candidates if asked else None)
+
+
+def prompt_candidates(response: pb.ResponseOptions) -> CandidateSpec | None:
+    """The prompt logprobs asked for, or None when neither logprobs nor candidates are.
+
+    Candidates by token id were refused already (`fields.REFUSED`).
+    """
+    asked = response.HasField("prompt_candidates")
+    if not (response.prompt_logprobs or asked):
+        return None
+    return candidate_spec(response.prompt_candidates if asked else None)
+
+
+def sampling_params_from_request(
+    request: pb.GenerateRequest,
+    *,
+    stream: bool,
+    defaults: ModelDefaults,
+    extra_args: dict[str, Any] | None = None,
+) -> SamplingParams:
+    """vLLM SamplingParams for a `vllm.GenerateRequest`, with the protocol's defaults.
+
+    Args:
+        request: the request; its unconditionally refused fields were refused.
+        stream: deltas (GenerateStream) or only the final output (Generate).
+        defaults: the model's generation-config defaults for unset fields.
+        extra_args: the connectors' transfer params (`kv_transfer_params`,
+            `ec_transfer_params`), where vLLM's connectors read them.
+
+    Raises:
+        InvalidRequestError: more than one sequence, a non-finite number, an
+            empty choice list.
+    """
+    sampling, decoding = request.sampling, request.decoding
+    stopping, response = request.stopping, request.response
+    if sampling.num_sequences > 1:
+        raise InvalidRequestError(
+            "sampling.num_sequences", "num_sequences > 1 is not supported; send one request each"
+        )
+    stop = list(stopping.stop_strings) or None
+    output_text = response.output_text if response.HasField("output_text") else True
+    out = output_candidates(response)
+    prompt = prompt_candidates(response)
+    optional: dict[str, Any] = {}
+    if request.HasField("watermarking"):
+        optional["watermarking"] = request.watermarking  # unset: vLLM's default (on)
+    if response.HasField("routed_experts_prompt_start"):
+        optional["routed_experts_prompt_start"] = response.routed_experts_prompt_start
+    if out is not None and out.token_ids is not None:
+        optional["logprob_token_ids"] = out.token_ids
+    return SamplingParams(
+        # Greedy when omitted, unlike HTTP's 1.0: the protocol's default.
+        temperature=_finite("temperature", request.temperature)
+        if request.HasField("temperature")
+        else 0.0,
+        top_p=_or_default("sampling.top_p", sampling.top_p, defaults.top_p, 1.0),
+        top_k=sampling.top_k or defaults.top_k or 0,
+        min_p=_or_default("sampling.min_p", sampling.min_p, defaults.min_p, 0.0),
+        seed=sampling.seed if sampling.HasField("seed") else None,
+        presence_penalty=_finite("decoding.presence_penalty", decoding.presence_penalty),
+        frequency_penalty=_finite("decoding.frequency_penalty", decoding.frequency_penalty),
+        repetition_penalty=_or_default(
+            "decoding.repetition_penalty",
+            decoding.repetition_penalty,
+            defaults.repetition_penalty,
+            1.0,
+        ),
+        logit_bias=_logit_bias(decoding),
+        allowed_token_ids=list(decoding.allowed_token_ids) or None,
+        structured_outputs=_structured_outputs(decoding),
+        # None: up to the end of the context (vLLM works it out per prompt).
+        max_tokens=stopping.max_new_tokens or defaults.max_tokens,
+        min_tokens=stopping.min_new_tokens,
+        stop=stop,
+        stop_token_ids=list(stopping.stop_token_ids) or None,
+        include_stop_str_in_output=stopping.include_stop_strings,
+        ignore_eos=stopping.ignore_eos,
+        skip_special_tokens=response.skip_special_tokens
+        if response.HasField("skip_special_tokens")
+        else True,
+        logprobs=out.logprobs if out is not None else None,
+        prompt_logprobs=prompt.logprobs if prompt is not None else None,
+        skip_reading_prefix_cache=True if request.kv.bypass_prefix_cache else None,
+        extra_args=extra_args or None,
+        # Text only when it is sent or stop strings need it: detokenizing costs.
+        detokenize=output_text or stop is not None,
+        output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+        **optional,
+    )
+
+
+def constraint_error(exc: Exception, decoding: pb.DecodingParameters) -> Exception:
+    """`exc` restated to name the structured-output field, when it is that field's fault.
+
+    vLLM rejects a bad JSON schema or grammar with messages such as "Grammar
+    error: ..." that do not say which request field was at fault.
+    """
+    kind = decoding.WhichOneof("structured_output")
+    if kind is None or isinstance(exc, InvalidRequestError):
+        return exc
+    if getattr(exc, "parameter", None):  # vLLM already named the parameter
+        return exc
+    text = str(exc)
+    if not any(word in text.lower() for word in _CONSTRAINT_WORDS):
+        return exc
+    error = InvalidRequestError(f"decoding.{kind}", text)
+    error.__cause__ = exc
+    return error
+
+
+# ----- Struct <-> dict (the connectors' transfer params) -------------------------------
+
+
+def _plain(value: struct_pb2.Value) -> Any:
+    kind = value.WhichOneof("kind")
+    if kind == "number_value":
+        number = value.number_value
+        if number.is_integer() and abs(number) <= _MAX_SAFE_INTEGER:
+            return int(number)
+        return number
+    if kind == "string_value":
+        return value.string_value
+    if kind == "bool_value":
+        return value.bool_value
+    if kind == "struct_value":
+        return struct_to_dict(value.struct_value)
+    if kind == "list_value":
+        return [_plain(item) for item in value.list_value.values]
+    return None
+
+
+def struct_to_dict(struct: struct_pb2.Struct) -> dict[str, Any]:
+    """A Struct as a plain dict; whole numbers as ints (JSON has one number type)."""
+    return {key: _plain(value) for key, value in struct.fields.items()}
+
+
+def fill_struct(struct: struct_pb2.Struct, params: Mapping[str, Any], name: str) -> None:
+    """Fill `struct` from `params`; left empty (and logged) when they are not JSON-like."""
+    try:
+        struct.update(params)
+    except (TypeError, ValueError):
+        struct.Clear()
+        logger.warning("%s not representable as a Struct, left out: %r", name, params)
+
+
+# ----- response ------------------------------------------------------------------------
+
+
+def _position_logprobs(
+    entries: Sequence[dict[int, Any] | None],
+    token_ids: Sequence[int],
+    fields: dict[str, Any],
+    *,
+    values: bool,
+    candidates: bool,
+    ranked: bool,
+) -> None:
+    """Fill `fields` with the logprob and rank of each token, and its candidates.
+
+    A position without an entry (the first prompt token) gets 0.0, rank 0
+    and no candidates, as vLLM's Rust server sends it. Candidates are the
+    position's other tokens, the token itself left out.
+    """
+    logprobs: list[float] = []
+    ranks: list[int] = []
+    others: list[dict[str, Any]] = []
+    for token_id, entry in zip(token_ids, entries, strict=False):
+        own = entry.get(token_id) if entry else None
+        if values:
+            logprobs.append(own.logprob if own is not None else 0.0)
+            ranks.append((own.rank or 0) if own is not None else 0)
+        if candidates:
+            tokens = [
+                {"id": other, "logprob": lp.logprob, "rank": (lp.rank or 0) if ranked else 0}
+                for other, lp in (entry or {}).items()
+                if other != token_id
+            ]
+            others.append({"tokens": tokens})
+    if values:
+        fields["logprobs"] = logprobs
+        fields["ranks"] = ranks
+    if candidates:
+        fields["candidate_tokens"] = others
+
+
+class ResponseBuilder:
+    """Builds the GenerateResponse messages of one request.
+
+    Holds what is fixed for the request (what to send, the output tokens sent
+    so far) so each engine step costs only the message it produces.
+
+    Args:
+        response: the request's ResponseOptions.
+    """
+
+    __slots__ = (
+        "_out",
+        "_out_candidates",
+        "_out_ranked",
+        "_out_values",
+        "_prompt",
+        "_prompt_candidates",
+        "_prompt_ids",
+        "_prompt_ranked",
+        "_prompt_values",
+        "_sent",
+        "_text",
+        "_token_ids",
+    )
+
+    def __init__(self, response: pb.ResponseOptions) -> None:
+        self._text = response.output_text if response.HasField("output_text") else True
+        self._token_ids = response.output_token_ids
+        self._prompt_ids = response.prompt_token_ids
+        # Logprobs and ranks when asked for; candidates when a selector asks for them.
+        out = output_candidates(response)
+        self._out = out is not None
+        self._out_values = response.output_logprobs
+        self._out_candidates = response.HasField("output_candidates")
+        self._out_ranked = out is not None and out.ranked
+        prompt = prompt_candidates(response)
+        self._prompt = prompt is not None
+        self._prompt_values = response.prompt_logprobs
+        self._prompt_candidates = response.HasField("prompt_candidates")
+        self._prompt_ranked = prompt is not None and prompt.ranked
+        self._sent = 0  # output tokens sent so far
+
+    def prompt_info(self, output: RequestOutput) -> pb.PromptInfo:
+        """The PromptInfo: the prompt's length and, when asked, its tokens and logprobs."""
+        ids = output.prompt_token_ids or []
+        fields: dict[str, Any] = {"num_prompt_tokens": len(ids)}
+        if self._prompt_ids:
+            fields["token_ids"] = ids
+        if self._prompt and output.prompt_logprobs:
+            _position_logprobs(
+                output.prompt_logprobs,
+                ids,
+                fields,
+                values=self._prompt_values,
+                candidates=self._prompt_candidates,
+                ranked=self._prompt_ranked,
+            )
+        return pb.PromptInfo(**fields)
+
+    def first(self, output: RequestOutput) -> GenerateResponse:
+        """A stream's first message: the PromptInfo alone."""
+        return GenerateResponse(prompt_info=self.prompt_info(output))
+
+    def delta(self, output: RequestOutput, completion: CompletionOutput) -> GenerateResponse:
+        """A stream's message for one engine step: its new text and tokens.
+
+        The step that finishes the sequence carries its FinishInfo too.
+        """
+        token_ids = completion.token_ids
+        self._sent += len(token_ids)
+        return GenerateResponse(outputs=self._sequence(output, completion, token_ids, self._sent))
+
+    def whole(self, output: RequestOutput) -> GenerateResponse:
+        """Generate's one message: the PromptInfo and the whole finished sequence."""
+        completion = output.outputs[0]
+        token_ids = completion.token_ids
+        return GenerateResponse(
+            prompt_info=self.prompt_info(output),
+            outputs=self._sequence(output, completion, token_ids, len(token_ids)),
+        )
+
+    def _sequence(
+        self,
+        output: RequestOutput,
+        completion: CompletionOutput,
+        token_ids: Sequence[int],
+        total: int,
+    ) -> dict[str, Any]:
+        # A dict with only the fields set: one constructor call per message.
+        fields: dict[str, Any] = {"num_tokens": len(token_ids)}
+        if self._text:
+            text = completion.text
+            if text:
+                fields["text"] = text
+        if self._token_ids:
+            fields["token_ids"] = token_ids
+        if self._out and completion.logprobs:
+            _position_logprobs(
+                completion.logprobs,
+                token_ids,
+                fields,
+                values=self._out_values,
+                candidates=self._out_candidates,
+                ranked=self._out_ranked,
+            )
+        if completion.finish_reason is not None:
+            fields["finish_info"] = finish_info(output, completion, token_ids, total)
+            routed = completion.routed_experts
+            if routed is not None:
+                fields["routed_experts"] = {"data": routed.tobytes()}
+        return fields
+
+
+def finish_info(
+    output: RequestOutput, completion: CompletionOutput, token_ids: Sequence[int], total: int
+) -> pb.FinishInfo:
+    """How the sequence ended: the reason, the stop that matched, the connectors' params.
+
+    Args:
+        output: the request's last output.
+        completion: its finished sequence.
+        token_ids: the tokens of the message it ends (an EOS stop is the last).
+        total: the sequence's output tokens in all.
+
+    Raises:
+        GenerationFailedError: the engine ended the request with an error.
+    """
+    reason = completion.finish_reason or "stop"
+    if reason == _ENGINE_ERROR:
+        raise GenerationFailedError(f"the engine failed request {output.request_id!r}")
+    info = pb.FinishInfo(
+        num_output_tokens=total,
+        finish_reason=_FINISH_REASONS.get(reason, _FinishReason.ABORTED),
+    )
+    if reason == "stop":
+        stop = completion.stop_reason
+        if isinstance(stop, int):
+            info.stop_token_id = stop
+        elif stop is not None:
+            info.stop_string = str(stop)
+        elif token_ids:
+            # vLLM names no stop for EOS; the EOS is the last token sent.
+            info.eos_token_id = token_ids[-1]
+    if output.kv_transfer_params:
+        fill_struct(info.kv_transfer_params, output.kv_transfer_params, "kv_transfer_params")
+    ec_params = getattr(output, "ec_transfer_params", None)
+    if ec_params:
+        fill_struct(info.ec_transfer_params, ec_params, "ec_transfer_params")
+    return info

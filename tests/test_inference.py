@@ -1,0 +1,721 @@
+"""vLLM's own `vllm.Inference` (Generate, GenerateStream) on the session's real engine.
+
+Mounted beside VllmEngine with `mount(..., services=(SERVICE_NAME, INFERENCE_SERVICE))`
+over a real loopback channel, and called with stubs compiled at test time from
+the reference schema (`/work/shared/protocols/vllm/inference.proto`), not the
+package's own: what a client of vLLM's own server sends. Every refused field
+of the field table is shown over the wire, for both methods.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import types
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from google.protobuf import json_format
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+from support import bearer, request, serving, settle, wait_until_idle
+from support.kv_echo_connector import FINISHED_LOG
+from support.vllm_protocol import reference_modules
+
+from vllm_servicer import SERVICE_NAME
+from vllm_servicer.interceptors.auth import ApiKeyVerifier, AuthInterceptor
+from vllm_servicer.proto import INFERENCE_SERVICE, vllm_engine_pb2_grpc
+from vllm_servicer.proto import vllm_engine_pb2 as engine_pb
+from vllm_servicer.wire.fields import REFUSED
+
+PROMPT = [5, 17, 42, 99, 7, 63, 21, 88]
+TEXT = "the quick brown fox"
+EOS = 2  # the tiny tokenizer's </s>
+METHODS = ("Generate", "GenerateStream")
+SERVICES = (SERVICE_NAME, INFERENCE_SERVICE)
+
+
+@pytest.fixture(scope="session")
+def ref() -> types.ModuleType:
+    """The reference's generated messages (`inference_pb2`), compiled once per session."""
+    return reference_modules("inference")[0]
+
+
+@pytest.fixture(scope="session")
+def ref_grpc() -> types.ModuleType:
+    """The reference's generated stubs (`inference_pb2_grpc`)."""
+    return reference_modules("inference")[1]
+
+
+@pytest.fixture(scope="module")
+async def served(engine: Any) -> AsyncIterator[Any]:
+    async with serving(engine, services=SERVICES) as served:
+        yield served
+
+
+@pytest.fixture
+def stub(served: Any, ref_grpc: types.ModuleType) -> Any:
+    return ref_grpc.InferenceStub(served.channel)
+
+
+@pytest.fixture
+def engine_stub(served: Any) -> vllm_engine_pb2_grpc.VllmEngineStub:
+    return vllm_engine_pb2_grpc.VllmEngineStub(served.channel)
+
+
+def generate_request(
+    ref: types.ModuleType, prompt: list[int] | str = PROMPT, max_new_tokens: int = 8, **fields: Any
+) -> Any:
+    """A vllm.GenerateRequest: greedy (temperature omitted), `max_new_tokens`, EOS ignored."""
+    message = ref.GenerateRequest(**fields)
+    if isinstance(prompt, str):
+        message.text = prompt
+    else:
+        message.token_ids.ids.extend(prompt)
+    message.stopping.max_new_tokens = max_new_tokens
+    message.stopping.ignore_eos = True
+    return message
+
+
+async def streamed(call: Any) -> list[Any]:
+    return [message async for message in call]
+
+
+def reason(ref: types.ModuleType, name: str) -> int:
+    return int(ref.FinishInfo.FinishReason.Value(name))
+
+
+def _error_info(err: grpc.aio.AioRpcError) -> error_details_pb2.ErrorInfo:
+    status = rpc_status.from_call(err)  # type: ignore[arg-type]
+    assert status is not None
+    info = error_details_pb2.ErrorInfo()
+    assert any(d.Unpack(info) for d in status.details if d.Is(info.DESCRIPTOR))
+    return info
+
+
+async def _call(stub: Any, method: str, message: Any, **kwargs: Any) -> Any:
+    """The unary answer, or every message of the stream."""
+    if method == "Generate":
+        return await stub.Generate(message, timeout=60, **kwargs)
+    return await streamed(stub.GenerateStream(message, timeout=60, **kwargs))
+
+
+async def _refusal(stub: Any, method: str, message: Any, **kwargs: Any) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await _call(stub, method, message, **kwargs)
+    return err.value
+
+
+# ----- generation ------------------------------------------------------------------------
+
+
+async def test_a_text_prompt_generates_greedy_text(stub: Any, ref: types.ModuleType) -> None:
+    reply = await stub.Generate(generate_request(ref, TEXT), timeout=60)
+    again = await stub.Generate(generate_request(ref, TEXT), timeout=60)
+    assert reply.prompt_info.num_prompt_tokens > 0
+    assert not reply.prompt_info.token_ids  # not asked for
+    out = reply.outputs
+    assert out.text and out.num_tokens == 8 and not out.token_ids
+    assert out.finish_info.num_output_tokens == 8
+    assert out.finish_info.finish_reason == reason(ref, "LENGTH")
+    assert again.outputs.text == out.text  # greedy: the same every time
+
+
+async def test_a_token_prompt_generates_and_returns_what_is_asked(
+    stub: Any, ref: types.ModuleType
+) -> None:
+    message = generate_request(ref, PROMPT, 6)
+    message.response.prompt_token_ids = True
+    message.response.output_token_ids = True
+    reply = await stub.Generate(message, timeout=60)
+    assert list(reply.prompt_info.token_ids) == PROMPT
+    assert reply.prompt_info.num_prompt_tokens == len(PROMPT)
+    assert len(reply.outputs.token_ids) == reply.outputs.num_tokens == 6
+    assert reply.outputs.text
+
+
+async def test_both_protocols_give_the_same_greedy_tokens(
+    stub: Any, engine_stub: Any, ref: types.ModuleType
+) -> None:
+    """The text tokenized with special tokens, as VllmEngine's text input is."""
+    engine_reply = [
+        m async for m in engine_stub.Generate(request(TEXT, max_tokens=8, ignore_eos=True))
+    ]
+    engine_tokens = list(engine_reply[-1].complete.output_ids)
+    message = generate_request(ref, TEXT)
+    message.response.output_token_ids = True
+    message.response.prompt_token_ids = True
+    reply = await stub.Generate(message, timeout=60)
+    assert list(reply.outputs.token_ids) == engine_tokens
+    assert reply.prompt_info.num_prompt_tokens == engine_reply[-1].complete.prompt_tokens
+    assert reply.prompt_info.token_ids[0] == 1  # <s>: special tokens added
+
+
+async def test_a_stream_is_prompt_info_then_deltas_then_finish_info(
+    stub: Any, ref: types.ModuleType
+) -> None:
+    message = generate_request(ref, TEXT, 12)
+    message.response.output_token_ids = True
+    whole = await stub.Generate(message, timeout=60)
+    messages = await streamed(stub.GenerateStream(message, timeout=60))
+    first, deltas = messages[0], messages[1:]
+    assert first.HasField("prompt_info") and not first.HasField("outputs")
+    assert first.prompt_info.num_prompt_tokens == whole.prompt_info.num_prompt_tokens
+    assert deltas and all(not m.HasField("prompt_info") for m in deltas)
+    assert all(not m.outputs.HasField("finish_info") for m in deltas[:-1])
+    finish = deltas[-1].outputs.finish_info
+    assert finish.finish_reason == reason(ref, "LENGTH") and finish.num_output_tokens == 12
+    assert "".join(m.outputs.text for m in deltas) == whole.outputs.text
+    assert [t for m in deltas for t in m.outputs.token_ids] == list(whole.outputs.token_ids)
+    assert sum(m.outputs.num_tokens for m in deltas) == 12
+    assert all(m.outputs.num_tokens == len(m.outputs.token_ids) for m in deltas)
+
+
+async def test_output_text_off_sends_tokens_only(stub: Any, ref: types.ModuleType) -> None:
+    message = generate_request(ref, PROMPT, 4)
+    message.response.output_text = False
+    message.response.output_token_ids = True
+    reply = await stub.Generate(message, timeout=60)
+    assert reply.outputs.text == "" and len(reply.outputs.token_ids) == 4
+
+
+# ----- stops -----------------------------------------------------------------------------
+
+
+async def _greedy(stub: Any, ref: types.ModuleType, tokens: int = 16) -> Any:
+    message = generate_request(ref, PROMPT, tokens)
+    message.response.output_token_ids = True
+    return (await stub.Generate(message, timeout=60)).outputs
+
+
+@pytest.mark.parametrize("method", METHODS)
+async def test_a_stop_string_ends_the_text_before_it(
+    stub: Any, ref: types.ModuleType, method: str
+) -> None:
+    full = (await _greedy(stub, ref)).text
+    stop = next(full[i : i + 2] for i in range(3, len(full) - 2) if full[i : i + 2].strip())
+    message = generate_request(ref, PROMPT, 16)
+    message.stopping.stop_strings.append(stop)
+    replies = await _call(stub, method, message)
+    outputs = [replies.outputs] if method == "Generate" else [m.outputs for m in replies[1:]]
+    finish = outputs[-1].finish_info
+    assert finish.finish_reason == reason(ref, "STOP")
+    assert finish.WhichOneof("stop_reason") == "stop_string" and finish.stop_string == stop
+    assert "".join(o.text for o in outputs) == full[: full.index(stop)]
+    message.stopping.include_stop_strings = True
+    reply = await stub.Generate(message, timeout=60)
+    assert reply.outputs.text == full[: full.index(stop) + len(stop)]
+
+
+async def test_a_stop_token_is_named(stub: Any, ref: types.ModuleType) -> None:
+    tokens = list((await _greedy(stub, ref)).token_ids)
+    stop = tokens[3]
+    message = generate_request(ref, PROMPT, 16)
+    message.stopping.stop_token_ids.append(stop)
+    finish = (await stub.Generate(message, timeout=60)).outputs.finish_info
+    assert finish.finish_reason == reason(ref, "STOP")
+    assert finish.WhichOneof("stop_reason") == "stop_token_id" and finish.stop_token_id == stop
+    assert finish.num_output_tokens == tokens.index(stop) + 1
+
+
+async def test_an_eos_stop_names_the_eos_token(stub: Any, ref: types.ModuleType) -> None:
+    message = ref.GenerateRequest(token_ids=ref.TokenIds(ids=PROMPT))
+    message.decoding.allowed_token_ids.append(EOS)  # the only token it may choose
+    message.response.output_token_ids = True
+    out = (await stub.Generate(message, timeout=60)).outputs
+    assert out.finish_info.finish_reason == reason(ref, "STOP")
+    assert out.finish_info.WhichOneof("stop_reason") == "eos_token_id"
+    assert out.finish_info.eos_token_id == EOS and list(out.token_ids) == [EOS]
+
+
+async def test_min_new_tokens_hold_the_eos_back(stub: Any, ref: types.ModuleType) -> None:
+    message = ref.GenerateRequest(token_ids=ref.TokenIds(ids=PROMPT))
+    message.decoding.allowed_token_ids.extend([EOS, 40])
+    message.stopping.min_new_tokens = 3
+    message.stopping.max_new_tokens = 10
+    message.response.output_token_ids = True
+    out = (await stub.Generate(message, timeout=60)).outputs
+    assert list(out.token_ids[:3]) == [40, 40, 40]
+
+
+async def test_an_unset_max_new_tokens_runs_to_the_end_of_the_context(
+    stub: Any, ref: types.ModuleType, engine: Any
+) -> None:
+    """As vLLM's Rust server: the model's generation config sets no bound here."""
+    room = 5
+    prompt = (PROMPT * 64)[: engine.model_config.max_model_len - room]
+    message = ref.GenerateRequest(token_ids=ref.TokenIds(ids=prompt))
+    message.stopping.ignore_eos = True
+    finish = (await stub.Generate(message, timeout=60)).outputs.finish_info
+    assert finish.finish_reason == reason(ref, "LENGTH") and finish.num_output_tokens == room
+
+
+# ----- logprobs and candidates -----------------------------------------------------------
+
+
+async def test_output_logprobs_and_ranks_are_vllms_as_vllm_engine_reports_them(
+    stub: Any, engine_stub: Any, ref: types.ModuleType
+) -> None:
+    message = generate_request(ref, PROMPT, 5)
+    message.response.output_logprobs = True
+    message.response.output_token_ids = True
+    out = (await stub.Generate(message, timeout=60)).outputs
+    # Ranks in the vocabulary (dummy weights tie many logits: greedy is not always rank 1).
+    assert len(out.logprobs) == len(out.ranks) == 5 and min(out.ranks) >= 1
+    assert not out.candidate_tokens  # not asked for
+    engine_reply = [
+        m
+        async for m in engine_stub.Generate(
+            request(PROMPT, max_tokens=5, ignore_eos=True, logprobs=0)
+        )
+    ]
+    engine_lps = engine_reply[-1].complete.output_logprobs
+    assert list(engine_lps.token_ids) == list(out.token_ids)
+    assert list(out.logprobs) == pytest.approx(list(engine_lps.token_logprobs))
+
+
+@pytest.mark.parametrize("method", METHODS)
+async def test_top_n_candidates_are_the_others_ranked(
+    stub: Any, ref: types.ModuleType, method: str
+) -> None:
+    message = generate_request(ref, PROMPT, 4)
+    message.response.output_logprobs = True
+    message.response.output_token_ids = True
+    message.response.output_candidates.top_n = 3
+    replies = await _call(stub, method, message)
+    outputs = [replies.outputs] if method == "Generate" else [m.outputs for m in replies[1:]]
+    tokens = [t for o in outputs for t in o.token_ids]
+    candidates = [c for o in outputs for c in o.candidate_tokens]
+    assert len(candidates) == len(tokens) == 4
+    ranks = [r for o in outputs for r in o.ranks]
+    for token, rank, position in zip(tokens, ranks, candidates, strict=True):
+        # The top 3 but the token itself: 2 of them when it is among the top 3.
+        expected = [r for r in (1, 2, 3) if r != rank] if rank <= 3 else [1, 2, 3]
+        assert [c.rank for c in position.tokens] == expected[: len(position.tokens)]
+        assert len(position.tokens) == (2 if rank <= 3 else 3)
+        assert token not in {c.id for c in position.tokens}
+        lps = [c.logprob for c in position.tokens]
+        assert lps == sorted(lps, reverse=True)
+
+
+async def test_candidates_by_token_id_are_those_tokens(stub: Any, ref: types.ModuleType) -> None:
+    message = generate_request(ref, PROMPT, 3)
+    message.response.output_candidates.token_ids.ids.extend([40, 41])
+    message.response.output_token_ids = True
+    out = (await stub.Generate(message, timeout=60)).outputs
+    assert not out.logprobs  # candidates asked for, not the tokens' own logprobs
+    assert len(out.candidate_tokens) == 3
+    for token, position in zip(out.token_ids, out.candidate_tokens, strict=True):
+        assert {c.id for c in position.tokens} == {40, 41} - {token}
+        # vLLM does not rank tokens chosen by id: no rank is claimed.
+        assert all(c.rank == 0 and c.logprob < 0 for c in position.tokens)
+
+
+async def test_prompt_logprobs_cover_every_prompt_position(
+    stub: Any, ref: types.ModuleType
+) -> None:
+    message = generate_request(ref, PROMPT, 2)
+    message.response.prompt_logprobs = True
+    message.response.prompt_candidates.top_n = 2
+    info = (await stub.Generate(message, timeout=60)).prompt_info
+    assert len(info.logprobs) == len(info.ranks) == len(info.candidate_tokens) == len(PROMPT)
+    # The first prompt token has nothing before it to be scored from.
+    assert (info.logprobs[0], info.ranks[0], len(info.candidate_tokens[0].tokens)) == (0.0, 0, 0)
+    assert all(lp < 0 for lp in info.logprobs[1:]) and all(r >= 1 for r in info.ranks[1:])
+    for token, position in zip(PROMPT[1:], info.candidate_tokens[1:], strict=True):
+        assert 1 <= len(position.tokens) <= 2 and token not in {c.id for c in position.tokens}
+
+
+# ----- request fields honoured -----------------------------------------------------------
+
+
+async def test_structured_output_constrains_the_text(stub: Any, ref: types.ModuleType) -> None:
+    message = generate_request(ref, PROMPT, 12)
+    message.stopping.ignore_eos = False
+    message.decoding.regex = "(ab|cd){3}"
+    assert re.fullmatch("(ab|cd){3}", (await stub.Generate(message, timeout=60)).outputs.text)
+    choice = generate_request(ref, PROMPT, 12)
+    choice.stopping.ignore_eos = False
+    choice.decoding.choice.choices.extend(["yes", "no"])
+    assert (await stub.Generate(choice, timeout=60)).outputs.text in ("yes", "no")
+
+
+async def test_a_bad_grammar_names_its_field(stub: Any, ref: types.ModuleType) -> None:
+    message = generate_request(ref, PROMPT, 4)
+    message.decoding.json = "{not json"
+    err = await _refusal(stub, "Generate", message)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_truncation_keeps_the_last_prompt_tokens(stub: Any, ref: types.ModuleType) -> None:
+    message = generate_request(ref, PROMPT, 2, truncate_prompt_tokens=3)
+    message.response.prompt_token_ids = True
+    info = (await stub.Generate(message, timeout=60)).prompt_info
+    assert info.num_prompt_tokens == 3 and list(info.token_ids) == PROMPT[-3:]
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        pytest.param(lambda m: setattr(m, "priority", 5), id="priority"),
+        pytest.param(lambda m: setattr(m, "session_id", "conversation-7"), id="session_id"),
+        pytest.param(lambda m: setattr(m, "watermarking", False), id="watermarking"),
+        pytest.param(lambda m: setattr(m.kv, "cache_salt", "tenant-a"), id="cache_salt"),
+        pytest.param(
+            lambda m: setattr(m.kv, "bypass_prefix_cache", True), id="bypass_prefix_cache"
+        ),
+        pytest.param(
+            lambda m: setattr(m.response, "skip_special_tokens", False), id="skip_special"
+        ),
+    ],
+)
+async def test_fields_that_leave_greedy_tokens_alone(
+    build: Callable[[Any], None], stub: Any, ref: types.ModuleType
+) -> None:
+    baseline = generate_request(ref, PROMPT, 6)
+    baseline.response.output_token_ids = True
+    message = generate_request(ref, PROMPT, 6)
+    message.response.output_token_ids = True
+    build(message)
+    reply = await stub.Generate(message, timeout=60)
+    expected = await stub.Generate(baseline, timeout=60)
+    assert list(reply.outputs.token_ids) == list(expected.outputs.token_ids)
+
+
+async def test_logit_bias_steers_the_tokens(stub: Any, ref: types.ModuleType) -> None:
+    message = generate_request(ref, PROMPT, 4)
+    message.decoding.logit_bias[40] = 100.0
+    message.response.output_token_ids = True
+    assert list((await stub.Generate(message, timeout=60)).outputs.token_ids) == [40] * 4
+
+
+@pytest.fixture(scope="module")
+async def priority_served(tiny_model_dir: Path) -> AsyncIterator[Any]:
+    """An engine that schedules by priority and runs one sequence at a time, so the rest queue."""
+    from vllm_servicer.testing.tiny_model import build_tiny_engine
+
+    llm = build_tiny_engine(tiny_model_dir, scheduling_policy="priority", max_num_seqs=1)
+    try:
+        async with serving(llm, services=SERVICES) as served:
+            yield served
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "finish_first"),
+    [
+        pytest.param(10, 5, "second", id="lower-value-overtakes"),
+        pytest.param(5, 5, "first", id="equal-keeps-arrival-order"),
+    ],
+)
+async def test_priority_reorders_queued_requests(
+    priority_served: Any,
+    ref: types.ModuleType,
+    ref_grpc: types.ModuleType,
+    first: int,
+    second: int,
+    finish_first: str,
+) -> None:
+    stub = ref_grpc.InferenceStub(priority_served.channel)
+    # The one running sequence: long enough that both others arrive while it runs.
+    blocker = stub.GenerateStream(generate_request(ref, PROMPT, 200), timeout=120)
+    assert (await blocker.read()).HasField("prompt_info")
+    assert (await blocker.read()).outputs.num_tokens > 0  # running, not queued
+    order: list[str] = []
+
+    async def queued(name: str, priority: int, prompt: list[int]) -> None:
+        message = generate_request(ref, prompt, 4, priority=priority)
+        await stub.Generate(message, timeout=120)
+        order.append(name)
+
+    tasks = [asyncio.create_task(queued("first", first, PROMPT[::-1]))]
+    await asyncio.sleep(0.2)  # "first" is in the engine's queue before "second" is sent
+    tasks.append(asyncio.create_task(queued("second", second, PROMPT[1:])))
+    await asyncio.sleep(0.2)
+    assert order == []  # both still queued behind the running one
+    await asyncio.gather(*tasks)
+    blocker.cancel()
+    assert order[0] == finish_first
+
+
+async def test_an_abort_by_id_finishes_the_stream_aborted(
+    stub: Any, engine_stub: Any, ref: types.ModuleType
+) -> None:
+    """Whichever protocol sends it: the stream ends OK, its finish reason ABORTED."""
+    rid = "inference-aborted"
+    call = stub.GenerateStream(generate_request(ref, PROMPT, 400, request_id=rid), timeout=60)
+    assert (await call.read()).HasField("prompt_info")
+    await engine_stub.Abort(engine_pb.AbortRequest(request_ids=[rid]))
+    rest = []
+    while (message := await call.read()) is not grpc.aio.EOF:
+        rest.append(message)
+    finish = rest[-1].outputs.finish_info
+    assert finish.finish_reason == reason(ref, "ABORTED") and finish.num_output_tokens < 400
+    assert await call.code() == grpc.StatusCode.OK
+
+
+async def test_a_seed_makes_sampling_repeatable(stub: Any, ref: types.ModuleType) -> None:
+    runs = []
+    for _ in range(2):
+        message = generate_request(ref, PROMPT, 8, temperature=1.0)
+        message.sampling.seed = 1234
+        message.response.output_token_ids = True
+        runs.append(list((await stub.Generate(message, timeout=60)).outputs.token_ids))
+    assert runs[0] == runs[1]
+
+
+async def test_routed_experts_prompt_start_reaches_vllm(stub: Any, ref: types.ModuleType) -> None:
+    """vLLM checks it against the prompt: past the prompt's end it is the client's fault."""
+    message = generate_request(ref, PROMPT, 2)
+    message.response.routed_experts_prompt_start = len(PROMPT)
+    assert (await stub.Generate(message, timeout=60)).outputs.num_tokens == 2
+    message.response.routed_experts_prompt_start = len(PROMPT) + 1
+    err = await _refusal(stub, "Generate", message)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+# ----- malformed and unservable requests -------------------------------------------------
+
+
+@pytest.mark.parametrize("method", METHODS)
+async def test_a_missing_prompt_is_invalid(stub: Any, ref: types.ModuleType, method: str) -> None:
+    err = await _refusal(stub, method, ref.GenerateRequest())
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "prompt is required" in (err.details() or "")
+
+
+@pytest.mark.parametrize("method", METHODS)
+async def test_a_model_other_than_the_served_one_is_not_found(
+    stub: Any, ref: types.ModuleType, method: str, engine: Any
+) -> None:
+    err = await _refusal(stub, method, generate_request(ref, model="no-such-model"))
+    assert err.code() == grpc.StatusCode.NOT_FOUND
+    assert "no-such-model" in (err.details() or "")
+    served_name = engine.model_config.served_model_name
+    assert await _call(stub, method, generate_request(ref, PROMPT, 2, model=served_name))
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "4294967296", "1.5", ""])
+async def test_a_bad_data_parallel_rank_header_is_invalid(
+    stub: Any, ref: types.ModuleType, value: str
+) -> None:
+    metadata = (("x-data-parallel-rank", value),)
+    err = await _refusal(stub, "GenerateStream", generate_request(ref), metadata=metadata)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (err.details() or "").startswith("x-data-parallel-rank: ")
+
+
+async def test_the_data_parallel_rank_header_reaches_the_engine(
+    stub: Any, ref: types.ModuleType
+) -> None:
+    reply = await stub.Generate(
+        generate_request(ref, PROMPT, 2), metadata=(("x-data-parallel-rank", "0"),), timeout=60
+    )
+    assert reply.outputs.num_tokens == 2
+    # One rank here: vLLM refuses any other.
+    err = await _refusal(
+        stub, "Generate", generate_request(ref), metadata=(("x-data-parallel-rank", "1"),)
+    )
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_a_dropped_stream_leaves_nothing_in_the_engine(
+    stub: Any, ref: types.ModuleType, engine: Any, served: Any
+) -> None:
+    call = stub.GenerateStream(generate_request(ref, PROMPT, 400), timeout=60)
+    assert (await call.read()).HasField("prompt_info")
+    assert (await call.read()).HasField("outputs")
+    call.cancel()
+    assert await wait_until_idle(engine) == 0
+    assert await settle(lambda: not served.mounted.servicer.running_request_ids)
+
+
+# ----- every refused field, over the wire ------------------------------------------------
+
+
+def _raw_image(m: Any) -> None:
+    m.media.add(modality=1, raw_bytes=b"\x89PNG")
+
+
+def _empty_token_prompt(m: Any) -> None:
+    del m.token_ids.ids[:]
+
+
+# One request change per refused row of the table: (the change, what else the message says).
+REFUSALS: dict[str, tuple[Callable[[Any], None], str]] = {
+    "sampling.num_sequences": (lambda m: setattr(m.sampling, "num_sequences", 2), "> 1"),
+    "response.prompt_candidates.token_ids": (
+        lambda m: m.response.prompt_candidates.token_ids.ids.append(40),
+        "top_n",
+    ),
+    "kv.kv_transfer_params": (
+        lambda m: m.kv.kv_transfer_params.update({"do_remote_decode": True}),
+        "--kv-transfer-config",
+    ),
+    "kv.ec_transfer_params": (
+        lambda m: m.kv.ec_transfer_params.update({"ec_items": []}),
+        "--ec-transfer-config",
+    ),
+    "lora_name": (lambda m: setattr(m, "lora_name", "my-adapter"), "--enable-lora"),
+    "media.url": (
+        lambda m: m.media.add(modality=1, url="https://example.com/a.png"),
+        "--enable-media-refs",
+    ),
+    "media.data_uri": (
+        lambda m: m.media.add(modality=1, data_uri="data:image/png;base64,iVBORw0KGgo="),
+        "--enable-media-refs",
+    ),
+    "media.modality": (
+        lambda m: m.media.add(modality=2, url="https://example.com/a.mp4"),
+        "images only",
+    ),
+    "media.raw_bytes": (_raw_image, "data_uri"),
+    "media.features": (
+        lambda m: m.media.add(modality=1, features={"kwargs": b"\x80", "length": 1}),
+        "url or data_uri",
+    ),
+}
+
+
+def _unindexed(path: str) -> str:
+    return re.sub(r"\[\d+\]", "", path)
+
+
+def test_every_refusal_has_a_wire_test() -> None:
+    for method in METHODS:
+        assert set(REFUSED[INFERENCE_SERVICE][method]) == set(REFUSALS), method
+
+
+@pytest.mark.parametrize("path", list(REFUSALS))
+@pytest.mark.parametrize("method", METHODS)
+async def test_a_refused_field_is_refused_with_its_code_and_name(
+    method: str, path: str, stub: Any, ref: types.ModuleType, engine: Any
+) -> None:
+    change, words = REFUSALS[path]
+    message = generate_request(ref, PROMPT, 2)
+    change(message)
+    err = await _refusal(stub, method, message)
+    expected = grpc.StatusCode[REFUSED[INFERENCE_SERVICE][method][path].error.status_code]
+    details = err.details() or ""
+    assert err.code() == expected, details
+    assert _unindexed(details).startswith(f"{path}: ") and words in details, details
+    info = _error_info(err)
+    assert (_unindexed(info.metadata["field"]), info.metadata["method"]) == (path, method)
+    assert await wait_until_idle(engine) == 0
+
+
+@pytest.mark.parametrize(
+    ("build", "field"),
+    [
+        pytest.param(lambda m: m.media.add(url="https://example.com/a.png"), "media[0].modality"),
+        pytest.param(lambda m: m.media.add(modality=1), "media[0].source"),
+        pytest.param(
+            lambda m: m.media.add(modality=1, url="data:image/png;base64,AA=="), "media[0].url"
+        ),
+        pytest.param(
+            lambda m: m.media.add(modality=1, data_uri="https://example.com/a"), "media[0].data_uri"
+        ),
+        pytest.param(
+            lambda m: m.media.add(modality=1, url="https://e.com/a", mime_type="audio/wav"),
+            "media[0].mime_type",
+        ),
+        pytest.param(lambda m: m.decoding.choice.SetInParent(), "decoding.choice.choices"),
+        pytest.param(_empty_token_prompt, "token_ids.ids"),
+    ],
+)
+async def test_malformed_fields_are_invalid_naming_them(
+    build: Callable[[Any], None], field: str, stub: Any, ref: types.ModuleType
+) -> None:
+    message = generate_request(ref, PROMPT, 2)
+    build(message)
+    err = await _refusal(stub, "Generate", message)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+    assert (err.details() or "").startswith(f"{field}: "), err.details()
+
+
+# ----- request ids belong to their caller, across protocols ------------------------------
+
+ALICE = "alice-0123456789abcdefABCDEF"
+BOB = "bob-0123456789abcdefABCDEF"
+
+
+@pytest.fixture(scope="module")
+async def authenticated(engine: Any) -> AsyncIterator[Any]:
+    auth = AuthInterceptor(ApiKeyVerifier({"alice": ALICE, "bob": BOB}))
+    async with serving(engine, services=SERVICES, interceptors=[auth]) as served:
+        yield served
+
+
+@pytest.mark.parametrize("first", ["VllmEngine", "Inference"])
+async def test_a_running_request_id_is_its_callers_in_both_protocols(
+    authenticated: Any, ref: types.ModuleType, ref_grpc: types.ModuleType, first: str
+) -> None:
+    inference = ref_grpc.InferenceStub(authenticated.channel)
+    engine_stub = vllm_engine_pb2_grpc.VllmEngineStub(authenticated.channel)
+    rid = f"taken-across-{first}"
+    long_inference = generate_request(ref, PROMPT, 400, request_id=rid)
+    long_engine = request(PROMPT, max_tokens=400, ignore_eos=True, stream=True, request_id=rid)
+    if first == "VllmEngine":
+        running = engine_stub.Generate(long_engine, metadata=bearer(ALICE))
+        assert (await running.read()).HasField("chunk")
+        intruder = _refusal(
+            inference, "Generate", generate_request(ref, request_id=rid), metadata=bearer(BOB)
+        )
+    else:
+        running = inference.GenerateStream(long_inference, metadata=bearer(ALICE))
+        assert (await running.read()).HasField("prompt_info")
+        short = request(PROMPT, max_tokens=2, request_id=rid)
+        intruder = _refusal_engine(engine_stub, short, bearer(BOB))
+    err = await intruder
+    running.cancel()
+    assert err.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert _error_info(err).reason == "REQUEST_ID_IN_USE" and rid in (err.details() or "")
+    # The owner may reuse it, as vLLM allows, in the other protocol too.
+    again = await inference.Generate(
+        generate_request(ref, PROMPT, 2, request_id=rid), metadata=bearer(ALICE), timeout=60
+    )
+    assert again.outputs.num_tokens == 2
+
+
+async def _refusal_engine(
+    stub: vllm_engine_pb2_grpc.VllmEngineStub, message: engine_pb.GenerateRequest, metadata: Any
+) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        _ = [m async for m in stub.Generate(message, metadata=metadata, timeout=60)]
+    return err.value
+
+
+# ----- an engine with a KV connector ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+async def handoff(kv_echo_engine: Any, ref_grpc: types.ModuleType) -> AsyncIterator[Any]:
+    """A stub on the session's engine whose KV connector hands its params back."""
+    async with serving(
+        kv_echo_engine, services=SERVICES, health=False, reflection_service=False
+    ) as served:
+        yield ref_grpc.InferenceStub(served.channel)
+
+
+@pytest.mark.parametrize("method", METHODS)
+async def test_kv_transfer_params_reach_the_connector_and_come_back(
+    handoff: Any, ref: types.ModuleType, method: str, kv_echo_storage: Path
+) -> None:
+    sent = {"do_remote_decode": True, "remote_host": "10.0.0.2", "remote_port": 7000, "ids": [1]}
+    rid = f"handoff-{method}"
+    message = generate_request(ref, PROMPT, 3, request_id=rid)
+    message.kv.kv_transfer_params.update(sent)
+    replies = await _call(handoff, method, message)
+    last = replies.outputs if method == "Generate" else replies[-1].outputs
+    returned = json_format.MessageToDict(last.finish_info.kv_transfer_params)
+    assert returned == {**sent, "echoed_by": "EchoConnector"}
+    lines = (kv_echo_storage / FINISHED_LOG).read_text().splitlines()
+    # The engine's own id for the request starts with the client's.
+    told = [e["params"] for e in map(json.loads, lines) if e["request_id"].startswith(rid)]
+    # Whole numbers reach the connector as ints (a Struct holds doubles), as from vLLM's server.
+    assert told == [sent] and isinstance(told[0]["remote_port"], int)
