@@ -296,7 +296,15 @@ class ResponseBuilder:
     each engine step costs only the message it produces.
     """
 
-    __slots__ = ("_first_seen", "_k_out", "_k_prompt", "_prompt_len", "_want_out", "_want_prompt")
+    __slots__ = (
+        "_first_seen",
+        "_k_out",
+        "_k_prompt",
+        "_prompt_len",
+        "_prompt_lps",
+        "_want_out",
+        "_want_prompt",
+    )
 
     def __init__(self, params: pb.SamplingParams) -> None:
         self._want_out = params.HasField("logprobs")
@@ -304,12 +312,30 @@ class ResponseBuilder:
         self._want_prompt = params.HasField("prompt_logprobs")
         self._k_prompt = params.prompt_logprobs if self._want_prompt else 0
         self._prompt_len = -1
+        self._prompt_lps: pb.InputLogProbs | None = None
         self._first_seen: set[int] = set()
 
     def _prompt_tokens(self, output: RequestOutput) -> int:
         if self._prompt_len < 0:
             self._prompt_len = len(output.prompt_token_ids or ())
         return self._prompt_len
+
+    def _prompt_logprobs(self, output: RequestOutput) -> pb.InputLogProbs | None:
+        """The prompt's logprobs: this output's, else the first ones the request saw.
+
+        Each choice of n > 1 runs as a request of its own in the engine, and
+        its first output carries the prompt's logprobs; but vLLM merges the
+        outputs a slow reader has not taken yet and keeps only the first's
+        prompt logprobs, so a choice whose first output was merged into
+        another's would get none. The prompt is the same for every choice.
+        """
+        if self._prompt_lps is None and output.prompt_logprobs:
+            self._prompt_lps = input_logprobs(
+                output.prompt_logprobs,  # type: ignore[arg-type]
+                list(output.prompt_token_ids or ()),
+                self._k_prompt,
+            )
+        return self._prompt_lps
 
     def chunk(self, output: RequestOutput, completion: CompletionOutput) -> GenerateResponse:
         """A streaming chunk: this step's new tokens for one choice."""
@@ -336,12 +362,9 @@ class ResponseBuilder:
             if lps is not None:
                 response.chunk.output_logprobs.CopyFrom(lps)
         if self._want_prompt and index not in self._first_seen:
+            # Every choice's first chunk carries them, whichever output brought it.
             self._first_seen.add(index)
-            ilps = input_logprobs(
-                output.prompt_logprobs,  # type: ignore[arg-type]
-                list(output.prompt_token_ids or ()),
-                self._k_prompt,
-            )
+            ilps = self._prompt_logprobs(output)
             if ilps is not None:
                 response.chunk.input_logprobs.CopyFrom(ilps)
         return response
@@ -371,12 +394,8 @@ class ResponseBuilder:
             lps = output_logprobs(completion.logprobs, token_ids, self._k_out)  # type: ignore[arg-type]
             if lps is not None:
                 complete.output_logprobs.CopyFrom(lps)
-        if self._want_prompt:
-            ilps = input_logprobs(
-                output.prompt_logprobs,  # type: ignore[arg-type]
-                list(output.prompt_token_ids or ()),
-                self._k_prompt,
-            )
+        if self._want_prompt and output.prompt_logprobs:
+            ilps = self._prompt_logprobs(output)
             if ilps is not None:
                 complete.input_logprobs.CopyFrom(ilps)
         if output.kv_transfer_params:
