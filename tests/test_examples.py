@@ -80,7 +80,7 @@ async def test_launcher_serves_the_example_client_then_stops_cleanly_on_sigterm(
         stop_lines = "".join(output)
         # Its own lines in vLLM's format (process, level, time, source), as vLLM's are.
         assert re.search(
-            r"\(MainProcess pid=\d+\) INFO \d\d-\d\d [\d:]{8} \[__main__\.py:\d+\] stopped$",
+            r"\(MainProcess pid=\d+\) INFO \d\d-\d\d [\d:]{8} \[launcher\.py:\d+\] stopped$",
             stop_lines,
             re.M,
         ), stop_lines
