@@ -719,3 +719,20 @@ async def test_kv_transfer_params_reach_the_connector_and_come_back(
     told = [e["params"] for e in map(json.loads, lines) if e["request_id"].startswith(rid)]
     # Whole numbers reach the connector as ints (a Struct holds doubles), as from vLLM's server.
     assert told == [sent] and isinstance(told[0]["remote_port"], int)
+
+
+async def test_the_readme_call_streams_text_to_its_finish(
+    served: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    (sample,) = [
+        block
+        for block in re.findall(r"```python\n(.*?)```", readme, re.S)
+        if "InferenceStub" in block
+    ]
+    body = sample.replace("127.0.0.1:50051", served.address)
+    namespace: dict[str, Any] = {}
+    exec("async def call():\n" + "".join(f"    {line}\n" for line in body.splitlines()), namespace)
+    await namespace["call"]()
+    printed = capsys.readouterr().out
+    assert printed.rstrip().rsplit("\n", 1)[-1].endswith(("LENGTH", "STOP")), printed

@@ -171,27 +171,17 @@ def mount(
         control_pb2_grpc.add_ControlServicer_to_server(control, recorder)  # type: ignore[no-untyped-call]
         names.append(CONTROL_SERVICE)
 
-    health_servicer = None
-    if health:
-        health_servicer = EngineHealthServicer(engine, services=("", *names))
+    health_servicer = EngineHealthServicer(engine, services=("", *names)) if health else None
+    if health_servicer is not None:
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, recorder)
         names.append(HEALTH_SERVICE_NAME)
-
     if reflection_service:
         names.append(REFLECTION_SERVICE_NAME)
         reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
             reflection.aio.ReflectionServicer(tuple(names), pool=ChainedPool(services=names)),
             recorder,
         )
-
-    for service_name, handlers in recorder.services.items():
-        # The protocols' methods raise; the error layer turns that into statuses.
-        errors = error_layer if service_name in SERVICES else None
-        wrapped = {
-            method: pipeline.wrap(f"/{service_name}/{method}", handler, errors=errors)
-            for method, handler in handlers.items()
-        }
-        register(server, service_name, wrapped)
+    _register_wrapped(server, recorder, pipeline)
     return MountedServices(
         servicer=servicer,
         health=health_servicer,
@@ -200,6 +190,20 @@ def mount(
         inference=inference,
         control=control,
     )
+
+
+def _register_wrapped(
+    server: grpc.aio.Server, recorder: HandlerRecorder, pipeline: Pipeline
+) -> None:
+    """Register each recorded handler on `server`, wrapped once by `pipeline`."""
+    for service_name, handlers in recorder.services.items():
+        # The protocols' methods raise; the error layer turns that into statuses.
+        errors = error_layer if service_name in SERVICES else None
+        wrapped = {
+            method: pipeline.wrap(f"/{service_name}/{method}", handler, errors=errors)
+            for method, handler in handlers.items()
+        }
+        register(server, service_name, wrapped)
 
 
 def engine_pipeline(

@@ -325,12 +325,14 @@ _INFERENCE_REFUSED: Mapping[str, RefusedField] = {
     "kv.ec_transfer_params": RefusedField(
         UnsupportedError, "the engine has no encoder-cache connector", EC_CONNECTOR_HINT
     ),
-    # Resolved through vllm.Control's adapter registry; an unknown name is NOT_FOUND.
+    # Resolved through the mount's adapter registry (vllm.Control loads into
+    # it, and lora_modules); an unknown name is NOT_FOUND.
     "lora_name": RefusedField(
         UnsupportedError,
-        "no adapter registry (vllm.Control not mounted), or the engine runs without LoRA",
-        "LoRA adapters are not enabled on this server: serve vllm.Control (its adapter "
-        "registry) on an engine started with --enable-lora; an empty lora_name is the base model",
+        "the engine runs without LoRA",
+        "LoRA adapters are not enabled on this server: start the engine with --enable-lora "
+        "and load adapters with --lora-modules or vllm.Control's LoadLora; an empty "
+        "lora_name is the base model",
     ),
     # Honoured when on (multimodal/inference_media.py): images, decoded here.
     "media.url": RefusedField(
