@@ -203,3 +203,22 @@ def test_launcher_process_reads_vllm_env_once_and_freezes_start_up_heap() -> Non
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().endswith("ok")
+
+
+def test_the_engine_takes_a_servers_batch_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    # vLLM sizes max_num_seqs and max_num_batched_tokens by usage context: its
+    # servers get up to 1024 sequences on a large GPU, an engine context 128.
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from vllm_servicer.serve import launcher
+
+    seen: dict[str, Any] = {}
+
+    def from_engine_args(engine_args: Any, **kwargs: Any) -> str:
+        seen.update(kwargs, model=engine_args.model)
+        return "engine"
+
+    monkeypatch.setattr(AsyncLLM, "from_engine_args", from_engine_args)
+    assert launcher._start_engine(parse_args(["serve", "--model", "m"])) == "engine"
+    assert seen == {"usage_context": UsageContext.OPENAI_API_SERVER, "model": "m"}

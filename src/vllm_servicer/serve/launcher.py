@@ -122,13 +122,18 @@ def _addresses_usable(args: ServeArgs, *, tls: bool) -> bool:
 
 def _start_engine(args: ServeArgs) -> AsyncLLM:
     """vLLM's engine, its model loaded, its processes apart from our stop signals."""
+    from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
 
     started = time.monotonic()
     logger.info("starting the vLLM engine for %s (loading the model)...", args.model)
     # Its processes must leave stop signals to us: we drain, then stop them.
     with apart_from_stop_signals():
-        engine = AsyncLLM.from_engine_args(args.engine_args())
+        # A server's batch defaults, as vLLM's own servers take (on a large GPU,
+        # up to 1024 sequences rather than the engine context's 128).
+        engine = AsyncLLM.from_engine_args(
+            args.engine_args(), usage_context=UsageContext.OPENAI_API_SERVER
+        )
     logger.info("engine ready in %.1f s", time.monotonic() - started)
     return engine
 
