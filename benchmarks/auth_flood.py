@@ -72,8 +72,9 @@ def start_launcher(
     raise SystemExit(f"launcher from {src} did not start; see {log}")
 
 
-async def stream_gaps(address: str, tokens: int) -> list[float]:
-    """Seconds between consecutive chunks of one authenticated streaming Generate."""
+async def stream_gaps(address: str, tokens: int) -> tuple[list[float], int]:
+    """Seconds between consecutive chunks of one authenticated streaming Generate,
+    and the tokens it brought."""
     async with grpc.aio.insecure_channel(address) as channel:
         stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
         request = pb.GenerateRequest(
@@ -83,14 +84,15 @@ async def stream_gaps(address: str, tokens: int) -> list[float]:
             stream=True,
         )
         metadata = (("authorization", f"Bearer {KEY}"),)
-        gaps, last = [], None
+        gaps, last, received = [], None, 0
         async for message in stub.Generate(request, metadata=metadata):
             now = time.perf_counter()
             if message.HasField("chunk"):
+                received += len(message.chunk.token_ids)
                 if last is not None:
                     gaps.append(now - last)
                 last = now
-        return gaps
+        return gaps, received
 
 
 async def flood(
@@ -244,7 +246,7 @@ async def measure(
     label: str, address: str, pid: int, args: argparse.Namespace
 ) -> tuple[list[str], dict[str, Any]]:
     await stream_gaps(address, args.tokens)  # warm-up: the first long stream runs slower
-    quiet = await stream_gaps(address, args.tokens)
+    quiet, _ = await stream_gaps(address, args.tokens)
     # The flood comes from another process: in this one it would starve the
     # measuring client's own reads, not the server.
     flooder = await asyncio.create_subprocess_exec(
@@ -269,7 +271,7 @@ async def measure(
     await flooder.stdout.readline()  # "flooding"
     cpu_before = cpu_seconds(pid)
     await asyncio.sleep(2.0)  # the flood is under way
-    flooded = await stream_gaps(address, args.tokens)
+    flooded, flooded_tokens = await stream_gaps(address, args.tokens)
     refused = (await flooder.stdout.read()).decode().strip()
     cpu = cpu_seconds(pid) - cpu_before
     await flooder.wait()
@@ -280,6 +282,7 @@ async def measure(
         "quiet_max_gap_ms": 1000 * max(quiet),
         "flooded_max_gap_ms": 1000 * max(flooded),
         "flooded_chunks": len(flooded) + 1,
+        "flooded_tokens": flooded_tokens,
         "flood_calls": calls,
         "flood_codes": json.loads(refused.split(" ", 2)[2]),
         "cpu_ms_per_flood_call": 1000 * cpu / calls,

@@ -61,5 +61,8 @@ async def test_an_unauthenticated_gzip_flood_does_not_stall_a_stream(
     codes = figures["flood_codes"]
     assert figures["flood_calls"] >= 40, figures  # the flood ran all along
     assert "OK" not in codes, figures  # every flood call refused
-    assert figures["flooded_chunks"] >= 300, figures  # the stream ran all along
+    assert figures["flooded_tokens"] == 300, figures  # the stream ran to its end
+    # ...a step at a time: a stalled stream's tokens come in a few large chunks
+    # (2 to 18 for 300 tokens before the fix); a busy machine merges a few.
+    assert figures["flooded_chunks"] >= 270, figures
     assert figures["flooded_max_gap_ms"] < LONGEST_GAP_MS, figures
