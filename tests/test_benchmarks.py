@@ -1,4 +1,4 @@
-"""The benchmark tools work: the load generator against a real server, the interceptor costs.
+"""The benchmark tools work: the load generator, the interceptor costs, the protocol costs.
 
 Their numbers are for `make bench`; these tests check that the tools run and
 that they check what they claim to (token counts, finish reasons).
@@ -80,3 +80,29 @@ def test_interceptor_benchmark_runs_every_configuration_through_a_real_server() 
     for name in configs:
         tokens_per_s, loop_us_per_message = float(measured[name][1]), float(measured[name][2])
         assert tokens_per_s > 0 and loop_us_per_message > 0
+
+
+def test_protocols_benchmark_measures_three_cells_on_one_server(tmp_path: Path) -> None:
+    import subprocess
+
+    out = tmp_path / "protocols.json"
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "protocols.py"), "--quick", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    data = json.loads(out.read_text())
+    # Every request's output token count was checked, none was wrong.
+    assert data["token_counts_checked"] is True
+    # --quick: 16 in flight, 32 requests per burst, each cell twice in its one round.
+    assert data["requests_checked"] == 3 * 2 * 32
+    assert data["bad_requests"] == 0 and data["problems"] == []
+    cells = data["summary"]["c16"]
+    assert set(cells) == {"engine", "inference-ids", "inference-text"}
+    for cell in cells.values():
+        assert cell["tokens_per_s"]["median"] > 0
+        assert cell["cpu_us_per_token"]["median"] > 0
+    for name in ("inference-ids", "inference-text"):
+        assert cells[name]["ratio_cpu_us_per_token"]["median"] > 0
