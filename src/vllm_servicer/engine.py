@@ -20,6 +20,23 @@ def missing_members(engine: Any) -> list[str]:
     return sorted(name for name in declared if not hasattr(engine, name))
 
 
+def require_engine(engine: Any) -> None:
+    """Refuse an engine that lacks an `EngineClient` member, naming what it lacks.
+
+    Raised when a servicer is built, not as an AttributeError in the middle
+    of some later request.
+
+    Raises:
+        TypeError: `engine` lacks a member (the message names each).
+    """
+    missing = missing_members(engine)
+    if missing:
+        raise TypeError(
+            f"the engine must be a vLLM AsyncLLM or shaped like one (EngineClient); "
+            f"{type(engine).__name__} has no {', '.join(missing)}"
+        )
+
+
 def served_model_name(engine: Any) -> str:
     """The model name the engine serves (`--served-model-name`, else the model path).
 

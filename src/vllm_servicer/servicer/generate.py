@@ -160,15 +160,26 @@ class Generation:
         A cancelled call is not reported: once the engine holds the request, its
         abort runs the connector's hook itself.
         """
-        if self._kv_connector is None or not kv_transfer.get("do_remote_prefill"):
+        if self._kv_connector is None:
             return
-        notify = self._engine.notify_kv_transfer_request_rejected
         rank = request.data_parallel_rank if request.HasField("data_parallel_rank") else None
-        try:
-            await notify(request_id, kv_transfer, data_parallel_rank=rank)
-        except Exception:
-            logger.warning(
-                "could not tell the KV connector that request %r was rejected",
-                request_id,
-                exc_info=True,
-            )
+        await notify_kv_rejection(self._engine, request_id, kv_transfer, rank)
+
+
+async def notify_kv_rejection(
+    engine: Any, request_id: str, kv_transfer: dict[str, Any], rank: int | None
+) -> None:
+    """Tell the engine's KV connector that a remote-prefill request was rejected
+    (a request without `do_remote_prefill` holds nothing); a failure is logged."""
+    if not kv_transfer.get("do_remote_prefill"):
+        return
+    try:
+        await engine.notify_kv_transfer_request_rejected(
+            request_id, kv_transfer, data_parallel_rank=rank
+        )
+    except Exception:
+        logger.warning(
+            "could not tell the KV connector that request %r was rejected",
+            request_id,
+            exc_info=True,
+        )

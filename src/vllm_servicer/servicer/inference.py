@@ -25,7 +25,7 @@ from vllm.exceptions import VLLMClientError
 
 from .. import vllm_releases
 from ..context import current_request_id, engine_trace_headers, kept_usage
-from ..engine import EngineClient, missing_members, served_model_name
+from ..engine import EngineClient, require_engine, served_model_name
 from ..errors import (
     InvalidRequestError,
     NotFoundError,
@@ -38,6 +38,7 @@ from ..proto import INFERENCE_SERVICE, inference_pb2_grpc
 from ..proto import inference_pb2 as pb
 from ..wire import fields
 from ..wire import inference as wire
+from .generate import notify_kv_rejection
 from .tenancy import RunningRequests
 
 if TYPE_CHECKING:
@@ -117,12 +118,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         media_refs: MediaRefOptions | None = None,
         loras: AdapterLookup | None = None,
     ) -> None:
-        missing = missing_members(engine)
-        if missing:
-            raise TypeError(
-                f"the engine must be a vLLM AsyncLLM or shaped like one (EngineClient); "
-                f"{type(engine).__name__} has no {', '.join(missing)}"
-            )
+        require_engine(engine)
         self._engine = engine
         self._running = running
         self.loras = loras
@@ -368,19 +364,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         return exc
 
     async def _kv_transfer_rejected(self, request_id: str, call: EngineCall) -> None:
-        kv_transfer = call.kv_transfer
-        if kv_transfer is None or not kv_transfer.get("do_remote_prefill"):
-            return
-        notify = self._engine.notify_kv_transfer_request_rejected
-        rank = call.kwargs.get("data_parallel_rank")
-        try:
-            await notify(request_id, kv_transfer, data_parallel_rank=rank)
-        except Exception:
-            logger.warning(
-                "could not tell the KV connector that request %r was rejected",
-                request_id,
-                exc_info=True,
-            )
+        if call.kv_transfer is not None:
+            rank = call.kwargs.get("data_parallel_rank")
+            await notify_kv_rejection(self._engine, request_id, call.kv_transfer, rank)
 
 
 def _model_defaults(model_config: Any) -> wire.ModelDefaults:

@@ -17,7 +17,7 @@ from vllm.exceptions import VLLMClientError
 from vllm.pooling_params import PoolingParams
 
 from ..context import current_request_id, engine_trace_headers, kept_usage
-from ..engine import EngineClient, missing_members
+from ..engine import EngineClient, require_engine
 from ..errors import (
     NotEnabledError,
     UnsupportedError,
@@ -73,13 +73,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         shm_tensors: bool = False,
         running: RunningRequests | None = None,
     ) -> None:
-        missing = missing_members(engine)
-        if missing:
-            # Here, not as an AttributeError in the middle of some later request.
-            raise TypeError(
-                f"the engine must be a vLLM AsyncLLM or shaped like one (EngineClient); "
-                f"{type(engine).__name__} has no {', '.join(missing)}"
-            )
+        require_engine(engine)
         self._engine = engine
         self._active_calls = active_calls
         self._media = (

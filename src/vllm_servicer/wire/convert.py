@@ -225,20 +225,26 @@ def kv_transfer_response(params: dict[str, Any], complete: pb.GenerateComplete) 
 
 
 def constraint_error(exc: Exception, params: pb.SamplingParams) -> Exception:
-    """`exc` restated to name the constraint field, when it is a constraint's fault.
+    """`exc` restated to name the constraint field, when it is a constraint's fault."""
+    kind = params.WhichOneof("constraint")
+    return structured_output_error(exc, f"sampling_params.{kind}" if kind else None)
+
+
+def structured_output_error(exc: Exception, field: str | None) -> Exception:
+    """`exc` restated to name `field`, the request's structured-output field, when
+    it is that field's fault (None: the request has none).
 
     vLLM rejects a bad JSON schema or grammar with messages such as "Grammar
     error: ..." that do not say which request field was at fault.
     """
-    kind = params.WhichOneof("constraint")
-    if kind is None or isinstance(exc, InvalidRequestError):
+    if field is None or isinstance(exc, InvalidRequestError):
         return exc
     if getattr(exc, "parameter", None):  # vLLM already named the parameter
         return exc
     text = str(exc)
     if not any(word in text.lower() for word in _CONSTRAINT_WORDS):
         return exc
-    error = InvalidRequestError(f"sampling_params.{kind}", text)
+    error = InvalidRequestError(field, text)
     error.__cause__ = exc
     return error
 

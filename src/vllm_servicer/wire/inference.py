@@ -30,7 +30,7 @@ from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOu
 
 from ..errors import InvalidRequestError
 from ..proto import inference_pb2 as pb
-from .convert import _CONSTRAINT_WORDS
+from .convert import structured_output_error
 
 if TYPE_CHECKING:
     from google.protobuf import struct_pb2
@@ -303,22 +303,9 @@ def sampling_params_from_request(
 
 
 def constraint_error(exc: Exception, decoding: pb.DecodingParameters) -> Exception:
-    """`exc` restated to name the structured-output field, when it is that field's fault.
-
-    vLLM rejects a bad JSON schema or grammar with messages such as "Grammar
-    error: ..." that do not say which request field was at fault.
-    """
+    """`exc` restated to name the structured-output field, when it is that field's fault."""
     kind = decoding.WhichOneof("structured_output")
-    if kind is None or isinstance(exc, InvalidRequestError):
-        return exc
-    if getattr(exc, "parameter", None):  # vLLM already named the parameter
-        return exc
-    text = str(exc)
-    if not any(word in text.lower() for word in _CONSTRAINT_WORDS):
-        return exc
-    error = InvalidRequestError(f"decoding.{kind}", text)
-    error.__cause__ = exc
-    return error
+    return structured_output_error(exc, f"decoding.{kind}" if kind else None)
 
 
 # ----- Struct <-> dict (the connectors' transfer params) -------------------------------
