@@ -291,22 +291,11 @@ class Driver:
         self.extra = extra
         self.stamp = stamp
         self.bursts: list[Burst] = []
-        self.managed: list[run.Managed] = []
+        self.procs = run.ProcessGroup(f"{stamp}-protocols-")
         self.server: run.Managed | None = None
         self.loadgen: run.LineChannel | None = None
 
-    def log(self, message: str) -> None:
-        print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-    def _managed(self, name: str, cmd: list[str]) -> run.Managed:
-        m = run.Managed(name, cmd, LOG_DIR / f"{self.stamp}-protocols-{name}.log")
-        self.managed.append(m)
-        return m
-
-    def stop_all(self) -> None:
-        for m in reversed(self.managed):
-            m.stop()
-        self.managed.clear()
+    log = staticmethod(run.log)
 
     def start(self) -> None:
         """The launcher (both protocols, one engine) and the load generator, until healthy."""
@@ -314,11 +303,11 @@ class Driver:
         cmd = [sys.executable, "-m", "vllm_servicer", "serve", "--host", "127.0.0.1"]
         cmd += ["--port", str(port), "--services", "vllm-engine", "inference"]
         cmd += ["--drain-grace", "0", *self.extra]
-        self.server = self._managed("server", cmd)
+        self.server = self.procs.add("server", cmd)
         self.log(f"starting the launcher on port {port} (log: {self.server.log_path})")
         self.server.start()
         target = f"127.0.0.1:{port}"
-        lg = self._managed(
+        lg = self.procs.add(
             "loadgen",
             [sys.executable, __file__, "loadgen", "--target", target, "--cpu", str(self.args.cpu)],
         )
@@ -581,7 +570,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         driver.log("interrupted; stopping every process started")
         return 130
     finally:
-        driver.stop_all()
+        driver.procs.stop_all()
         signal.signal(signal.SIGTERM, previous)
     problems = check(driver.bursts)
     data = report(args, driver, problems)

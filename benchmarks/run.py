@@ -297,6 +297,34 @@ class Burst:
         }
 
 
+def log(message: str) -> None:
+    """A progress line, with the time."""
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+class ProcessGroup:
+    """The processes a benchmark started, each logging to a file of its own
+    (`results/logs/<prefix><name>.log`); stopped together, the last started first."""
+
+    def __init__(self, prefix: str) -> None:
+        self._prefix = prefix
+        self._started: list[Managed] = []
+
+    def add(self, name: str, cmd: list[str]) -> Managed:
+        m = Managed(name, cmd, RESULTS / "logs" / f"{self._prefix}{name}.log")
+        self._started.append(m)
+        return m
+
+    def stop(self, m: Managed) -> None:
+        m.stop()
+        if m in self._started:
+            self._started.remove(m)
+
+    def stop_all(self) -> None:
+        for m in reversed(list(self._started)):
+            self.stop(m)
+
+
 @dataclass
 class Bench:
     """Starts the processes, runs the bursts, always stops what it started."""
@@ -307,26 +335,17 @@ class Bench:
     cells: list[Cell]
     stamp: str
     bursts: list[Burst] = field(default_factory=list)
-    managed: list[Managed] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    procs: ProcessGroup = field(init=False)
+    log = staticmethod(log)
 
-    def log(self, message: str) -> None:
-        print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-    def _managed(self, name: str, cmd: list[str]) -> Managed:
-        m = Managed(name, cmd, RESULTS / "logs" / f"{self.stamp}-{name}.log")
-        self.managed.append(m)
-        return m
-
-    def stop_all(self) -> None:
-        for m in reversed(self.managed):
-            m.stop()
-        self.managed.clear()
+    def __post_init__(self) -> None:
+        self.procs = ProcessGroup(f"{self.stamp}-")
 
     def start_loadgen(self) -> LineChannel:
         cmd = [sys.executable, str(HERE / "loadgen.py"), "--serve-stdin"]
         cmd += ["--cpu", str(self.args.loadgen_cpu)]
-        m = self._managed("loadgen", cmd)
+        m = self.procs.add("loadgen", cmd)
         m.start(stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         return LineChannel(m)
 
@@ -343,7 +362,7 @@ class Bench:
         else:
             cmd = [sys.executable, "-m", "vllm.entrypoints.launchers.grpc_server"]
             cmd += ["--host", "127.0.0.1", "--port", str(port), *self.flags]
-        m = self._managed(name, cmd)
+        m = self.procs.add(name, cmd)
         m.port = port
         self.log(f"starting {LABELS[name]} on port {port} (log: {m.log_path})")
         if name == THEIRS and self.args.against_src:
@@ -433,11 +452,11 @@ class Bench:
                 self.log(f"[{done}/{total}] round {rnd} {cell.key}: " + ", ".join(line) + " tok/s")
         if self.args.profile:
             self.profile(loadgen, servers, targets)
-        self.stop_all()
+        self.procs.stop_all()
 
     def run_ceiling(self) -> None:
         cmd = [sys.executable, str(HERE / "ceiling.py"), *self.flags]
-        m = self._managed(CEILING, cmd)
+        m = self.procs.add(CEILING, cmd)
         started = time.monotonic()
         self.log(f"starting the in-process ceiling (log: {m.log_path})")
         m.start(stdin=subprocess.PIPE, stdout=subprocess.PIPE)
@@ -454,7 +473,7 @@ class Bench:
                     f"ceiling round {rnd} {cell.key}: {burst.result['tokens_per_s']:.0f} tok/s"
                 )
         channel.managed.proc.stdin.close()  # type: ignore[union-attr]
-        self.stop_all()
+        self.procs.stop_all()
 
     def profile(
         self, loadgen: LineChannel, servers: dict[str, Managed], targets: dict[str, str]
@@ -809,7 +828,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         bench.log("interrupted; stopping every process started")
         return 130
     finally:
-        bench.stop_all()
+        bench.procs.stop_all()
         signal.signal(signal.SIGTERM, previous)
 
     summary = summarize(bench.bursts, cells)

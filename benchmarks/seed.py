@@ -499,30 +499,16 @@ class Seed:
     flags: list[str]
     stamp: str
     rows: list[Row] = field(default_factory=list)
-    managed: list[run.Managed] = field(default_factory=list)
     client: run.LineChannel | None = None
+    procs: run.ProcessGroup = field(init=False)
+    log = staticmethod(run.log)
 
-    def log(self, message: str) -> None:
-        print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-    def _managed(self, name: str, cmd: list[str]) -> run.Managed:
-        log = run.RESULTS / "logs" / f"seed-{self.stamp}-{name}.log"
-        m = run.Managed(name, cmd, log)
-        self.managed.append(m)
-        return m
-
-    def stop(self, m: run.Managed) -> None:
-        m.stop()
-        if m in self.managed:
-            self.managed.remove(m)
-
-    def stop_all(self) -> None:
-        for m in reversed(list(self.managed)):
-            self.stop(m)
+    def __post_init__(self) -> None:
+        self.procs = run.ProcessGroup(f"seed-{self.stamp}-")
 
     def start_client(self) -> run.LineChannel:
         cmd = [sys.executable, str(HERE / "seed_client.py"), "--cpu", str(self.args.client_cpu)]
-        m = self._managed("client", cmd)
+        m = self.procs.add("client", cmd)
         m.start(stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self.client = run.LineChannel(m)
         return self.client
@@ -588,7 +574,7 @@ class Seed:
             self.rows.append(Row(name, "-", status=why))
             return
         server = server_for(name, self.flags, self.args)
-        m = self._managed(name, server.cmd)
+        m = self.procs.add(name, server.cmd)
         self.log(f"starting {LABELS[name]} (log: {m.log_path})")
         m.start()
         try:
@@ -605,7 +591,7 @@ class Seed:
             self.log(f"{name} failed: {exc}")
             self.rows.append(Row(name, "-", status=f"failed: {exc}"))
         finally:
-            self.stop(m)
+            self.procs.stop(m)
 
 
 # ----- output -------------------------------------------------------------------------
@@ -818,7 +804,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         seed.log("interrupted; stopping every process started")
         return 130
     finally:
-        seed.stop_all()
+        seed.procs.stop_all()
         signal.signal(signal.SIGTERM, previous)
 
     rows = [row.to_json() for row in seed.rows]
