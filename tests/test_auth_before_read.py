@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 import pytest
 from google.protobuf import message_factory
+from support import bearer
 
 from vllm_servicer import SERVICE_NAME, mount, server_options
 from vllm_servicer._registration import register
@@ -34,10 +35,6 @@ SERVICE = "test.Counted"
 PLACEMENTS = ("server_wide", "mounted")
 # Not a protobuf message: a field tag whose varint never ends.
 GARBAGE = b"\xff\xff\xff"
-
-
-def bearer(key: str) -> tuple[tuple[str, str], ...]:
-    return (("authorization", f"Bearer {key}"),)
 
 
 parsed: collections.Counter[str] = collections.Counter()

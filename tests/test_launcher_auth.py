@@ -18,8 +18,8 @@ from typing import Any
 
 import grpc
 import pytest
-from certs import CertificateAuthority, Pem
-from helpers import collect, request
+from support import bearer, collect, request
+from support.certs import CertificateAuthority, Pem
 
 from vllm_servicer import mount
 from vllm_servicer.interceptors.auth import ADMIN_ROLE
@@ -33,10 +33,6 @@ from vllm_servicer.tls import server_credentials, warn_if_exposed
 TENANT_A = "tenant-a-0123456789abcdefABCDEF"
 TENANT_B = "tenant-b-0123456789abcdefABCDEF"
 ADMIN = "admin-0123456789abcdefABCDEF"
-
-
-def bearer(key: str) -> tuple[tuple[str, str], ...]:
-    return (("authorization", f"Bearer {key}"),)
 
 
 @pytest.fixture(autouse=True)
