@@ -736,3 +736,58 @@ async def test_the_readme_call_streams_text_to_its_finish(
     await namespace["call"]()
     printed = capsys.readouterr().out
     assert printed.rstrip().rsplit("\n", 1)[-1].endswith(("LENGTH", "STOP")), printed
+
+
+async def test_a_burst_through_the_launchers_full_stack_all_completes(
+    engine: Any, ref: types.ModuleType, ref_grpc: types.ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """300 calls at once over both protocols, seeded, with 121-token prompts, through the
+    stack the launcher builds with tracing on (tracing, metrics, auth, the in-flight
+    limit, in its order): every one completes, and nothing stays in flight."""
+    from vllm_servicer.interceptors import (
+        AuthInterceptor,
+        InflightInterceptor,
+        MetricsInterceptor,
+        TracingInterceptor,
+    )
+    from vllm_servicer.serve.args import parse_args
+    from vllm_servicer.serve.stack import build_interceptors
+
+    key = "burst-key-0123456789abcdef"
+    # Spans go to an OTLP exporter as in production; nothing listens on port 9.
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")
+    argv = ["serve", "--model", "m", "--api-key", key, "--metrics-port", "0"]
+    stack, metrics = build_interceptors(parse_args(argv))
+    assert metrics is not None
+    kinds = [type(i) for i in stack]
+    assert kinds == [TracingInterceptor, MetricsInterceptor, AuthInterceptor, InflightInterceptor]
+    prompt = [(7 * i + 3) % 240 + 3 for i in range(121)]
+
+    async with serving(engine, interceptors=stack, services=SERVICES) as served:
+        inference = ref_grpc.InferenceStub(served.channel)
+        vllm_engine = vllm_engine_pb2_grpc.VllmEngineStub(served.channel)
+
+        async def one(i: int) -> int:
+            if i % 2:
+                message = generate_request(ref, prompt[i % 7 :], 8, temperature=0.8)
+                message.sampling.seed = i
+                message.response.output_token_ids = True
+                tokens = 0
+                async for reply in inference.GenerateStream(
+                    message, metadata=bearer(key), timeout=240
+                ):
+                    tokens += len(reply.outputs.token_ids)
+                return tokens
+            req = request(max_tokens=8, ignore_eos=True, temperature=0.8, seed=i, stream=True)
+            req.tokenized.input_ids[:] = prompt[i % 7 :]
+            replies = [
+                r async for r in vllm_engine.Generate(req, metadata=bearer(key), timeout=240)
+            ]
+            return sum(len(r.chunk.token_ids) for r in replies if r.HasField("chunk"))
+
+        assert await asyncio.gather(*(one(i) for i in range(300))) == [8] * 300
+        assert served.mounted.inflight.limited_total == 0
+        # Both protocols' tokens are counted (from the usage record each servicer keeps).
+        generated = metrics.generation_tokens.labels("m")._value.get()
+        assert generated == 300 * 8
+    await wait_until_idle(engine)

@@ -32,7 +32,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 from prometheus_client.exposition import start_http_server
 
 from ..context import shared_usage
-from ..proto import ENGINE_METHODS, GENERATE_METHOD
+from ..proto import ENGINE_METHODS, GENERATION_METHODS
 from ..wire import usage as generation_usage
 from ._base import CallInterceptor, MethodFilter, all_methods
 from ._call import Call
@@ -101,7 +101,7 @@ class _MethodMetrics:
         self.handling = owner.handling_seconds.labels(*self.labels)
         self.handled: dict[grpc.StatusCode, Any] = {}
         self.engine = call.method in ENGINE_METHODS
-        self.generate = call.method == GENERATE_METHOD
+        self.generate = call.method in GENERATION_METHODS
 
 
 class _GenerateCall(generation_usage.UsageReader):

@@ -60,7 +60,7 @@ import grpc
 
 from ..context import shared_usage
 from ..engine import served_model_name
-from ..proto import ENGINE_METHODS, GENERATE_METHOD
+from ..proto import ENGINE_METHODS, GENERATE_METHOD, GENERATION_METHODS, inference_pb2
 from ..proto import vllm_engine_pb2 as pb
 from ..wire import usage as generation_usage
 from ._base import CallInterceptor, MethodFilter
@@ -87,7 +87,7 @@ _MISSING_EXTRA = "tracing needs the OpenTelemetry packages: pip install 'vllm-se
 
 HEALTH_WATCH = "/grpc.health.v1.Health/Watch"
 
-_TRACED_REQUESTS = (pb.GenerateRequest, pb.EmbedRequest)
+_TRACED_REQUESTS = (pb.GenerateRequest, pb.EmbedRequest, inference_pb2.GenerateRequest)
 
 FIRST_TOKEN_EVENT = "gen_ai.first_token"
 """Event added to the Generate span at the first response message that carried output tokens."""
@@ -350,7 +350,8 @@ class TracingInterceptor(CallInterceptor):
         span = self._current_span()
         # The span object, not the context: on_finish may run after the
         # handler's context was detached.
-        if call.method == GENERATE_METHOD:
+        if call.method in GENERATION_METHODS:
+            # Either protocol's generation: its servicer keeps the usage record.
             call.state = (span, _GenAiState(generation_usage.UsageReader(shared_usage())))
         else:
             call.state = (span, _GenAiState(None) if call.method in ENGINE_METHODS else None)
@@ -363,7 +364,15 @@ class TracingInterceptor(CallInterceptor):
         if state is None or type(message) not in _TRACED_REQUESTS or not span.is_recording():
             return
         attrs: dict[str, Any] = {"gen_ai.provider.name": GEN_AI_PROVIDER}
-        if call.method == GENERATE_METHOD:
+        if type(message) is inference_pb2.GenerateRequest:
+            attrs["gen_ai.operation.name"] = "text_completion"
+            if message.stopping.max_new_tokens:  # 0 means unset
+                attrs["gen_ai.request.max_tokens"] = message.stopping.max_new_tokens
+            if message.HasField("temperature"):
+                attrs["gen_ai.request.temperature"] = message.temperature
+            if message.sampling.top_p != 0.0:
+                attrs["gen_ai.request.top_p"] = message.sampling.top_p
+        elif call.method == GENERATE_METHOD:
             attrs["gen_ai.operation.name"] = "text_completion"
             params = message.sampling_params
             if params.HasField("max_tokens"):

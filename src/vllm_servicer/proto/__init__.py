@@ -26,14 +26,11 @@ EMBED_METHOD: str = f"/{SERVICE_NAME}/Embed"
 INFERENCE_SERVICE: str = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
 CONTROL_SERVICE: str = control_pb2.DESCRIPTOR.services_by_name["Control"].full_name
 
-ENGINE_METHODS: frozenset[str] = frozenset(
-    (
-        GENERATE_METHOD,
-        EMBED_METHOD,
-        f"/{INFERENCE_SERVICE}/Generate",
-        f"/{INFERENCE_SERVICE}/GenerateStream",
-    )
+GENERATION_METHODS: frozenset[str] = frozenset(
+    (GENERATE_METHOD, f"/{INFERENCE_SERVICE}/Generate", f"/{INFERENCE_SERVICE}/GenerateStream")
 )
+"""The full names of the generation calls, whose servicers keep a usage record."""
+ENGINE_METHODS: frozenset[str] = GENERATION_METHODS | {EMBED_METHOD}
 """The full names of the calls that run on the engine (generation and embedding)."""
 
 __all__ = [
@@ -41,6 +38,7 @@ __all__ = [
     "EMBED_METHOD",
     "ENGINE_METHODS",
     "GENERATE_METHOD",
+    "GENERATION_METHODS",
     "INFERENCE_SERVICE",
     "POOL",
     "SERVICE_NAME",
