@@ -219,6 +219,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "_vllm_version",
         "vllm_releases",
         "_registration",
+        "frontends",
     ),
     ("multimodal", "status", "health", "reflection"),
     # Side by side: they share `context`, never import one another.

@@ -12,6 +12,7 @@ from grpc_reflection.v1alpha import reflection_pb2 as _reflection_pb2  # noqa: F
 
 from ._registration import HandlerRecorder, register, server_started
 from .engine import EngineClient
+from .frontends import FrontendGroup
 from .health import EngineHealthServicer
 from .interceptors import InflightInterceptor, MetricsInterceptor, Pipeline
 from .multimodal.media import MediaRefOptions
@@ -81,6 +82,7 @@ def mount(
     shm_tensors: bool = False,
     services: Sequence[str] = DEFAULT_SERVICES,
     lora_modules: Mapping[str, str] | None = None,
+    frontends: FrontendGroup | None = None,
 ) -> MountedServices:
     """Serve vLLM's gRPC protocols from `engine` on the host's `server`.
 
@@ -118,6 +120,9 @@ def mount(
             only administrators may call it (`AuthInterceptor` does so).
         lora_modules: LoRA adapters `vllm.Control` loads at first use, by
             name: their paths on this host (vLLM's `--lora-modules`).
+        frontends: when this process is one of several serving one engine
+            (`serve --api-server-count`, which builds it): their shared
+            request ids, in-flight count and KV-event streams.
 
     Returns:
         The servicers and service names mounted.
@@ -139,18 +144,21 @@ def mount(
     recorder = HandlerRecorder()
     # One registry of running requests for every protocol: an id belongs to
     # its caller whichever protocol started it, and a drain aborts them all.
-    running = RunningRequests()
+    running = RunningRequests(frontends)
     servicer = VllmEngineServicer(
         engine,
         max_kv_subscribers=max_kv_subscribers,
         media_refs=media_refs,
-        active_calls=lambda: inflight.limited_total,
+        active_calls=lambda: inflight.limited_everywhere,
         shm_tensors=shm_tensors,
         running=running,
+        group=frontends,
     )
     # One adapter registry too (built once the engine's members are checked):
     # an adapter Control loads is one Inference's lora_name can name.
-    loras = LoraRegistry(engine, lora_modules or {})
+    loras = LoraRegistry(
+        engine, lora_modules or {}, fixed=frontends is not None and frontends.count > 1
+    )
     names: list[str] = []
     if SERVICE_NAME in services:
         vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(servicer, recorder)  # type: ignore[no-untyped-call]
@@ -165,8 +173,9 @@ def mount(
         control = ControlServicer(
             engine,
             running=running,
-            active_calls=lambda: inflight.limited_total,
+            active_calls=lambda: inflight.limited_everywhere,
             loras=loras,
+            group=frontends,
         )
         control_pb2_grpc.add_ControlServicer_to_server(control, recorder)  # type: ignore[no-untyped-call]
         names.append(CONTROL_SERVICE)

@@ -71,6 +71,12 @@ def server_options(
     return options
 
 
+def shared_port(options: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    """`options` with SO_REUSEPORT on: for several processes serving one port on
+    purpose (`serve --api-server-count`)."""
+    return [o for o in options if o[0] != "grpc.so_reuseport"] + [("grpc.so_reuseport", 1)]
+
+
 def port_in_use(host: str, port: int) -> bool:
     """Whether a TCP port already has a listener on `host` (False for port 0).
 

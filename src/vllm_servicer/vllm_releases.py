@@ -11,7 +11,10 @@ What each difference means for clients is in `docs/index.md` ("vLLM releases").
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 # Before vLLM is imported below: an untested vLLM release fails here, naming both versions.
@@ -138,3 +141,80 @@ def seeded_sampling_hazard(vllm_config: Any) -> str | None:
 def draws_from_own_generator(sampling: Any) -> bool:
     """Whether vLLM gives this request a random generator of its own (a seed, sampling)."""
     return sampling.seed is not None and sampling.temperature >= _SAMPLING_EPS
+
+
+# ----- several frontend processes on one engine (--api-server-count) ----------
+
+
+@dataclass
+class EngineWithFrontends:
+    """The engine's processes and its frontend processes, once the engine is up."""
+
+    processes: list[Any]  # the frontends, multiprocessing processes
+    engine_manager: Any  # vLLM's CoreEngineProcManager: sentinels(), shutdown()
+    coordinator: Any  # vLLM's DPCoordinator, or None
+
+
+@contextlib.contextmanager
+def engine_with_frontends(
+    vllm_config: Any,
+    count: int,
+    target: Callable[..., None],
+    payload: Any,
+    *,
+    log_stats: bool,
+    apart: Callable[[], contextlib.AbstractContextManager[None]],
+) -> Iterator[EngineWithFrontends]:
+    """Start the engine core, then `count` processes that each run
+    `target(listen_address, sock, payload, client_config)` as its clients.
+
+    vLLM's own `APIServerProcessManager` starts them, as for its HTTP server:
+    `client_config` holds the engine's ZMQ endpoints and `client_count` /
+    `client_index`, for `AsyncLLM.from_vllm_config`. The engine is up when
+    the block's body runs. The engine's processes and the frontends start
+    inside `apart()`.
+
+    0.32+ binds the engine's sockets here and hands them over
+    (`bind_engine_zmq_listeners`); 0.31 lets each frontend bind its own and
+    collects the bound addresses (`gather_actual_addresses`).
+    """
+    from vllm.v1.engine import utils
+    from vllm.v1.executor import Executor
+    from vllm.v1.utils import APIServerProcessManager
+
+    engine_utils: Any = utils
+    manager_class: Any = APIServerProcessManager
+    executor_class = Executor.get_class(vllm_config)
+    bind = getattr(engine_utils, "bind_engine_zmq_listeners", None)
+    # The frontends are still starting when the engine's launch is left:
+    # `apart()` lasts until its handshake, when every process has started.
+    with apart(), contextlib.ExitStack() as launching:
+        if bind is not None:  # 0.32+
+            listeners = bind(vllm_config, count)
+            addresses = listeners.addresses
+            inputs, outputs = listeners.inputs, listeners.outputs
+        else:  # 0.31
+            addresses = engine_utils.get_engine_zmq_addresses(
+                vllm_config, count, defer_api_server_ports=True
+            )
+            inputs, outputs = addresses.inputs, addresses.outputs
+        launch = launching.enter_context(
+            engine_utils.launch_core_engines(vllm_config, executor_class, log_stats, addresses)
+        )
+        coordinator = launch.coordinator
+        manager = manager_class(
+            "",
+            None,
+            payload,
+            count,
+            inputs,
+            outputs,
+            target_server_fn=target,
+            stats_update_address=(coordinator.get_stats_publish_address() if coordinator else None),
+            tensor_queue=launch.tensor_queue,
+        )
+        if bind is None:
+            launch.addresses.inputs, launch.addresses.outputs = manager.gather_actual_addresses()
+        launch.watched_frontend_processes = manager.processes
+    # Leaving the launch waited for the engine's handshake: it is up.
+    yield EngineWithFrontends(list(manager.processes), launch.engine_manager, coordinator)

@@ -7,6 +7,7 @@ from collections import Counter
 
 import grpc
 
+from ..frontends import FrontendGroup
 from ..proto import ENGINE_METHODS
 from ._base import CallInterceptor, MethodFilter, all_methods, only_methods
 from ._call import Call
@@ -32,6 +33,8 @@ class InflightInterceptor(CallInterceptor):
         limited: which calls the limit applies to (default: Generate and Embed).
         retry_pushback_ms: the retry hint sent with a rejection.
         methods: which methods are counted at all (default: every method).
+        group: the frontend processes sharing one engine (`serve
+            --api-server-count`): the limit holds for their calls together.
     """
 
     def __init__(
@@ -41,6 +44,7 @@ class InflightInterceptor(CallInterceptor):
         limited: MethodFilter = ENGINE_REQUESTS,
         retry_pushback_ms: int = 1000,
         methods: MethodFilter = all_methods,
+        group: FrontendGroup | None = None,
     ) -> None:
         super().__init__(methods=methods)
         if max_inflight is not None and max_inflight < 1:
@@ -53,6 +57,7 @@ class InflightInterceptor(CallInterceptor):
         self._total = 0
         self._limited_total = 0
         self.rejected = 0
+        self._group = group
         # Created lazily: an Event made outside a running loop binds to the first loop using it.
         self._idle: asyncio.Event | None = None
         self._limited_idle: asyncio.Event | None = None
@@ -68,6 +73,11 @@ class InflightInterceptor(CallInterceptor):
     def limited_total(self) -> int:
         """Limited calls (by default Generate and Embed) in flight."""
         return self._limited_total
+
+    @property
+    def limited_everywhere(self) -> int:
+        """Limited calls in flight in every frontend process on the engine (this one alone)."""
+        return self._limited_total if self._group is None else self._group.inflight
 
     def count(self, method: str) -> int:
         """Calls of one method ("/package.Service/Method") in flight."""
@@ -102,6 +112,19 @@ class InflightInterceptor(CallInterceptor):
 
     # ----- hooks ----------------------------------------------------------------------
 
+    def _admit(self) -> int | None:
+        """Count one more limited call; the calls in flight instead when at the limit."""
+        group = self._group
+        if group is None:
+            if self.max_inflight is not None and self._limited_total >= self.max_inflight:
+                return self._limited_total
+            return None
+        with group.locked():  # another process may be admitting one too
+            if self.max_inflight is not None and group.inflight >= self.max_inflight:
+                return group.inflight
+            group.add_inflight(1)
+        return None
+
     def _is_limited(self, method: str) -> bool:
         cached = self._limited_cache.get(method)
         if cached is None:
@@ -110,14 +133,16 @@ class InflightInterceptor(CallInterceptor):
 
     async def on_start(self, call: Call) -> None:
         limited = self._is_limited(call.method)
-        if limited and self.max_inflight is not None and self._limited_total >= self.max_inflight:
-            self.rejected += 1
-            await call.context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"server busy: {self._limited_total} requests in flight, the limit "
-                f"(max_inflight) is {self.max_inflight}; retry later",
-                trailing_metadata=self._pushback,
-            )
+        if limited:
+            busy = self._admit()
+            if busy is not None:
+                self.rejected += 1
+                await call.context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"server busy: {busy} requests in flight, the limit "
+                    f"(max_inflight) is {self.max_inflight}; retry later",
+                    trailing_metadata=self._pushback,
+                )
         # Marks the call as counted: a rejected call also reaches on_finish.
         call.state = limited
         self._counts[call.method] += 1
@@ -139,6 +164,8 @@ class InflightInterceptor(CallInterceptor):
             self._idle.set()
         if limited:
             self._limited_total -= 1
+            if self._group is not None:
+                self._group.add_inflight(-1)
             if self._limited_total == 0 and self._limited_idle is not None:
                 self._limited_idle.set()
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -72,6 +73,9 @@ CANCEL_CAUSES = ("client_cancel", "deadline", "abort_rpc", "shutdown")
 _GRPC_LABELS = ("grpc_type", "grpc_service", "grpc_method")
 # vLLM's own label name for the served model: the series join on it.
 _MODEL = ("model_name",)
+# prometheus_client's multiprocess mode (`serve --api-server-count`), which it
+# reads from the environment once, at import.
+_MULTIPROCESS = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
 _OK = grpc.StatusCode.OK
 _CANCELLED = grpc.StatusCode.CANCELLED
 # How stale the message and token counters of a running Generate stream may get.
@@ -263,6 +267,9 @@ class MetricsInterceptor(CallInterceptor):
             "(no OTel GenAI instrument).",
             _MODEL,
             registry=reg,
+            # With several frontend processes (prometheus multiprocess mode):
+            # the sum over the live ones.
+            multiprocess_mode="livesum",
         )
         # Bound once: the model is fixed per instance, so the hot path below
         # never calls .labels() (a lookup under a lock).
@@ -283,6 +290,8 @@ class MetricsInterceptor(CallInterceptor):
         `mount()` does this with the count it keeps, which the drain,
         GetServerInfo and the limit read too: one number everywhere.
         """
+        if _MULTIPROCESS:
+            return  # a function's value is never written where the scrape reads: count
         self._counts_in_flight = False
         self._in_flight.set_function(lambda: inflight.limited_total)
 

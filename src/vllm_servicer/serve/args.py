@@ -61,6 +61,7 @@ class ServeArgs:
     """vLLM's engine flags by `AsyncEngineArgs` field name, as parsed (defaults included)."""
     host: str
     port: int
+    api_server_count: int
     max_message_bytes: int
     max_inflight: int
     max_concurrent_rpcs: int
@@ -90,6 +91,8 @@ class ServeArgs:
     admin_tls_subject: tuple[str, ...]
 
     def __post_init__(self) -> None:
+        if self.api_server_count < 1:
+            raise ValueError(f"--api-server-count must be at least 1, got {self.api_server_count}")
         if self.api_key and self.api_key_file:
             raise ValueError("give --api-key or --api-key-file, not both")
         if self.admin_api_key and self.admin_api_key_file:
@@ -117,6 +120,16 @@ class ServeArgs:
         if self.http_port and self.http_port == self.port and self.http_address == self.host:
             raise ValueError("--http-port must differ from --port")
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Handed to each frontend process (--api-server-count): read-only
+        # mappings do not pickle, so they travel as dicts.
+        fields = {
+            f.name: dict(value) if isinstance(value, MappingProxyType) else value
+            for f in dataclasses.fields(self)
+            for value in (getattr(self, f.name),)
+        }
+        return (_unpickle_serve_args, (fields,))
+
     def __getattr__(self, name: str) -> Any:
         # Only names that are not fields get here: the engine flags.
         engine = object.__getattribute__(self, "engine")
@@ -135,6 +148,7 @@ class ServeArgs:
             engine=_engine_flags(flags),
             host=flags.host,
             port=flags.port,
+            api_server_count=flags.api_server_count,
             max_message_bytes=flags.max_message_bytes,
             max_inflight=flags.max_inflight,
             max_concurrent_rpcs=flags.max_concurrent_rpcs,
@@ -197,6 +211,12 @@ class ServeArgs:
         from vllm.engine.arg_utils import AsyncEngineArgs
 
         return AsyncEngineArgs(**self.engine)
+
+
+def _unpickle_serve_args(fields: dict[str, Any]) -> ServeArgs:
+    for name in ("engine", "lora_modules"):
+        fields[name] = MappingProxyType(fields[name])
+    return ServeArgs(**fields)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> ServeArgs:
@@ -329,6 +349,14 @@ def _serving(serve: argparse.ArgumentParser) -> None:
         type=int,
         default=DEFAULT_MAX_MESSAGE_BYTES,
         help="largest request or response message accepted, in bytes",
+    )
+    net.add_argument(
+        "--api-server-count",
+        type=int,
+        default=1,
+        help="serving processes, each a client of the one engine, all on --port (the kernel "
+        "spreads connections among them, SO_REUSEPORT); above 1 when one core cannot keep up "
+        "with the engine's tokens (default 1)",
     )
     net.add_argument(
         "--max-inflight",

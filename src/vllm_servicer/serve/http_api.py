@@ -23,6 +23,7 @@ import contextlib
 import json
 import logging
 import math
+import socket
 import ssl
 from collections.abc import Iterator
 from typing import Any
@@ -266,13 +267,18 @@ class HttpApi:
     def scheme(self) -> str:
         return "https" if self._server.config.is_ssl else "http"
 
-    async def start(self) -> None:
+    async def start(self, *, reuse_port: bool = False) -> None:
         """Bind and serve; returns once the app's start-up ran and the port is open.
+
+        Args:
+            reuse_port: share the port with the other frontend processes
+                (SO_REUSEPORT: the kernel spreads connections among them).
 
         Raises:
             RuntimeError: the server could not start (the port is taken, say).
         """
-        sock = self._server.config.bind_socket()
+        config = self._server.config
+        sock = _shared_socket(config) if reuse_port else config.bind_socket()
         self.port = sock.getsockname()[1]
         self._task = asyncio.ensure_future(self._server.serve(sockets=[sock]))
         while not self._server.started:
@@ -306,6 +312,18 @@ class HttpApi:
         self._server.force_exit = True
         for task in list(self._server.server_state.tasks):
             task.cancel()
+
+
+def _shared_socket(config: uvicorn.Config) -> socket.socket:
+    """A listening socket on the config's address that other processes may bind too."""
+    family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((config.host, config.port))
+    sock.listen(config.backlog)
+    sock.set_inheritable(True)
+    return sock
 
 
 def _failure(task: asyncio.Task[None]) -> BaseException | None:

@@ -25,15 +25,17 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import grpc
 
 from ..drain import GracefulShutdown, HardStop
+from ..frontends import FrontendGroup
 from ..interceptors import CallInterceptor, MetricsInterceptor, start_metrics_server
 from ..interceptors.auth import Verifier
 from ..mounting import mount
 from ..multimodal.media import MediaRefOptions
-from ..options import port_in_use, server_options
+from ..options import port_in_use, server_options, shared_port
 from ..tls import server_credentials, warn_if_exposed
 from .args import ServeArgs, parse_args
 from .engine_processes import apart_from_stop_signals, exit_now
 from .http_api import HttpApi
+from .peers import start_peers
 from .probe_port import start_probe_port
 from .stack import authenticates, build_interceptors, http_verifier, key_verifier
 
@@ -42,7 +44,7 @@ if TYPE_CHECKING:
 
     from ..mounting import MountedServices
 
-__all__ = ["main", "serve", "settle_process_for_serving", "stop_when_engine_dies"]
+__all__ = ["Frontend", "main", "serve", "settle_process_for_serving", "stop_when_engine_dies"]
 
 logger = logging.getLogger("vllm_servicer.serve")
 
@@ -55,6 +57,10 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     """
     args = parse_args(argv)
     _configure_logging(str(args.engine.get("log_level") or "info").upper())
+    if args.api_server_count > 1:
+        from .api_servers import serve_frontends
+
+        _end_process(serve_frontends(args))
     try:
         import uvloop  # optional: a faster event loop when installed
     except ImportError:
@@ -64,40 +70,66 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     _end_process(code)
 
 
-async def serve(args: ServeArgs) -> int:
+@dataclass
+class Frontend:
+    """What one of several frontend processes on one engine is given (`api_servers.py`).
+
+    Attributes:
+        group: the processes' shared state; `group.index` is this process's.
+        client_config: vLLM's engine endpoints for this client, with
+            `client_count` and `client_index`.
+        ready: told (index, pid) once this process serves.
+    """
+
+    group: FrontendGroup
+    client_config: dict[str, Any]
+    ready: Any
+
+
+async def serve(args: ServeArgs, frontend: Frontend | None = None) -> int:
     """Run the server until a signal, drain it; return the process exit code.
 
     Args:
         args: the launcher's arguments.
+        frontend: set when this process is one of `--api-server-count`
+            frontends, whose parent checked the addresses, started the engine
+            and serves the metrics.
 
     Returns:
         0 after a stop asked for by a signal; 1 when a port is taken or the
         engine died.
     """
+    group = frontend.group if frontend is not None else None
     # One verifier for both protocols: a key file re-read for one is re-read for both.
     verifier = key_verifier(args)
-    interceptors, metrics = build_interceptors(args, verifier)
+    interceptors, metrics = build_interceptors(args, verifier, group=group)
     credentials = server_credentials(*args.tls) if args.tls is not None else None
-    if not _addresses_usable(args, tls=credentials is not None):
+    if frontend is None and not _addresses_usable(args, tls=credentials is not None):
         return 1
-    engine = _start_engine(args)
-    if args.warm_up:
+    engine = _start_engine(args, frontend)
+    if args.warm_up and frontend is None:
         await _warm_up(engine)
     settle_process_for_serving()
     side = _SideServers()
     try:
-        server, mounted, port = _grpc_server(args, engine, interceptors, credentials)
+        server, mounted, port = _grpc_server(args, engine, interceptors, credentials, group)
         if port == 0:
             return 1
-        await side.prepare(args, engine, http_verifier(args, verifier))
+        if group is not None:
+            side.peers = await start_peers(group, engine)
+        await side.prepare(args, engine, http_verifier(args, verifier), metrics=frontend is None)
         shutdown = _shutdown(args, server, mounted, metrics, side)
-        await side.open(args, mounted)
+        await side.open(args, mounted, shared=frontend is not None)
         await server.start()
-        # Printed (not only logged) so scripts and tests can read the bound ports.
-        print(f"vllm-servicer listening on {args.host}:{port}", flush=True)
-        if side.http is not None:
-            url = f"{side.http.scheme}://{args.http_address}:{side.http.port}"
-            print(f"vllm-servicer http on {url}", flush=True)
+        if frontend is not None:
+            frontend.ready.put((frontend.group.index, os.getpid()))
+            print(f"vllm-servicer frontend {group.index} serving (pid {os.getpid()})", flush=True)  # type: ignore[union-attr]
+        else:
+            # Printed (not only logged) so scripts and tests can read the bound ports.
+            print(f"vllm-servicer listening on {args.host}:{port}", flush=True)
+            if side.http is not None:
+                url = f"{side.http.scheme}://{args.http_address}:{side.http.port}"
+                print(f"vllm-servicer http on {url}", flush=True)
         return await _serve_until_stopped(engine, shutdown)
     finally:
         await side.close(engine)
@@ -120,11 +152,14 @@ def _addresses_usable(args: ServeArgs, *, tls: bool) -> bool:
     return True
 
 
-def _start_engine(args: ServeArgs) -> AsyncLLM:
-    """vLLM's engine, its model loaded, its processes apart from our stop signals."""
+def _start_engine(args: ServeArgs, frontend: Frontend | None = None) -> AsyncLLM:
+    """vLLM's engine, its model loaded, its processes apart from our stop signals;
+    for a frontend, a client of the engine its parent started."""
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    if frontend is not None:
+        return _engine_client(args, frontend)
     started = time.monotonic()
     logger.info("starting the vLLM engine for %s (loading the model)...", args.model)
     # Its processes must leave stop signals to us: we drain, then stop them.
@@ -136,6 +171,31 @@ def _start_engine(args: ServeArgs) -> AsyncLLM:
         )
     logger.info("engine ready in %.1f s", time.monotonic() - started)
     return engine
+
+
+def _engine_client(args: ServeArgs, frontend: Frontend) -> AsyncLLM:
+    """This frontend's `AsyncLLM`: client `client_index` of `client_count` of the
+    engine, as vLLM's HTTP server builds each of its API server processes'."""
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    config = dict(frontend.client_config)
+    count, index = config.pop("client_count"), config.pop("client_index")
+    config.pop("api_server_loads", None)  # for vLLM's HTTP accept balancing only
+    engine_args = args.engine_args()
+    engine_args._api_process_count = count
+    engine_args._api_process_rank = index
+    usage = UsageContext.OPENAI_API_SERVER
+    return AsyncLLM.from_vllm_config(
+        vllm_config=engine_args.create_engine_config(usage_context=usage),
+        usage_context=usage,
+        enable_log_requests=engine_args.enable_log_requests,
+        aggregate_engine_logging=engine_args.aggregate_engine_logging,
+        disable_log_stats=engine_args.disable_log_stats,
+        client_addresses=config,
+        client_count=count,
+        client_index=index,
+    )
 
 
 async def _warm_up(engine: AsyncLLM) -> None:
@@ -175,15 +235,18 @@ def _grpc_server(
     engine: AsyncLLM,
     interceptors: list[CallInterceptor],
     credentials: grpc.ServerCredentials | None,
+    group: FrontendGroup | None = None,
 ) -> tuple[grpc.aio.Server, MountedServices, int]:
     """The gRPC server (not started), the servicer mounted, and its bound port (0: logged)."""
+    options = server_options(
+        args.max_message_bytes,
+        max_connection_age=args.max_connection_age,
+        request_compression=args.allow_request_compression,
+    )
+    if group is not None:
+        options = shared_port(options)  # every frontend binds this one port
     server = grpc.aio.server(
-        maximum_concurrent_rpcs=args.max_concurrent_rpcs or None,
-        options=server_options(
-            args.max_message_bytes,
-            max_connection_age=args.max_connection_age,
-            request_compression=args.allow_request_compression,
-        ),
+        maximum_concurrent_rpcs=args.max_concurrent_rpcs or None, options=options
     )
     mounted = mount(
         server,
@@ -195,6 +258,7 @@ def _grpc_server(
         shm_tensors=args.enable_shm_tensors,
         services=args.services,
         lora_modules=args.lora_modules,
+        frontends=group,
     )
     address = f"{args.host}:{args.port}"
     if credentials is not None:
@@ -213,10 +277,14 @@ class _SideServers:
     metrics: Any = None  # prometheus_client's WSGI server
     http: HttpApi | None = None
     probes: grpc.aio.Server | None = None
+    peers: grpc.aio.Server | None = None  # the other frontends' way in (api_servers.py)
 
-    async def prepare(self, args: ServeArgs, engine: AsyncLLM, verifier: Verifier | None) -> None:
-        """Start the metrics endpoint; build the HTTP API, whose port `open` opens."""
-        if args.metrics_port is not None:
+    async def prepare(
+        self, args: ServeArgs, engine: AsyncLLM, verifier: Verifier | None, *, metrics: bool
+    ) -> None:
+        """Start the metrics endpoint (when `metrics`); build the HTTP API, whose
+        port `open` opens."""
+        if args.metrics_port is not None and metrics:
             self.metrics, _ = start_metrics_server(args.metrics_port, addr=args.metrics_address)
             print(
                 f"vllm-servicer metrics on http://{args.metrics_address}:"
@@ -233,12 +301,15 @@ class _SideServers:
                 tls=args.tls,
             )
 
-    async def open(self, args: ServeArgs, mounted: MountedServices) -> None:
-        """Open the HTTP API's port and the plaintext probe port, when asked for."""
+    async def open(self, args: ServeArgs, mounted: MountedServices, *, shared: bool) -> None:
+        """Open the HTTP API's port and the plaintext probe port, when asked for;
+        `shared`: other frontend processes bind them too."""
         if self.http is not None:
-            await self.http.start()
+            await self.http.start(reuse_port=shared)
         if args.health_port is not None and mounted.health is not None:
-            self.probes, port = await start_probe_port(mounted.health, args.host, args.health_port)
+            self.probes, port = await start_probe_port(
+                mounted.health, args.host, args.health_port, shared=shared
+            )
             print(f"vllm-servicer health (plaintext) on {args.host}:{port}", flush=True)
 
     async def close(self, engine: AsyncLLM) -> None:
@@ -247,6 +318,8 @@ class _SideServers:
             await self.http.stop(0)  # a no-op after a drain; ends it on an error
         if self.probes is not None:
             await self.probes.stop(0)  # last: liveness answered through the drain
+        if self.peers is not None:
+            await self.peers.stop(0)
         logger.info("shutting down the engine")
         engine.shutdown()
         if self.metrics is not None:

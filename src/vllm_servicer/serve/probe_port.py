@@ -12,16 +12,17 @@ import grpc
 from grpc_health.v1 import health_pb2_grpc  # type: ignore[import-untyped]
 
 from ..health import EngineHealthServicer
-from ..options import server_options
+from ..options import server_options, shared_port
 
 _MAX_MESSAGE_BYTES = 64 * 1024
 _MAX_CALLS = 64
 
 
 async def start_probe_port(
-    health: EngineHealthServicer, host: str, port: int
+    health: EngineHealthServicer, host: str, port: int, *, shared: bool = False
 ) -> tuple[grpc.aio.Server, int]:
-    """Serve `health` in plaintext on host:port (0: any free port).
+    """Serve `health` in plaintext on host:port (0: any free port); `shared`:
+    other frontend processes bind it too.
 
     Returns:
         The started server (stop it after the main one) and the bound port.
@@ -30,8 +31,9 @@ async def start_probe_port(
         OSError: the address could not be bound.
     """
     # Probes send a service name: small messages and few calls at once are plenty.
+    options = server_options(_MAX_MESSAGE_BYTES)
     server = grpc.aio.server(
-        options=server_options(_MAX_MESSAGE_BYTES), maximum_concurrent_rpcs=_MAX_CALLS
+        options=shared_port(options) if shared else options, maximum_concurrent_rpcs=_MAX_CALLS
     )
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     bound = server.add_insecure_port(f"{host}:{port}")

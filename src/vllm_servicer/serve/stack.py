@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 
+from ..frontends import FrontendGroup
 from ..interceptors import (
     AuthInterceptor,
     CallInterceptor,
@@ -32,7 +33,7 @@ __all__ = ["authenticates", "build_interceptors", "http_verifier", "key_verifier
 
 
 def build_interceptors(
-    args: ServeArgs, verifier: Verifier | None = None
+    args: ServeArgs, verifier: Verifier | None = None, *, group: FrontendGroup | None = None
 ) -> tuple[list[CallInterceptor], MetricsInterceptor | None]:
     """The launcher's interceptor stack, outermost first, and its metrics interceptor.
 
@@ -48,6 +49,8 @@ def build_interceptors(
         verifier: the key verifier to use (default: `key_verifier(args)`). Without
             keys but with client certificates required, the certificate names the
             caller, and only the `--admin-tls-subject` ones have the admin role.
+        group: with `--api-server-count` above 1, the frontends' shared state:
+            the in-flight count and its limit are theirs together.
     """
     from vllm.config.model import get_served_model_name
 
@@ -67,8 +70,8 @@ def build_interceptors(
         verifier = _certificate_verifier(args)
     if verifier is not None:
         stack.append(AuthInterceptor(verifier, permissions=role_permissions))
-    if args.max_inflight:
-        stack.append(InflightInterceptor(args.max_inflight))
+    if args.max_inflight or group is not None:
+        stack.append(InflightInterceptor(args.max_inflight or None, group=group))
     return stack, metrics
 
 

@@ -29,6 +29,7 @@ from vllm.distributed.weight_transfer.base import (
 from ..context import current_request_id
 from ..engine import EngineClient
 from ..errors import EngineRefusedError, InvalidRequestError, UnsupportedError
+from ..frontends import FrontendGroup
 from ..proto import control_pb2 as pb
 from ..proto import control_pb2_grpc
 from . import control_info
@@ -124,6 +125,8 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         active_calls: the count of generation calls in flight.
         loras: the LoRA adapters served by name, shared with `vllm.Inference`
             (which resolves `lora_name` through it).
+        group: the frontend processes sharing the engine (`serve
+            --api-server-count`); with several, Shutdown stops them all.
     """
 
     def __init__(
@@ -133,8 +136,10 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         running: RunningRequests,
         active_calls: Callable[[], int],
         loras: LoraRegistry,
+        group: FrontendGroup | None = None,
     ) -> None:
         self._engine = engine
+        self._group = group
         # The RL and adapter calls are AsyncLLM's, beyond the EngineClient protocol.
         self._llm: Any = engine
         self._running = running
@@ -194,10 +199,10 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
 
         Idempotent: empty, unknown, repeated and finished ids are successes.
         """
-        ids = list(dict.fromkeys(self._running.abortable(request.request_ids)))
+        ids = self._running.abortable(request.request_ids)
         if ids:
-            current_request_id.set(",".join(ids))
-            await self._engine.abort(ids)
+            current_request_id.set(",".join(dict.fromkeys(ids)))
+        await self._running.abort(self._engine, request.request_ids)
         return pb.AbortResponse()
 
     # ----- LoRA adapters ----------------------------------------------------
@@ -370,6 +375,11 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
 
     def _start_shutdown(self) -> None:
         """The Shutdown call has ended (grpc runs this on the event loop)."""
+        if self._group is not None and self._group.count > 1:
+            # One of several frontends: the launcher drains them all, then stops the engine.
+            logger.warning("Shutdown requested over vllm.Control: stopping every frontend")
+            self._group.stop_all()
+            return
         self._shutdown = asyncio.ensure_future(self._shut_down())
 
     async def _shut_down(self) -> None:

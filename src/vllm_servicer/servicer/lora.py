@@ -75,6 +75,9 @@ class LoraRegistry:
         preloaded: adapters to serve from the start, name to path on this
             host (vLLM's `--lora-modules`); listed at once, loaded into the
             engine at first use or on `start()`.
+        fixed: refuse `load` and `unload`, as with several frontend processes
+            on one engine (`--api-server-count`): each numbers its adapters,
+            so only the preloaded ones, numbered alike in each, agree.
 
     Raises:
         ValueError: `preloaded` is given but LoRA is not enabled on the
@@ -82,8 +85,11 @@ class LoraRegistry:
             or is not an adapter this engine can load.
     """
 
-    def __init__(self, engine: EngineClient, preloaded: Mapping[str, str]) -> None:
-        self._engine: Any = engine  # add_lora/remove_lora are AsyncLLM's, not EngineClient's
+    def __init__(
+        self, engine: EngineClient, preloaded: Mapping[str, str], *, fixed: bool = False
+    ) -> None:
+        self._engine: Any = engine
+        self._fixed = fixed  # add_lora/remove_lora are AsyncLLM's, not EngineClient's
         self._config = getattr(engine.vllm_config, "lora_config", None)
         self._base_name = served_model_name(engine)
         max_positions = getattr(
@@ -167,6 +173,7 @@ class LoraRegistry:
                 loaded, or it is the base model's name.
         """
         self._require_enabled()
+        self._require_changeable()
         self._check_name(name)
         if not path:
             raise InvalidRequestError("source_path", "required: the adapter's directory")
@@ -192,6 +199,7 @@ class LoraRegistry:
             NotFoundError: no adapter of that name is loaded.
         """
         self._require_enabled()
+        self._require_changeable()
         if not name:
             raise InvalidRequestError("lora_name", "required: the adapter to unload")
         adapter = self._adapters.pop(name, None)  # before the await: one unload wins
@@ -208,6 +216,14 @@ class LoraRegistry:
     def _require_enabled(self) -> None:
         if self._config is None:
             raise UnsupportedError(ENABLE_HINT, field="lora_name")
+
+    def _require_changeable(self) -> None:
+        if self._fixed:
+            raise UnsupportedError(
+                "the adapters are fixed at start with --api-server-count above 1 (as with "
+                "vLLM's HTTP server): serve them with --lora-modules",
+                field="lora_name",
+            )
 
     def _check_name(self, name: str) -> None:
         if not name:

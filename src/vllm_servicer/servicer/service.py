@@ -22,6 +22,7 @@ from ..errors import (
     NotEnabledError,
     UnsupportedError,
 )
+from ..frontends import FrontendGroup
 from ..multimodal import tensors as mm_tensors
 from ..multimodal.media import MediaRefOptions, MediaResolver
 from ..options import DEFAULT_MAX_KV_SUBSCRIBERS
@@ -61,6 +62,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             host's shared memory; off, they must come inline.
         running: the registry of running requests, shared with the other
             protocols' servicers of the same mount; None: one of its own.
+        group: the frontend processes sharing one engine (`serve
+            --api-server-count`), whose KV-event streams count together.
     """
 
     def __init__(
@@ -72,6 +75,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         active_calls: Callable[[], int] | None = None,
         shm_tensors: bool = False,
         running: RunningRequests | None = None,
+        group: FrontendGroup | None = None,
     ) -> None:
         require_engine(engine)
         self._engine = engine
@@ -81,7 +85,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         )
         # What preprocessed tensors (mm_inputs) this model takes.
         self._model_media = mm_tensors.ModelMedia.of(engine, shm=shm_tensors)
-        self._kv_subscribers = SubscriberLimit(max_kv_subscribers)
+        self._kv_subscribers = SubscriberLimit(max_kv_subscribers, group)
         self._started_monotonic = time.monotonic()
         self._running = running if running is not None else RunningRequests()
         self._last_receive_timestamp = 0.0
@@ -219,10 +223,11 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     async def Abort(self, request: pb.AbortRequest, context: Context) -> pb.AbortResponse:
         # Idempotent: vLLM ignores ids it does not know (finished or never seen).
+        # The ids it may abort, in this process or (N frontends) another.
         ids = self._running.abortable(request.request_ids)
         if ids:
             current_request_id.set(",".join(ids))
-            await self._engine.abort(ids)
+        await self._running.abort(self._engine, request.request_ids)
         return pb.AbortResponse()
 
     # ----- state ------------------------------------------------------------

@@ -12,9 +12,11 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 from ..context import caller_name, tenant
 from ..errors import RequestIdInUseError, TooManySubscribersError
+from ..frontends import FrontendGroup
 from ..options import DEFAULT_MAX_KV_SUBSCRIBERS
 
 logger = logging.getLogger("vllm_servicer")
@@ -38,12 +40,18 @@ class RunningRequests:
     A multiset: a caller may reuse its own running id, as vLLM allows. Its
     size is what GetServerInfo reports without an in-flight count, its ids what
     a drain aborts.
+
+    Args:
+        group: with several frontend processes on one engine, their shared
+            table: an id belongs to its caller in every process, and Abort
+            reaches a request another process runs.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, group: FrontendGroup | None = None) -> None:
         self._counts: dict[str, int] = {}
         # The identity name (None: no credentials) each running id belongs to.
         self._owners: dict[str, str | None] = {}
+        self._group = group
 
     def __len__(self) -> int:
         return sum(self._counts.values())
@@ -61,7 +69,12 @@ class RunningRequests:
                 caller's roles: sharing it, either could abort the other's request.
         """
         owner = caller_name()
-        if request_id in self._counts and self._owners[request_id] != owner:
+        running_here = request_id in self._counts
+        if (running_here and self._owners[request_id] != owner) or (
+            not running_here
+            and self._group is not None
+            and not self._group.claim(request_id, owner)
+        ):
             shown = request_id[:_SHOWN_ID_CHARS] + (
                 "..." if len(request_id) > _SHOWN_ID_CHARS else ""
             )
@@ -79,6 +92,8 @@ class RunningRequests:
         _take_one(self._counts, request_id)
         if request_id not in self._counts:
             del self._owners[request_id]
+            if self._group is not None:
+                self._group.release(request_id)
 
     def abortable(self, request_ids: Iterable[str]) -> list[str]:
         """Of `request_ids`, those the current caller may abort.
@@ -91,6 +106,25 @@ class RunningRequests:
         if owner is None:  # no credentials, or an administrator: any id
             return ids
         return [i for i in ids if self._owners.get(i) == owner]
+
+    async def abort(self, engine: Any, request_ids: Iterable[str]) -> list[str]:
+        """Abort those of `request_ids` the current caller may, wherever they run;
+        the ids aborted in this process (unknown and others' ids: no error).
+        """
+        ids = list(dict.fromkeys(self.abortable(request_ids)))
+        if ids:
+            await engine.abort(ids)
+        group = self._group
+        if group is not None and group.abort_elsewhere is not None:
+            owner = tenant()
+            by_process: dict[int, list[str]] = {}
+            for request_id in dict.fromkeys(request_ids):
+                if request_id:
+                    for index in group.running_elsewhere(request_id, owner):
+                        by_process.setdefault(index, []).append(request_id)
+            for index, elsewhere in by_process.items():
+                await group.abort_elsewhere(index, elsewhere)
+        return ids
 
 
 class SubscriberLimit:
@@ -106,18 +140,30 @@ class SubscriberLimit:
 
     Args:
         maximum: streams allowed at once; the next one gets RESOURCE_EXHAUSTED.
+        group: with several frontend processes on one engine, their shared
+            counts: the limits hold across the processes.
     """
 
-    def __init__(self, maximum: int = DEFAULT_MAX_KV_SUBSCRIBERS) -> None:
+    def __init__(
+        self, maximum: int = DEFAULT_MAX_KV_SUBSCRIBERS, group: FrontendGroup | None = None
+    ) -> None:
         if maximum < 1:
             raise ValueError(f"the subscriber limit must be at least 1, got {maximum}")
         self.maximum = maximum
         self.per_caller = (maximum + 1) // 2
-        self.active = 0
+        self._active = 0
         self._held: dict[str, int] = {}
+        self._group = group
+
+    @property
+    def active(self) -> int:
+        """Streams open now (in every frontend process)."""
+        return self._active if self._group is None else self._group.streams
 
     def held_by(self, name: str) -> int:
         """Streams the identity called `name` holds now."""
+        if self._group is not None:
+            return self._group.streams_held_by(name)
         return self._held.get(name, 0)
 
     @contextlib.contextmanager
@@ -129,6 +175,20 @@ class SubscriberLimit:
                 already, or `maximum` streams are open in all.
         """
         name = tenant()
+        with self._counting():
+            self._admit(name)
+            self._add(name, 1)
+        try:
+            yield
+        finally:
+            with self._counting():
+                self._add(name, -1)
+
+    def _counting(self) -> contextlib.AbstractContextManager[None]:
+        """The group's lock (a check and its update as one step), or nothing."""
+        return self._group.locked() if self._group is not None else contextlib.nullcontext()
+
+    def _admit(self, name: str | None) -> None:
         # The caller's own share first: freeing others' streams would not admit it.
         if name is not None and self.held_by(name) >= self.per_caller:
             raise TooManySubscribersError(
@@ -141,12 +201,14 @@ class SubscriberLimit:
                 f"{self.active} KV-event subscribers are connected, the total limit is "
                 f"{self.maximum}; close one or raise the server's subscriber limit"
             )
-        self.active += 1
+
+    def _add(self, name: str | None, delta: int) -> None:
+        if self._group is not None:
+            self._group.add_stream(name, delta)
+            return
+        self._active += delta
         if name is not None:
-            self._held[name] = self.held_by(name) + 1
-        try:
-            yield
-        finally:
-            self.active -= 1
-            if name is not None:
+            if delta > 0:
+                self._held[name] = self.held_by(name) + delta
+            else:
                 _take_one(self._held, name)  # no entry outlives its identity's streams

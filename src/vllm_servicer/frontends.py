@@ -1,0 +1,239 @@
+"""What N serving processes on one engine share: who runs which request id,
+the calls in flight, the KV-event streams open.
+
+`serve --api-server-count N` starts N frontend processes, each an `AsyncLLM`
+client of one engine core. A router's Abort often arrives on another
+connection, so at another process, than the request it stops; a limit of M
+calls in flight means M across the processes, not M in each. The parent
+builds one `FrontendGroup` before it starts them and each process receives
+it (multiprocessing hands the shared memory and the lock over at spawn).
+
+The state lives in shared memory under one lock, not in a server process:
+every Generate claims its id and every call counts in flight, so a round
+trip to another process on each would cost more than the call's own work.
+Written here because the standard library offers no shared dictionary
+without such a server (`multiprocessing.Manager`). A table of fixed size
+with open addressing holds 64-bit hashes of the keys (request ids, caller
+names), never the strings: a collision between two live ids has odds of
+about n²/2⁶⁵.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import multiprocessing
+import os
+import shutil
+import signal
+import tempfile
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
+
+# Slots for running ids and callers' stream counts at once; the table refuses
+# a claim when full (RESOURCE_EXHAUSTED), long before which the servers'
+# own in-flight limits bite. Three 8-byte words per slot: 1.5 MiB.
+DEFAULT_CAPACITY = 1 << 16
+_WORDS = 3  # key hash, owner hash, value (a bit per process, or a count)
+_EMPTY = 0
+_NO_OWNER = 1  # a call without credentials
+
+
+def key_hash(text: str) -> int:
+    """A stable, nonzero 64-bit hash (Python's own `hash` differs per process)."""
+    value = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+    return value if value > _NO_OWNER else value + 2
+
+
+def owner_hash(name: str | None) -> int:
+    return _NO_OWNER if name is None else key_hash(name)
+
+
+class TableFullError(RuntimeError):
+    """Every slot of the shared table is taken."""
+
+
+class SharedTable:
+    """A map from key hash to (owner hash, value) in shared memory; linear
+    probing, deletion by backward shift (no tombstones to fill it up).
+    Callers hold the group's lock around every method."""
+
+    def __init__(self, words: Any, capacity: int) -> None:
+        self._words = words
+        self._mask = capacity - 1
+
+    def _find(self, key: int) -> tuple[int, bool]:
+        """The slot holding `key`, or the empty slot where it would go."""
+        words, mask = self._words, self._mask
+        slot = key & mask
+        for _ in range(mask + 1):
+            stored = words[slot * _WORDS]
+            if stored == key:
+                return slot, True
+            if stored == _EMPTY:
+                return slot, False
+            slot = (slot + 1) & mask
+        raise TableFullError("the frontends' shared table is full")
+
+    def get(self, key: int) -> tuple[int, int] | None:
+        """(owner, value) stored under `key`, or None."""
+        slot, found = self._find(key)
+        if not found:
+            return None
+        base = slot * _WORDS
+        return self._words[base + 1], self._words[base + 2]
+
+    def put(self, key: int, owner: int, value: int) -> None:
+        """Store (owner, value) under `key`; a value of 0 removes it."""
+        slot, found = self._find(key)
+        if value == 0:
+            if found:
+                self._remove(slot)
+            return
+        base = slot * _WORDS
+        self._words[base] = key
+        self._words[base + 1] = owner
+        self._words[base + 2] = value
+
+    def _remove(self, slot: int) -> None:
+        words, mask = self._words, self._mask
+        hole = slot
+        probe = (slot + 1) & mask
+        while words[probe * _WORDS] != _EMPTY:
+            home = words[probe * _WORDS] & mask
+            # Move the entry back into the hole unless its home lies between
+            # the hole and it (cyclically): then it is already reachable.
+            if (probe - home) & mask >= (probe - hole) & mask:
+                words[hole * _WORDS : hole * _WORDS + _WORDS] = words[
+                    probe * _WORDS : probe * _WORDS + _WORDS
+                ]
+                hole = probe
+            probe = (probe + 1) & mask
+        words[hole * _WORDS : hole * _WORDS + _WORDS] = [0] * _WORDS
+
+
+class FrontendGroup:
+    """The N frontend processes' shared state, and which of them this one is.
+
+    Built once by the parent before the processes start; each receives a
+    copy (pickled at spawn) and calls `join(index)` first.
+
+    Args:
+        count: the number of frontend processes.
+        capacity: slots in the shared table (a power of two).
+    """
+
+    def __init__(self, count: int, capacity: int = DEFAULT_CAPACITY) -> None:
+        if count < 1:
+            raise ValueError(f"a frontend group needs at least one process, got {count}")
+        if capacity & (capacity - 1):
+            raise ValueError(f"the table's capacity must be a power of two, got {capacity}")
+        ctx = multiprocessing.get_context("spawn")
+        self.count = count
+        self.index = -1
+        self.parent_pid = os.getpid()
+        self._capacity = capacity
+        self._lock = ctx.Lock()
+        self._words = ctx.RawArray(ctypes.c_uint64, _WORDS * capacity)
+        # Per process, so a process that is gone can be zeroed: limited calls
+        # in flight, KV-event streams open.
+        self._inflight = ctx.RawArray(ctypes.c_int64, count)
+        self._streams = ctx.RawArray(ctypes.c_int64, count)
+        # Where each process listens for its peers (private, 0700).
+        self.directory = tempfile.mkdtemp(prefix="vllm-servicer-frontends-")
+        self._table = SharedTable(self._words, capacity)
+        # Set in each process by the launcher: sends an abort to a peer.
+        self.abort_elsewhere: Callable[[int, list[str]], Awaitable[None]] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        del state["_table"], state["abort_elsewhere"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._table = SharedTable(self._words, self._capacity)
+        self.abort_elsewhere = None
+
+    def join(self, index: int) -> None:
+        """Become process `index` of the group."""
+        if not 0 <= index < self.count:
+            raise ValueError(f"frontend index {index} is outside 0..{self.count - 1}")
+        self.index = index
+
+    def peer_address(self, index: int) -> str:
+        """The gRPC address process `index` answers its peers on."""
+        return f"unix:{os.path.join(self.directory, f'frontend-{index}.sock')}"
+
+    def stop_all(self) -> None:
+        """Ask the parent to drain every process and stop the engine (as SIGTERM does)."""
+        os.kill(self.parent_pid, signal.SIGTERM)
+
+    def remove_directory(self) -> None:
+        """The parent's cleanup once every process has ended."""
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+    # ----- running request ids -----------------------------------------------
+
+    def claim(self, request_id: str, owner: str | None) -> bool:
+        """Mark `request_id` running here for `owner`; False if another owner runs it."""
+        key, who, bit = key_hash(request_id), owner_hash(owner), 1 << self.index
+        with self._lock:
+            stored = self._table.get(key)
+            if stored is None:
+                self._table.put(key, who, bit)
+                return True
+            if stored[0] != who:
+                return False
+            self._table.put(key, who, stored[1] | bit)
+            return True
+
+    def release(self, request_id: str) -> None:
+        """`request_id` no longer runs in this process."""
+        key, bit = key_hash(request_id), 1 << self.index
+        with self._lock:
+            stored = self._table.get(key)
+            if stored is not None:
+                self._table.put(key, stored[0], stored[1] & ~bit)
+
+    def running_elsewhere(self, request_id: str, owner: str | None) -> list[int]:
+        """The other processes running `request_id` for `owner` (None: for anyone)."""
+        with self._lock:
+            stored = self._table.get(key_hash(request_id))
+        if stored is None or (owner is not None and stored[0] != owner_hash(owner)):
+            return []
+        return [i for i in range(self.count) if i != self.index and stored[1] >> i & 1]
+
+    # ----- counts ------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold the group's lock (for a check and an update that must be one step)."""
+        with self._lock:
+            yield
+
+    @property
+    def inflight(self) -> int:
+        """Limited calls in flight in all the processes."""
+        return sum(self._inflight)
+
+    def add_inflight(self, delta: int) -> None:
+        """Call under `locked()` when it follows a check; alone otherwise."""
+        self._inflight[self.index] += delta
+
+    @property
+    def streams(self) -> int:
+        """KV-event streams open in all the processes."""
+        return sum(self._streams)
+
+    def streams_held_by(self, name: str) -> int:
+        stored = self._table.get(key_hash("kv-subscriber\0" + name))
+        return 0 if stored is None else stored[1]
+
+    def add_stream(self, name: str | None, delta: int) -> None:
+        """Count a stream opened (+1) or closed (-1); call under `locked()`."""
+        self._streams[self.index] += delta
+        if name is not None:
+            key = key_hash("kv-subscriber\0" + name)
+            self._table.put(key, _NO_OWNER, self.streams_held_by(name) + delta)

@@ -1,0 +1,293 @@
+"""`serve --api-server-count N`: N serving processes, one engine.
+
+Every token costs the serving process CPU (grpc's send, vLLM's output path),
+and one process is one core. With N above 1 this process starts the engine
+core, then N frontend processes, each an `AsyncLLM` client of that engine
+(vLLM's `client_count` / `client_index`, as its HTTP server's
+`--api-server-count` does), each serving the gRPC protocols, and the HTTP API
+with `--http-port`, on the same ports: grpc and the HTTP API bind them with
+SO_REUSEPORT and the kernel hands each new connection to one of the
+processes. A router holding one HTTP/2 connection is thus served by one
+process; open several connections (or set `--max-connection-age`) to spread.
+
+What must hold across the processes they share (`frontends.FrontendGroup`):
+request ids and their owners, the in-flight count and its limit, the KV-event
+streams. An Abort for a request another process runs is handed to it
+(`peers.py`). This process serves the metrics of all of them (prometheus
+multiprocess mode, vLLM's `vllm:*` series included) and passes stop signals
+on: one SIGTERM drains every frontend, then the engine stops. LoRA adapters
+are fixed at start (`--lora-modules`), as vLLM's HTTP server fixes them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import multiprocessing
+import os
+import queue
+import signal
+import socket
+import time
+from dataclasses import dataclass
+from multiprocessing import connection
+from typing import Any
+
+from ..frontends import FrontendGroup
+from .args import ServeArgs
+from .engine_processes import apart_from_stop_signals
+
+logger = logging.getLogger("vllm_servicer.serve")
+
+# Beyond a frontend's own drain and hard stop: the time to end its process.
+_EXIT_MARGIN = 15.0
+
+
+@dataclass
+class _Launch:
+    """What each frontend process receives (pickled by multiprocessing at spawn)."""
+
+    args: ServeArgs
+    group: FrontendGroup
+    ready: Any  # a multiprocessing queue: (index, pid) once serving
+
+
+def frontend_main(
+    listen_address: str, sock: Any, launch: _Launch, client_config: dict[str, Any]
+) -> None:
+    """A frontend process: serve as client `client_index` until told to stop."""
+    import asyncio
+
+    from .launcher import Frontend, _configure_logging, _end_process, serve
+
+    launch.group.join(client_config["client_index"])
+    _configure_logging(str(launch.args.engine.get("log_level") or "info").upper())
+    frontend = Frontend(launch.group, client_config, launch.ready)
+    try:
+        import uvloop
+    except ImportError:
+        code = asyncio.run(serve(launch.args, frontend))
+    else:
+        code = uvloop.run(serve(launch.args, frontend))
+    _end_process(code)
+
+
+def serve_frontends(args: ServeArgs) -> int:
+    """Start the engine and `args.api_server_count` frontends; serve until a
+    stop signal, then drain them all and stop the engine. The exit code.
+
+    0 after a stop asked for by a signal; 1 when a port is taken, the engine
+    died or a frontend ended on its own.
+    """
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.v1.metrics.prometheus import setup_multiprocess_prometheus
+
+    from .. import vllm_releases
+    from ..options import port_in_use
+
+    count = args.api_server_count
+    # Before anything imports prometheus_client's value class in a frontend:
+    # each process writes its series to files in a directory this one reads.
+    setup_multiprocess_prometheus()  # type: ignore[no-untyped-call]
+    ports: list[int] = []
+    for flag, host, port in (
+        ("--port", args.host, args.port),
+        ("--http-port", args.http_address, args.http_port),
+    ):
+        if port is None:
+            continue
+        if port_in_use(host, port):
+            logger.error(
+                "%s:%d is already in use (another server?); choose another %s", host, port, flag
+            )
+            return 1
+        ports.append(port or _free_port(host))
+    args = dataclasses.replace(args, port=ports[0], http_port=ports[1] if len(ports) > 1 else None)
+    group = FrontendGroup(count)
+    ready = multiprocessing.get_context("spawn").Queue()
+    engine_args = args.engine_args()
+    engine_args._api_process_count = count
+    engine_args._api_process_rank = -1
+    vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+    started = time.monotonic()
+    logger.info("starting the vLLM engine and %d frontend processes...", count)
+    with vllm_releases.engine_with_frontends(
+        vllm_config,
+        count,
+        frontend_main,
+        _Launch(args, group, ready),
+        log_stats=not engine_args.disable_log_stats,
+        apart=apart_from_stop_signals,
+    ) as frontends:
+        return _run(args, group, frontends, ready, started)
+
+
+def _run(args: ServeArgs, group: FrontendGroup, frontends: Any, ready: Any, started: float) -> int:
+    """From the engine up to every process gone."""
+    processes: list[multiprocessing.process.BaseProcess] = list(frontends.processes)
+    stop = _StopForwarding(processes)
+    metrics = None
+    try:
+        if not _wait_until_serving(processes, ready, stop):
+            return 1
+        logger.info(
+            "engine and %d frontends ready in %.1f s", len(processes), time.monotonic() - started
+        )
+        if args.metrics_port is not None:
+            metrics = _serve_metrics(args)
+        # Printed (not only logged) so scripts and tests can read the ports.
+        print(f"vllm-servicer listening on {args.host}:{args.port}", flush=True)
+        if args.http_port is not None:
+            scheme = "https" if args.tls is not None else "http"
+            print(
+                f"vllm-servicer http on {scheme}://{args.http_address}:{args.http_port}", flush=True
+            )
+        pids = " ".join(str(p.pid) for p in processes)
+        print(f"vllm-servicer frontends: {len(processes)} processes, pids {pids}", flush=True)
+        return _wait_until_ended(args, processes, frontends.engine_manager, stop)
+    finally:
+        stop.restore()
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+        logger.info("shutting down the engine")
+        frontends.engine_manager.shutdown(
+            timeout=float(args.engine.get("shutdown_timeout") or 0) or None
+        )
+        if frontends.coordinator is not None:
+            frontends.coordinator.shutdown()
+        group.remove_directory()
+        if metrics is not None:
+            metrics.shutdown()
+        logger.info("stopped")
+
+
+class _StopForwarding:
+    """SIGTERM and SIGINT passed on to every frontend (each in a process group
+    of its own, so a signal to this one's group reaches them once, from here).
+    A frontend drains on the first and hurries on the second, as one process does."""
+
+    def __init__(self, processes: list[multiprocessing.process.BaseProcess]) -> None:
+        self._processes = processes
+        self.requested_at: float | None = None
+        self._previous = {
+            sig: signal.signal(sig, self._forward) for sig in (signal.SIGTERM, signal.SIGINT)
+        }
+
+    def _forward(self, signum: int, frame: Any) -> None:
+        if self.requested_at is None:
+            self.requested_at = time.monotonic()
+            logger.info("stop requested: draining %d frontends", len(self._processes))
+        self.send(signum)
+
+    def send(self, signum: int = signal.SIGTERM) -> None:
+        for process in self._processes:
+            if process.pid is not None and process.exitcode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.pid, signum)
+
+    def stop_all(self) -> None:
+        """Drain the frontends, as a signal to this process would."""
+        if self.requested_at is None:
+            self._forward(signal.SIGTERM, None)
+
+    def restore(self) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+
+
+def _wait_until_serving(
+    processes: list[multiprocessing.process.BaseProcess], ready: Any, stop: _StopForwarding
+) -> bool:
+    """Until each frontend serves; False (logged) when one ended first or a stop came."""
+    waiting = {p.pid for p in processes}
+    while waiting:
+        if stop.requested_at is not None:
+            return False
+        try:
+            _, pid = ready.get(timeout=0.5)
+        except queue.Empty:
+            ended = [p for p in processes if p.exitcode is not None]
+            if ended:
+                logger.error(
+                    "frontend %s ended with exit code %s before serving",
+                    ended[0].name,
+                    ended[0].exitcode,
+                )
+                stop.stop_all()
+                return False
+            continue
+        waiting.discard(pid)
+    return True
+
+
+def _wait_until_ended(
+    args: ServeArgs,
+    processes: list[multiprocessing.process.BaseProcess],
+    engine_manager: Any,
+    stop: _StopForwarding,
+) -> int:
+    """Until every frontend has ended; the exit code. A frontend that ends on
+    its own, or the engine's death, stops the others."""
+    code = 0
+    alive: dict[Any, multiprocessing.process.BaseProcess] = {p.sentinel: p for p in processes}
+    engine = list(engine_manager.sentinels()) if hasattr(engine_manager, "sentinels") else []
+    # A frontend's longest stop: its drain, then its hard stop's deadline.
+    allowed = args.drain_grace + float(args.engine.get("shutdown_timeout") or 0) + _EXIT_MARGIN
+    while alive:
+        timeout = 1.0
+        if stop.requested_at is not None:
+            left = stop.requested_at + allowed - time.monotonic()
+            if left <= 0:
+                for process in alive.values():
+                    logger.error("frontend %s did not stop in time: killed", process.name)
+                    process.kill()
+                return 1
+            timeout = min(timeout, left)
+        for sentinel in connection.wait([*alive, *engine], timeout=timeout):
+            if sentinel in engine:
+                engine.remove(sentinel)
+                logger.error("the vLLM engine died: its frontends stop")
+                code = 1
+                continue  # each frontend sees it and ends itself (exit code 1)
+            process = alive.pop(sentinel)
+            process.join(5)  # its pipe closes a moment before its exit status is there
+            logger.info("frontend %s ended (exit code %s)", process.name, process.exitcode)
+            if process.exitcode != 0:
+                code = 1
+            if stop.requested_at is None:
+                logger.error(
+                    "frontend %s ended (exit code %s): stopping the others",
+                    process.name,
+                    process.exitcode,
+                )
+                code = 1
+                stop.stop_all()
+    return code
+
+
+def _free_port(host: str) -> int:
+    """A port free on `host` now, for `--port 0`: every frontend must bind the same one."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((host.strip("[]"), 0))
+        return int(sock.getsockname()[1])
+
+
+def _serve_metrics(args: ServeArgs) -> Any:
+    """Every frontend's series, and vLLM's, at one `/metrics`."""
+    from prometheus_client import CollectorRegistry, multiprocess
+
+    from ..interceptors import start_metrics_server
+
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+    server, _ = start_metrics_server(
+        args.metrics_port or 0, addr=args.metrics_address, registry=registry
+    )
+    print(
+        f"vllm-servicer metrics on http://{args.metrics_address}:{server.server_port}/metrics",
+        flush=True,
+    )
+    return server

@@ -1,0 +1,498 @@
+"""`serve --api-server-count 2`: two serving processes on one engine, seen from outside.
+
+One launcher for the module, as users start it: the tiny model, keys for two
+tenants and an admin, the three gRPC protocols, the HTTP API beside them,
+metrics, tracing to an OTLP collector, a small in-flight limit and KV-event
+cap. The kernel gives each new connection to one of the two processes; each
+test opens connections until it holds one to each (`Connections`, told apart
+by which process's socket the connection ends in), so that what must hold
+across processes is tried across them: a request started in one process and
+aborted through the other, one id, one limit, one count, one scrape. The
+drain test starts a launcher of its own and stops it as systemd does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import json
+import os
+import signal
+import types
+import urllib.request
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import psutil
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from support import bearer, request
+from support.launcher import (
+    START_TIMEOUT,
+    children,
+    drain_output,
+    exit_code,
+    gone,
+    spawn,
+    stop,
+    wait_for_line,
+)
+from support.vllm_protocol import reference_modules
+from test_tracing_otlp import Collector, _received
+from test_tracing_otlp import collector as collector  # a fixture: an OTLP receiver
+
+from vllm_servicer.proto import common_pb2, vllm_engine_pb2_grpc
+from vllm_servicer.proto import vllm_engine_pb2 as pb
+
+pytestmark = pytest.mark.timeout(START_TIMEOUT + 300)
+
+TENANT_A = "tenant-a-0123456789abcdefABCDEF"
+TENANT_B = "tenant-b-0123456789abcdefABCDEF"
+ADMIN = "admin-0123456789abcdefABCDEF"
+MAX_INFLIGHT = 6
+MAX_KV_SUBSCRIBERS = 4  # 2 per tenant
+LONG = 2000  # tokens: a request that is still running when the test acts on it
+
+
+@dataclass
+class Launcher:
+    address: str
+    port: int
+    http: str
+    metrics: str
+    pids: tuple[int, int]
+    output: collections.deque[str]
+
+
+def _launch_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "VLLM_API_KEY"))}
+    env["VLLM_SERVICER_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+    return env
+
+
+async def _start(
+    argv: list[str], env: dict[str, str], *, new_session: bool = False
+) -> tuple[Any, dict[str, str]]:
+    """A launcher with `argv`; its printed addresses by name."""
+    proc = await spawn(
+        "-m", "vllm_servicer", "serve", "--port", "0", *argv, env=env, new_session=new_session
+    )
+    lines: dict[str, str] = {}
+    lines["metrics"] = ""
+    if "--metrics-port" in argv:
+        lines["metrics"] = (await wait_for_line(proc, r"metrics on (\S+)")).group(1)
+    lines["address"] = (await wait_for_line(proc, r"listening on (\S+:\d+)")).group(1)
+    lines["http"] = ""
+    if "--http-port" in argv:
+        lines["http"] = (await wait_for_line(proc, r"http on (\S+)")).group(1)
+    lines["pids"] = (await wait_for_line(proc, r"frontends: 2 processes, pids (\d+ \d+)")).group(1)
+    return proc, lines
+
+
+@pytest.fixture(scope="module")
+async def launcher(
+    collector: Collector, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[Launcher]:
+    env = _launch_env(tmp_path_factory)
+    env.update(
+        {
+            "OTEL_EXPORTER_OTLP_ENDPOINT": collector.endpoint,
+            "OTEL_EXPORTER_OTLP_INSECURE": "true",
+            "OTEL_SERVICE_NAME": "vllm-servicer-n2",
+            "OTEL_BSP_SCHEDULE_DELAY": "200",
+        }
+    )
+    argv = [
+        "--api-server-count",
+        "2",
+        "--metrics-port",
+        "0",
+        "--http-port",
+        "0",
+        "--services",
+        "vllm-engine",
+        "inference",
+        "control",
+        "--api-key",
+        TENANT_A,
+        "--api-key",
+        TENANT_B,
+        "--admin-api-key",
+        ADMIN,
+        "--max-inflight",
+        str(MAX_INFLIGHT),
+        "--max-kv-subscribers",
+        str(MAX_KV_SUBSCRIBERS),
+        "--kv-events-config",
+        json.dumps(
+            {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "endpoint": f"ipc://{tmp_path_factory.mktemp('kv')}/kv-events",
+            }
+        ),
+    ]
+    proc, lines = await _start(argv, env)
+    output: collections.deque[str] = collections.deque(maxlen=300)
+    drain = asyncio.ensure_future(drain_output(proc, output))
+    first, second = (int(p) for p in lines["pids"].split())
+    try:
+        yield Launcher(
+            lines["address"],
+            int(lines["address"].rsplit(":", 1)[1]),
+            lines["http"],
+            lines["metrics"],
+            (first, second),
+            output,
+        )
+    finally:
+        try:
+            assert await stop(proc) == 0, "".join(output)
+        finally:
+            drain.cancel()
+
+
+class Connections:
+    """One gRPC connection to each frontend process, told apart by the process
+    whose socket each connection ends in."""
+
+    def __init__(self, launcher: Launcher) -> None:
+        self._launcher = launcher
+        self.by_pid: dict[int, grpc.aio.Channel] = {}
+        self._spare: list[grpc.aio.Channel] = []
+
+    def _peers(self, pid: int) -> set[int]:
+        """The client ports of the connections process `pid` holds on the gRPC port."""
+        return {
+            c.raddr.port
+            for c in psutil.Process(pid).net_connections("tcp")
+            if c.raddr and c.laddr.port == self._launcher.port
+        }
+
+    async def open(self) -> Connections:
+        for _ in range(40):
+            if len(self.by_pid) == 2:
+                return self
+            before = {pid: self._peers(pid) for pid in self._launcher.pids}
+            # A connection of its own: channels share one by default.
+            channel = grpc.aio.insecure_channel(
+                self._launcher.address, options=[("grpc.use_local_subchannel_pool", 1)]
+            )
+            await vllm_engine_pb2_grpc.VllmEngineStub(channel).HealthCheck(
+                pb.HealthCheckRequest(), metadata=bearer(ADMIN), timeout=30
+            )
+            (pid,) = [p for p in self._launcher.pids if self._peers(p) - before[p]]
+            if pid in self.by_pid:
+                self._spare.append(channel)
+            else:
+                self.by_pid[pid] = channel
+        raise AssertionError("40 connections all went to one process")
+
+    def engine(self, which: int) -> vllm_engine_pb2_grpc.VllmEngineStub:
+        """VllmEngine on process `which` (0 or 1)."""
+        return vllm_engine_pb2_grpc.VllmEngineStub(self.by_pid[self._launcher.pids[which]])
+
+    def channel(self, which: int) -> grpc.aio.Channel:
+        return self.by_pid[self._launcher.pids[which]]
+
+    async def close(self) -> None:
+        for channel in [*self.by_pid.values(), *self._spare]:
+            await channel.close()
+
+
+@pytest.fixture
+async def connections(launcher: Launcher) -> AsyncIterator[Connections]:
+    opened = Connections(launcher)
+    try:
+        yield await opened.open()
+    finally:
+        await opened.close()
+
+
+@pytest.fixture(scope="module")
+def inference_stubs() -> types.ModuleType:
+    return reference_modules("inference")[1]
+
+
+@pytest.fixture(scope="module")
+def inference_messages() -> types.ModuleType:
+    return reference_modules("inference")[0]
+
+
+async def _tokens(call: Any) -> list[int]:
+    tokens: list[int] = []
+    async for message in call:
+        if message.HasField("chunk"):
+            tokens.extend(message.chunk.token_ids)
+        if message.HasField("complete"):
+            tokens = list(message.complete.output_ids) or tokens
+    return tokens
+
+
+async def _first(call: Any) -> Any:
+    message = await call.read()
+    assert message is not grpc.aio.EOF
+    return message
+
+
+async def _finish_reason(call: Any) -> str:
+    """How a streamed Generate ended: the reason on its last message."""
+    last = None
+    while (message := await call.read()) is not grpc.aio.EOF:
+        last = message
+    assert last is not None and last.HasField("complete")
+    return str(last.complete.finish_reason)
+
+
+async def test_both_processes_serve_the_same_greedy_tokens(
+    connections: Connections,
+    inference_stubs: types.ModuleType,
+    inference_messages: types.ModuleType,
+) -> None:
+    a = bearer(TENANT_A)
+    tokens = [
+        await _tokens(connections.engine(i).Generate(request(max_tokens=8), metadata=a))
+        for i in (0, 1)
+    ]
+    assert len(tokens[0]) == 8 and tokens[0] == tokens[1]
+    # vLLM's own protocol too, from each process, with the reference's stubs.
+    for i in (0, 1):
+        message = inference_messages.GenerateRequest()
+        message.token_ids.ids.extend([5, 17, 42, 99, 7, 63, 21, 88])
+        message.stopping.max_new_tokens = 8
+        message.stopping.ignore_eos = True
+        message.response.output_token_ids = True
+        stub = inference_stubs.InferenceStub(connections.channel(i))
+        reply = await stub.Generate(message, metadata=a, timeout=60)
+        assert list(reply.outputs.token_ids) == tokens[0]
+
+
+async def test_abort_through_one_process_stops_a_request_the_other_runs(
+    connections: Connections, launcher: Launcher
+) -> None:
+    a = bearer(TENANT_A)
+    for started_on, aborted_on in ((0, 1), (1, 0)):
+        rid = f"cross-abort-{started_on}"
+        call = connections.engine(started_on).Generate(
+            request(max_tokens=LONG, ignore_eos=True, stream=True, request_id=rid), metadata=a
+        )
+        await _first(call)
+        await connections.engine(aborted_on).Abort(pb.AbortRequest(request_ids=[rid]), metadata=a)
+        assert await asyncio.wait_for(_finish_reason(call), 60) == "abort"
+
+
+async def test_a_request_id_belongs_to_its_caller_in_every_process(
+    connections: Connections,
+) -> None:
+    a, b = bearer(TENANT_A), bearer(TENANT_B)
+    rid = "owned-by-a"
+    call = connections.engine(0).Generate(
+        request(max_tokens=40, ignore_eos=True, stream=True, request_id=rid), metadata=a
+    )
+    await _first(call)
+    # Tenant B, at the other process: its Abort touches nothing, its reuse is refused.
+    await connections.engine(1).Abort(pb.AbortRequest(request_ids=[rid]), metadata=b)
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await _tokens(connections.engine(1).Generate(request(request_id=rid), metadata=b))
+    assert refused.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert "already in use" in (refused.value.details() or "")
+    assert await asyncio.wait_for(_finish_reason(call), 60) == "length"
+    # Once it has ended, the id is free for anyone, in either process.
+    assert len(await _tokens(connections.engine(1).Generate(request(request_id=rid), metadata=b)))
+
+
+async def test_the_in_flight_limit_and_count_are_the_processes_together(
+    connections: Connections,
+) -> None:
+    a = bearer(TENANT_A)
+    running = [
+        connections.engine(i % 2).Generate(
+            request(max_tokens=LONG, ignore_eos=True, stream=True), metadata=a
+        )
+        for i in range(MAX_INFLIGHT)
+    ]
+    try:
+        for call in running:
+            await _first(call)
+        for i in (0, 1):
+            info = await connections.engine(i).GetServerInfo(pb.GetServerInfoRequest(), metadata=a)
+            assert info.active_requests == MAX_INFLIGHT
+            with pytest.raises(grpc.aio.AioRpcError) as busy:
+                await _tokens(connections.engine(i).Generate(request(), metadata=a))
+            assert busy.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert f"limit (max_inflight) is {MAX_INFLIGHT}" in (busy.value.details() or "")
+    finally:
+        for call in running:
+            call.cancel()
+    for _ in range(100):
+        info = await connections.engine(1).GetServerInfo(pb.GetServerInfoRequest(), metadata=a)
+        if info.active_requests == 0:
+            break
+        await asyncio.sleep(0.1)
+    assert info.active_requests == 0
+    assert len(await _tokens(connections.engine(0).Generate(request(), metadata=a))) == 8
+
+
+async def test_the_kv_event_caps_hold_across_processes(connections: Connections) -> None:
+    a, b = bearer(TENANT_A), bearer(TENANT_B)
+    subscribe = common_pb2.SubscribeKvEventsRequest()
+    # Tenant A's share is 2 (half of 4): one in each process, then none in either.
+    held = [connections.engine(i).SubscribeKvEvents(subscribe, metadata=a) for i in (0, 1)]
+    try:
+        await asyncio.sleep(1.0)  # both streams opened (no events come without KV events on)
+        for i in (0, 1):
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await connections.engine(i).SubscribeKvEvents(subscribe, metadata=a).read()
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "per-caller limit is 2" in (refused.value.details() or "")
+        # Tenant B still gets its own share.
+        other = connections.engine(1).SubscribeKvEvents(subscribe, metadata=b)
+        await asyncio.sleep(0.5)
+        assert not other.done()
+        other.cancel()
+    finally:
+        for call in held:
+            call.cancel()
+
+
+async def test_one_scrape_counts_every_process_with_vllms_own_series(
+    connections: Connections, launcher: Launcher
+) -> None:
+    a = bearer(TENANT_A)
+
+    def scrape() -> dict[str, float]:
+        text = urllib.request.urlopen(launcher.metrics, timeout=10).read().decode()
+        return {
+            sample.name: sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name
+            in {
+                "vllm_servicer_generation_tokens_total",
+                "vllm_servicer_requests_in_flight",
+                "vllm:generation_tokens_total",
+            }
+        }
+
+    before = scrape()
+    for i in (0, 1, 0, 1):
+        assert len(await _tokens(connections.engine(i).Generate(request(), metadata=a))) == 8
+    after = scrape()
+    assert (
+        after["vllm_servicer_generation_tokens_total"]
+        - before.get("vllm_servicer_generation_tokens_total", 0)
+        == 32
+    )
+    assert (
+        after["vllm:generation_tokens_total"] - before.get("vllm:generation_tokens_total", 0) >= 32
+    )
+    assert after["vllm_servicer_requests_in_flight"] == 0
+
+
+async def test_the_http_api_is_served_beside_on_one_engine(launcher: Launcher) -> None:
+    body = json.dumps(
+        {"model": _model(launcher), "prompt": [5, 17, 42, 99], "max_tokens": 4, "temperature": 0}
+    ).encode()
+    # Several connections: the kernel spreads them over both processes.
+    for _ in range(4):
+        req = urllib.request.Request(
+            f"{launcher.http}/v1/completions",
+            data=body,
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {TENANT_A}"},
+        )
+        reply = json.loads(await asyncio.to_thread(_read, req))
+        assert reply["usage"]["completion_tokens"] == 4
+    unauthorized = urllib.request.Request(f"{launcher.http}/v1/completions", data=body)
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        await asyncio.to_thread(_read, unauthorized)
+    assert refused.value.code == 401
+
+
+def _read(req: urllib.request.Request) -> bytes:
+    with urllib.request.urlopen(req, timeout=60) as reply:
+        return bytes(reply.read())
+
+
+def _model(launcher: Launcher) -> str:
+    with urllib.request.urlopen(
+        urllib.request.Request(
+            f"{launcher.http}/v1/models", headers={"Authorization": f"Bearer {TENANT_A}"}
+        ),
+        timeout=30,
+    ) as reply:
+        return str(json.loads(reply.read())["data"][0]["id"])
+
+
+async def test_each_process_traces_its_calls(
+    connections: Connections, collector: Collector
+) -> None:
+    a = bearer(TENANT_A)
+    ids = [f"traced-{i}" for i in (0, 1)]
+    for i, rid in enumerate(ids):
+        await _tokens(connections.engine(i).Generate(request(request_id=rid), metadata=a))
+    for _ in range(100):
+        traced = {
+            value
+            for span in _received(collector.receiver)
+            for value in span.attributes.values()
+            if value in ids
+        }
+        if traced == set(ids):
+            break
+        await asyncio.sleep(0.2)
+    assert traced == set(ids)
+
+
+async def test_lora_adapters_are_fixed_with_several_processes(
+    connections: Connections,
+) -> None:
+    control_pb2, control_grpc = reference_modules("control")
+    stub = control_grpc.ControlStub(connections.channel(0))
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await stub.LoadLora(
+            control_pb2.LoadLoraRequest(lora_name="x", source_path="/nowhere"),
+            metadata=bearer(ADMIN),
+        )
+    # This engine has no LoRA: the first precondition named is that one.
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+async def test_one_sigterm_to_the_group_drains_every_process(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Streams running in both processes complete; then everything exits, code 0."""
+    env = _launch_env(tmp_path_factory)
+    proc, lines = await _start(
+        ["--api-server-count", "2", "--drain-grace", "0"], env, new_session=True
+    )
+    output: collections.deque[str] = collections.deque(maxlen=300)
+    drain = asyncio.ensure_future(drain_output(proc, output))
+    pids = tuple(int(p) for p in lines["pids"].split())
+    port = int(lines["address"].rsplit(":", 1)[1])
+    launched = Launcher(lines["address"], port, "", "", (pids[0], pids[1]), output)
+    opened = await Connections(launched).open()
+    processes = children(proc.pid)
+    try:
+        calls = [
+            opened.engine(i).Generate(request(max_tokens=300, ignore_eos=True, stream=True))
+            for i in (0, 1)
+        ]
+        for call in calls:
+            await _first(call)
+        # As systemd's KillMode=mixed and a terminal's Ctrl-C do: the whole group.
+        os.killpg(os.getpgid(proc.pid), signal.SIGTERM)
+        reasons = await asyncio.wait_for(asyncio.gather(*(_finish_reason(c) for c in calls)), 120)
+        assert reasons == ["length", "length"]
+        assert await asyncio.wait_for(exit_code(proc), 120) == 0, "".join(output)
+        assert not await gone(processes, 30)
+    finally:
+        await opened.close()
+        if proc.returncode is None:
+            proc.kill()
+        drain.cancel()
+        with contextlib.suppress(ProcessLookupError):
+            for pid in processes:
+                os.kill(pid, signal.SIGKILL)
