@@ -336,6 +336,38 @@ async def test_the_in_flight_limit_and_count_are_the_processes_together(
     assert len(await _tokens(connections.engine(0).Generate(request(), metadata=a))) == 8
 
 
+async def test_get_loads_at_either_process_reports_the_whole_engine(
+    connections: Connections,
+) -> None:
+    """vLLM hands each step's stats to one frontend: here to process 0 alone,
+    which runs every request, while GetLoads is asked of process 1."""
+    a = bearer(TENANT_A)
+
+    async def running_seen_by(which: int) -> int:
+        reply = await connections.engine(which).GetLoads(pb.GetLoadsRequest(), metadata=a)
+        return sum(load.num_running_reqs for load in reply.loads) if reply.loads else -1
+
+    calls = [
+        connections.engine(0).Generate(
+            request(max_tokens=LONG, ignore_eos=True, stream=True), metadata=a
+        )
+        for _ in range(2)
+    ]
+    try:
+        for call in calls:
+            await _first(call)
+        seen = [await running_seen_by(1) for _ in range(3)]
+        assert 2 in seen, seen
+    finally:
+        for call in calls:
+            call.cancel()
+    for _ in range(50):
+        if await running_seen_by(1) == 0:
+            break
+        await asyncio.sleep(0.1)
+    assert await running_seen_by(1) == 0
+
+
 async def test_the_kv_event_caps_hold_across_processes(connections: Connections) -> None:
     a, b = bearer(TENANT_A), bearer(TENANT_B)
     subscribe = common_pb2.SubscribeKvEventsRequest()

@@ -143,18 +143,21 @@ class FrontendGroup:
         # Where each process listens for its peers (private, 0700).
         self.directory = tempfile.mkdtemp(prefix="vllm-servicer-frontends-")
         self._table = SharedTable(self._words, capacity)
-        # Set in each process by the launcher: sends an abort to a peer.
+        # Set in each process by the launcher (serve/peers.py): send an abort
+        # to a peer; fetch the others' GetLoads figures.
         self.abort_elsewhere: Callable[[int, list[str]], Awaitable[None]] | None = None
+        self.loads_elsewhere: Callable[[], Awaitable[list[Any]]] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        del state["_table"], state["abort_elsewhere"]
+        del state["_table"], state["abort_elsewhere"], state["loads_elsewhere"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._table = SharedTable(self._words, self._capacity)
         self.abort_elsewhere = None
+        self.loads_elsewhere = None
 
     def join(self, index: int) -> None:
         """Become process `index` of the group."""

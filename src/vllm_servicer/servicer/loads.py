@@ -104,16 +104,53 @@ class SchedulerStatsTap(AggregateStatLoggerBase):
     def log_engine_initialized(self) -> None:
         """Nothing to log: this logger only keeps figures for GetLoads."""
 
-    def snapshot(self, rank: int) -> tuple[Any, float, float] | None:
-        """`rank`'s latest SchedulerStats, tokens/s and prefix hit rate (None if none yet)."""
-        state = self._ranks.get(rank)
-        if state is None or state.stats is None:
+    def window(self) -> dict[int, RankWindow]:
+        """Each rank's latest stats and its last `RATE_WINDOW` seconds of counts.
+
+        What another frontend process on the engine merges with its own
+        (`snapshot`): vLLM hands each step's SchedulerStats to one frontend
+        only, and each frontend counts its own requests' tokens.
+        """
+        now = time.monotonic()
+        windows = {}
+        for index, state in self._ranks.items():
+            state.trim(now)
+            windows[index] = RankWindow(
+                state.stats,
+                state.stats_at,
+                sum(s.generated_tokens for s in state.samples),
+                sum(s.prefix_queries for s in state.samples),
+                sum(s.prefix_hits for s in state.samples),
+            )
+        return windows
+
+    def snapshot(
+        self, rank: int, elsewhere: Iterable[dict[int, RankWindow]] = ()
+    ) -> tuple[Any, float, float] | None:
+        """`rank`'s latest SchedulerStats, tokens/s and prefix hit rate (None if none yet).
+
+        With `elsewhere`, the other frontend processes' windows: the newest
+        stats of all, and their counts added to this process's.
+        """
+        windows = [w[rank] for w in (self.window(), *elsewhere) if rank in w]
+        windows = [w for w in windows if w.stats is not None]
+        if not windows:
             return None
-        state.trim(time.monotonic())
-        generated = sum(s.generated_tokens for s in state.samples)
-        queries = sum(s.prefix_queries for s in state.samples)
-        hits = sum(s.prefix_hits for s in state.samples)
-        return state.stats, generated / RATE_WINDOW, (hits / queries if queries else 0.0)
+        newest = max(windows, key=lambda w: w.stats_at)
+        generated = sum(w.generated_tokens for w in windows)
+        queries = sum(w.prefix_queries for w in windows)
+        hits = sum(w.prefix_hits for w in windows)
+        return newest.stats, generated / RATE_WINDOW, (hits / queries if queries else 0.0)
+
+
+class RankWindow(NamedTuple):
+    """One rank's figures in one frontend process (see `SchedulerStatsTap.window`)."""
+
+    stats: Any  # the latest SchedulerStats, or None
+    stats_at: float  # time.monotonic(): one clock for every process of the host
+    generated_tokens: int
+    prefix_queries: int
+    prefix_hits: int
 
 
 def attach(engine: EngineClient) -> SchedulerStatsTap | None:
@@ -148,9 +185,13 @@ class LoadReport(NamedTuple):
 
 
 def load_report(
-    engine: EngineClient, tap: SchedulerStatsTap | None, dp_rank: int | None
+    engine: EngineClient,
+    tap: SchedulerStatsTap | None,
+    dp_rank: int | None,
+    elsewhere: Iterable[dict[int, RankWindow]] = (),
 ) -> LoadReport:
-    """The GetLoads response for one rank (`dp_rank`) or all ranks (None).
+    """The GetLoads response for one rank (`dp_rank`) or all ranks (None);
+    `elsewhere`: the other frontend processes' windows, merged in.
 
     Raises:
         InvalidRequestError: `dp_rank` is not a rank this frontend serves.
@@ -174,7 +215,7 @@ def load_report(
 
     loads, missing = [], []
     for rank in wanted:
-        figures = tap.snapshot(rank) if tap is not None else None
+        figures = tap.snapshot(rank, elsewhere) if tap is not None else None
         if figures is None:
             missing.append(rank)
             continue

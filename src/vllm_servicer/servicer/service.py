@@ -86,6 +86,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         # What preprocessed tensors (mm_inputs) this model takes.
         self._model_media = mm_tensors.ModelMedia.of(engine, shm=shm_tensors)
         self._kv_subscribers = SubscriberLimit(max_kv_subscribers, group)
+        self._group = group
         self._started_monotonic = time.monotonic()
         self._running = running if running is not None else RunningRequests()
         self._last_receive_timestamp = 0.0
@@ -262,7 +263,10 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def GetLoads(self, request: pb.GetLoadsRequest, context: Context) -> pb.GetLoadsResponse:
         fields.load_sections(list(request.include))
         dp_rank = request.dp_rank if request.HasField("dp_rank") else None
-        report = loads.load_report(self._engine, self._stats_tap, dp_rank)
+        group = self._group
+        # Several frontends on the engine: each saw part of its steps.
+        elsewhere = await group.loads_elsewhere() if group and group.loads_elsewhere else []
+        report = loads.load_report(self._engine, self._stats_tap, dp_rank, elsewhere)
         if report.missing_ranks:
             # Left out rather than zero-filled: zeros would read as idle ranks.
             context.set_trailing_metadata(
