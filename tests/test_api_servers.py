@@ -528,3 +528,43 @@ async def test_one_sigterm_to_the_group_drains_every_process(
         with contextlib.suppress(ProcessLookupError):
             for pid in processes:
                 os.kill(pid, signal.SIGKILL)
+
+
+async def test_the_engines_death_ends_every_process_with_exit_code_1(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """The engine core killed at a chosen moment: each frontend sees it, stops,
+    and the launcher exits 1 with nothing left behind (a supervisor restarts it)."""
+    env = _launch_env(tmp_path_factory)
+    env["VLLM_KEEP_ALIVE_ON_ENGINE_DEATH"] = "0"
+    proc, lines = await _start(["--api-server-count", "2"], env, new_session=True)
+    output: collections.deque[str] = collections.deque(maxlen=300)
+    drain = asyncio.ensure_future(drain_output(proc, output))
+    frontends = {int(p) for p in lines["pids"].split()}
+    processes = children(proc.pid)
+    channel = grpc.aio.insecure_channel(lines["address"])
+    try:
+        running = vllm_engine_pb2_grpc.VllmEngineStub(channel).Generate(
+            request(max_tokens=LONG, ignore_eos=True, stream=True)
+        )
+        await _first(running)
+        (engine_core,) = [
+            p
+            for p in psutil.Process(proc.pid).children()
+            if p.pid not in frontends and "EngineCore" in " ".join([p.name(), *p.cmdline()])
+        ]
+        engine_core.kill()
+        # The call in flight fails at once rather than waiting on a dead engine.
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await asyncio.wait_for(_finish_reason(running), 30)
+        assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert await asyncio.wait_for(exit_code(proc), 120) == 1, "".join(output)
+        assert not await gone(processes, 30)
+    finally:
+        await channel.close()
+        if proc.returncode is None:
+            proc.kill()
+        drain.cancel()
+        with contextlib.suppress(ProcessLookupError):
+            for pid in processes:
+                os.kill(pid, signal.SIGKILL)

@@ -140,6 +140,9 @@ class FrontendGroup:
         # in flight, KV-event streams open.
         self._inflight = ctx.RawArray(ctypes.c_int64, count)
         self._streams = ctx.RawArray(ctypes.c_int64, count)
+        # Set by the parent when the engine core's process ends: a client of
+        # an engine it did not start cannot see that process.
+        self._engine_dead = ctx.RawValue(ctypes.c_bool, False)
         # Where each process listens for its peers (private, 0700).
         self.directory = tempfile.mkdtemp(prefix="vllm-servicer-frontends-")
         self._table = SharedTable(self._words, capacity)
@@ -168,6 +171,15 @@ class FrontendGroup:
     def peer_address(self, index: int) -> str:
         """The gRPC address process `index` answers its peers on."""
         return f"unix:{os.path.join(self.directory, f'frontend-{index}.sock')}"
+
+    @property
+    def engine_dead(self) -> bool:
+        """Whether the parent saw the engine core's process end."""
+        return bool(self._engine_dead.value)
+
+    def engine_died(self) -> None:
+        """The parent's notice to every frontend that the engine core is gone."""
+        self._engine_dead.value = True
 
     def stop_all(self) -> None:
         """Ask the parent to drain every process and stop the engine (as SIGTERM does)."""

@@ -218,3 +218,16 @@ def engine_with_frontends(
         launch.watched_frontend_processes = manager.processes
     # Leaving the launch waited for the engine's handshake: it is up.
     yield EngineWithFrontends(list(manager.processes), launch.engine_manager, coordinator)
+
+
+def engine_core_died(engine: Any) -> None:
+    """Do what vLLM's client does when it sees its engine core's process end
+    (`MPClient.monitor_engine_cores`, alike in 0.31 to 0.33): mark the engine
+    dead and close the client, so that every request waiting on it fails
+    with EngineDeadError. A client of an engine another process started
+    (`client_addresses`) has no process to watch: its parent tells it.
+    """
+    core = engine.engine_core
+    if not core.resources.engine_dead:
+        core.resources.engine_dead = True
+        core.shutdown()

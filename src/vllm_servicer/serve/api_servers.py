@@ -145,7 +145,7 @@ def _run(args: ServeArgs, group: FrontendGroup, frontends: Any, ready: Any, star
             )
         pids = " ".join(str(p.pid) for p in processes)
         print(f"vllm-servicer frontends: {len(processes)} processes, pids {pids}", flush=True)
-        return _wait_until_ended(args, processes, frontends.engine_manager, stop)
+        return _wait_until_ended(args, group, processes, frontends.engine_manager, stop)
     finally:
         stop.restore()
         for process in processes:
@@ -224,6 +224,7 @@ def _wait_until_serving(
 
 def _wait_until_ended(
     args: ServeArgs,
+    group: FrontendGroup,
     processes: list[multiprocessing.process.BaseProcess],
     engine_manager: Any,
     stop: _StopForwarding,
@@ -248,9 +249,12 @@ def _wait_until_ended(
         for sentinel in connection.wait([*alive, *engine], timeout=timeout):
             if sentinel in engine:
                 engine.remove(sentinel)
-                logger.error("the vLLM engine died: its frontends stop")
-                code = 1
-                continue  # each frontend sees it and ends itself (exit code 1)
+                if stop.requested_at is None:
+                    logger.error("the vLLM engine died: its frontends stop")
+                    code = 1
+                    group.engine_died()  # each ends itself, exit code 1
+                    stop.requested_at = time.monotonic()  # in time, or killed
+                continue
             process = alive.pop(sentinel)
             process.join(5)  # its pipe closes a moment before its exit status is there
             logger.info("frontend %s ended (exit code %s)", process.name, process.exitcode)

@@ -32,6 +32,7 @@ from ..mounting import mount
 from ..multimodal.media import MediaRefOptions
 from ..options import port_in_use, server_options, shared_port
 from ..tls import server_credentials, warn_if_exposed
+from ..vllm_releases import engine_core_died
 from .args import ServeArgs, parse_args
 from .engine_processes import apart_from_stop_signals, exit_now
 from .http_api import HttpApi
@@ -130,7 +131,7 @@ async def serve(args: ServeArgs, frontend: Frontend | None = None) -> int:
             if side.http is not None:
                 url = f"{side.http.scheme}://{args.http_address}:{side.http.port}"
                 print(f"vllm-servicer http on {url}", flush=True)
-        return await _serve_until_stopped(engine, shutdown)
+        return await _serve_until_stopped(engine, shutdown, group)
     finally:
         await side.close(engine)
 
@@ -351,9 +352,11 @@ def _shutdown(
     return shutdown
 
 
-async def _serve_until_stopped(engine: AsyncLLM, shutdown: GracefulShutdown) -> int:
+async def _serve_until_stopped(
+    engine: AsyncLLM, shutdown: GracefulShutdown, group: FrontendGroup | None = None
+) -> int:
     """Serve until a stop request or the engine's death, then drain; the exit code."""
-    watchdog = asyncio.ensure_future(stop_when_engine_dies(engine, shutdown.request_stop))
+    watchdog = asyncio.ensure_future(stop_when_engine_dies(engine, shutdown.request_stop, group))
     await shutdown.wait_for_stop_request()
     # Died first, or stopped by a signal (that may reach the engine's processes too).
     died = watchdog.done() and not watchdog.cancelled() and watchdog.result()
@@ -363,7 +366,10 @@ async def _serve_until_stopped(engine: AsyncLLM, shutdown: GracefulShutdown) -> 
 
 
 async def stop_when_engine_dies(
-    engine: Any, stop: Callable[[], object], interval: float = 0.5
+    engine: Any,
+    stop: Callable[[], object],
+    group: FrontendGroup | None = None,
+    interval: float = 0.5,
 ) -> bool:
     """Call `stop` once the engine has died, as vLLM's HTTP server ends itself
     then; True when it did.
@@ -371,13 +377,18 @@ async def stop_when_engine_dies(
     A dead EngineCore never comes back: a server left running answers every
     call UNAVAILABLE, and only a liveness probe would restart it, not systemd
     or a container's restart policy. `VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1`
-    (vLLM's own switch) keeps serving, health NOT_SERVING.
+    (vLLM's own switch) keeps serving, health NOT_SERVING. `group`: this
+    process is one of several frontends, told of the engine's death by their parent.
     """
     import vllm.envs
 
     if vllm.envs.VLLM_KEEP_ALIVE_ON_ENGINE_DEATH:
         return False
     while not engine.errored:  # noqa: ASYNC110 - vLLM offers no event; one attribute read
+        if group is not None and group.engine_dead:
+            # One of several frontends: the parent saw the engine's process end.
+            engine_core_died(engine)
+            break
         await asyncio.sleep(interval)
     logger.error(
         "the vLLM engine died: draining and stopping with exit code 1 "
