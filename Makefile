@@ -54,7 +54,8 @@ ENGINE_VENV = build/venv-$(subst ==,-,$(ENGINE))
 CORE_TESTS ?= tests/test_generate.py tests/test_rpcs.py tests/test_conformance.py \
 	tests/test_bad_input.py tests/test_vllm_version.py tests/test_protocol_fields.py \
 	tests/test_images.py tests/test_mm_tensors.py tests/test_kv_events.py \
-	tests/test_vllm_releases.py tests/test_inference.py tests/test_control.py
+	tests/test_vllm_releases.py tests/test_inference.py tests/test_control.py \
+	tests/test_api_servers.py tests/test_frontends.py
 test-engine:
 ifneq ($(filter vllm==%,$(ENGINE)),)
 	$(MAKE) test-engine-hybrid VLLM=$(patsubst vllm==%,%,$(ENGINE))

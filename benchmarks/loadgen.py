@@ -131,9 +131,11 @@ def summarize(spec: BurstSpec, rec: Recorder, wall: float) -> dict[str, Any]:
 
 
 class Client:
-    """Drives servers with the reference stubs; one channel per target, kept open."""
+    """Drives servers with the reference stubs; `connections` channels per target
+    (each its own TCP connection), kept open, the burst's workers spread over them."""
 
-    def __init__(self, api_key: str | None = None) -> None:
+    def __init__(self, api_key: str | None = None, connections: int = 1) -> None:
+        self._connections = max(1, connections)
         from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
         self._pb = vllm_engine_pb2
@@ -143,10 +145,11 @@ class Client:
         self._burst = 0
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
 
-    def _stub(self, target: str) -> Any:
+    def _stub(self, target: str, worker: int = 0) -> Any:
         import grpc
 
-        stub = self._stubs.get(target)
+        key = f"{target}#{worker % self._connections}"
+        stub = self._stubs.get(key)
         if stub is None:
             options = [
                 ("grpc.max_receive_message_length", 64 * 1024 * 1024),
@@ -154,10 +157,12 @@ class Client:
                 # not after gRPC's default backoff (up to two minutes).
                 ("grpc.initial_reconnect_backoff_ms", 500),
                 ("grpc.max_reconnect_backoff_ms", 1000),
+                # A connection of its own: channels to one target share one by default.
+                ("grpc.use_local_subchannel_pool", 1),
             ]
             channel = grpc.aio.insecure_channel(target, options=options)
             self._channels.append(channel)
-            stub = self._stubs[target] = self._grpc.VllmEngineStub(channel)
+            stub = self._stubs[key] = self._grpc.VllmEngineStub(channel)
         return stub
 
     async def close(self) -> None:
@@ -177,7 +182,6 @@ class Client:
     async def run(self, spec: BurstSpec) -> dict[str, Any]:
         """Runs one burst and returns its summary."""
         pb = self._pb
-        stub = self._stub(spec.target)
         self._burst += 1
         tag = f"b{os.getpid()}-{self._burst}"
         requests = [
@@ -195,7 +199,8 @@ class Client:
         clock = time.perf_counter
         queue = iter(requests)
 
-        async def worker() -> None:
+        async def worker(index: int) -> None:
+            stub = self._stub(spec.target, index)
             for request in queue:
                 arrivals: list[tuple[float, int]] = []
                 total = 0
@@ -220,7 +225,7 @@ class Client:
                 rec.request_done(sent, arrivals, total, note)
 
         started = clock()
-        await asyncio.gather(*(worker() for _ in range(min(spec.concurrency, spec.requests))))
+        await asyncio.gather(*(worker(i) for i in range(min(spec.concurrency, spec.requests))))
         return summarize(spec, rec, clock() - started)
 
 

@@ -42,6 +42,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -259,6 +260,8 @@ class Server:
     name: str
     cmd: list[str]
     targets: dict[str, str]
+    # Where its processes' prometheus series go (ours-multi): read per process.
+    metrics_dir: Path | None = None
 
 
 def server_for(name: str, flags: list[str], args: argparse.Namespace) -> Server:
@@ -270,7 +273,8 @@ def server_for(name: str, flags: list[str], args: argparse.Namespace) -> Server:
         return Server(name, [*ours, *flags], {GRPC: grpc_target})
     if name == OURS_MULTI:
         count = ["--api-server-count", str(args.api_server_count)]
-        return Server(name, [*ours, *count, *flags], {GRPC: grpc_target})
+        metrics_dir = Path(tempfile.mkdtemp(prefix="seed-multi-metrics-"))
+        return Server(name, [*ours, *count, *flags], {GRPC: grpc_target}, metrics_dir)
     if name == OURS_BOTH:
         http_port = run.free_port()
         cmd = [*ours, "--http-port", str(http_port), *flags]
@@ -290,6 +294,25 @@ def is_api_server(pid: int) -> bool:
             return b"APIServer" in f.read()
     except OSError:
         return False
+
+
+def serving_cpu_by_process(root: int) -> dict[int, float]:
+    """CPU seconds of each serving process under `root` (--api-server-count's frontends)."""
+    return {pid: run.cpu_seconds(pid) for pid in run.descendants(root) if is_api_server(pid)}
+
+
+def generated_by_process(directory: Path) -> dict[int, float]:
+    """vLLM's own `vllm:generation_tokens_total` of each serving process, read from
+    the files prometheus_client's multiprocess mode writes there (`counter_<pid>.db`)."""
+    from prometheus_client.mmap_dict import MmapedDict
+
+    counts: dict[int, float] = {}
+    for path in directory.glob("counter_*.db"):
+        pid = int(path.stem.split("_", 1)[1])
+        for key, value, *_ in MmapedDict.read_all_values_from_file(str(path)):
+            if json.loads(key)[1] == "vllm:generation_tokens_total":
+                counts[pid] = counts.get(pid, 0.0) + value
+    return counts
 
 
 def cpu_split(root: int) -> tuple[float, float]:
@@ -409,6 +432,8 @@ def build_header(
         "concurrency": args.concurrency,
         "requests": {c: requests_for(c, args) for c in args.concurrency},
         "servers": servers,
+        "api_server_count": args.api_server_count,
+        "grpc_connections": args.grpc_connections,
         "engine_flags": flags,
         "client_cpu": args.client_cpu,
         "environment": run.environment(),
@@ -433,7 +458,9 @@ def print_header(header: dict[str, Any]) -> None:
         f"workload:    input {header['input_len']} token ids, outputs {header['output_lens']} "
         f"(ignore_eos, greedy), concurrency {header['concurrency']}, "
         f"requests per burst {header['requests']}",
-        f"servers:     {' '.join(header['servers'])}",
+        f"servers:     {' '.join(header['servers'])}   (ours-multi: --api-server-count "
+        f"{header['api_server_count']}; gRPC connections per server: "
+        f"{header['grpc_connections']})",
         f"engine flags (every server): {' '.join(header['engine_flags'])}",
     ]
     if header["gpu"] and "vllm" not in v:
@@ -465,6 +492,8 @@ class Row:
     engine_cpu_s: float = 0.0
     gpu_util: float | None = None
     status: str = "ok"
+    # ours-multi: each serving process's pid, CPU seconds and output tokens.
+    per_process: list[dict[str, float]] = field(default_factory=list)
 
     @property
     def name(self) -> str:
@@ -487,6 +516,7 @@ class Row:
             "serving_cpu_us_per_token": self.per_token_us(self.serving_cpu_s),
             "engine_cpu_us_per_token": self.per_token_us(self.engine_cpu_s),
             "gpu_util_pct": self.gpu_util,
+            "per_process": self.per_process,
             **self.result,
         }
 
@@ -508,6 +538,7 @@ class Seed:
 
     def start_client(self) -> run.LineChannel:
         cmd = [sys.executable, str(HERE / "seed_client.py"), "--cpu", str(self.args.client_cpu)]
+        cmd += ["--grpc-connections", str(self.args.grpc_connections)]
         m = self.procs.add("client", cmd)
         m.start(stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self.client = run.LineChannel(m)
@@ -542,15 +573,36 @@ class Seed:
         }
 
     def burst(
-        self, m: run.Managed, server: str, protocol: str, target: str, c: int, out: int
+        self,
+        m: run.Managed,
+        server: str,
+        protocol: str,
+        target: str,
+        c: int,
+        out: int,
+        metrics_dir: Path | None = None,
     ) -> Row:
         assert self.client is not None
         before = cpu_split(m.pid)
+        if metrics_dir is not None:
+            cpu_before, tokens_before = (
+                serving_cpu_by_process(m.pid),
+                generated_by_process(metrics_dir),
+            )
         with GpuSampler() as gpu:
             result = self.client.ask(self.spec(target, c, requests_for(c, self.args), out))
         after = cpu_split(m.pid)
         row = Row(server, protocol, out, c, result, after[0] - before[0], after[1] - before[1])
         row.gpu_util = gpu.busiest_mean()
+        if metrics_dir is not None:
+            cpu_after, tokens_after = (
+                serving_cpu_by_process(m.pid),
+                generated_by_process(metrics_dir),
+            )
+            for pid in sorted(cpu_after):
+                cpu = cpu_after[pid] - cpu_before.get(pid, 0.0)
+                tokens = tokens_after.get(pid, 0.0) - tokens_before.get(pid, 0.0)
+                row.per_process.append({"pid": pid, "cpu_s": round(cpu, 3), "tokens": tokens})
         if result["errors"]:
             row.status = f"{result['errors']} bad requests, e.g. {result['error_samples'][:1]}"
         self.log(
@@ -576,7 +628,10 @@ class Seed:
         server = server_for(name, self.flags, self.args)
         m = self.procs.add(name, server.cmd)
         self.log(f"starting {LABELS[name]} (log: {m.log_path})")
-        m.start()
+        if server.metrics_dir is not None:
+            m.start(env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(server.metrics_dir)})
+        else:
+            m.start()
         try:
             self.wait_ready(m, server.targets)
             if self.args.client_cpu >= 0:
@@ -585,7 +640,8 @@ class Seed:
             for protocol, target in server.targets.items():
                 for out in self.args.output_lens:
                     for c in self.args.concurrency:
-                        self.rows.append(self.burst(m, name, protocol, target, c, out))
+                        row = self.burst(m, name, protocol, target, c, out, server.metrics_dir)
+                        self.rows.append(row)
                         time.sleep(self.args.pause)
         except RuntimeError as exc:
             self.log(f"{name} failed: {exc}")
@@ -633,6 +689,16 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     print(TABLE_HEAD)
     for row in rows:
         print(table_line(row))
+    split = [r for r in rows if r.get("per_process")]
+    if split:
+        print("\nEach serving process (ours-multi): CPU seconds, output tokens, CPU us per token")
+        for row in split:
+            each = "; ".join(
+                f"pid {p['pid']}: {p['cpu_s']:.2f} s, {p['tokens']:.0f} tok, "
+                f"{_fmt(p['cpu_s'] / p['tokens'] * 1e6 if p['tokens'] else None, '.1f')} us/tok"
+                for p in row["per_process"]
+            )
+            print(f"{row['row']:<18}{row['output_len']:>5}{row['concurrency']:>5}  {each}")
 
 
 def comparisons(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -723,6 +789,7 @@ TINY: Final[dict[str, Any]] = {
     "output_lens": [8, 16],
     "concurrency": [1, 4],
     "requests": 4,
+    "api_server_count": 2,
 }
 
 
@@ -754,6 +821,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=4,
         help="for the ours-multi row: the launcher's --api-server-count (default 4)",
+    )
+    p.add_argument(
+        "--grpc-connections",
+        type=int,
+        default=8,
+        help="gRPC connections the client opens to each server, as a router's pool does "
+        "(default 8; with --api-server-count the kernel spreads them over the processes)",
     )
     p.add_argument("--json", type=Path, help="results file (default: benchmarks/results/)")
     p.add_argument("--plot", type=Path, metavar="PATH", help="write a PNG here (matplotlib)")

@@ -153,8 +153,8 @@ class HttpClient:
 class Client:
     """loadgen's gRPC client and the HTTP client behind one face, chosen by the target."""
 
-    def __init__(self) -> None:
-        self.grpc = loadgen.Client()
+    def __init__(self, grpc_connections: int = 1) -> None:
+        self.grpc = loadgen.Client(connections=grpc_connections)
         self.http = HttpClient()
 
     def _for(self, target: str) -> Any:
@@ -174,10 +174,13 @@ class Client:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu", type=int, default=-1, help="core to pin to (-1: no pinning)")
+    parser.add_argument(
+        "--grpc-connections", type=int, default=1, help="gRPC connections per server"
+    )
     args = parser.parse_args()
     loadgen.pin_to_cpu(args.cpu)
     # loadgen's stdin loop only asks its client for health(target), run(spec) and close().
-    serve: Any = loadgen._serve_stdin(Client())  # type: ignore[arg-type]
+    serve: Any = loadgen._serve_stdin(Client(args.grpc_connections))  # type: ignore[arg-type]
     try:
         import uvloop
     except ImportError:

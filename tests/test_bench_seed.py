@@ -72,14 +72,25 @@ def _assert_header_names_device_and_versions(data: dict[str, Any], stdout: str) 
 
 # Three servers, one after another: about a minute each on 2 quiet cores, up to
 # 90 s each when other suites share them.
-@pytest.mark.timeout(480)
+@pytest.mark.timeout(660)
 def test_seed_measures_our_launcher_both_protocols_and_vllm_http(tmp_path: Path) -> None:
-    data, stdout = _run_seed(tmp_path, ["ours", "ours-both", "vllm-http"], timeout=450)
-    names = ["ours", "ours-both/grpc", "ours-both/http", "vllm-http"]
+    data, stdout = _run_seed(
+        tmp_path, ["ours", "ours-multi", "ours-both", "vllm-http"], timeout=600
+    )
+    names = ["ours", "ours-multi", "ours-both/grpc", "ours-both/http", "vllm-http"]
     _assert_every_cell_measured_and_checked(data, names)
     _assert_header_names_device_and_versions(data, stdout)
     compared = {(c["row"], c["output_len"]) for c in data["comparisons"]}
-    assert compared == {(n, o) for n in ("ours", "ours-both/grpc") for o in TINY_OUTPUTS}
+    rows = ("ours", "ours-multi", "ours-both/grpc")
+    assert compared == {(n, o) for n in rows for o in TINY_OUTPUTS}
+    # Both frontends' CPU is counted as serving, not as the engine's, and each
+    # one's share of CPU and tokens is reported; their tokens add up to the burst's.
+    multi = [r for r in data["rows"] if r["row"] == "ours-multi"]
+    for r in multi:
+        assert r["serving_cpu_s"] > 0
+        assert len(r["per_process"]) == 2
+        assert sum(p["tokens"] for p in r["per_process"]) == r["output_tokens"]
+    assert "Each serving process (ours-multi)" in stdout
 
 
 @pytest.mark.skipif(

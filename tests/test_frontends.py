@@ -84,9 +84,7 @@ def test_two_processes_share_one_limit_and_one_owner_per_id() -> None:
     ctx = multiprocessing.get_context("spawn")
     group = FrontendGroup(2)
     start, results = ctx.Event(), ctx.Queue()
-    processes = [
-        ctx.Process(target=_contend, args=(group, i, 150, start, results)) for i in (0, 1)
-    ]
+    processes = [ctx.Process(target=_contend, args=(group, i, 150, start, results)) for i in (0, 1)]
     for process in processes:
         process.start()
     start.set()

@@ -61,7 +61,12 @@ def frontend_main(
 
     from .launcher import Frontend, _configure_logging, _end_process, serve
 
-    launch.group.join(client_config["client_index"])
+    from vllm.utils.system_utils import set_process_title
+
+    index = client_config["client_index"]
+    # vLLM's title for its own API server processes: VLLM::APIServer_<index>.
+    set_process_title("APIServer", str(index))
+    launch.group.join(index)
     _configure_logging(str(launch.args.engine.get("log_level") or "info").upper())
     frontend = Frontend(launch.group, client_config, launch.ready)
     try:
