@@ -59,9 +59,9 @@ def frontend_main(
     """A frontend process: serve as client `client_index` until told to stop."""
     import asyncio
 
-    from .launcher import Frontend, _configure_logging, _end_process, serve
-
     from vllm.utils.system_utils import set_process_title
+
+    from .launcher import Frontend, _configure_logging, _end_process, serve
 
     index = client_config["client_index"]
     # vLLM's title for its own API server processes: VLLM::APIServer_<index>.
