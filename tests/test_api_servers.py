@@ -284,6 +284,31 @@ async def test_abort_through_one_process_stops_a_request_the_other_runs(
         assert await asyncio.wait_for(_finish_reason(call), 60) == "abort"
 
 
+async def test_vllms_control_abort_stops_an_inference_stream_the_other_process_runs(
+    connections: Connections,
+    inference_stubs: types.ModuleType,
+    inference_messages: types.ModuleType,
+) -> None:
+    control_pb2, control_grpc = reference_modules("control")
+    a = bearer(TENANT_A)
+    message = inference_messages.GenerateRequest(request_id="inference-cross-abort")
+    message.token_ids.ids.extend([5, 17, 42, 99])
+    message.stopping.max_new_tokens = LONG
+    message.stopping.ignore_eos = True
+    stream = inference_stubs.InferenceStub(connections.channel(0)).GenerateStream(
+        message, metadata=a, timeout=120
+    )
+    await _first(stream)
+    await control_grpc.ControlStub(connections.channel(1)).Abort(
+        control_pb2.AbortRequest(request_ids=["inference-cross-abort"]), metadata=a
+    )
+    last = None
+    while (reply := await asyncio.wait_for(stream.read(), 60)) is not grpc.aio.EOF:
+        last = reply
+    abort = inference_messages.FinishInfo.FinishReason.Value("ABORTED")
+    assert last is not None and last.outputs.finish_info.finish_reason == abort
+
+
 async def test_a_request_id_belongs_to_its_caller_in_every_process(
     connections: Connections,
 ) -> None:
