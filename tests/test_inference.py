@@ -422,8 +422,10 @@ async def test_priority_reorders_queued_requests(
     finish_first: str,
 ) -> None:
     stub = ref_grpc.InferenceStub(priority_served.channel)
-    # The one running sequence: long enough that both others arrive while it runs.
-    blocker = stub.GenerateStream(generate_request(ref, PROMPT, 200), timeout=120)
+    # The one running sequence: long enough that both others arrive while it runs
+    # (200 tokens could end within the waits below on an idle machine; the
+    # context holds 512).
+    blocker = stub.GenerateStream(generate_request(ref, PROMPT, 480), timeout=120)
     assert (await blocker.read()).HasField("prompt_info")
     assert (await blocker.read()).outputs.num_tokens > 0  # running, not queued
     order: list[str] = []
@@ -434,9 +436,9 @@ async def test_priority_reorders_queued_requests(
         order.append(name)
 
     tasks = [asyncio.create_task(queued("first", first, PROMPT[::-1]))]
-    await asyncio.sleep(0.2)  # "first" is in the engine's queue before "second" is sent
+    await asyncio.sleep(0.1)  # "first" is in the engine's queue before "second" is sent
     tasks.append(asyncio.create_task(queued("second", second, PROMPT[1:])))
-    await asyncio.sleep(0.2)
+    await asyncio.sleep(0.1)
     assert order == []  # both still queued behind the running one
     await asyncio.gather(*tasks)
     blocker.cancel()
