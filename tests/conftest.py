@@ -15,6 +15,7 @@ The helpers the test files share are in the `support` package (tests/support/).
 from __future__ import annotations
 
 import contextlib
+import types
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -137,3 +138,20 @@ async def channel(server: Serving) -> grpc.aio.Channel:
 @pytest.fixture
 def stub(channel: grpc.aio.Channel) -> vllm_engine_pb2_grpc.VllmEngineStub:
     return vllm_engine_pb2_grpc.VllmEngineStub(channel)
+
+
+@pytest.fixture(scope="session")
+def ref() -> types.ModuleType:
+    """vLLM's `vllm.Inference` messages (`inference_pb2`) as the reference generates
+    them, compiled once per session."""
+    from support.vllm_protocol import reference_modules
+
+    return reference_modules("inference")[0]
+
+
+@pytest.fixture(scope="session")
+def ref_grpc() -> types.ModuleType:
+    """The reference's generated `vllm.Inference` stubs (`inference_pb2_grpc`)."""
+    from support.vllm_protocol import reference_modules
+
+    return reference_modules("inference")[1]

@@ -212,16 +212,6 @@ async def connections(launcher: Launcher) -> AsyncIterator[Connections]:
         await opened.close()
 
 
-@pytest.fixture(scope="module")
-def inference_stubs() -> types.ModuleType:
-    return reference_modules("inference")[1]
-
-
-@pytest.fixture(scope="module")
-def inference_messages() -> types.ModuleType:
-    return reference_modules("inference")[0]
-
-
 async def _tokens(call: Any) -> list[int]:
     tokens: list[int] = []
     async for message in call:
@@ -249,8 +239,8 @@ async def _finish_reason(call: Any) -> str:
 
 async def test_both_processes_serve_the_same_greedy_tokens(
     connections: Connections,
-    inference_stubs: types.ModuleType,
-    inference_messages: types.ModuleType,
+    ref_grpc: types.ModuleType,
+    ref: types.ModuleType,
 ) -> None:
     a = bearer(TENANT_A)
     tokens = [
@@ -260,12 +250,12 @@ async def test_both_processes_serve_the_same_greedy_tokens(
     assert len(tokens[0]) == 8 and tokens[0] == tokens[1]
     # vLLM's own protocol too, from each process, with the reference's stubs.
     for i in (0, 1):
-        message = inference_messages.GenerateRequest()
+        message = ref.GenerateRequest()
         message.token_ids.ids.extend([5, 17, 42, 99, 7, 63, 21, 88])
         message.stopping.max_new_tokens = 8
         message.stopping.ignore_eos = True
         message.response.output_token_ids = True
-        stub = inference_stubs.InferenceStub(connections.channel(i))
+        stub = ref_grpc.InferenceStub(connections.channel(i))
         reply = await stub.Generate(message, metadata=a, timeout=60)
         assert list(reply.outputs.token_ids) == tokens[0]
 
@@ -286,16 +276,16 @@ async def test_abort_through_one_process_stops_a_request_the_other_runs(
 
 async def test_vllms_control_abort_stops_an_inference_stream_the_other_process_runs(
     connections: Connections,
-    inference_stubs: types.ModuleType,
-    inference_messages: types.ModuleType,
+    ref_grpc: types.ModuleType,
+    ref: types.ModuleType,
 ) -> None:
     control_pb2, control_grpc = reference_modules("control")
     a = bearer(TENANT_A)
-    message = inference_messages.GenerateRequest(request_id="inference-cross-abort")
+    message = ref.GenerateRequest(request_id="inference-cross-abort")
     message.token_ids.ids.extend([5, 17, 42, 99])
     message.stopping.max_new_tokens = LONG
     message.stopping.ignore_eos = True
-    stream = inference_stubs.InferenceStub(connections.channel(0)).GenerateStream(
+    stream = ref_grpc.InferenceStub(connections.channel(0)).GenerateStream(
         message, metadata=a, timeout=120
     )
     await _first(stream)
@@ -305,7 +295,7 @@ async def test_vllms_control_abort_stops_an_inference_stream_the_other_process_r
     last = None
     while (reply := await asyncio.wait_for(stream.read(), 60)) is not grpc.aio.EOF:
         last = reply
-    abort = inference_messages.FinishInfo.FinishReason.Value("ABORTED")
+    abort = ref.FinishInfo.FinishReason.Value("ABORTED")
     assert last is not None and last.outputs.finish_info.finish_reason == abort
 
 
@@ -517,42 +507,57 @@ async def test_lora_adapters_are_fixed_with_several_processes(
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 
-async def test_one_sigterm_to_the_group_drains_every_process(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> None:
-    """Streams running in both processes complete; then everything exits, code 0."""
-    env = _launch_env(tmp_path_factory)
-    proc, lines = await _start(
-        ["--api-server-count", "2", "--drain-grace", "0"], env, new_session=True
-    )
+@contextlib.asynccontextmanager
+async def _own_launcher(
+    argv: list[str], env: dict[str, str]
+) -> AsyncIterator[tuple[Any, dict[str, str], collections.deque[str], set[int]]]:
+    """A launcher of the test's own, in a session of its own (so that its process
+    group can be signalled), with its output and its processes; all reaped after."""
+    proc, lines = await _start(argv, env, new_session=True)
     output: collections.deque[str] = collections.deque(maxlen=300)
     drain = asyncio.ensure_future(drain_output(proc, output))
-    pids = tuple(int(p) for p in lines["pids"].split())
-    port = int(lines["address"].rsplit(":", 1)[1])
-    launched = Launcher(lines["address"], port, "", "", (pids[0], pids[1]), output)
-    opened = await Connections(launched).open()
     processes = children(proc.pid)
     try:
-        calls = [
-            opened.engine(i).Generate(request(max_tokens=300, ignore_eos=True, stream=True))
-            for i in (0, 1)
-        ]
-        for call in calls:
-            await _first(call)
-        # As systemd's KillMode=mixed and a terminal's Ctrl-C do: the whole group.
-        os.killpg(os.getpgid(proc.pid), signal.SIGTERM)
-        reasons = await asyncio.wait_for(asyncio.gather(*(_finish_reason(c) for c in calls)), 120)
-        assert reasons == ["length", "length"]
-        assert await asyncio.wait_for(exit_code(proc), 120) == 0, "".join(output)
-        assert not await gone(processes, 30)
+        yield proc, lines, output, processes
     finally:
-        await opened.close()
         if proc.returncode is None:
             proc.kill()
         drain.cancel()
         with contextlib.suppress(ProcessLookupError):
             for pid in processes:
                 os.kill(pid, signal.SIGKILL)
+
+
+async def test_one_sigterm_to_the_group_drains_every_process(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Streams running in both processes complete; then everything exits, code 0."""
+    argv = ["--api-server-count", "2", "--drain-grace", "0"]
+    async with _own_launcher(argv, _launch_env(tmp_path_factory)) as (
+        proc,
+        lines,
+        output,
+        processes,
+    ):
+        pids = tuple(int(p) for p in lines["pids"].split())
+        port = int(lines["address"].rsplit(":", 1)[1])
+        launched = Launcher(lines["address"], port, "", "", (pids[0], pids[1]), output)
+        opened = await Connections(launched).open()
+        try:
+            calls = [
+                opened.engine(i).Generate(request(max_tokens=300, ignore_eos=True, stream=True))
+                for i in (0, 1)
+            ]
+            for call in calls:
+                await _first(call)
+            # As systemd's KillMode=mixed and a terminal's Ctrl-C do: the whole group.
+            os.killpg(os.getpgid(proc.pid), signal.SIGTERM)
+            finished = asyncio.gather(*(_finish_reason(c) for c in calls))
+            assert await asyncio.wait_for(finished, 120) == ["length", "length"]
+            assert await asyncio.wait_for(exit_code(proc), 120) == 0, "".join(output)
+            assert not await gone(processes, 30)
+        finally:
+            await opened.close()
 
 
 async def test_the_engines_death_ends_every_process_with_exit_code_1(
@@ -562,13 +567,11 @@ async def test_the_engines_death_ends_every_process_with_exit_code_1(
     and the launcher exits 1 with nothing left behind (a supervisor restarts it)."""
     env = _launch_env(tmp_path_factory)
     env["VLLM_KEEP_ALIVE_ON_ENGINE_DEATH"] = "0"
-    proc, lines = await _start(["--api-server-count", "2"], env, new_session=True)
-    output: collections.deque[str] = collections.deque(maxlen=300)
-    drain = asyncio.ensure_future(drain_output(proc, output))
-    frontends = {int(p) for p in lines["pids"].split()}
-    processes = children(proc.pid)
-    channel = grpc.aio.insecure_channel(lines["address"])
-    try:
+    async with (
+        _own_launcher(["--api-server-count", "2"], env) as (proc, lines, output, processes),
+        grpc.aio.insecure_channel(lines["address"]) as channel,
+    ):
+        frontends = {int(p) for p in lines["pids"].split()}
         running = vllm_engine_pb2_grpc.VllmEngineStub(channel).Generate(
             request(max_tokens=LONG, ignore_eos=True, stream=True)
         )
@@ -585,11 +588,3 @@ async def test_the_engines_death_ends_every_process_with_exit_code_1(
         assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
         assert await asyncio.wait_for(exit_code(proc), 120) == 1, "".join(output)
         assert not await gone(processes, 30)
-    finally:
-        await channel.close()
-        if proc.returncode is None:
-            proc.kill()
-        drain.cancel()
-        with contextlib.suppress(ProcessLookupError):
-            for pid in processes:
-                os.kill(pid, signal.SIGKILL)

@@ -24,7 +24,6 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from support import bearer, request, serving, settle, wait_until_idle
 from support.kv_echo_connector import FINISHED_LOG
-from support.vllm_protocol import reference_modules
 
 from vllm_servicer import SERVICE_NAME
 from vllm_servicer.interceptors.auth import ApiKeyVerifier, AuthInterceptor
@@ -37,18 +36,6 @@ TEXT = "the quick brown fox"
 EOS = 2  # the tiny tokenizer's </s>
 METHODS = ("Generate", "GenerateStream")
 SERVICES = (SERVICE_NAME, INFERENCE_SERVICE)
-
-
-@pytest.fixture(scope="session")
-def ref() -> types.ModuleType:
-    """The reference's generated messages (`inference_pb2`), compiled once per session."""
-    return reference_modules("inference")[0]
-
-
-@pytest.fixture(scope="session")
-def ref_grpc() -> types.ModuleType:
-    """The reference's generated stubs (`inference_pb2_grpc`)."""
-    return reference_modules("inference")[1]
 
 
 @pytest.fixture(scope="module")

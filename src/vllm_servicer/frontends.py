@@ -28,7 +28,7 @@ import os
 import shutil
 import signal
 import tempfile
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 # Slots for running ids and callers' stream counts at once; the table refuses
@@ -222,11 +222,9 @@ class FrontendGroup:
 
     # ----- counts ------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def locked(self) -> Iterator[None]:
-        """Hold the group's lock (for a check and an update that must be one step)."""
-        with self._lock:
-            yield
+    def locked(self) -> contextlib.AbstractContextManager[Any]:
+        """The group's lock, to hold for a check and an update that must be one step."""
+        return self._lock
 
     @property
     def inflight(self) -> int:

@@ -124,7 +124,8 @@ async def serve(args: ServeArgs, frontend: Frontend | None = None) -> int:
         await server.start()
         if frontend is not None:
             frontend.ready.put((frontend.group.index, os.getpid()))
-            print(f"vllm-servicer frontend {group.index} serving (pid {os.getpid()})", flush=True)  # type: ignore[union-attr]
+            index = frontend.group.index
+            print(f"vllm-servicer frontend {index} serving (pid {os.getpid()})", flush=True)
         else:
             # Printed (not only logged) so scripts and tests can read the bound ports.
             print(f"vllm-servicer listening on {args.host}:{port}", flush=True)

@@ -199,10 +199,9 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
 
         Idempotent: empty, unknown, repeated and finished ids are successes.
         """
-        ids = self._running.abortable(request.request_ids)
+        ids = await self._running.abort(self._engine, request.request_ids)
         if ids:
-            current_request_id.set(",".join(dict.fromkeys(ids)))
-        await self._running.abort(self._engine, request.request_ids)
+            current_request_id.set(",".join(ids))
         return pb.AbortResponse()
 
     # ----- LoRA adapters ----------------------------------------------------

@@ -224,11 +224,10 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     async def Abort(self, request: pb.AbortRequest, context: Context) -> pb.AbortResponse:
         # Idempotent: vLLM ignores ids it does not know (finished or never seen).
-        # The ids it may abort, in this process or (N frontends) another.
-        ids = self._running.abortable(request.request_ids)
+        # In this process or (N frontends) another; the ids aborted here label the call.
+        ids = await self._running.abort(self._engine, request.request_ids)
         if ids:
             current_request_id.set(",".join(ids))
-        await self._running.abort(self._engine, request.request_ids)
         return pb.AbortResponse()
 
     # ----- state ------------------------------------------------------------
