@@ -29,7 +29,7 @@ import grpc
 import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from support import bearer, request
+from support import bearer, collect, completes, request, streamed_tokens
 from support.launcher import (
     START_TIMEOUT,
     children,
@@ -182,7 +182,7 @@ class Connections:
                 self._launcher.address, options=[("grpc.use_local_subchannel_pool", 1)]
             )
             await vllm_engine_pb2_grpc.VllmEngineStub(channel).HealthCheck(
-                pb.HealthCheckRequest(), metadata=bearer(ADMIN), timeout=30
+                pb.HealthCheckRequest(), metadata=bearer(TENANT_A), timeout=30
             )
             (pid,) = [p for p in self._launcher.pids if self._peers(p) - before[p]]
             if pid in self.by_pid:
@@ -213,13 +213,9 @@ async def connections(launcher: Launcher) -> AsyncIterator[Connections]:
 
 
 async def _tokens(call: Any) -> list[int]:
-    tokens: list[int] = []
-    async for message in call:
-        if message.HasField("chunk"):
-            tokens.extend(message.chunk.token_ids)
-        if message.HasField("complete"):
-            tokens = list(message.complete.output_ids) or tokens
-    return tokens
+    """A Generate's output tokens: its chunks' when streamed, else its complete's."""
+    messages = await collect(call)
+    return streamed_tokens(messages).get(0) or list(completes(messages)[0].output_ids)
 
 
 async def _first(call: Any) -> Any:
@@ -528,12 +524,23 @@ async def _own_launcher(
                 os.kill(pid, signal.SIGKILL)
 
 
-async def test_one_sigterm_to_the_group_drains_every_process(
-    tmp_path_factory: pytest.TempPathFactory,
+async def test_a_burst_then_one_sigterm_to_the_group_drains_every_process(
+    collector: Collector, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """Streams running in both processes complete; then everything exits, code 0."""
-    argv = ["--api-server-count", "2", "--drain-grace", "0"]
-    async with _own_launcher(argv, _launch_env(tmp_path_factory)) as (
+    """The launcher's full stack (tracing, metrics, keys, the in-flight limit):
+    300 seeded calls with long prompts at once over both processes all complete;
+    then streams running in both complete through a drain, and everything exits 0."""
+    env = _launch_env(tmp_path_factory)
+    env.update(
+        {
+            "OTEL_EXPORTER_OTLP_ENDPOINT": collector.endpoint,
+            "OTEL_EXPORTER_OTLP_INSECURE": "true",
+            "OTEL_BSP_SCHEDULE_DELAY": "200",
+        }
+    )
+    argv = ["--api-server-count", "2", "--drain-grace", "0", "--metrics-port", "0"]
+    argv += ["--api-key", TENANT_A]
+    async with _own_launcher(argv, env) as (
         proc,
         lines,
         output,
@@ -543,9 +550,25 @@ async def test_one_sigterm_to_the_group_drains_every_process(
         port = int(lines["address"].rsplit(":", 1)[1])
         launched = Launcher(lines["address"], port, "", "", (pids[0], pids[1]), output)
         opened = await Connections(launched).open()
+        a = bearer(TENANT_A)
         try:
+            prompt = [(7 * i) % 300 + 5 for i in range(121)]
+            burst = [
+                _tokens(
+                    opened.engine(i % 2).Generate(
+                        request(
+                            prompt, temperature=0.8, seed=i, ignore_eos=True, stream=i % 3 == 0
+                        ),
+                        metadata=a,
+                    )
+                )
+                for i in range(300)
+            ]
+            assert [len(t) for t in await asyncio.gather(*burst)] == [8] * 300
             calls = [
-                opened.engine(i).Generate(request(max_tokens=300, ignore_eos=True, stream=True))
+                opened.engine(i).Generate(
+                    request(max_tokens=300, ignore_eos=True, stream=True), metadata=a
+                )
                 for i in (0, 1)
             ]
             for call in calls:
