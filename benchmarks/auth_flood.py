@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import run  # benchmarks/run.py, beside this script
 
 from vllm_servicer.proto import vllm_engine_pb2 as pb
 from vllm_servicer.proto import vllm_engine_pb2_grpc
@@ -181,12 +182,6 @@ def gzip_flood(address: str, path: str, body: bytes, seconds: float, interval: f
     return codes
 
 
-def cpu_seconds(pid: int) -> float:
-    """User plus system CPU time of one process so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def row(label: str, gaps: list[float], refused: str) -> str:
     ms = sorted(g * 1000 for g in gaps) or [float("nan")]
     p99 = ms[min(len(ms) - 1, int(0.99 * len(ms)))]
@@ -269,11 +264,11 @@ async def measure(
     )
     assert flooder.stdout is not None
     await flooder.stdout.readline()  # "flooding"
-    cpu_before = cpu_seconds(pid)
+    cpu_before = run.cpu_seconds(pid)
     await asyncio.sleep(2.0)  # the flood is under way
     flooded, flooded_tokens = await stream_gaps(address, args.tokens)
     refused = (await flooder.stdout.read()).decode().strip()
-    cpu = cpu_seconds(pid) - cpu_before
+    cpu = run.cpu_seconds(pid) - cpu_before
     await flooder.wait()
     calls = int(refused.split("/")[1].split()[0]) or 1
     flood_cost = f"{refused}, server CPU {1000 * cpu / calls:.1f} ms per flood call"

@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
+import ctypes.util
 import datetime as dt
+import functools
 import itertools
 import json
 import os
@@ -49,8 +52,36 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 # ----- processes and CPU accounting ---------------------------------------------
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c"))
+    except OSError:
+        return None
+
+
+def _process_cpu_clock(pid: int) -> int | None:
+    """The clock id of `pid`'s CPU time (clock_getcpuclockid), None where libc has none."""
+    libc = _libc()
+    if libc is None or not hasattr(libc, "clock_getcpuclockid"):
+        return None
+    clock = ctypes.c_int()
+    return None if libc.clock_getcpuclockid(pid, ctypes.byref(clock)) else clock.value
+
+
 def cpu_seconds(pid: int) -> float:
-    """utime + stime of one process, in seconds (0 if it is gone)."""
+    """User plus system CPU time of one process and all its threads (0 if it is gone).
+
+    Read from the process's CPU-time clock, precise to the nanosecond: /proc's
+    utime and stime count whole clock ticks (10 ms), and a short burst's share of
+    one frontend can be less than a tick.
+    """
+    clock = _process_cpu_clock(pid)
+    if clock is not None:
+        try:
+            return time.clock_gettime(clock)
+        except OSError:
+            return 0.0
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             fields = f.read().rsplit(b")", 1)[1].split()
