@@ -19,6 +19,7 @@ import contextlib
 import json
 import os
 import signal
+import time
 import types
 import urllib.request
 from collections.abc import AsyncIterator
@@ -28,8 +29,10 @@ from typing import Any
 import grpc
 import psutil
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
-from support import bearer, collect, completes, request, streamed_tokens
+from support import bearer, collect, completes, next_kv_event, request, streamed_tokens
+from support.certs import CertificateAuthority
 from support.launcher import (
     START_TIMEOUT,
     children,
@@ -44,6 +47,7 @@ from support.vllm_protocol import reference_modules
 from test_tracing_otlp import Collector, _received
 from test_tracing_otlp import collector as collector  # a fixture: an OTLP receiver
 
+from vllm_servicer.health import LIVENESS_SERVICE
 from vllm_servicer.proto import common_pb2, vllm_engine_pb2_grpc
 from vllm_servicer.proto import vllm_engine_pb2 as pb
 
@@ -55,6 +59,10 @@ ADMIN = "admin-0123456789abcdefABCDEF"
 MAX_INFLIGHT = 6
 MAX_KV_SUBSCRIBERS = 4  # 2 per tenant
 LONG = 2000  # tokens: a request that is still running when the test acts on it
+SERVING, NOT_SERVING = (
+    health_pb2.HealthCheckResponse.SERVING,
+    health_pb2.HealthCheckResponse.NOT_SERVING,
+)
 
 
 @dataclass
@@ -85,9 +93,11 @@ async def _start(
     if "--metrics-port" in argv:
         lines["metrics"] = (await wait_for_line(proc, r"metrics on (\S+)")).group(1)
     lines["address"] = (await wait_for_line(proc, r"listening on (\S+:\d+)")).group(1)
-    lines["http"] = ""
+    lines["http"] = lines["probes"] = ""
     if "--http-port" in argv:
         lines["http"] = (await wait_for_line(proc, r"http on (\S+)")).group(1)
+    if "--health-port" in argv:
+        lines["probes"] = (await wait_for_line(proc, r"health \(plaintext\) on (\S+:\d+)")).group(1)
     lines["pids"] = (await wait_for_line(proc, r"frontends: 2 processes, pids (\d+ \d+)")).group(1)
     return proc, lines
 
@@ -157,33 +167,56 @@ async def launcher(
 
 class Connections:
     """One gRPC connection to each frontend process, told apart by the process
-    whose socket each connection ends in."""
+    whose socket each connection ends in.
 
-    def __init__(self, launcher: Launcher) -> None:
+    On the launcher's gRPC port by default; on `port` (the probe port) with
+    `health_only`, where a connection is opened by a health check."""
+
+    def __init__(
+        self,
+        launcher: Launcher,
+        *,
+        port: int | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+        health_only: bool = False,
+    ) -> None:
         self._launcher = launcher
+        self._port = port or launcher.port
+        self._credentials = credentials
+        self._health_only = health_only
         self.by_pid: dict[int, grpc.aio.Channel] = {}
         self._spare: list[grpc.aio.Channel] = []
 
     def _peers(self, pid: int) -> set[int]:
-        """The client ports of the connections process `pid` holds on the gRPC port."""
+        """The client ports of the connections process `pid` holds on the port."""
         return {
             c.raddr.port
             for c in psutil.Process(pid).net_connections("tcp")
-            if c.raddr and c.laddr.port == self._launcher.port
+            if c.raddr and c.laddr.port == self._port
         }
+
+    def _connect(self) -> grpc.aio.Channel:
+        # A connection of its own: channels share one by default.
+        options = [("grpc.use_local_subchannel_pool", 1)]
+        address = f"127.0.0.1:{self._port}"
+        if self._credentials is None:
+            return grpc.aio.insecure_channel(address, options=options)
+        return grpc.aio.secure_channel(address, self._credentials, options=options)
 
     async def open(self) -> Connections:
         for _ in range(40):
             if len(self.by_pid) == 2:
                 return self
             before = {pid: self._peers(pid) for pid in self._launcher.pids}
-            # A connection of its own: channels share one by default.
-            channel = grpc.aio.insecure_channel(
-                self._launcher.address, options=[("grpc.use_local_subchannel_pool", 1)]
-            )
-            await vllm_engine_pb2_grpc.VllmEngineStub(channel).HealthCheck(
-                pb.HealthCheckRequest(), metadata=bearer(TENANT_A), timeout=30
-            )
+            channel = self._connect()
+            if self._health_only:
+                await health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(), timeout=30
+                )
+            else:
+                await vllm_engine_pb2_grpc.VllmEngineStub(channel).HealthCheck(
+                    pb.HealthCheckRequest(), metadata=bearer(TENANT_A), timeout=30
+                )
             (pid,) = [p for p in self._launcher.pids if self._peers(p) - before[p]]
             if pid in self.by_pid:
                 self._spare.append(channel)
@@ -194,6 +227,9 @@ class Connections:
     def engine(self, which: int) -> vllm_engine_pb2_grpc.VllmEngineStub:
         """VllmEngine on process `which` (0 or 1)."""
         return vllm_engine_pb2_grpc.VllmEngineStub(self.by_pid[self._launcher.pids[which]])
+
+    def health(self, which: int) -> health_pb2_grpc.HealthStub:
+        return health_pb2_grpc.HealthStub(self.by_pid[self._launcher.pids[which]])
 
     def channel(self, which: int) -> grpc.aio.Channel:
         return self.by_pid[self._launcher.pids[which]]
@@ -385,7 +421,7 @@ async def test_the_kv_event_caps_hold_across_processes(connections: Connections)
     # Tenant A's share is 2 (half of 4): one in each process, then none in either.
     held = [connections.engine(i).SubscribeKvEvents(subscribe, metadata=a) for i in (0, 1)]
     try:
-        await asyncio.sleep(1.0)  # both streams opened (no events come without KV events on)
+        await asyncio.sleep(1.0)  # both streams opened
         for i in (0, 1):
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await connections.engine(i).SubscribeKvEvents(subscribe, metadata=a).read()
@@ -398,6 +434,27 @@ async def test_the_kv_event_caps_hold_across_processes(connections: Connections)
         other.cancel()
     finally:
         for call in held:
+            call.cancel()
+
+
+async def test_kv_events_reach_subscribers_in_both_processes(connections: Connections) -> None:
+    """The engine publishes once; each process relays it to its own subscribers."""
+    admin = bearer(ADMIN)  # held to the total only: the caps test's streams may linger
+    subscribe = common_pb2.SubscribeKvEventsRequest()
+    calls = [connections.engine(i).SubscribeKvEvents(subscribe, metadata=admin) for i in (0, 1)]
+    try:
+        for call in calls:
+            await call.initial_metadata()  # subscribed
+        await asyncio.sleep(0.5)  # ZMQ subscriptions reach the publisher asynchronously
+        # A prompt no earlier test sent: its blocks are new to the prefix cache.
+        prompt = [(int(time.time() * 1000) + 11 * i) % 300 + 3 for i in range(130)]
+        await _tokens(connections.engine(0).Generate(request(prompt, max_tokens=2), metadata=admin))
+        for i, call in enumerate(calls):
+            _, event = await next_kv_event(call, "stored")
+            first = list(event.stored.blocks[0].token_ids)
+            assert first and first == prompt[: len(first)], i
+    finally:
+        for call in calls:
             call.cancel()
 
 
@@ -489,20 +546,6 @@ async def test_each_process_traces_its_calls(
     assert traced == set(ids)
 
 
-async def test_lora_adapters_are_fixed_with_several_processes(
-    connections: Connections,
-) -> None:
-    control_pb2, control_grpc = reference_modules("control")
-    stub = control_grpc.ControlStub(connections.channel(0))
-    with pytest.raises(grpc.aio.AioRpcError) as refused:
-        await stub.LoadLora(
-            control_pb2.LoadLoraRequest(lora_name="x", source_path="/nowhere"),
-            metadata=bearer(ADMIN),
-        )
-    # This engine has no LoRA: the first precondition named is that one.
-    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-
-
 @contextlib.asynccontextmanager
 async def _own_launcher(
     argv: list[str], env: dict[str, str]
@@ -527,9 +570,11 @@ async def _own_launcher(
 async def test_a_burst_then_one_sigterm_to_the_group_drains_every_process(
     collector: Collector, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """The launcher's full stack (tracing, metrics, keys, the in-flight limit):
-    300 seeded calls with long prompts at once over both processes all complete;
-    then streams running in both complete through a drain, and everything exits 0."""
+    """The launcher's full stack (TLS with a plaintext probe port, tracing,
+    metrics, keys, the in-flight limit): 300 seeded calls with long prompts at
+    once over both processes all complete; then, on one SIGTERM to the group,
+    both processes' probes turn unready while streams running in both complete,
+    and everything exits 0."""
     env = _launch_env(tmp_path_factory)
     env.update(
         {
@@ -538,18 +583,19 @@ async def test_a_burst_then_one_sigterm_to_the_group_drains_every_process(
             "OTEL_BSP_SCHEDULE_DELAY": "200",
         }
     )
+    ca = CertificateAuthority("n2-ca")
+    cert, key = ca.server().write(tmp_path_factory.mktemp("n2-tls"), "server")
     argv = ["--api-server-count", "2", "--drain-grace", "0", "--metrics-port", "0"]
     argv += ["--api-key", TENANT_A]
-    async with _own_launcher(argv, env) as (
-        proc,
-        lines,
-        output,
-        processes,
-    ):
+    argv += ["--tls-cert", str(cert), "--tls-key", str(key), "--health-port", "0"]
+    async with _own_launcher(argv, env) as (proc, lines, output, processes):
         pids = tuple(int(p) for p in lines["pids"].split())
         port = int(lines["address"].rsplit(":", 1)[1])
         launched = Launcher(lines["address"], port, "", "", (pids[0], pids[1]), output)
-        opened = await Connections(launched).open()
+        tls = grpc.ssl_channel_credentials(ca.pem)
+        opened = await Connections(launched, credentials=tls).open()
+        probe_port = int(lines["probes"].rsplit(":", 1)[1])
+        probes = await Connections(launched, port=probe_port, health_only=True).open()
         a = bearer(TENANT_A)
         try:
             prompt = [(7 * i) % 300 + 5 for i in range(121)]
@@ -575,12 +621,30 @@ async def test_a_burst_then_one_sigterm_to_the_group_drains_every_process(
                 await _first(call)
             # As systemd's KillMode=mixed and a terminal's Ctrl-C do: the whole group.
             os.killpg(os.getpgid(proc.pid), signal.SIGTERM)
+            # Kubernetes' probes, whichever process they reach: unready, still live.
+            for i in (0, 1):
+                assert await _readiness_turns(probes.health(i), NOT_SERVING), i
+                live = await probes.health(i).Check(
+                    health_pb2.HealthCheckRequest(service=LIVENESS_SERVICE), timeout=10
+                )
+                assert live.status == SERVING, i
             finished = asyncio.gather(*(_finish_reason(c) for c in calls))
             assert await asyncio.wait_for(finished, 120) == ["length", "length"]
             assert await asyncio.wait_for(exit_code(proc), 120) == 0, "".join(output)
             assert not await gone(processes, 30)
         finally:
             await opened.close()
+            await probes.close()
+
+
+async def _readiness_turns(health: health_pb2_grpc.HealthStub, status: int) -> bool:
+    """Whether the readiness a probe reads turns to `status` within 10 s."""
+    for _ in range(100):
+        reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=10)
+        if reply.status == status:
+            return True
+        await asyncio.sleep(0.1)
+    return False
 
 
 async def test_the_engines_death_ends_every_process_with_exit_code_1(

@@ -30,8 +30,9 @@ from support.vllm_protocol import reference_modules
 from vllm import SamplingParams
 from vllm.config.kv_events import KVEventsConfig
 
-from vllm_servicer import SERVICE_NAME
+from vllm_servicer import SERVICE_NAME, mount
 from vllm_servicer.errors import NotFoundError, UnsupportedError
+from vllm_servicer.frontends import FrontendGroup
 from vllm_servicer.interceptors.auth import ApiKeyVerifier, AuthInterceptor
 from vllm_servicer.proto import CONTROL_SERVICE, INFERENCE_SERVICE, vllm_engine_pb2_grpc
 from vllm_servicer.servicer.lora import LoraRegistry
@@ -313,6 +314,42 @@ async def test_lora_needs_an_engine_started_with_it_on_a_stand_in() -> None:
             registry.request_for("a")
         info = await stub.GetModelInfo(ctl.GetModelInfoRequest(), timeout=10)
         assert not info.supports_lora
+
+
+async def test_with_several_frontend_processes_adapters_are_fixed_at_start(
+    engine: Any, files: SimpleNamespace
+) -> None:
+    """As mounted by each of `serve --api-server-count 2`'s processes: a load or
+    unload would reach one process's registry only, so both are refused with the
+    flag named; the adapters given at start serve Inference requests."""
+    group = FrontendGroup(2)
+    with pytest.raises(ValueError, match="join"):
+        mount(grpc.aio.server(), engine, frontends=group)
+    group.join(0)
+    async with serving(
+        engine,
+        services=(INFERENCE_SERVICE, CONTROL_SERVICE),
+        lora_modules={"preloaded": str(files.preloaded)},
+        frontends=group,
+    ) as running:
+        stub = ctl_grpc.ControlStub(running.channel)
+        for call in (
+            stub.LoadLora(
+                ctl.LoadLoraRequest(lora_name="gamma", source_path=str(files.alpha)), timeout=10
+            ),
+            stub.UnloadLora(ctl.UnloadLoraRequest(lora_name="preloaded"), timeout=10),
+        ):
+            err = await refused(call)
+            assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "--api-server-count" in (err.details() or "")
+            assert "--lora-modules" in (err.details() or "")
+        listed = (await stub.ListLoras(ctl.ListLorasRequest(), timeout=10)).adapters
+        assert [a.lora_name for a in listed] == ["preloaded"]
+        registry = running.mounted.control.loras
+        assert await inference_greedy(running, "preloaded") == await greedy(
+            engine, registry.request_for("preloaded")
+        )
+        assert await inference_greedy(running, "preloaded") != await greedy(engine)
 
 
 # ----- Abort -------------------------------------------------------------------------

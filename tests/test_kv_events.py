@@ -18,7 +18,7 @@ import msgspec
 import pytest
 from smg_grpc_proto.generated import common_pb2 as ref_common
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as ref_grpc
-from support import bearer, collect, request, serving, settle, wait_until_idle
+from support import bearer, collect, next_kv_event, request, serving, settle, wait_until_idle
 from vllm.config.kv_events import KVEventsConfig
 from vllm.distributed.kv_events import (
     AllBlocksCleared,
@@ -70,20 +70,6 @@ def _stub(channel: grpc.aio.Channel, kind: str) -> tuple[Any, Any]:
     return ref_grpc.VllmEngineStub(channel), ref_common
 
 
-async def _next_event(call: Any, kind: str, timeout: float = 20.0) -> tuple[Any, Any]:
-    """The next (batch, event) of the given kind ("stored", "removed", "cleared")."""
-
-    async def scan() -> tuple[Any, Any]:
-        while True:
-            batch = await call.read()
-            assert batch is not grpc.aio.EOF
-            for event in batch.events:
-                if event.WhichOneof("data") == kind:
-                    return batch, event
-
-    return await asyncio.wait_for(scan(), timeout)
-
-
 @pytest.mark.parametrize("kind", ["own", "reference"])
 async def test_kv_events_from_a_real_engine(featured: Any, kind: str) -> None:
     engine, channel = featured
@@ -97,7 +83,7 @@ async def test_kv_events_from_a_real_engine(featured: Any, kind: str) -> None:
     await asyncio.sleep(0.5)  # ZMQ subscriptions reach the publisher asynchronously
     try:
         await collect(own.Generate(request(prompt, max_tokens=2)))
-        batch, event = await _next_event(call, "stored")
+        batch, event = await next_kv_event(call, "stored")
         assert batch.dp_rank == 0 and batch.timestamp > 0 and event.event_id > 0
         first = event.stored.blocks[0]
         assert list(first.token_ids) == prompt[:block_size]
@@ -108,7 +94,7 @@ async def test_kv_events_from_a_real_engine(featured: Any, kind: str) -> None:
         assert flushed.success
         # vLLM publishes the queued "cleared" event with its next engine step.
         await collect(own.Generate(request(max_tokens=1)))
-        await _next_event(call, "cleared")
+        await next_kv_event(call, "cleared")
     finally:
         call.cancel()
     assert await call.code() == grpc.StatusCode.CANCELLED
@@ -255,7 +241,7 @@ async def test_a_subscriber_resumes_where_it_left_off_on_a_real_engine(replaying
     await first.initial_metadata()
     await asyncio.sleep(0.5)  # ZMQ subscriptions reach the publisher asynchronously
     await collect(own.Generate(request(prompt(1), max_tokens=2)))
-    batch, _ = await _next_event(first, "stored")
+    batch, _ = await next_kv_event(first, "stored")
     left_at = batch.sequence_number
     first.cancel()
 

@@ -122,7 +122,8 @@ def mount(
             name: their paths on this host (vLLM's `--lora-modules`).
         frontends: when this process is one of several serving one engine
             (`serve --api-server-count`, which builds it): their shared
-            request ids, in-flight count and KV-event streams.
+            request ids, in-flight count and KV-event streams; joined
+            (`FrontendGroup.join`) as this process's index.
 
     Returns:
         The servicers and service names mounted.
@@ -130,7 +131,8 @@ def mount(
     Raises:
         MountError: the server has already been started.
         TypeError: `engine` lacks a member of `EngineClient` (the message names it).
-        ValueError: `services` names a service this package does not serve.
+        ValueError: `services` names a service this package does not serve,
+            or `frontends` has not been joined.
     """
     if server_started(server):
         raise MountError(
@@ -140,6 +142,8 @@ def mount(
     unknown = sorted(set(services) - set(SERVICES))
     if unknown or not services:
         raise ValueError(f"services must be some of {', '.join(SERVICES)}; got {unknown or 'none'}")
+    if frontends is not None and frontends.index < 0:
+        raise ValueError("this process has not joined the frontend group: call join(index) first")
     pipeline, inflight = engine_pipeline(interceptors)
     recorder = HandlerRecorder()
     # One registry of running requests for every protocol: an id belongs to

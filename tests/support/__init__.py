@@ -17,7 +17,7 @@ it on `sys.path` when it imports `conftest.py`; the engine processes vLLM
 spawns inherit that path, so they can load `support.kv_echo_connector`.
 """
 
-from .calls import collect, completes, request, streamed_tokens
+from .calls import collect, completes, next_kv_event, request, streamed_tokens
 from .probes import rss_kb, settle, unfinished, wait_until_idle
 from .servers import PLACEMENTS, Serving, bearer, free_port, placed, serving
 
@@ -27,6 +27,7 @@ __all__ = [
     "bearer",
     "collect",
     "completes",
+    "next_kv_event",
     "free_port",
     "placed",
     "request",

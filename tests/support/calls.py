@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from typing import Any
+
+import grpc
 
 from vllm_servicer.proto import vllm_engine_pb2 as pb
 
@@ -56,3 +59,18 @@ def streamed_tokens(messages: list[Any]) -> dict[int, list[int]]:
         if m.WhichOneof("response") == "chunk":
             out.setdefault(m.chunk.index, []).extend(m.chunk.token_ids)
     return out
+
+
+async def next_kv_event(call: Any, kind: str, timeout: float = 20.0) -> tuple[Any, Any]:
+    """The next (batch, event) of the given kind ("stored", "removed", "cleared")
+    a SubscribeKvEvents stream carries."""
+
+    async def scan() -> tuple[Any, Any]:
+        while True:
+            batch = await call.read()
+            assert batch is not grpc.aio.EOF
+            for event in batch.events:
+                if event.WhichOneof("data") == kind:
+                    return batch, event
+
+    return await asyncio.wait_for(scan(), timeout)

@@ -4,11 +4,12 @@ Every token costs the serving process CPU (grpc's send, vLLM's output path),
 and one process is one core. With N above 1 this process starts the engine
 core, then N frontend processes, each an `AsyncLLM` client of that engine
 (vLLM's `client_count` / `client_index`, as its HTTP server's
-`--api-server-count` does), each serving the gRPC protocols, and the HTTP API
-with `--http-port`, on the same ports: grpc and the HTTP API bind them with
-SO_REUSEPORT and the kernel hands each new connection to one of the
-processes. A router holding one HTTP/2 connection is thus served by one
-process; open several connections (or set `--max-connection-age`) to spread.
+`--api-server-count` does), each serving the gRPC protocols, the HTTP API
+with `--http-port` and the plaintext probe port with `--health-port`, all on
+the same ports: each is bound with SO_REUSEPORT and the kernel hands each
+new connection to one of the processes. A router holding one HTTP/2
+connection is thus served by one process; open several connections (or set
+`--max-connection-age`) to spread.
 
 What must hold across the processes they share (`frontends.FrontendGroup`):
 request ids and their owners, the in-flight count and its limit, the KV-event
@@ -89,26 +90,15 @@ def serve_frontends(args: ServeArgs) -> int:
     from vllm.v1.metrics.prometheus import setup_multiprocess_prometheus
 
     from .. import vllm_releases
-    from ..options import port_in_use
+    from .launcher import addresses_usable
 
     count = args.api_server_count
     # Before anything imports prometheus_client's value class in a frontend:
     # each process writes its series to files in a directory this one reads.
     setup_multiprocess_prometheus()  # type: ignore[no-untyped-call]
-    ports: list[int] = []
-    for flag, host, port in (
-        ("--port", args.host, args.port),
-        ("--http-port", args.http_address, args.http_port),
-    ):
-        if port is None:
-            continue
-        if port_in_use(host, port):
-            logger.error(
-                "%s:%d is already in use (another server?); choose another %s", host, port, flag
-            )
-            return 1
-        ports.append(port or _free_port(host))
-    args = dataclasses.replace(args, port=ports[0], http_port=ports[1] if len(ports) > 1 else None)
+    if not addresses_usable(args):
+        return 1
+    args = _with_fixed_ports(args)
     group = FrontendGroup(count)
     ready = multiprocessing.get_context("spawn").Queue()
     engine_args = args.engine_args()
@@ -148,6 +138,8 @@ def _run(args: ServeArgs, group: FrontendGroup, frontends: Any, ready: Any, star
             print(
                 f"vllm-servicer http on {scheme}://{args.http_address}:{args.http_port}", flush=True
             )
+        if args.health_port is not None:
+            print(f"vllm-servicer health (plaintext) on {args.host}:{args.health_port}", flush=True)
         pids = " ".join(str(p.pid) for p in processes)
         print(f"vllm-servicer frontends: {len(processes)} processes, pids {pids}", flush=True)
         return _wait_until_ended(args, group, processes, frontends.engine_manager, stop)
@@ -276,12 +268,26 @@ def _wait_until_ended(
     return code
 
 
-def _free_port(host: str) -> int:
-    """A port free on `host` now, for `--port 0`: every frontend must bind the same one."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.bind((host.strip("[]"), 0))
-        return int(sock.getsockname()[1])
+def _with_fixed_ports(args: ServeArgs) -> ServeArgs:
+    """`args` with each port 0 (any free one) made a port free now: every
+    frontend must bind the same one."""
+
+    def fixed(host: str, port: int | None) -> int | None:
+        if port != 0:
+            return port
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.bind((host.strip("[]"), 0))
+            return int(sock.getsockname()[1])
+
+    port = fixed(args.host, args.port)
+    assert port is not None  # --port always has a value
+    return dataclasses.replace(
+        args,
+        port=port,
+        http_port=fixed(args.http_address, args.http_port),
+        health_port=fixed(args.host, args.health_port),
+    )
 
 
 def _serve_metrics(args: ServeArgs) -> Any:

@@ -105,7 +105,7 @@ async def serve(args: ServeArgs, frontend: Frontend | None = None) -> int:
     verifier = key_verifier(args)
     interceptors, metrics = build_interceptors(args, verifier, group=group)
     credentials = server_credentials(*args.tls) if args.tls is not None else None
-    if frontend is None and not _addresses_usable(args, tls=credentials is not None):
+    if frontend is None and not addresses_usable(args):
         return 1
     engine = _start_engine(args, frontend)
     if args.warm_up and frontend is None:
@@ -137,16 +137,24 @@ async def serve(args: ServeArgs, frontend: Frontend | None = None) -> int:
         await side.close(engine)
 
 
-def _addresses_usable(args: ServeArgs, *, tls: bool) -> bool:
+def listening_addresses(args: ServeArgs) -> list[tuple[str, str, int]]:
+    """(flag, host, port) of each port the launcher listens on (port 0: any free one)."""
+    addresses = [("--port", args.host, args.port)]
+    if args.http_port is not None:
+        addresses.append(("--http-port", args.http_address, args.http_port))
+    if args.health_port is not None:
+        addresses.append(("--health-port", args.host, args.health_port))
+    return addresses
+
+
+def addresses_usable(args: ServeArgs) -> bool:
     """Warn about exposed addresses; False (logged) when a port is already taken."""
-    warn_if_exposed(args.host, tls=tls, auth=authenticates(args))
+    tls, auth = args.tls is not None, authenticates(args)
+    warn_if_exposed(args.host, tls=tls, auth=auth)
     if args.http_port is not None and args.http_address != args.host:
-        warn_if_exposed(args.http_address, tls=tls, auth=authenticates(args))
-    for host, port, flag in (
-        (args.host, args.port, "--port"),
-        (args.http_address, args.http_port, "--http-port"),
-    ):
-        if port is not None and port_in_use(host, port):
+        warn_if_exposed(args.http_address, tls=tls, auth=auth)
+    for flag, host, port in listening_addresses(args):
+        if port_in_use(host, port):
             logger.error(
                 "%s:%d is already in use (another server?); choose another %s", host, port, flag
             )
@@ -312,7 +320,8 @@ class _SideServers:
             self.probes, port = await start_probe_port(
                 mounted.health, args.host, args.health_port, shared=shared
             )
-            print(f"vllm-servicer health (plaintext) on {args.host}:{port}", flush=True)
+            if not shared:  # else the parent prints the one port they share
+                print(f"vllm-servicer health (plaintext) on {args.host}:{port}", flush=True)
 
     async def close(self, engine: AsyncLLM) -> None:
         """Stop these servers and the engine, in the order a clean end needs, and log it."""
