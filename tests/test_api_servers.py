@@ -611,9 +611,10 @@ async def test_a_burst_then_one_sigterm_to_the_group_drains_every_process(
                 for i in range(300)
             ]
             assert [len(t) for t in await asyncio.gather(*burst)] == [8] * 300
+            # Long enough to outlast the probes below (300 tokens ended first once).
             calls = [
                 opened.engine(i).Generate(
-                    request(max_tokens=300, ignore_eos=True, stream=True), metadata=a
+                    request(max_tokens=LONG, ignore_eos=True, stream=True), metadata=a
                 )
                 for i in (0, 1)
             ]
@@ -622,12 +623,8 @@ async def test_a_burst_then_one_sigterm_to_the_group_drains_every_process(
             # As systemd's KillMode=mixed and a terminal's Ctrl-C do: the whole group.
             os.killpg(os.getpgid(proc.pid), signal.SIGTERM)
             # Kubernetes' probes, whichever process they reach: unready, still live.
-            for i in (0, 1):
-                assert await _readiness_turns(probes.health(i), NOT_SERVING), i
-                live = await probes.health(i).Check(
-                    health_pb2.HealthCheckRequest(service=LIVENESS_SERVICE), timeout=10
-                )
-                assert live.status == SERVING, i
+            probed = await asyncio.gather(*(_probed_in_drain(probes.health(i)) for i in (0, 1)))
+            assert probed == [(NOT_SERVING, SERVING)] * 2
             finished = asyncio.gather(*(_finish_reason(c) for c in calls))
             assert await asyncio.wait_for(finished, 120) == ["length", "length"]
             assert await asyncio.wait_for(exit_code(proc), 120) == 0, "".join(output)
@@ -637,14 +634,15 @@ async def test_a_burst_then_one_sigterm_to_the_group_drains_every_process(
             await probes.close()
 
 
-async def _readiness_turns(health: health_pb2_grpc.HealthStub, status: int) -> bool:
-    """Whether the readiness a probe reads turns to `status` within 10 s."""
+async def _probed_in_drain(health: health_pb2_grpc.HealthStub) -> tuple[int, int]:
+    """Readiness, once it leaves SERVING (within 10 s), and then liveness, as a probe reads them."""
     for _ in range(100):
-        reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=10)
-        if reply.status == status:
-            return True
+        ready = (await health.Check(health_pb2.HealthCheckRequest(), timeout=10)).status
+        if ready != SERVING:
+            break
         await asyncio.sleep(0.1)
-    return False
+    live = await health.Check(health_pb2.HealthCheckRequest(service=LIVENESS_SERVICE), timeout=10)
+    return ready, live.status
 
 
 async def test_the_engines_death_ends_every_process_with_exit_code_1(
