@@ -323,33 +323,36 @@ async def test_with_several_frontend_processes_adapters_are_fixed_at_start(
     unload would reach one process's registry only, so both are refused with the
     flag named; the adapters given at start serve Inference requests."""
     group = FrontendGroup(2)
-    with pytest.raises(ValueError, match="join"):
-        mount(grpc.aio.server(), engine, frontends=group)
-    group.join(0)
-    async with serving(
-        engine,
-        services=(INFERENCE_SERVICE, CONTROL_SERVICE),
-        lora_modules={"preloaded": str(files.preloaded)},
-        frontends=group,
-    ) as running:
-        stub = ctl_grpc.ControlStub(running.channel)
-        for call in (
-            stub.LoadLora(
-                ctl.LoadLoraRequest(lora_name="gamma", source_path=str(files.alpha)), timeout=10
-            ),
-            stub.UnloadLora(ctl.UnloadLoraRequest(lora_name="preloaded"), timeout=10),
-        ):
-            err = await refused(call)
-            assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
-            assert "--api-server-count" in (err.details() or "")
-            assert "--lora-modules" in (err.details() or "")
-        listed = (await stub.ListLoras(ctl.ListLorasRequest(), timeout=10)).adapters
-        assert [a.lora_name for a in listed] == ["preloaded"]
-        registry = running.mounted.control.loras
-        assert await inference_greedy(running, "preloaded") == await greedy(
-            engine, registry.request_for("preloaded")
-        )
-        assert await inference_greedy(running, "preloaded") != await greedy(engine)
+    try:
+        with pytest.raises(ValueError, match="join"):
+            mount(grpc.aio.server(), engine, frontends=group)
+        group.join(0)
+        async with serving(
+            engine,
+            services=(INFERENCE_SERVICE, CONTROL_SERVICE),
+            lora_modules={"preloaded": str(files.preloaded)},
+            frontends=group,
+        ) as running:
+            stub = ctl_grpc.ControlStub(running.channel)
+            for call in (
+                stub.LoadLora(
+                    ctl.LoadLoraRequest(lora_name="gamma", source_path=str(files.alpha)), timeout=10
+                ),
+                stub.UnloadLora(ctl.UnloadLoraRequest(lora_name="preloaded"), timeout=10),
+            ):
+                err = await refused(call)
+                assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+                assert "--api-server-count" in (err.details() or "")
+                assert "--lora-modules" in (err.details() or "")
+            listed = (await stub.ListLoras(ctl.ListLorasRequest(), timeout=10)).adapters
+            assert [a.lora_name for a in listed] == ["preloaded"]
+            registry = running.mounted.control.loras
+            assert await inference_greedy(running, "preloaded") == await greedy(
+                engine, registry.request_for("preloaded")
+            )
+            assert await inference_greedy(running, "preloaded") != await greedy(engine)
+    finally:
+        group.remove_directory()  # its peers' socket directory
 
 
 # ----- Abort -------------------------------------------------------------------------
