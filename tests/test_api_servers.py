@@ -47,6 +47,7 @@ from support.vllm_protocol import reference_modules
 from test_tracing_otlp import Collector, _received
 from test_tracing_otlp import collector as collector  # a fixture: an OTLP receiver
 
+from vllm_servicer.health import LIVENESS_SERVICE
 from vllm_servicer.proto import common_pb2, vllm_engine_pb2_grpc
 from vllm_servicer.proto import vllm_engine_pb2 as pb
 
@@ -59,6 +60,7 @@ MAX_INFLIGHT = 6
 MAX_KV_SUBSCRIBERS = 4  # 2 per tenant
 LONG = 2000  # tokens: a request that is still running when the test acts on it
 SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 @dataclass
@@ -570,7 +572,8 @@ async def test_a_burst_then_one_sigterm_to_the_group_drains_every_process(
     """The launcher's full stack (TLS with a plaintext probe port, tracing,
     metrics, keys, the in-flight limit): 300 seeded calls with long prompts at
     once over both processes all complete; then, on one SIGTERM to the group,
-    streams running in both complete, and everything exits 0."""
+    both processes' probes read unready and live, streams running in both
+    complete, and everything exits 0."""
     env = _launch_env(tmp_path_factory)
     env.update(
         {
@@ -581,7 +584,8 @@ async def test_a_burst_then_one_sigterm_to_the_group_drains_every_process(
     )
     ca = CertificateAuthority("n2-ca")
     cert, key = ca.server().write(tmp_path_factory.mktemp("n2-tls"), "server")
-    argv = ["--api-server-count", "2", "--drain-grace", "0", "--metrics-port", "0"]
+    # The grace: readiness reads NOT_SERVING for 3 s before either port closes.
+    argv = ["--api-server-count", "2", "--drain-grace", "3", "--metrics-port", "0"]
     argv += ["--api-key", TENANT_A, "--shutdown-timeout", "120"]
     argv += ["--tls-cert", str(cert), "--tls-key", str(key), "--health-port", "0"]
     async with _own_launcher(argv, env) as (proc, lines, output, processes):
@@ -621,6 +625,9 @@ async def test_a_burst_then_one_sigterm_to_the_group_drains_every_process(
                 await _first(call)
             # As systemd's KillMode=mixed and a terminal's Ctrl-C do: the whole group.
             os.killpg(os.getpgid(proc.pid), signal.SIGTERM)
+            # Kubernetes' probes, whichever process they reach: unready, still live.
+            probed = await asyncio.gather(*(_probed_in_drain(probes.health(i)) for i in (0, 1)))
+            assert probed == [(NOT_SERVING, SERVING)] * 2
             finished = asyncio.gather(*(_finish_reason(c) for c in calls))
             assert await asyncio.wait_for(finished, 120) == ["length", "length"]
             assert await asyncio.wait_for(exit_code(proc), 120) == 0, "".join(output)
@@ -628,6 +635,17 @@ async def test_a_burst_then_one_sigterm_to_the_group_drains_every_process(
         finally:
             await opened.close()
             await probes.close()
+
+
+async def _probed_in_drain(health: health_pb2_grpc.HealthStub) -> tuple[int, int]:
+    """Readiness once it leaves SERVING (within 10 s), then liveness, as a probe reads them."""
+    for _ in range(100):
+        ready = (await health.Check(health_pb2.HealthCheckRequest(), timeout=10)).status
+        if ready != SERVING:
+            break
+        await asyncio.sleep(0.1)
+    live = await health.Check(health_pb2.HealthCheckRequest(service=LIVENESS_SERVICE), timeout=10)
+    return ready, live.status
 
 
 async def test_the_engines_death_ends_every_process_with_exit_code_1(
