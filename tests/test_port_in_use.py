@@ -7,9 +7,11 @@ import contextlib
 import socket
 import sys
 import time
+from pathlib import Path
 
 import grpc
 import pytest
+from support.certs import CertificateAuthority
 
 from vllm_servicer import server_options
 
@@ -38,24 +40,27 @@ async def test_a_second_server_on_a_served_port(
         await first.stop(None)
 
 
-async def test_the_launcher_refuses_a_port_in_use_before_loading_the_model() -> None:
+@pytest.mark.parametrize("count", ["1", "2"])
+@pytest.mark.parametrize("flag", ["--port", "--health-port"])
+async def test_the_launcher_refuses_a_port_in_use_before_loading_the_model(
+    flag: str, count: str, tmp_path: Path
+) -> None:
+    """One process or several (`--api-server-count`): the main port, or the
+    plaintext probe port beside a TLS one."""
+    cert, key = CertificateAuthority("port-ca").server().write(tmp_path, "server")
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
+        ports = {"--port": "0", "--health-port": "0", flag: str(port)}
         started = time.monotonic()
         proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "vllm_servicer",
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
+            sys.executable, "-m", "vllm_servicer", "serve", "--host", "127.0.0.1",
+            "--api-server-count", count, "--tls-cert", str(cert), "--tls-key", str(key),
+            *(arg for pair in ports.items() for arg in pair),
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
-        )
+        )  # fmt: skip
         try:
             output, _ = await asyncio.wait_for(proc.communicate(), 120)
         finally:
@@ -64,5 +69,6 @@ async def test_the_launcher_refuses_a_port_in_use_before_loading_the_model() -> 
     text = output.decode(errors="replace")
     assert proc.returncode == 1, text[-2000:]
     assert f"127.0.0.1:{port} is already in use" in text
+    assert f"choose another {flag}" in text
     assert "starting the vLLM engine" not in text, "it loaded the model first"
     print(f"refused in {time.monotonic() - started:.1f} s")
