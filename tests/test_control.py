@@ -25,6 +25,7 @@ from typing import Any
 import grpc
 import pytest
 import vllm
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from support import bearer, request, serving, wait_until_idle
 from support.vllm_protocol import reference_modules
 from vllm import SamplingParams
@@ -454,6 +455,43 @@ async def test_rl_calls_run_one_at_a_time(served: Any, stub: Any, engine: Any) -
     await pause
     assert await finish_reasons(call) == ["length"]
     assert not (await stub.IsPaused(ctl.IsPausedRequest(), timeout=10)).paused
+
+
+async def test_readiness_follows_pause_and_sleep_liveness_does_not(
+    served: Any, stub: Any, engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Routers stop sending to a replica that is not ready: a paused or sleeping
+    # engine is NOT_SERVING for readiness ("" and each protocol), Check and
+    # Watch alike, and SERVING again once resumed; liveness stays SERVING.
+    health = health_pb2_grpc.HealthStub(served.channel)
+    ready, not_ready = (
+        health_pb2.HealthCheckResponse.SERVING,
+        health_pb2.HealthCheckResponse.NOT_SERVING,
+    )
+
+    async def check(service: str = "") -> int:
+        reply = await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+        return int(reply.status)
+
+    watch = health.Watch(health_pb2.HealthCheckRequest(service=""))
+    seen = [int((await watch.read()).status)]
+    await stub.PauseGeneration(ctl.PauseGenerationRequest(mode=ctl.PAUSE_MODE_KEEP), timeout=60)
+    assert [await check(s) for s in ("", SERVICE_NAME, CONTROL_SERVICE)] == [not_ready] * 3
+    assert await check("liveness") == ready
+    seen.append(int((await asyncio.wait_for(watch.read(), 10)).status))
+    await stub.ResumeGeneration(ctl.ResumeGenerationRequest(), timeout=60)
+    assert await check() == ready
+    seen.append(int((await asyncio.wait_for(watch.read(), 10)).status))
+    assert seen == [ready, not_ready, ready]
+
+    monkeypatch.setattr(engine.model_config, "enable_sleep_mode", True)  # as in the sleep test
+    await stub.Sleep(ctl.SleepRequest(), timeout=60)
+    try:
+        assert (await check(), await check("liveness")) == (not_ready, ready)
+    finally:
+        await stub.WakeUp(ctl.WakeUpRequest(), timeout=60)
+    assert await check() == ready
+    watch.cancel()
 
 
 async def test_an_unknown_pause_mode_is_invalid(stub: Any) -> None:

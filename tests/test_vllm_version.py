@@ -17,6 +17,7 @@ from vllm_servicer._vllm_version import (
     SKIP_ENV,
     SUPPORTED_VLLM,
     UnsupportedVllmError,
+    UntestedVllmWarning,
     check_vllm_version,
     installed_vllm_version,
     is_supported,
@@ -30,16 +31,47 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.mark.parametrize(
     "version",
-    ["0.31.0", "0.31.2", "0.32.0", "0.32.0+cpu", "0.32.1rc1", "0.31.0.dev3+gabc", "0.33.0"],
+    [
+        "0.31.0",
+        "0.31.2",
+        "0.32.0",
+        "0.32.0+cpu",
+        "0.32.1rc1",
+        "0.31.0.dev3+gabc",
+        "0.33.0",
+        "0.34.0",
+        "0.34.1+cpu",
+    ],
 )
 def test_in_range(version: str) -> None:
     assert is_supported(version)
     check_vllm_version(version)
 
 
-@pytest.mark.parametrize(
-    "version", ["0.30.9", "0.34.0", "0.34.0.dev12+g1234", "1.0.0", "0.3.2", "dev", ""]
-)
+@pytest.mark.parametrize("version", ["0.35.0", "0.35.0.dev12+g1234", "0.36.2+cpu", "0.40.0"])
+def test_a_newer_minor_release_imports_with_a_warning_naming_the_range(
+    version: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Day one of a new vLLM: used as is, with the tested range and the API check named.
+    monkeypatch.delenv(SKIP_ENV, raising=False)
+    assert not is_supported(version)
+    with pytest.warns(UntestedVllmWarning) as warned:
+        check_vllm_version(version)
+    message = str(warned[0].message)
+    assert f"vLLM {version} is newer" in message and SUPPORTED_VLLM in message
+    assert "make vllm-api-check" in message
+
+
+def test_the_warning_can_be_silenced(monkeypatch: pytest.MonkeyPatch) -> None:
+    import warnings
+
+    monkeypatch.setenv(SKIP_ENV, "1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_vllm_version("0.35.0")
+
+
+@pytest.mark.parametrize("version", ["0.30.9", "0.30.0", "1.0.0", "0.3.2", "dev", ""])
 def test_out_of_range_names_both_versions(version: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(SKIP_ENV, raising=False)
     assert not is_supported(version)
@@ -58,7 +90,7 @@ def test_no_vllm_installed(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_skip_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(SKIP_ENV, "1")
-    check_vllm_version("0.34.0")
+    check_vllm_version("0.30.0")
 
 
 def test_the_installed_vllm_is_in_range() -> None:

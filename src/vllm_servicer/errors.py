@@ -196,3 +196,14 @@ class PermissionDenied(AuthError):
 
     status_code: ClassVar[str] = "PERMISSION_DENIED"
     status_reason: ClassVar[str] = "PERMISSION_DENIED"
+
+
+class CheckpointStateError(RuntimeError):
+    """A control call the engine's process-checkpoint state forbids (vLLM 0.34+).
+
+    While a checkpoint is prepared or under way, vLLM's engine refuses to
+    sleep, wake up or resume; the message names the state and the way out.
+    """
+
+    status_code: ClassVar[str] = "FAILED_PRECONDITION"
+    status_reason: ClassVar[str] = "CHECKPOINT_IN_PROGRESS"

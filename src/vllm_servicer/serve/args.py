@@ -267,14 +267,21 @@ def _engine_flags(flags: argparse.Namespace) -> Mapping[str, Any]:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.platforms import current_platform
 
+    from .. import vllm_releases
+
     names = (field.name for field in dataclasses.fields(AsyncEngineArgs))
     engine = {name: getattr(flags, name) for name in names if hasattr(flags, name)}
     if flags.model_tag is not None:
         engine["model"] = flags.model_tag
-    if engine["enable_chunked_prefill"] is None and current_platform.is_cpu():
-        # Whole prompts only, unless asked: a split prompt's seeded draw kills a
-        # CPU engine (vllm_releases.seeded_sampling_hazard). vLLM then raises
-        # the step's token budget to at least the context length.
+    if (
+        engine["enable_chunked_prefill"] is None
+        and current_platform.is_cpu()
+        and vllm_releases.SEEDED_DRAW_REWINDS
+    ):
+        # Whole prompts only, unless asked, where a split prompt's seeded draw
+        # kills a CPU engine (vllm_releases.seeded_sampling_hazard: 0.31 to
+        # 0.33). vLLM then raises the step's token budget to at least the
+        # context length.
         engine["enable_chunked_prefill"] = False
     return MappingProxyType(engine)
 

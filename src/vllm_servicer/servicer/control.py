@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 # Before vLLM is imported below: an untested vLLM release fails here, naming both versions.
@@ -26,9 +26,15 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateRequest,
 )
 
+from .. import vllm_releases
 from ..context import current_request_id
 from ..engine import EngineClient
-from ..errors import EngineRefusedError, InvalidRequestError, UnsupportedError
+from ..errors import (
+    CheckpointStateError,
+    EngineRefusedError,
+    InvalidRequestError,
+    UnsupportedError,
+)
 from ..frontends import FrontendGroup
 from ..proto import control_pb2 as pb
 from ..proto import control_pb2_grpc
@@ -127,6 +133,9 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
             (which resolves `lora_name` through it).
         group: the frontend processes sharing the engine (`serve
             --api-server-count`); with several, Shutdown stops them all.
+        on_state_change: awaited after each call that may change whether the
+            engine accepts requests (pause, resume, sleep, wake, weight
+            updates): the health service re-reads readiness.
     """
 
     def __init__(
@@ -137,9 +146,11 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         active_calls: Callable[[], int],
         loras: LoraRegistry,
         group: FrontendGroup | None = None,
+        on_state_change: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self._engine = engine
         self._group = group
+        self._on_state_change = on_state_change
         # The RL and adapter calls are AsyncLLM's, beyond the EngineClient protocol.
         self._llm: Any = engine
         self._running = running
@@ -235,6 +246,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         async with self._rl_lock:
             with engine_refusals():
                 await self._llm.pause_generation(mode=mode, clear_cache=clear_cache)
+        await self._state_changed()
         return pb.PauseGenerationResponse()
 
     async def ResumeGeneration(
@@ -242,8 +254,10 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
     ) -> pb.ResumeGenerationResponse:
         """Resume the scheduler after a pause."""
         async with self._rl_lock:
+            await self._check_checkpoint("resume")
             with engine_refusals():
                 await self._llm.resume_generation()
+        await self._state_changed()
         return pb.ResumeGenerationResponse()
 
     async def IsPaused(self, request: pb.IsPausedRequest, context: Context) -> pb.IsPausedResponse:
@@ -258,16 +272,20 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
             raise InvalidRequestError("level", f"must be one of {_SLEEP_LEVELS}, got {level}")
         mode = pause_mode(request.mode)
         async with self._rl_lock:
+            await self._check_checkpoint("sleep")
             with engine_refusals():
                 await self._llm.sleep(level=level, mode=mode)
+        await self._state_changed()
         return pb.SleepResponse()
 
     async def WakeUp(self, request: pb.WakeUpRequest, context: Context) -> pb.WakeUpResponse:
         """Wake the engine (the memory `tags` name, or all of it), resuming it once whole."""
         self._require(control_info.sleep_mode_enabled(self._engine), SLEEP_HINT)
         async with self._rl_lock:
+            await self._check_checkpoint("wake up")
             with engine_refusals():
                 await self._llm.wake_up(list(request.tags) or None)
+        await self._state_changed()
         return pb.WakeUpResponse()
 
     async def IsSleeping(
@@ -343,6 +361,16 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
 
     # ----- helpers ----------------------------------------------------------
 
+    async def _check_checkpoint(self, action: str) -> None:
+        refusal = await vllm_releases.checkpoint_refusal(self._llm, action)
+        if refusal is not None:
+            raise CheckpointStateError(refusal)
+
+    async def _state_changed(self) -> None:
+        """Readiness follows the engine: re-read it now rather than at the next poll."""
+        if self._on_state_change is not None:
+            await self._on_state_change()
+
     @staticmethod
     def _require(enabled: bool, hint: str) -> None:
         if not enabled:
@@ -371,6 +399,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
                 raise UnsupportedError(PAUSE_FIRST)
             with engine_refusals():
                 await method(*args)
+        await self._state_changed()
 
     def _start_shutdown(self) -> None:
         """The Shutdown call has ended (grpc runs this on the event loop)."""

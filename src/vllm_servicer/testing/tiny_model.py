@@ -61,8 +61,9 @@ TINY_ENGINE_KWARGS: Final[dict[str, Any]] = {
     "seed": 0,
     # Keeps batch shapes, and so start-up and memory, small.
     "max_num_seqs": 64,
-    # Whole prompts only: a split prompt's seeded draw kills a CPU engine
-    # (vllm_releases.seeded_sampling_hazard); measured at no throughput cost here.
+    # Whole prompts only: on vLLM 0.31 to 0.33 a split prompt's seeded draw kills
+    # a CPU engine (vllm_releases.seeded_sampling_hazard); measured at no
+    # throughput cost here, and one setting for every release keeps runs alike.
     "enable_chunked_prefill": False,
 }
 """``AsyncEngineArgs`` keyword arguments that start the tiny model on a CPU machine.
