@@ -41,6 +41,7 @@ from .context import current_request_id
 from .errors import (
     AlreadyExistsError,
     AuthError,
+    BudgetFullError,
     EngineRefusedError,
     EventsLostError,
     FieldOutOfRangeError,
@@ -91,6 +92,7 @@ ERROR_TABLE: tuple[ErrorRule, ...] = (
     # paused engine ("abort" or "wait" mode) refuses new requests with it.
     ErrorRule(RetryableRequestError, grpc.StatusCode.UNAVAILABLE, "RETRYABLE"),
     _own(TooManySubscribersError),
+    _own(BudgetFullError),
     _own(EventsLostError),
     _own(MediaUnavailableError),
     _own(RequestIdInUseError),

@@ -26,6 +26,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateRequest,
 )
 
+from ..budgets import RequestBudgets
 from ..context import current_request_id
 from ..engine import EngineClient
 from ..errors import EngineRefusedError, InvalidRequestError, UnsupportedError
@@ -127,6 +128,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
             (which resolves `lora_name` through it).
         group: the frontend processes sharing the engine (`serve
             --api-server-count`); with several, Shutdown stops them all.
+        budgets: what one request may cost (ids per Abort); None: the defaults.
     """
 
     def __init__(
@@ -137,9 +139,11 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         active_calls: Callable[[], int],
         loras: LoraRegistry,
         group: FrontendGroup | None = None,
+        budgets: RequestBudgets | None = None,
     ) -> None:
         self._engine = engine
         self._group = group
+        self._budgets = budgets if budgets is not None else RequestBudgets()
         # The RL and adapter calls are AsyncLLM's, beyond the EngineClient protocol.
         self._llm: Any = engine
         self._running = running
@@ -199,6 +203,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
 
         Idempotent: empty, unknown, repeated and finished ids are successes.
         """
+        self._budgets.check_abort_ids("request_ids", request.request_ids)
         ids = await self._running.abort(self._engine, request.request_ids)
         if ids:
             current_request_id.set(",".join(ids))
