@@ -117,6 +117,11 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         return self._engine
 
     @property
+    def decoded_media(self) -> DecodedMedia:
+        """The decoded images this process holds for running requests, and their budget."""
+        return self._decoded_media
+
+    @property
     def kv_subscribers(self) -> SubscriberLimit:
         """The SubscribeKvEvents streams open now, and their limit."""
         return self._kv_subscribers
