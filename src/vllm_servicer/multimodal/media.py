@@ -139,7 +139,13 @@ class MediaResolver:
             image = await self._opened(field, item.url)
             account.admit(field, image)
             opened.append((field, image))
-        return [await asyncio.to_thread(self._decode, field, image) for field, image in opened]
+        decoded = []
+        while opened:
+            # Taken off the list: an image decoded in another mode is dropped
+            # once converted, not held beside its RGB copy to the end.
+            field, image = opened.pop(0)
+            decoded.append(await asyncio.to_thread(self._decode, field, image))
+        return decoded
 
     def _check_url(self, index: int, url: str) -> None:
         scheme = urlsplit(url).scheme.lower() if url else ""
@@ -248,5 +254,6 @@ class MediaResolver:
             raise InvalidRequestError(
                 field, f"image decoded at {image.size}, not the {counted} its header gave"
             )
-        # RGB, as vLLM's own media loader hands images to the processor.
-        return image.convert("RGB")
+        # RGB, as vLLM's own media loader hands images to the processor (an
+        # RGB image as it is: a copy would double what it holds).
+        return image if image.mode == "RGB" else image.convert("RGB")
