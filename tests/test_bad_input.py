@@ -147,8 +147,9 @@ GENERATE_ROWS: dict[str, Row] = {
     "min_tokens_beyond_context": Row(
         raw(lambda r: r.sampling_params.ClearField("max_tokens"), min_tokens=U32), "min_tokens"
     ),
-    "n_over_limit": Row(sp(n=16_385, temperature=1.0), "n must"),
-    "n_max_uint32": Row(sp(n=U32, temperature=1.0), "n must"),
+    # Past vLLM's own cap (16,384) and this server's budget (--max-n, 128).
+    "n_over_limit": Row(sp(n=16_385, temperature=1.0), "sampling_params.n: 16385 sequences"),
+    "n_max_uint32": Row(sp(n=U32, temperature=1.0), "sampling_params.n"),
     "n_greedy_contradiction": Row(sp(n=2, temperature=0.0), "n must"),
     "n_at_max_num_seqs": Row(sp(n=64, temperature=1.0, max_tokens=1), FINE),
     "logprobs_above_max": Row(sp(logprobs=21), "logprobs"),

@@ -220,6 +220,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "vllm_releases",
         "_registration",
         "frontends",
+        "budgets",
     ),
     ("multimodal", "status", "health", "reflection"),
     # Side by side: they share `context`, never import one another.

@@ -14,6 +14,7 @@ import importlib.metadata
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the names of _SOURCES, for type checkers (test_packaging compares)
+    from .budgets import RequestBudgets
     from .engine import EngineClient
     from .errors import InvalidRequestError
     from .health import EngineHealthServicer
@@ -49,6 +50,7 @@ _SOURCES: dict[str, str] = {
     "MountError": ".mounting",
     "TracingInterceptor": ".interceptors",
     "MountedServices": ".mounting",
+    "RequestBudgets": ".budgets",
     "VllmEngineServicer": ".servicer",
     "mount": ".mounting",
     "server_options": ".options",

@@ -112,6 +112,25 @@ class TooManySubscribersError(RuntimeError):
     status_reason: ClassVar[str] = "TOO_MANY_SUBSCRIBERS"
 
 
+class BudgetFullError(RuntimeError):
+    """A request within its own budgets that a budget shared by the whole process
+    cannot take now (decoded images in flight): another replica, or this one
+    later, may serve it.
+
+    Args:
+        field: the request field that needed the budget.
+        reason: which budget, and its limit.
+    """
+
+    status_code: ClassVar[str] = "RESOURCE_EXHAUSTED"
+    status_reason: ClassVar[str] = "BUDGET_FULL"
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
 class EventsLostError(RuntimeError):
     """Events a subscriber needs are gone: past the publisher's replay buffer, or it restarted.
 

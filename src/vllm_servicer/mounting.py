@@ -11,10 +11,12 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc  # type: ign
 from grpc_reflection.v1alpha import reflection_pb2 as _reflection_pb2  # noqa: F401
 
 from ._registration import HandlerRecorder, register, server_started
+from .budgets import RequestBudgets
 from .engine import EngineClient
 from .frontends import FrontendGroup
 from .health import EngineHealthServicer
 from .interceptors import InflightInterceptor, MetricsInterceptor, Pipeline
+from .multimodal.decoded import DecodedMedia
 from .multimodal.media import MediaRefOptions
 from .options import DEFAULT_MAX_KV_SUBSCRIBERS
 from .proto import (
@@ -83,6 +85,7 @@ def mount(
     services: Sequence[str] = DEFAULT_SERVICES,
     lora_modules: Mapping[str, str] | None = None,
     frontends: FrontendGroup | None = None,
+    budgets: RequestBudgets | None = None,
 ) -> MountedServices:
     """Serve vLLM's gRPC protocols from `engine` on the host's `server`.
 
@@ -124,6 +127,10 @@ def mount(
             (`serve --api-server-count`, which builds it): their shared
             request ids, in-flight count and KV-event streams; joined
             (`FrontendGroup.join`) as this process's index.
+        budgets: what one request may cost (decoded image pixels and bytes,
+            `n`, constraint size, ids per Abort, shared-memory bytes) and the
+            decoded images the process holds at once; None: the defaults
+            (`RequestBudgets`). Past one, a call is refused before any engine work.
 
     Returns:
         The servicers and service names mounted.
@@ -149,6 +156,9 @@ def mount(
     # One registry of running requests for every protocol: an id belongs to
     # its caller whichever protocol started it, and a drain aborts them all.
     running = RunningRequests(frontends)
+    # One account of decoded images in flight for every protocol.
+    budgets = budgets if budgets is not None else RequestBudgets()
+    decoded_media = DecodedMedia(budgets)
     servicer = VllmEngineServicer(
         engine,
         max_kv_subscribers=max_kv_subscribers,
@@ -157,6 +167,8 @@ def mount(
         shm_tensors=shm_tensors,
         running=running,
         group=frontends,
+        budgets=budgets,
+        decoded_media=decoded_media,
     )
     # One adapter registry too (built once the engine's members are checked):
     # an adapter Control loads is one Inference's lora_name can name.
@@ -175,7 +187,14 @@ def mount(
         names.append(SERVICE_NAME)
     inference = None
     if INFERENCE_SERVICE in services:
-        inference = InferenceServicer(engine, running=running, media_refs=media_refs, loras=loras)
+        inference = InferenceServicer(
+            engine,
+            running=running,
+            media_refs=media_refs,
+            loras=loras,
+            budgets=budgets,
+            decoded_media=decoded_media,
+        )
         inference_pb2_grpc.add_InferenceServicer_to_server(inference, recorder)  # type: ignore[no-untyped-call]
         names.append(INFERENCE_SERVICE)
     control = None
@@ -187,6 +206,7 @@ def mount(
             loras=loras,
             group=frontends,
             on_state_change=health_servicer.recheck if health_servicer is not None else None,
+            budgets=budgets,
         )
         control_pb2_grpc.add_ControlServicer_to_server(control, recorder)  # type: ignore[no-untyped-call]
         names.append(CONTROL_SERVICE)

@@ -41,6 +41,7 @@ from .context import current_request_id
 from .errors import (
     AlreadyExistsError,
     AuthError,
+    BudgetFullError,
     CheckpointStateError,
     EngineRefusedError,
     EventsLostError,
@@ -95,6 +96,7 @@ ERROR_TABLE: tuple[ErrorRule, ...] = (
     # recovery; its HTTP server answers 503 so that clients go elsewhere.
     ErrorRule(EngineFaultedError, grpc.StatusCode.UNAVAILABLE, "ENGINE_FAULTED"),
     _own(TooManySubscribersError),
+    _own(BudgetFullError),
     _own(EventsLostError),
     _own(MediaUnavailableError),
     _own(RequestIdInUseError),

@@ -12,10 +12,16 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ..errors import InvalidRequestError, MediaUnavailableError, UnimplementedFieldError
+from ..errors import (
+    BudgetFullError,
+    InvalidRequestError,
+    MediaUnavailableError,
+    UnimplementedFieldError,
+)
 from ..proto import INFERENCE_SERVICE, common_pb2, vllm_engine_pb2
 from ..proto import inference_pb2 as pb
 from ..wire import fields
+from .decoded import RequestMedia
 from .media import MediaResolver
 
 
@@ -71,9 +77,12 @@ def checked_items(media: Any) -> list[str]:
     return [_checked_url(index, item) for index, item in enumerate(media)]
 
 
-def _renamed(
-    exc: InvalidRequestError | MediaUnavailableError | UnimplementedFieldError, media: Any
-) -> Exception:
+_ResolverError = (
+    InvalidRequestError | MediaUnavailableError | UnimplementedFieldError | BudgetFullError
+)
+
+
+def _renamed(exc: _ResolverError, media: Any) -> Exception:
     """The resolver's error, naming the `vllm.Inference` field instead of `media_refs`."""
     match = _RESOLVER_FIELD.match(exc.field)
     if match is None:
@@ -89,19 +98,24 @@ def _renamed(
     return renamed
 
 
-async def images(resolver: MediaResolver, media: Any) -> list[Any]:
-    """The decoded images of `media`, by the resolver's rules.
+async def images(resolver: MediaResolver, media: Any, account: RequestMedia) -> list[Any]:
+    """The decoded images of `media`, by the resolver's rules, counted in `account`.
 
     Raises:
-        InvalidRequestError, MediaUnavailableError, UnimplementedFieldError:
-            as `MediaResolver.images`, naming the item's field.
+        InvalidRequestError, MediaUnavailableError, UnimplementedFieldError,
+            BudgetFullError: as `MediaResolver.images`, naming the item's field.
     """
     refs = vllm_engine_pb2.MediaRefs()
     for url in checked_items(media):
         refs.items.add(modality=common_pb2.IMAGE, url=url)
     try:
-        return await resolver.images(refs)
-    except (InvalidRequestError, MediaUnavailableError, UnimplementedFieldError) as exc:
+        return await resolver.images(refs, account)
+    except (
+        InvalidRequestError,
+        MediaUnavailableError,
+        UnimplementedFieldError,
+        BudgetFullError,
+    ) as exc:
         raise _renamed(exc, media) from None
 
 

@@ -13,7 +13,10 @@ unless given here:
   fetch (vLLM's own server would fetch from any host).
 
 Every item is bounded by `max_item_bytes` before it is decoded and by
-`max_image_pixels` before its pixels are loaded. Reading and decoding run in a
+`max_image_pixels` before its pixels are loaded; all of a request's items
+together by the request's media budgets (`RequestMedia`, from each image's
+header), and every request's by the process's, before the first is decoded.
+Then they are decoded one after another. Reading and decoding run in a
 worker thread; the decoded images go to the engine as `multi_modal_data`,
 where vLLM's own processor turns them into model input.
 """
@@ -34,6 +37,7 @@ from urllib.request import url2pathname
 from ..errors import InvalidRequestError, MediaUnavailableError, UnimplementedFieldError
 from ..proto import common_pb2
 from ..proto import vllm_engine_pb2 as pb
+from .decoded import RequestMedia
 
 ENABLE_FLAG = "--enable-media-refs"
 DEFAULT_MAX_ITEM_BYTES = 16 * 1024 * 1024
@@ -101,12 +105,17 @@ class MediaResolver:
         """Whether any image can be sent: the model takes images and a scheme is open."""
         return self._max_images > 0 and bool(self.schemes)
 
-    async def images(self, refs: pb.MediaRefs) -> list[Any]:
-        """The decoded images of `refs`, in prompt order.
+    async def images(self, refs: pb.MediaRefs, account: RequestMedia) -> list[Any]:
+        """The decoded images of `refs`, in prompt order, counted in `account`.
+
+        Every item is read and its header counted before any is decoded; then
+        they are decoded one at a time.
 
         Raises:
             InvalidRequestError: an item is malformed, not allowed, too large
-                or not a decodable image; the message names the item.
+                or not a decodable image, or the items together pass a
+                per-request budget; the message names the item.
+            BudgetFullError: the process's decoded-media budget is full.
             UnimplementedFieldError: an item of a modality other than images.
         """
         items = list(refs.items)
@@ -124,7 +133,19 @@ class MediaResolver:
                     f"{common_pb2.Modality.Name(item.modality)}: this server takes images only",
                 )
             self._check_url(index, item.url)
-        return list(await asyncio.gather(*(self._image(i, it.url) for i, it in enumerate(items))))
+        opened = []
+        for index, item in enumerate(items):
+            field = f"media_refs.items[{index}].url"
+            image = await self._opened(field, item.url)
+            account.admit(field, image)
+            opened.append((field, image))
+        decoded = []
+        while opened:
+            # Taken off the list: an image decoded in another mode is dropped
+            # once converted, not held beside its RGB copy to the end.
+            field, image = opened.pop(0)
+            decoded.append(await asyncio.to_thread(self._decode, field, image))
+        return decoded
 
     def _check_url(self, index: int, url: str) -> None:
         scheme = urlsplit(url).scheme.lower() if url else ""
@@ -143,14 +164,14 @@ class MediaResolver:
                     f"host {host!r} is not in --allowed-media-domains",
                 )
 
-    async def _image(self, index: int, url: str) -> Any:
-        field = f"media_refs.items[{index}].url"
+    async def _opened(self, field: str, url: str) -> Any:
+        """The item's image with its header read, not decoded."""
         if url[:5].lower() == "data:" or url[:5].lower() == "file:":
             # Reading a file and base64 decoding both scale with the item.
             data = await asyncio.to_thread(self._read_local, field, url)
         else:
             data = await self._fetch(field, url)
-        return await asyncio.to_thread(self._decode, field, data)
+        return await asyncio.to_thread(self._open, field, data)
 
     def _read_local(self, field: str, url: str) -> bytes:
         limit = self._options.max_item_bytes
@@ -201,22 +222,38 @@ class MediaResolver:
             raise InvalidRequestError(field, f"image is larger than the {limit}-byte limit")
         return data
 
-    def _decode(self, field: str, data: bytes) -> Any:
+    def _open(self, field: str, data: bytes) -> Any:
+        """The image's header (size, mode), its pixels left undecoded; the per-image limit."""
         from PIL import Image
 
         try:
             image = Image.open(io.BytesIO(data))
-            width, height = image.size
-            if width * height > self._options.max_image_pixels:
-                raise InvalidRequestError(
-                    field,
-                    f"image is {width}x{height}, more than the "
-                    f"{self._options.max_image_pixels}-pixel limit",
-                )
-            image.load()
-            # RGB, as vLLM's own media loader hands images to the processor.
-            return image.convert("RGB")
-        except InvalidRequestError:
-            raise
         except (OSError, ValueError, Image.DecompressionBombError) as exc:
             raise InvalidRequestError(field, f"not a decodable image: {exc}") from None
+        width, height = image.size
+        if width * height > self._options.max_image_pixels:
+            raise InvalidRequestError(
+                field,
+                f"image is {width}x{height}, more than the "
+                f"{self._options.max_image_pixels}-pixel limit",
+            )
+        return image
+
+    def _decode(self, field: str, image: Any) -> Any:
+        """The opened image's pixels, as RGB; refused if they are not what its header said."""
+        from PIL import Image
+
+        counted = image.size
+        try:
+            image.load()
+        except (OSError, ValueError, Image.DecompressionBombError) as exc:
+            raise InvalidRequestError(field, f"not a decodable image: {exc}") from None
+        if image.size != counted:
+            # A format that picks its size on load (an icon's largest entry, say)
+            # would be counted at one size and held at another.
+            raise InvalidRequestError(
+                field, f"image decoded at {image.size}, not the {counted} its header gave"
+            )
+        # RGB, as vLLM's own media loader hands images to the processor (an
+        # RGB image as it is: a copy would double what it holds).
+        return image if image.mode == "RGB" else image.convert("RGB")

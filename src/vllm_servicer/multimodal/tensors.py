@@ -52,6 +52,7 @@ from typing import Any
 
 import torch
 
+from ..budgets import DEFAULT_MAX_REQUEST_SHM_BYTES
 from ..errors import InvalidRequestError, UnimplementedFieldError, UnsupportedError
 from ..proto import common_pb2
 from ..proto import vllm_engine_pb2 as pb
@@ -287,7 +288,13 @@ class _Batch:
     modality: str
 
 
-async def engine_input(request: pb.GenerateRequest, prompt: Any, media: ModelMedia) -> Any:
+async def engine_input(
+    request: pb.GenerateRequest,
+    prompt: Any,
+    media: ModelMedia,
+    *,
+    max_shm_bytes: int = DEFAULT_MAX_REQUEST_SHM_BYTES,
+) -> Any:
     """vLLM's multimodal engine input for a request that carries preprocessed tensors.
 
     Args:
@@ -295,6 +302,8 @@ async def engine_input(request: pb.GenerateRequest, prompt: Any, media: ModelMed
         prompt: its prompt as `convert.prompt_from_request` made it (token
             ids, placeholders expanded).
         media: what the served model takes.
+        max_shm_bytes: the most bytes all its tensors together may name in
+            shared memory, checked before any segment is opened.
 
     Raises:
         InvalidRequestError: a malformed batch, tensor or placeholder (named).
@@ -318,6 +327,7 @@ async def engine_input(request: pb.GenerateRequest, prompt: Any, media: ModelMed
         )
     for batch in batches:
         _check_transports(batch, media)
+    _check_shm_total(batches, max_shm_bytes)
     for batch in batches:
         _check_served(batch, media)
     _check_one_batch_per_modality(batches)
@@ -375,6 +385,28 @@ def _check_transports(batch: _Batch, media: ModelMedia) -> None:
             raise UnimplementedFieldError(f"{path}.remote", fields.REMOTE_TENSOR_HINT)
         if payload == "shm" and not media.shm:
             raise UnsupportedError(fields.SHM_TENSORS_HINT, field=f"{path}.shm")
+
+
+def _check_shm_total(batches: Sequence[_Batch], limit: int) -> None:
+    """Refuse a request whose shared-memory tensors declare more than `limit` bytes together.
+
+    Counted from the handles (and each one's shape, whichever is larger) before
+    any segment is opened: a refusal costs no read.
+    """
+    total = 0
+    for batch in batches:
+        for path, _, tensor in _tensors_of(batch):
+            if tensor.WhichOneof("payload") != "shm":
+                continue
+            declared = math.prod(tensor.shape) * _itemsize(tensor.dtype)
+            total += max(tensor.shm.nbytes, declared)
+            if total > limit:
+                raise InvalidRequestError(
+                    f"{path}.shm.nbytes",
+                    f"the request's shared-memory tensors come to {total} bytes with this one, "
+                    f"more than this server's budget of {limit} per request "
+                    "(--max-request-shm-bytes)",
+                )
 
 
 def _check_served(batch: _Batch, media: ModelMedia) -> None:
@@ -574,7 +606,12 @@ def _read_shm(path: str, handle: common_pb2.ShmHandle) -> bytearray:
     if not name or "/" in name or name in (".", "..") or "\0" in name:
         raise InvalidRequestError(f"{path}.shm.name", f"{handle.name!r} is not a segment name")
     try:
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        # Non-blocking: a FIFO under that name would otherwise hold the event
+        # loop until some writer opened it. Regular files ignore the flag.
+        fd = os.open(
+            os.path.join(SHM_DIR, name),
+            os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
+        )
     except OSError as exc:
         raise InvalidRequestError(f"{path}.shm.name", _open_failure(handle.name, exc)) from None
     try:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
+from ..budgets import RequestBudgets, flag_name
 from ..options import DEFAULT_MAX_KV_SUBSCRIBERS, DEFAULT_MAX_MESSAGE_BYTES
 from ..proto import CONTROL_SERVICE, INFERENCE_SERVICE, SERVICE_NAME
 
@@ -89,6 +90,8 @@ class ServeArgs:
     health_port: int | None
     tls_client_ca: str | None
     admin_tls_subject: tuple[str, ...]
+    budgets: RequestBudgets = RequestBudgets()
+    """What one request may cost (`--max-n`, `--max-request-media-pixels`...): `mount(budgets=)`."""
 
     def __post_init__(self) -> None:
         if self.api_server_count < 1:
@@ -176,6 +179,7 @@ class ServeArgs:
             health_port=flags.health_port,
             tls_client_ca=_client_ca(flags),
             admin_tls_subject=tuple(flags.admin_tls_subject),
+            budgets=_budgets_of(flags),
         )
 
     @property
@@ -334,7 +338,15 @@ def build_parser(engine_defaults: Mapping[str, Any] | None = None) -> argparse.A
         dest="command", required=True, parser_class=FlexibleArgumentParser
     )
     serve = commands.add_parser("serve", help="serve a model over vLLM's gRPC protocol")
-    for add_flags in (_model, _serving, _http_api, _shutdown, _observability, _security):
+    for add_flags in (
+        _model,
+        _serving,
+        _http_api,
+        _shutdown,
+        _observability,
+        _security,
+        _budgets,
+    ):
         add_flags(serve)
     AsyncEngineArgs.add_cli_args(serve)
     # Our drain waits this long for in-flight calls (vLLM's default 0 would cut them).
@@ -434,6 +446,31 @@ def _serving(serve: argparse.ArgumentParser) -> None:
         action="store_true",
         help="take preprocessed image tensors (mm_inputs) through this host's shared memory "
         "too, not only inline: only where every caller may read this host's shared memory",
+    )
+
+
+def _budgets(serve: argparse.ArgumentParser) -> None:
+    # One flag per RequestBudgets field, declared there once (name, default, help).
+    group = serve.add_argument_group(
+        "vllm-servicer: per-request budgets (refused before any engine work)"
+    )
+    for field in dataclasses.fields(RequestBudgets):
+        group.add_argument(
+            flag_name(field.name),
+            type=int,
+            default=field.default,
+            help=f"{field.metadata['help']} (default {field.default})",
+        )
+
+
+def _budgets_of(flags: argparse.Namespace) -> RequestBudgets:
+    """The budgets the flags give.
+
+    Raises:
+        ValueError: a budget below 1, or per-request media bytes above the process's.
+    """
+    return RequestBudgets(
+        **{field.name: getattr(flags, field.name) for field in dataclasses.fields(RequestBudgets)}
     )
 
 

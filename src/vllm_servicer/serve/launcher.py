@@ -269,6 +269,7 @@ def _grpc_server(
         services=args.services,
         lora_modules=args.lora_modules,
         frontends=group,
+        budgets=args.budgets,
     )
     address = f"{args.host}:{args.port}"
     if credentials is not None:

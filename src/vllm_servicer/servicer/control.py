@@ -27,6 +27,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from .. import vllm_releases
+from ..budgets import RequestBudgets
 from ..context import current_request_id
 from ..engine import EngineClient
 from ..errors import (
@@ -136,6 +137,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         on_state_change: awaited after each call that may change whether the
             engine accepts requests (pause, resume, sleep, wake, weight
             updates): the health service re-reads readiness.
+        budgets: what one request may cost (ids per Abort); None: the defaults.
     """
 
     def __init__(
@@ -147,10 +149,12 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         loras: LoraRegistry,
         group: FrontendGroup | None = None,
         on_state_change: Callable[[], Awaitable[None]] | None = None,
+        budgets: RequestBudgets | None = None,
     ) -> None:
         self._engine = engine
         self._group = group
         self._on_state_change = on_state_change
+        self._budgets = budgets if budgets is not None else RequestBudgets()
         # The RL and adapter calls are AsyncLLM's, beyond the EngineClient protocol.
         self._llm: Any = engine
         self._running = running
@@ -210,6 +214,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
 
         Idempotent: empty, unknown, repeated and finished ids are successes.
         """
+        self._budgets.check_abort_ids("request_ids", request.request_ids)
         ids = await self._running.abort(self._engine, request.request_ids)
         if ids:
             current_request_id.set(",".join(ids))

@@ -11,10 +11,12 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from .. import vllm_releases
+from ..budgets import RequestBudgets
 from ..context import engine_trace_headers
 from ..engine import EngineClient
 from ..errors import InvalidRequestError, UnimplementedFieldError, UnsupportedError
 from ..multimodal import tensors as mm_tensors
+from ..multimodal.decoded import RequestMedia
 from ..multimodal.media import MediaResolver
 from ..proto import vllm_engine_pb2 as pb
 from ..wire import convert, fields
@@ -34,6 +36,7 @@ class Generation:
         engine: the engine served.
         media: the resolver of images named by URL; None when they are off.
         model_media: the preprocessed tensors (mm_inputs) the model takes.
+        budgets: what one request may cost (`n`, constraints, shared memory).
     """
 
     def __init__(
@@ -42,8 +45,10 @@ class Generation:
         *,
         media: MediaResolver | None,
         model_media: mm_tensors.ModelMedia,
+        budgets: RequestBudgets | None = None,
     ) -> None:
         self._engine = engine
+        self._budgets = budgets if budgets is not None else RequestBudgets()
         self._media = media
         self._model_media = model_media
         # A token prompt past the model's context is refused by its length alone.
@@ -70,7 +75,11 @@ class Generation:
         return self._max_prompt_tokens
 
     async def engine_call(
-        self, request: pb.GenerateRequest, context: Context, kv_transfer: dict[str, Any] | None
+        self,
+        request: pb.GenerateRequest,
+        context: Context,
+        kv_transfer: dict[str, Any] | None,
+        media: RequestMedia,
     ) -> tuple[Any, Any, dict[str, Any]]:
         """The prompt, sampling parameters and keyword arguments of `engine.generate`.
 
@@ -78,11 +87,15 @@ class Generation:
             request: the request; its unserved fields were refused already.
             context: the call's context (its trace headers go to the engine).
             kv_transfer: the request's KV transfer parameters, if any.
+            media: the request's account of decoded images (released by the caller).
 
         Raises:
             UnsupportedError, InvalidRequestError, UnimplementedFieldError: the
-                request asks for what this engine cannot do, or is malformed.
+                request asks for what this engine cannot do, is malformed, or
+                passes a budget.
+            BudgetFullError: the process's decoded-media budget is full.
         """
+        self._check_budgets(request.sampling_params)
         if kv_transfer is not None and self._kv_connector is None:
             json_set = request.HasField("kv_transfer_params_json")
             name = "kv_transfer_params_json" if json_set else "kv_transfer_params"
@@ -106,10 +119,15 @@ class Generation:
         tensors = mm_tensors.sent(request)
         if tensors:
             # The router's own processor output: the engine input as it stands.
-            prompt = await mm_tensors.engine_input(request, prompt, self._model_media)
+            prompt = await mm_tensors.engine_input(
+                request,
+                prompt,
+                self._model_media,
+                max_shm_bytes=self._budgets.max_request_shm_bytes,
+            )
         elif images:
             # vLLM's processor expands each image placeholder, off the event loop.
-            prompt = await self._with_images(request, prompt)
+            prompt = await self._with_images(request, prompt, media)
         kwargs: dict[str, Any] = {}
         if tokenization is not None:
             kwargs["tokenization_kwargs"] = tokenization
@@ -127,7 +145,16 @@ class Generation:
             kwargs["reasoning_ended"] = True
         return prompt, sampling, kwargs
 
-    async def _with_images(self, request: pb.GenerateRequest, prompt: Any) -> Any:
+    def _check_budgets(self, params: pb.SamplingParams) -> None:
+        """Refuse sampling parameters past a budget, before anything is built from them."""
+        self._budgets.check_n("sampling_params.n", params.n)
+        constraint = convert.constraint_size(params)
+        if constraint is not None:
+            self._budgets.check_constraint(*constraint)
+
+    async def _with_images(
+        self, request: pb.GenerateRequest, prompt: Any, media: RequestMedia
+    ) -> Any:
         """`prompt` with the images of `request.media_refs` as its multimodal data."""
         if self._media is None or not self._media.takes_images:
             raise UnimplementedFieldError("media_refs", fields.MEDIA_REFS_HINT)
@@ -136,7 +163,7 @@ class Generation:
             raise InvalidRequestError(
                 "media_refs", "needs tokenized input (token ids with one placeholder per image)"
             )
-        images = await self._media.images(request.media_refs)
+        images = await self._media.images(request.media_refs, media)
         prompt["multi_modal_data"] = {"image": images[0] if len(images) == 1 else images}
         render = self._engine.renderer.process_for_engine_async
         if convert.tokenization_kwargs(request.sampling_params) is not None:

@@ -24,6 +24,7 @@ from .. import _vllm_version  # noqa: F401
 from vllm.exceptions import VLLMClientError
 
 from .. import vllm_releases
+from ..budgets import RequestBudgets, check_request_id
 from ..context import current_request_id, engine_trace_headers, kept_usage
 from ..engine import EngineClient, require_engine, served_model_name
 from ..errors import (
@@ -33,6 +34,7 @@ from ..errors import (
     UnsupportedError,
 )
 from ..multimodal import inference_media
+from ..multimodal.decoded import DecodedMedia, RequestMedia
 from ..multimodal.media import MediaRefOptions, MediaResolver
 from ..proto import INFERENCE_SERVICE, inference_pb2_grpc
 from ..proto import inference_pb2 as pb
@@ -108,6 +110,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             None (the default) refuses them.
         loras: resolves `lora_name` (vllm.Control's adapter registry); None:
             a request naming an adapter is refused with FAILED_PRECONDITION.
+        budgets: what one request may cost; None: the defaults.
+        decoded_media: the process's decoded images in flight, shared with
+            the other protocols' servicers; None: an account of its own.
     """
 
     def __init__(
@@ -117,9 +122,15 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         running: RunningRequests,
         media_refs: MediaRefOptions | None = None,
         loras: AdapterLookup | None = None,
+        budgets: RequestBudgets | None = None,
+        decoded_media: DecodedMedia | None = None,
     ) -> None:
         require_engine(engine)
         self._engine = engine
+        self._budgets = budgets if budgets is not None else RequestBudgets()
+        self._decoded_media = (
+            decoded_media if decoded_media is not None else DecodedMedia(self._budgets)
+        )
         self._running = running
         self.loras = loras
         self._media = (
@@ -144,8 +155,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         """The whole generation in one message: `prompt_info`, then the finished sequence."""
         request_id = self._claim(request.request_id, "Generate")
         call: EngineCall | None = None
+        # Its decoded images' bytes are the process's until the request ends.
+        media = self._decoded_media.request()
         try:
-            call = await self._engine_call(request, context, stream=False)
+            call = await self._engine_call(request, context, media, stream=False)
             usage = kept_usage()
             final = None
             async for output in self._engine.generate(
@@ -168,6 +181,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 raise failure from exc
             raise
         finally:
+            media.release()
             self._running.release(request_id)
 
     async def GenerateStream(
@@ -177,8 +191,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         request_id = self._claim(request.request_id, "GenerateStream")
         call: EngineCall | None = None
         started = False
+        media = self._decoded_media.request()
         try:
-            call = await self._engine_call(request, context, stream=True)
+            call = await self._engine_call(request, context, media, stream=True)
             delta = call.builder.delta
             # What the metrics and tracing read, kept from the numbers at hand.
             usage = kept_usage()
@@ -204,6 +219,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 raise failure from exc
             raise
         finally:
+            media.release()
             self._running.release(request_id)
 
     # ----- preparation ------------------------------------------------------
@@ -212,26 +228,32 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         """The request's engine id (one made up when empty), claimed for the caller.
 
         Raises:
+            InvalidRequestError: the id has a control character.
             RequestIdInUseError: the id runs for another caller.
         """
         # vLLM needs an id; a client that sent none cannot abort it by id anyway.
         request_id = given or f"inference-{uuid.uuid4().hex}"
+        check_request_id("request_id", request_id)
         current_request_id.set(request_id)
         self._running.claim(request_id, method)
         return request_id
 
     async def _engine_call(
-        self, request: pb.GenerateRequest, context: Context, *, stream: bool
+        self, request: pb.GenerateRequest, context: Context, media: RequestMedia, *, stream: bool
     ) -> EngineCall:
         """The `engine.generate` call a request asks for, each field checked.
 
         Raises:
             InvalidRequestError, NotFoundError, UnsupportedError,
                 UnimplementedFieldError: the request asks for what this server
-                or engine cannot do, or is malformed.
+                or engine cannot do, is malformed, or passes a budget.
+            BudgetFullError: the process's decoded-media budget is full.
         """
         method = "GenerateStream" if stream else "Generate"
         fields.refuse_unserved(INFERENCE_SERVICE, method, request)
+        constraint = wire.constraint_size(request.decoding)
+        if constraint is not None:
+            self._budgets.check_constraint(*constraint)
         self._check_model(request.model)
         kwargs: dict[str, Any] = {}
         rank = data_parallel_rank(context)
@@ -252,7 +274,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         limit = None if tokenization is not None else self._max_prompt_tokens
         prompt: Any = wire.prompt_from_request(request, limit)
         if request.media:
-            prompt = await self._with_media(request, prompt, truncating=tokenization is not None)
+            prompt = await self._with_media(
+                request, prompt, media, truncating=tokenization is not None
+            )
         elif tokenization is None and "prompt_token_ids" in prompt:
             # Token ids need no tokenizer: rendered here, which spares the
             # engine's hop through a worker thread. The engine still validates it.
@@ -311,23 +335,23 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             )
 
     async def _with_media(
-        self, request: pb.GenerateRequest, prompt: Any, *, truncating: bool
+        self, request: pb.GenerateRequest, prompt: Any, media: RequestMedia, *, truncating: bool
     ) -> Any:
         """`prompt` with the images of `request.media` as its multimodal data."""
-        media = request.media
+        items = request.media
         # The items' own faults first: they hold whatever the engine.
-        inference_media.checked_items(media)
+        inference_media.checked_items(items)
         if self._media is None or not self._media.takes_images:
-            source = media[0].WhichOneof("source")
+            source = items[0].WhichOneof("source")
             raise UnimplementedFieldError(f"media[0].{source}", inference_media.MEDIA_HINT)
         if "prompt_token_ids" not in prompt:
             # As vLLM's server: the client tokenizes, one placeholder per image.
             raise InvalidRequestError(
                 "media", "needs token_ids input (with one placeholder per image)"
             )
-        images = await inference_media.images(self._media, media)
+        images = await inference_media.images(self._media, items, media)
         prompt["multi_modal_data"] = {"image": images[0] if len(images) == 1 else images}
-        uuids = inference_media.uuids(media)
+        uuids = inference_media.uuids(items)
         if uuids is not None:
             prompt["multi_modal_uuids"] = {"image": uuids}
         if truncating:

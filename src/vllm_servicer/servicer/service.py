@@ -16,6 +16,7 @@ import grpc
 from vllm.exceptions import VLLMClientError
 from vllm.pooling_params import PoolingParams
 
+from ..budgets import RequestBudgets, check_request_id
 from ..context import current_request_id, engine_trace_headers, kept_usage
 from ..engine import EngineClient, require_engine
 from ..errors import (
@@ -24,6 +25,7 @@ from ..errors import (
 )
 from ..frontends import FrontendGroup
 from ..multimodal import tensors as mm_tensors
+from ..multimodal.decoded import DecodedMedia
 from ..multimodal.media import MediaRefOptions, MediaResolver
 from ..options import DEFAULT_MAX_KV_SUBSCRIBERS
 from ..proto import SERVICE_NAME, common_pb2, vllm_engine_pb2_grpc
@@ -64,6 +66,9 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             protocols' servicers of the same mount; None: one of its own.
         group: the frontend processes sharing one engine (`serve
             --api-server-count`), whose KV-event streams count together.
+        budgets: what one request may cost; None: the defaults.
+        decoded_media: the process's decoded images in flight, shared with
+            the other protocols' servicers; None: an account of its own.
     """
 
     def __init__(
@@ -76,9 +81,15 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         shm_tensors: bool = False,
         running: RunningRequests | None = None,
         group: FrontendGroup | None = None,
+        budgets: RequestBudgets | None = None,
+        decoded_media: DecodedMedia | None = None,
     ) -> None:
         require_engine(engine)
         self._engine = engine
+        self._budgets = budgets if budgets is not None else RequestBudgets()
+        self._decoded_media = (
+            decoded_media if decoded_media is not None else DecodedMedia(self._budgets)
+        )
         self._active_calls = active_calls
         self._media = (
             MediaResolver(media_refs, engine.model_config) if media_refs is not None else None
@@ -92,7 +103,9 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self._last_receive_timestamp = 0.0
         self._model_info: pb.GetModelInfoResponse | None = None
         self._supported_tasks: tuple[str, ...] | None = None
-        self._generation = Generation(engine, media=self._media, model_media=self._model_media)
+        self._generation = Generation(
+            engine, media=self._media, model_media=self._model_media, budgets=self._budgets
+        )
         # Reads the engine's own per-step scheduler stats for GetLoads.
         self._stats_tap = loads.attach(engine)
         self._tokenizer_bundle: TokenizerBundle | None = None
@@ -102,6 +115,11 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     def engine(self) -> EngineClient:
         """The engine this servicer drives."""
         return self._engine
+
+    @property
+    def decoded_media(self) -> DecodedMedia:
+        """The decoded images this process holds for running requests, and their budget."""
+        return self._decoded_media
 
     @property
     def kv_subscribers(self) -> SubscriberLimit:
@@ -127,8 +145,14 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             await self._engine.abort(ids)
 
     def _received(self, request_id: str, method: str) -> None:
-        """Count `request_id` as running for the caller (RequestIdInUseError if it may not)."""
+        """Count `request_id` as running for the caller (RequestIdInUseError if it may not).
+
+        Raises:
+            InvalidRequestError: the id has a control character.
+            RequestIdInUseError: the id runs for another caller.
+        """
         self._last_receive_timestamp = time.time()
+        check_request_id("request_id", request_id)
         current_request_id.set(request_id)
         self._running.claim(request_id, method)
 
@@ -144,11 +168,13 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self._received(request_id, "Generate")
         kv_transfer: dict[str, Any] | None = None
         started = False
+        # Its decoded images' bytes are the process's until the request ends.
+        media = self._decoded_media.request()
         try:
             fields.refuse_unserved(SERVICE_NAME, "Generate", request)
             kv_transfer = convert.kv_transfer_params(request)
             prompt, sampling, kwargs = await self._generation.engine_call(
-                request, context, kv_transfer
+                request, context, kv_transfer, media
             )
             params = request.sampling_params
             stream = request.stream
@@ -192,6 +218,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                     raise named from exc
             raise
         finally:
+            media.release()
             self._done(request_id)
 
     async def Embed(self, request: pb.EmbedRequest, context: Context) -> pb.EmbedResponse:
@@ -225,6 +252,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def Abort(self, request: pb.AbortRequest, context: Context) -> pb.AbortResponse:
         # Idempotent: vLLM ignores ids it does not know (finished or never seen).
         # In this process or (N frontends) another; the ids aborted here label the call.
+        self._budgets.check_abort_ids("request_ids", request.request_ids)
         ids = await self._running.abort(self._engine, request.request_ids)
         if ids:
             current_request_id.set(",".join(ids))

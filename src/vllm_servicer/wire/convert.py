@@ -20,6 +20,7 @@ from .. import _vllm_version  # noqa: F401
 from vllm.inputs import TokensPrompt
 from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
+from ..budgets import encoded_size
 from ..errors import InvalidRequestError
 from ..proto import vllm_engine_pb2 as pb
 
@@ -83,6 +84,20 @@ def _structured_outputs(params: pb.SamplingParams) -> StructuredOutputsParams | 
     if not choices:
         raise InvalidRequestError("sampling_params.choice.choices", "needs at least one choice")
     return StructuredOutputsParams(choice=choices)
+
+
+def constraint_size(params: pb.SamplingParams) -> tuple[str, int] | None:
+    """The request's structured-output constraint field and its size in bytes, if it has one.
+
+    A choice list counts all its choices together; `json_object` is a flag
+    and has no size.
+    """
+    kind = params.WhichOneof("constraint")
+    if kind is None or kind == "json_object":
+        return None
+    if kind == "choice":
+        return "sampling_params.choice.choices", encoded_size(*params.choice.choices)
+    return f"sampling_params.{kind}", encoded_size(getattr(params, kind))
 
 
 def _finite(name: str, value: float) -> float:

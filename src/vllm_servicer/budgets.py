@@ -1,0 +1,173 @@
+"""Per-request budgets: how much one call may make this server spend.
+
+The message size bounds what a request weighs on the wire, not what it
+costs: an 11 KB PNG decodes to a 268 MB image, `n=10000` runs ten thousand
+sequences, a 300 KB JSON schema compiles for seconds, an Abort of a million
+ids holds a frontend for seconds. Each such cost has a budget here, checked
+before any engine work; a request past one is refused with INVALID_ARGUMENT
+naming the field and the limit, and a budget shared by the whole process
+(decoded media in flight) with RESOURCE_EXHAUSTED while it is full.
+
+`RequestBudgets` is what `mount(budgets=...)` takes; each field is also a
+launcher flag of the same name (`max_n` is `--max-n`), declared here once.
+The checks are plain functions of grpc-free values, so each protocol's
+servicer calls them on what its own messages carry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Sequence
+
+from .errors import InvalidRequestError
+
+# vLLM's own cap (VLLM_MAX_N_SEQUENCES) is 16,384: n=10,000 passes it and
+# runs for seconds. 128 is more than sampling-based search asks for (best-of
+# and self-consistency use a few dozen) and half vLLM's default max_num_seqs
+# on a GPU, so one request cannot fill the scheduler's batch alone.
+DEFAULT_MAX_N = 128
+# Structured-output constraints compile in the serving process (xgrammar),
+# seconds per 100 KB for adversarial schemas, and differing ones miss the
+# cache. 64 KiB holds the large tool-call schemas seen in practice.
+DEFAULT_MAX_CONSTRAINT_BYTES = 64 * 1024
+# A router aborts the streams it drops, a few at a time; a drain, all of one
+# process's (bounded by --max-inflight, 1024 by default).
+DEFAULT_MAX_ABORT_IDS = 1024
+# Pillow's own decompression-bomb threshold: one such image per request.
+DEFAULT_MAX_REQUEST_MEDIA_PIXELS = 89_478_485
+# That many pixels decoded in a one-byte mode and converted to RGB (PIL keeps
+# RGB at 4 bytes a pixel) take about 450 MB; 1 GiB leaves room for wider modes.
+DEFAULT_MAX_REQUEST_MEDIA_BYTES = 1 << 30
+# Four requests at the per-request budget, or hundreds of megapixel photos.
+DEFAULT_MAX_MEDIA_BYTES_IN_FLIGHT = 4 << 30
+# Preprocessed tensors through shared memory: a large image's pixel_values in
+# float32 for a model that tiles it are tens of MB; inline ones are bounded by
+# the message size instead.
+DEFAULT_MAX_REQUEST_SHM_BYTES = 1 << 30
+
+# C0 and C1 control characters and DEL: an id carrying one could reach key
+# spaces built with such separators ("\0"), and breaks every log line it is in.
+_CONTROL_CHARACTERS = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def _flag(help_text: str) -> dict[str, str]:
+    return {"help": help_text}
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestBudgets:
+    """What one request may cost, and decoded media the whole process may hold.
+
+    Each field is the launcher flag of the same name (`--max-n`); its help is
+    the field's metadata.
+
+    Attributes:
+        max_n: most sequences one VllmEngine Generate asks for (`sampling_params.n`).
+        max_constraint_bytes: largest structured-output constraint (JSON
+            schema, regex, grammar, structural tag, all choices together), in bytes.
+        max_abort_ids: most request ids one Abort names.
+        max_request_media_pixels: most pixels of all one request's images together.
+        max_request_media_bytes: most bytes one request's images take decoded.
+        max_media_bytes_in_flight: most bytes of decoded images the process
+            holds for the requests running, all together.
+        max_request_shm_bytes: most bytes one request's tensors declare
+            through shared memory.
+
+    Raises:
+        ValueError: a budget below 1, or a per-request media budget above the process's.
+    """
+
+    max_n: int = dataclasses.field(
+        default=DEFAULT_MAX_N,
+        metadata=_flag("most sequences one Generate may ask for (sampling_params.n)"),
+    )
+    max_constraint_bytes: int = dataclasses.field(
+        default=DEFAULT_MAX_CONSTRAINT_BYTES,
+        metadata=_flag(
+            "largest structured-output constraint in bytes (JSON schema, regex, grammar, "
+            "structural tag, all choices together)"
+        ),
+    )
+    max_abort_ids: int = dataclasses.field(
+        default=DEFAULT_MAX_ABORT_IDS,
+        metadata=_flag("most request ids one Abort may name"),
+    )
+    max_request_media_pixels: int = dataclasses.field(
+        default=DEFAULT_MAX_REQUEST_MEDIA_PIXELS,
+        metadata=_flag("most pixels of all one request's images together"),
+    )
+    max_request_media_bytes: int = dataclasses.field(
+        default=DEFAULT_MAX_REQUEST_MEDIA_BYTES,
+        metadata=_flag("most bytes one request's images may take decoded"),
+    )
+    max_media_bytes_in_flight: int = dataclasses.field(
+        default=DEFAULT_MAX_MEDIA_BYTES_IN_FLIGHT,
+        metadata=_flag(
+            "most bytes of decoded images this process holds for the requests running; "
+            "past it a request with images gets RESOURCE_EXHAUSTED"
+        ),
+    )
+    max_request_shm_bytes: int = dataclasses.field(
+        default=DEFAULT_MAX_REQUEST_SHM_BYTES,
+        metadata=_flag("most bytes one request's tensors may name in shared memory"),
+    )
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{flag_name(field.name)} must be at least 1, got {value!r}")
+        if self.max_request_media_bytes > self.max_media_bytes_in_flight:
+            raise ValueError(
+                "--max-request-media-bytes must not exceed --max-media-bytes-in-flight: "
+                "a request that large could never be served"
+            )
+
+    def check_n(self, field: str, n: int) -> None:
+        """Refuse a request for more sequences than `max_n`."""
+        if n > self.max_n:
+            raise InvalidRequestError(
+                field, f"{n} sequences, more than this server's budget of {self.max_n} (--max-n)"
+            )
+
+    def check_constraint(self, field: str, size: int) -> None:
+        """Refuse a structured-output constraint of more than `max_constraint_bytes`."""
+        if size > self.max_constraint_bytes:
+            raise InvalidRequestError(
+                field,
+                f"{size} bytes, more than this server's budget of {self.max_constraint_bytes} "
+                "bytes for a structured-output constraint (--max-constraint-bytes)",
+            )
+
+    def check_abort_ids(self, field: str, ids: Sequence[str]) -> None:
+        """Refuse an Abort of more than `max_abort_ids` ids, or of an id no request can have."""
+        if len(ids) > self.max_abort_ids:
+            raise InvalidRequestError(
+                field,
+                f"{len(ids)} ids, more than this server's budget of {self.max_abort_ids} per "
+                "Abort (--max-abort-ids); send them in several calls",
+            )
+        for index, request_id in enumerate(ids):
+            check_request_id(f"{field}[{index}]", request_id)
+
+
+def check_request_id(field: str, request_id: str) -> None:
+    """Refuse a request id with a control character (NUL, newline, ...) in it."""
+    found = _CONTROL_CHARACTERS.search(request_id)
+    if found is not None:
+        raise InvalidRequestError(
+            field,
+            f"has the control character {found.group()!r} at position {found.start()}; "
+            "request ids take printable characters only",
+        )
+
+
+def flag_name(field: str) -> str:
+    """The launcher flag of a `RequestBudgets` field (`max_n`: `--max-n`)."""
+    return "--" + field.replace("_", "-")
+
+
+def encoded_size(*texts: str) -> int:
+    """The UTF-8 size of `texts` together, as they came on the wire."""
+    return sum(len(text.encode()) for text in texts)
