@@ -112,6 +112,14 @@ class TooManySubscribersError(RuntimeError):
     status_reason: ClassVar[str] = "TOO_MANY_SUBSCRIBERS"
 
 
+class KeylessLimitError(RuntimeError):
+    """A call that needs no key (health, reflection) past the caps that keep such
+    calls apart from keyed work; the message names the cap."""
+
+    status_code: ClassVar[str] = "RESOURCE_EXHAUSTED"
+    status_reason: ClassVar[str] = "KEYLESS_LIMIT"
+
+
 class EventsLostError(RuntimeError):
     """Events a subscriber needs are gone: past the publisher's replay buffer, or it restarted.
 

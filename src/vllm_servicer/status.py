@@ -45,6 +45,7 @@ from .errors import (
     EventsLostError,
     FieldOutOfRangeError,
     InvalidRequestError,
+    KeylessLimitError,
     MediaUnavailableError,
     NotEnabledError,
     NotFoundError,
@@ -91,6 +92,7 @@ ERROR_TABLE: tuple[ErrorRule, ...] = (
     # paused engine ("abort" or "wait" mode) refuses new requests with it.
     ErrorRule(RetryableRequestError, grpc.StatusCode.UNAVAILABLE, "RETRYABLE"),
     _own(TooManySubscribersError),
+    _own(KeylessLimitError),
     _own(EventsLostError),
     _own(MediaUnavailableError),
     _own(RequestIdInUseError),
