@@ -50,10 +50,19 @@ def test_vllm_tls_flag_names_are_accepted() -> None:
 
 
 def test_the_launcher_serves_every_protocol_unless_told(
-    capsys: pytest.CaptureFixture[str],
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    monkeypatch.delenv("VLLM_SERVICER_ADMIN_API_KEY", raising=False)
+    # vllm.Control only with credentials (or when named): without them anyone could call it.
     args = parse_args(["serve", "--model", "m"])
+    assert args.services == (SERVICE_NAME, "vllm.Inference")
+    assert not args.services_named
+    args = parse_args(["serve", "--model", "m", "--api-key", "k"])
     assert args.services == (SERVICE_NAME, "vllm.Inference", "vllm.Control")
+    args = parse_args(["serve", "--model", "m", "--services", "vllm-engine", "control"])
+    assert args.services == (SERVICE_NAME, "vllm.Control")
+    assert args.services_named
     assert args.lora_modules == {}
     args = parse_args(["serve", "--model", "m", "--services", "inference"])
     assert args.services == ("vllm.Inference",)

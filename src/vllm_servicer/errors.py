@@ -131,6 +131,14 @@ class BudgetFullError(RuntimeError):
         self.reason = reason
 
 
+class KeylessLimitError(RuntimeError):
+    """A call that needs no key (health, reflection) past the caps that keep such
+    calls apart from keyed work; the message names the cap."""
+
+    status_code: ClassVar[str] = "RESOURCE_EXHAUSTED"
+    status_reason: ClassVar[str] = "KEYLESS_LIMIT"
+
+
 class EventsLostError(RuntimeError):
     """Events a subscriber needs are gone: past the publisher's replay buffer, or it restarted.
 

@@ -17,6 +17,7 @@ from ._call import Call, Refusal
 from ._pipeline import Pipeline
 from .auth import AuthInterceptor
 from .inflight import ENGINE_REQUESTS, InflightInterceptor
+from .keyless import KeylessLimitInterceptor, KeylessLimits
 from .metrics import MetricsInterceptor, start_metrics_server
 
 # Tracing needs the `otel` extra only when used: importing it here is safe.
@@ -28,6 +29,8 @@ __all__ = [
     "Call",
     "CallInterceptor",
     "InflightInterceptor",
+    "KeylessLimitInterceptor",
+    "KeylessLimits",
     "MethodFilter",
     "MetricsInterceptor",
     "Pipeline",

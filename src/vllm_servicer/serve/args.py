@@ -18,6 +18,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from ..budgets import RequestBudgets, flag_name
+from ..interceptors.keyless import KeylessLimits
 from ..options import DEFAULT_MAX_KV_SUBSCRIBERS, DEFAULT_MAX_MESSAGE_BYTES
 from ..proto import CONTROL_SERVICE, INFERENCE_SERVICE, SERVICE_NAME
 
@@ -38,6 +39,10 @@ _SERVICE_CHOICES = {
     "inference": INFERENCE_SERVICE,
     "control": CONTROL_SERVICE,
 }
+# Without a key or client certificates anyone who reaches the port could call
+# vllm.Control (shut down, sleep, load adapters): served only when named then.
+UNAUTHENTICATED_SERVICES = (SERVICE_NAME, INFERENCE_SERVICE)
+_KEYLESS_DEFAULTS = KeylessLimits()
 
 _DESCRIPTION = "Standalone launcher: `python -m vllm_servicer serve [vLLM engine flags]`."
 
@@ -92,6 +97,11 @@ class ServeArgs:
     admin_tls_subject: tuple[str, ...]
     budgets: RequestBudgets = RequestBudgets()
     """What one request may cost (`--max-n`, `--max-request-media-pixels`...): `mount(budgets=)`."""
+    max_keyless_streams: int = _KEYLESS_DEFAULTS.max_keyless_streams
+    max_keyless_checks: int = _KEYLESS_DEFAULTS.max_keyless_checks
+    max_keyless_per_connection: int = _KEYLESS_DEFAULTS.max_keyless_per_connection
+    services_named: bool = False
+    """Whether `--services` was given (else `services` is the default for the credentials)."""
 
     def __post_init__(self) -> None:
         if self.api_server_count < 1:
@@ -122,6 +132,10 @@ class ServeArgs:
             raise ValueError("--http-host and --chat-template need --http-port")
         if self.http_port and self.http_port == self.port and self.http_address == self.host:
             raise ValueError("--http-port must differ from --port")
+        for name in ("max_keyless_streams", "max_keyless_checks", "max_keyless_per_connection"):
+            if getattr(self, name) < 1:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{flag} must be at least 1, got {getattr(self, name)}")
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Handed to each frontend process (--api-server-count): read-only
@@ -147,7 +161,7 @@ class ServeArgs:
         Raises:
             ValueError: flags that contradict each other; the message names them.
         """
-        return cls(
+        args = cls(
             engine=_engine_flags(flags),
             host=flags.host,
             port=flags.port,
@@ -162,7 +176,7 @@ class ServeArgs:
             warm_up=flags.warm_up,
             enable_media_refs=flags.enable_media_refs,
             enable_shm_tensors=flags.enable_shm_tensors,
-            services=tuple(_SERVICE_CHOICES[name] for name in flags.services),
+            services=tuple(_SERVICE_CHOICES[name] for name in flags.services or _SERVICE_CHOICES),
             lora_modules=_lora_modules(flags.lora_modules),
             http_port=flags.http_port,
             http_host=flags.http_host,
@@ -180,7 +194,14 @@ class ServeArgs:
             tls_client_ca=_client_ca(flags),
             admin_tls_subject=tuple(flags.admin_tls_subject),
             budgets=_budgets_of(flags),
+            max_keyless_streams=flags.max_keyless_streams,
+            max_keyless_checks=flags.max_keyless_checks,
+            max_keyless_per_connection=flags.max_keyless_per_connection,
+            services_named=flags.services is not None,
         )
+        if args.services_named or args.authenticates():
+            return args
+        return dataclasses.replace(args, services=UNAUTHENTICATED_SERVICES)
 
     @property
     def http_address(self) -> str:
@@ -208,6 +229,19 @@ class ServeArgs:
             or self.admin_api_key_file
             or os.environ.get(API_KEY_ENV, "").strip()
             or os.environ.get(ADMIN_KEY_ENV, "").strip()
+        )
+
+    def authenticates(self) -> bool:
+        """Whether calls need credentials: a key from any source, or client certificates."""
+        return self.has_keys() or bool(self.tls_client_ca)
+
+    @property
+    def keyless_limits(self) -> KeylessLimits:
+        """The caps on calls that need no key (health, reflection), per process."""
+        return KeylessLimits(
+            max_keyless_streams=self.max_keyless_streams,
+            max_keyless_checks=self.max_keyless_checks,
+            max_keyless_per_connection=self.max_keyless_per_connection,
         )
 
     def engine_args(self) -> AsyncEngineArgs:
@@ -388,10 +422,36 @@ def _serving(serve: argparse.ArgumentParser) -> None:
         "--max-concurrent-rpcs",
         type=int,
         default=2048,
-        help="most calls of any kind (streams included, refused ones too) the server runs at "
-        "once; past it grpc answers RESOURCE_EXHAUSTED before any handler or key check runs "
-        "(default 2048, above --max-inflight so that engine calls meet that limit and its "
-        "retry hint first; 0: no cap)",
+        help="most calls (streams included, refused ones too) the server runs at once besides "
+        "health and reflection, whose --max-keyless-* slots come on top; past it grpc answers "
+        "RESOURCE_EXHAUSTED before any handler or key check runs (default 2048, above "
+        "--max-inflight so that engine calls meet that limit and its retry hint first; "
+        "0: no cap)",
+    )
+    # The caps of calls that need no key: their slots come on top of
+    # --max-concurrent-rpcs, so keyless calls never take one a keyed call needs.
+    net.add_argument(
+        "--max-keyless-streams",
+        type=int,
+        default=_KEYLESS_DEFAULTS.max_keyless_streams,
+        help="most health Watch and reflection streams (no key needed) open at once; past it "
+        "RESOURCE_EXHAUSTED. Slots of their own, on top of --max-concurrent-rpcs "
+        f"(default {_KEYLESS_DEFAULTS.max_keyless_streams})",
+    )
+    net.add_argument(
+        "--max-keyless-checks",
+        type=int,
+        default=_KEYLESS_DEFAULTS.max_keyless_checks,
+        help="most health Check calls at once, apart from the streams so that probes are "
+        "answered while those are full; on top of --max-concurrent-rpcs "
+        f"(default {_KEYLESS_DEFAULTS.max_keyless_checks})",
+    )
+    net.add_argument(
+        "--max-keyless-per-connection",
+        type=int,
+        default=_KEYLESS_DEFAULTS.max_keyless_per_connection,
+        help="most health and reflection calls at once on one connection "
+        f"(default {_KEYLESS_DEFAULTS.max_keyless_per_connection})",
     )
     net.add_argument(
         "--max-kv-subscribers",
@@ -428,10 +488,12 @@ def _serving(serve: argparse.ArgumentParser) -> None:
         "--services",
         nargs="+",
         choices=tuple(_SERVICE_CHOICES),
-        default=tuple(_SERVICE_CHOICES),
+        default=None,
         help="the protocols to serve: vllm-engine (vllm.grpc.engine.VllmEngine), "
         "inference (vLLM's vllm.Inference) and control (vLLM's vllm.Control: adapters, "
-        "pause, sleep, shutdown; administrators only when keys are set); default: all",
+        "pause, sleep, weight updates, shutdown; administrators only when keys are set); "
+        "default: all three with API keys or --tls-client-ca, else vllm-engine and inference "
+        "(naming control then serves it to anyone who reaches the port, with a warning)",
     )
     net.add_argument(
         "--lora-modules",

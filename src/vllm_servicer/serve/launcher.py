@@ -28,12 +28,14 @@ from ..drain import GracefulShutdown, HardStop
 from ..frontends import FrontendGroup
 from ..interceptors import CallInterceptor, MetricsInterceptor, start_metrics_server
 from ..interceptors.auth import Verifier
+from ..interceptors.keyless import KeylessLimitInterceptor
 from ..mounting import mount
 from ..multimodal.media import MediaRefOptions
 from ..options import port_in_use, server_options, shared_port
-from ..tls import server_credentials, warn_if_exposed
+from ..proto import CONTROL_SERVICE
+from ..tls import is_loopback, server_credentials, warn_if_exposed
 from ..vllm_releases import engine_core_died
-from .args import ServeArgs, parse_args
+from .args import ADMIN_KEY_ENV, ServeArgs, parse_args
 from .engine_processes import apart_from_stop_signals, exit_now
 from .http_api import HttpApi
 from .peers import start_peers
@@ -148,11 +150,13 @@ def listening_addresses(args: ServeArgs) -> list[tuple[str, str, int]]:
 
 
 def addresses_usable(args: ServeArgs) -> bool:
-    """Warn about exposed addresses; False (logged) when a port is already taken."""
+    """Warn about exposed addresses and an unauthenticated vllm.Control; False
+    (logged) when a port is already taken."""
     tls, auth = args.tls is not None, authenticates(args)
     warn_if_exposed(args.host, tls=tls, auth=auth)
     if args.http_port is not None and args.http_address != args.host:
         warn_if_exposed(args.http_address, tls=tls, auth=auth)
+    announce_control(args)
     for flag, host, port in listening_addresses(args):
         if port_in_use(host, port):
             logger.error(
@@ -160,6 +164,38 @@ def addresses_usable(args: ServeArgs) -> bool:
             )
             return False
     return True
+
+
+CONTROL_ALLOWS = (
+    "shut the server down, sleep or pause the engine, load LoRA adapters from any "
+    "directory this user can read, and point weight updates at a trainer of its own"
+)
+"""What a caller of vllm.Control can do, named wherever it is served without authentication."""
+
+
+def announce_control(args: ServeArgs) -> None:
+    """Log why vllm.Control is left out without authentication, or warn that it is served."""
+    if authenticates(args):
+        return
+    if CONTROL_SERVICE not in args.services:
+        if not args.services_named:
+            logger.info(
+                "vllm.Control is not served: without API keys or --tls-client-ca anyone "
+                "who reaches the port could %s. Set keys (its methods are then for admin "
+                "keys), or name it: --services vllm-engine inference control",
+                CONTROL_ALLOWS,
+            )
+        return
+    who = "any local user or process" if is_loopback(args.host) else "anyone"
+    logger.warning(
+        "serving vllm.Control without authentication (--services names it): %s who reaches "
+        "%s:%d can %s. Add --admin-api-key-file (or $%s) to keep it to administrators.",
+        who,
+        args.host,
+        args.port,
+        CONTROL_ALLOWS,
+        ADMIN_KEY_ENV,
+    )
 
 
 def _start_engine(args: ServeArgs, frontend: Frontend | None = None) -> AsyncLLM:
@@ -255,13 +291,18 @@ def _grpc_server(
     )
     if group is not None:
         options = shared_port(options)  # every frontend binds this one port
+    limits = args.keyless_limits
     server = grpc.aio.server(
-        maximum_concurrent_rpcs=args.max_concurrent_rpcs or None, options=options
+        # Health and reflection need no key: their slots come on top of what
+        # --max-concurrent-rpcs keeps for every other call, and their own caps
+        # (outermost, so that a refusal costs no span nor key check) keep them there.
+        maximum_concurrent_rpcs=limits.grpc_cap(args.max_concurrent_rpcs or None),
+        options=options,
     )
     mounted = mount(
         server,
         engine,
-        interceptors=interceptors,
+        interceptors=[KeylessLimitInterceptor(limits), *interceptors],
         reflection_service=not args.no_reflection,
         max_kv_subscribers=args.max_kv_subscribers,
         media_refs=MediaRefOptions() if args.enable_media_refs else None,
