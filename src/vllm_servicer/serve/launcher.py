@@ -36,6 +36,7 @@ from ..vllm_releases import engine_core_died
 from .args import ServeArgs, parse_args
 from .engine_processes import apart_from_stop_signals, exit_now
 from .http_api import HttpApi
+from .kv_publisher import warn_if_publisher_exposed
 from .peers import start_peers
 from .probe_port import start_probe_port
 from .stack import authenticates, build_interceptors, http_verifier, key_verifier
@@ -58,6 +59,7 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     """
     args = parse_args(argv)
     _configure_logging(str(args.engine.get("log_level") or "info").upper())
+    warn_if_publisher_exposed(args.engine)
     if args.api_server_count > 1:
         from .api_servers import serve_frontends
 
