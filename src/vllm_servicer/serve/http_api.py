@@ -10,7 +10,8 @@ Keys: the gRPC side's verifier (the very same object, so key files re-read on
 change apply to both) checks `Authorization: Bearer <key>` on every path but
 the probes (`/health`, `/ping`, `/metrics`). Any valid key reaches the
 inference paths (`/v1/...`, `/tokenize`, ...); every other path (vLLM's
-`/pause`, `/abort_requests`, `/start_profile`, ...) needs an admin key, as the
+`/pause`, `/abort_requests`, `/start_profile`, ...) and the runtime LoRA routes
+(`/v1/load_lora_adapter`, `/v1/unload_lora_adapter`) need an admin key, as the
 gRPC admin methods do. vLLM's own `--api-key` middleware is not used: it takes
 a fixed key list and guards `/v1` alone.
 """
@@ -55,6 +56,11 @@ _INFERENCE_PATHS = frozenset(
         "/version",
     }
 )
+
+# vLLM's runtime LoRA routes (VLLM_ALLOW_RUNTIME_LORA_UPDATING=1) sit under
+# /v1/ but change the engine for every tenant, as vllm.Control's LoadLora does:
+# admin keys only.
+_ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 
 
 # The launcher's own flags that vLLM's app reads. The app's host and port are
@@ -184,6 +190,8 @@ def _public(path: str) -> bool:
 
 
 def _inference(path: str) -> bool:
+    if path.rstrip("/") in _ADMIN_PATHS:
+        return False
     return path.startswith(_INFERENCE_PREFIXES) or path in _INFERENCE_PATHS
 
 
