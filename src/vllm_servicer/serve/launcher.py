@@ -37,7 +37,7 @@ from .args import ServeArgs, parse_args
 from .engine_processes import apart_from_stop_signals, exit_now
 from .http_api import HttpApi
 from .kv_publisher import warn_if_publisher_exposed
-from .peers import start_peers
+from .peers import Peers, start_peers
 from .probe_port import start_probe_port
 from .stack import authenticates, build_interceptors, http_verifier, key_verifier
 
@@ -289,7 +289,7 @@ class _SideServers:
     metrics: Any = None  # prometheus_client's WSGI server
     http: HttpApi | None = None
     probes: grpc.aio.Server | None = None
-    peers: grpc.aio.Server | None = None  # the other frontends' way in (api_servers.py)
+    peers: Peers | None = None  # the other frontends' way in (api_servers.py)
 
     async def prepare(
         self, args: ServeArgs, engine: AsyncLLM, verifier: Verifier | None, *, metrics: bool
