@@ -18,7 +18,9 @@ import collections
 import contextlib
 import json
 import os
+import pickle
 import signal
+import sys
 import time
 import types
 import urllib.request
@@ -411,6 +413,146 @@ async def test_get_loads_at_either_process_reports_the_whole_engine(
             break
         await asyncio.sleep(0.1)
     assert await running_seen_by(1) == 0
+
+
+# ----- the peers socket ------------------------------------------------------
+# Where the processes hand each other Aborts and GetLoads figures: a Unix socket
+# each, in the group's private directory. The peers speak JSON and check who is
+# at the other end; these tests are the processes that are not peers.
+
+_LOADS = "/vllm_servicer.Peers/Loads"  # the method the peers served before they spoke JSON
+
+
+class _OpensFile:
+    """A pickle that, once loaded, creates the file `path`: code run by whoever unpickles it."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (open, (self.path, "w"))
+
+
+def _peer_sockets(launcher: Launcher) -> dict[int, str]:
+    """Each frontend's peers socket by its pid: the Unix socket it listens on."""
+    found = {}
+    for pid in launcher.pids:
+        for connection in psutil.Process(pid).net_connections("unix"):
+            if os.path.basename(connection.laddr or "").startswith("frontend-"):
+                found[pid] = connection.laddr
+    assert len(found) == 2, found
+    return found
+
+
+async def _exchange(path: str, payload: bytes) -> bytes:
+    """Send `payload` on the Unix socket `path`; what comes back before it
+    closes (a refusal closes it at once, perhaps before the payload is sent)."""
+    reader, writer = await asyncio.open_unix_connection(path)
+    try:
+        with contextlib.suppress(ConnectionError):
+            writer.write(payload)
+            await writer.drain()
+        try:
+            return await asyncio.wait_for(reader.read(), 10)
+        except ConnectionError:
+            return b""
+    finally:
+        writer.close()
+
+
+async def _logged(launcher: Launcher, text: str) -> None:
+    deadline = time.monotonic() + 10
+    while not any(text in line for line in launcher.output):
+        assert time.monotonic() < deadline, f"not logged: {text!r}\n" + "".join(launcher.output)
+        await asyncio.sleep(0.1)
+
+
+async def test_a_process_that_is_not_a_frontend_gets_nothing_from_the_peers_sockets(
+    launcher: Launcher, tmp_path: Any
+) -> None:
+    """This test's process (the same user as the launcher) asks each peers
+    socket for loads in gRPC (as the peers spoke before) and in JSON, and sends
+    it a pickle: no answer, nothing unpickled, the refusal logged."""
+    marker = tmp_path / "unpickled"
+    for path in _peer_sockets(launcher).values():
+        async with grpc.aio.insecure_channel(f"unix:{path}") as channel:
+            ask: Any = channel.unary_unary(_LOADS)
+            with pytest.raises(grpc.aio.AioRpcError):
+                await ask(b"", timeout=5)
+        assert await _exchange(path, b'{"op": "loads"}\n') == b""
+        assert await _exchange(path, pickle.dumps(_OpensFile(str(marker))) + b"\n") == b""
+    assert not marker.exists()
+    await _logged(launcher, f"refused a connection: pid {os.getpid()} is not one of")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="becoming another user takes root")
+async def test_another_user_is_refused_where_the_directory_would_let_it_in(
+    launcher: Launcher,
+) -> None:
+    """The group's directory keeps other users out first (0700); opened to them
+    here, the socket still refuses a client running as `nobody`."""
+    path = next(iter(_peer_sockets(launcher).values()))
+    directory = os.path.dirname(path)
+    modes = {p: os.stat(p).st_mode & 0o7777 for p in (directory, path)}
+    os.chmod(directory, 0o711)
+    os.chmod(path, 0o777)
+    client = (
+        "import os, socket, sys\n"
+        "os.setgid(65534); os.setuid(65534)\n"
+        "s = socket.socket(socket.AF_UNIX); s.settimeout(10); s.connect(sys.argv[1])\n"
+        "try:\n"
+        '    s.sendall(b\'{"op": "loads"}\\n\'); print(repr(s.recv(65536)))\n'
+        "except ConnectionError:\n"
+        "    print(repr(b''))  # closed at once: refused\n"
+    )
+    try:
+        ran = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", client, path, stdout=asyncio.subprocess.PIPE
+        )
+        out, _ = await asyncio.wait_for(ran.communicate(), 60)
+    finally:
+        for name, mode in modes.items():
+            os.chmod(name, mode)
+    assert ran.returncode == 0 and out.strip() == b"b''", out
+    await _logged(launcher, "runs as uid 65534")
+
+
+async def test_a_socket_planted_in_a_peers_place_is_not_believed(
+    launcher: Launcher, connections: Connections, tmp_path: Any
+) -> None:
+    """Each peers socket is moved aside and a server of this test's put in its
+    place, answering Loads with a pickle as the peers did: GetLoads at either
+    process still answers, and never unpickles it."""
+    marker = tmp_path / "unpickled"
+    payload = pickle.dumps(_OpensFile(str(marker)))
+
+    async def loads(request: bytes, context: Any) -> bytes:
+        return payload
+
+    planted = grpc.aio.server()
+    planted.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                "vllm_servicer.Peers", {"Loads": grpc.unary_unary_rpc_method_handler(loads)}
+            ),
+        )
+    )
+    sockets = list(_peer_sockets(launcher).values())
+    for path in sockets:
+        os.rename(path, path + ".aside")
+        planted.add_insecure_port(f"unix:{path}")
+    await planted.start()
+    try:
+        for which in (0, 1):
+            await connections.engine(which).GetLoads(
+                pb.GetLoadsRequest(), metadata=bearer(TENANT_A), timeout=30
+            )
+    finally:
+        await planted.stop(None)
+        for path in sockets:
+            os.replace(path + ".aside", path)
+    assert not marker.exists()
+    await _logged(launcher, "socket refused: pid")
 
 
 async def test_the_kv_event_caps_hold_across_processes(connections: Connections) -> None:

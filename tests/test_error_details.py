@@ -142,7 +142,7 @@ def test_messages_leave_out_this_servers_paths(tmp_path: Any) -> None:
     model.mkdir(parents=True)
     exc = UnsupportedError(f"no tokenizer files in {str(model)!r} on this server")
     missing = ValueError(f"cannot read {model / 'tokenizer.json'}: not found")
-    foreign = ValueError("regex /a+b/ and url path /v1/models are the client's own")
+    foreign = ValueError("https://example.com/a/b and org/model are the client's own")
     for given, hidden in ((exc, str(model)), (missing, str(model))):
         message = message_for(given, rule_for(given).code, "r3")
         assert hidden not in message and "<path>" in message, message
@@ -229,9 +229,16 @@ def test_field_violation_descriptions_leave_out_paths(tmp_path: Path, make: Any)
 def test_urls_words_and_client_slashes_are_kept() -> None:
     text = (
         "fetch https://huggingface.co/org/model/tree/main or http://[::1]:8000/tmp/x; "
-        "and/or org/model, 1/2, regex /a+b/, route /v1/models"
+        "and/or org/model, 1/2, Qwen/Qwen2.5-7B"
     )
     assert redact_paths(text) == text
+
+
+def test_absolute_words_are_paths_whatever_exists_here() -> None:
+    """Decided from the text: a client's absolute regex or route reads as a path
+    too, and a folder that exists reads as one that does not."""
+    text = "regex /a+b/, route /v1/models, /tmp/x, /no-such-top-folder-5b1e/x"
+    assert redact_paths(text) == "regex <path>, route <path>, <path>, <path>"
 
 
 async def test_field_violations_on_the_wire_name_no_server_path(

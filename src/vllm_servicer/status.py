@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import re
 from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
@@ -159,43 +158,53 @@ def message_for(exc: BaseException, code: grpc.StatusCode, request_id: str) -> s
     return redact_paths(str(exc)) or type(exc).__name__
 
 
+# A URL with a network scheme (https://..., http://[::1]:8000/...): a host's
+# address, not a file here; `file:` URLs are left to the paths below.
+_NETWORK_URL = r"(?<![\w.+-])(?![Ff][Ii][Ll][Ee]:)[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"`<>]*"
 # A word of a message that holds a slash: it starts after whitespace, a quote,
-# a bracket, "=" or ":" (so a URL's "//host/..." is one word) and runs to the next.
-_SLASHED_WORD = re.compile(
-    r"(?<![^\s'\"`()\[\]{}<>=:,;])[^\s'\"`()\[\]{}<>=:,;]*/[^\s'\"`()\[\]{}<>=:,;]*"
-)
+# a bracket, "=" or ":" and runs to the next.
+_SLASHED_WORD = r"(?<![^\s'\"`()\[\]{}<>=:,;])[^\s'\"`()\[\]{}<>=:,;]*/[^\s'\"`()\[\]{}<>=:,;]*"
+_URL_OR_SLASHED_WORD = re.compile(f"(?P<url>{_NETWORK_URL})|{_SLASHED_WORD}")
+# A file name's extension (".json", ".ebnf"), not a version's (".5-7B", ".1").
+_EXTENSION = re.compile(r"\.[A-Za-z][A-Za-z0-9]{0,11}$")
 
 
 def redact_paths(text: str) -> str:
-    """`text` with every path into this machine's file tree replaced by "<path>".
+    """`text` with every word that reads as a file path replaced by "<path>".
 
-    A word counts as such a path when it is absolute and its top-level
-    directory exists here (so a model, cache, home or temporary folder counts
-    even once deleted), home-relative (`~/...`, `~user/...` of a user of this
-    host), explicitly relative (`./...`, `../...`), or relative with a first
-    part that exists in the working directory; a `file:///` URL's path counts
-    too. Other slashes (a client's regex, an http(s) URL, "and/or", a
-    repository id such as "org/model" with no such folder here) are kept.
+    Decided from the text alone: nothing is looked up on this machine, so what
+    is redacted tells a client nothing about which folders or users exist here.
+    A path is a word that is absolute (`/...`, a `file:///` URL's path),
+    home-relative (`~`, `~user/...`), explicitly relative (`./...`,
+    `../...`), or relative with two slashes or more (`models/tiny/x`) or a
+    file name at its end (`grammars/g.ebnf`). Kept: URLs with a network
+    scheme (`https://...`), and words of one slash without a file name
+    ("and/or", "1/2", a repository id such as "org/model-1.5B"). A client's
+    own absolute text (a regex `/a+b/`, a route `/v1/models`) reads as a
+    path too: telling it apart would take the look-up this avoids.
     """
 
     def hide(match: re.Match[str]) -> str:
         word = match.group(0)
+        if match.group("url") is not None:
+            return word
         path = word.rstrip(".!?")
-        return "<path>" + word[len(path) :] if _is_local_path(path) else word
+        return "<path>" + word[len(path) :] if _reads_as_path(path) else word
 
-    return _SLASHED_WORD.sub(hide, text)
+    return _URL_OR_SLASHED_WORD.sub(hide, text)
 
 
-def _is_local_path(path: str) -> bool:
+def _reads_as_path(path: str) -> bool:
     first, _, rest = path.partition("/")
     if not first:
-        # Absolute. After "//" comes a URL's host, which names no file here,
-        # unless it is empty, as in "file:///...".
-        top = rest.removeprefix("//").partition("/")[0]
-        return bool(top) and os.path.isdir("/" + top)
-    if first.startswith("~"):
-        return first == "~" or os.path.expanduser(first) != first
-    return first in (".", "..") or os.path.exists(first)
+        # Absolute. A word starting "//" is a URL's host (kept), unless it is
+        # the "///" of a "file:///..." URL.
+        if rest.startswith("/"):
+            return rest.startswith("//") and len(rest) > 2
+        return bool(rest)
+    if first.startswith("~") or first in (".", ".."):
+        return True
+    return path.count("/") >= 2 or bool(_EXTENSION.search(path.rpartition("/")[2]))
 
 
 def field_violation(exc: BaseException) -> tuple[str, str] | None:

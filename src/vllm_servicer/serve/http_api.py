@@ -10,9 +10,14 @@ Keys: the gRPC side's verifier (the very same object, so key files re-read on
 change apply to both) checks `Authorization: Bearer <key>` on every path but
 the probes (`/health`, `/ping`, `/metrics`). Any valid key reaches the
 inference paths (`/v1/...`, `/tokenize`, ...); every other path (vLLM's
-`/pause`, `/abort_requests`, `/start_profile`, ...) needs an admin key, as the
+`/pause`, `/abort_requests`, `/start_profile`, ...) and the runtime LoRA routes
+(`/v1/load_lora_adapter`, `/v1/unload_lora_adapter`) need an admin key, as the
 gRPC admin methods do. vLLM's own `--api-key` middleware is not used: it takes
 a fixed key list and guards `/v1` alone.
+
+Media: vLLM's chat API fetches http(s) image, audio and video URLs only from
+the domains of `--allowed-media-domains`, and follows no redirect
+(`gate_media_fetching`).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import socket
 import ssl
 from collections.abc import Iterator
@@ -55,6 +61,11 @@ _INFERENCE_PATHS = frozenset(
         "/version",
     }
 )
+
+# vLLM's runtime LoRA routes (VLLM_ALLOW_RUNTIME_LORA_UPDATING=1) sit under
+# /v1/ but change the engine for every tenant, as vllm.Control's LoadLora does:
+# admin keys only.
+_ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 
 
 # The launcher's own flags that vLLM's app reads. The app's host and port are
@@ -184,6 +195,8 @@ def _public(path: str) -> bool:
 
 
 def _inference(path: str) -> bool:
+    if path.rstrip("/") in _ADMIN_PATHS:
+        return False
     return path.startswith(_INFERENCE_PREFIXES) or path in _INFERENCE_PATHS
 
 
@@ -259,6 +272,7 @@ class HttpApi:
             tls: (certificate, key, client CA or None): serve HTTPS, requiring
                 client certificates when a CA is given.
         """
+        gate_media_fetching()
         app = await _build_app(engine, frontend_args(args, host, port))
         front = _Front(app, verifier)
         return cls(_Server(uvicorn_config(front, host, port, tls)), front)
@@ -330,3 +344,84 @@ def _failure(task: asyncio.Task[None]) -> BaseException | None:
     if task.cancelled():
         return None
     return task.exception()
+
+
+# ----- media the HTTP API fetches ---------------------------------------------
+# vLLM's chat API fetches every http(s) `image_url` (audio, video) a request
+# names when `--allowed-media-domains` is not given, and follows redirects
+# (VLLM_MEDIA_URL_ALLOW_REDIRECTS defaults to 1): a client could make the
+# server fetch from its own network (127.0.0.1, 169.254.169.254), which the
+# gRPC side allows only with --enable-media-refs and a domain list.
+
+MEDIA_FETCHING_OFF = (
+    "this server fetches no media over http(s): send the image inline (a data: URL), "
+    "or ask the operator to allow its domain with --allowed-media-domains"
+)
+
+
+def gate_media_fetching() -> None:
+    """Make vLLM's media connector fetch http(s) URLs only from the domains of
+    `--allowed-media-domains`, and follow no redirect.
+
+    vLLM builds its connector by name from a registry (`VLLM_MEDIA_CONNECTOR`,
+    "http" by default; the same in 0.31-0.33): the class registered as "http"
+    is replaced by a subclass that refuses http(s) URLs while the domain list
+    is empty, and fetches without redirects unless `VLLM_MEDIA_URL_ALLOW_REDIRECTS`
+    is set in the environment (a redirect could leave the listed domains).
+    data: URLs are untouched; file: URLs stay behind vLLM's own
+    `--allowed-local-media-path`. Idempotent; the launcher's process only.
+    """
+    from vllm.multimodal.media import MEDIA_CONNECTOR_REGISTRY
+
+    registered: Any = MEDIA_CONNECTOR_REGISTRY.name2class.get("http")
+    if registered is None or getattr(registered, "_servicer_gated", False):
+        return
+    MEDIA_CONNECTOR_REGISTRY.register("http")(_gated_connector(registered))
+
+
+def _gated_connector(base: Any) -> type:
+    class GatedMediaConnector(base):  # type: ignore[misc]
+        """vLLM's connector, fetching http(s) only from listed domains, without redirects."""
+
+        _servicer_gated = True
+        connection: Any
+        allowed_media_domains: list[str]
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            if "VLLM_MEDIA_URL_ALLOW_REDIRECTS" not in os.environ:
+                self.connection = _WithoutRedirects(self.connection)
+
+        def load_from_url(self, url: str, *args: Any, **kwargs: Any) -> Any:
+            self._refuse_unlisted(url)
+            return super().load_from_url(url, *args, **kwargs)
+
+        async def load_from_url_async(self, url: str, *args: Any, **kwargs: Any) -> Any:
+            self._refuse_unlisted(url)
+            return await super().load_from_url_async(url, *args, **kwargs)
+
+        def _refuse_unlisted(self, url: str) -> None:
+            # Every scheme but data: and file: is one vLLM fetches over the
+            # network (or refuses): decided on the text's first bytes, so no
+            # URL parser can read it differently.
+            if not self.allowed_media_domains and url[:5].lower() not in ("data:", "file:"):
+                raise ValueError(MEDIA_FETCHING_OFF)
+
+    return GatedMediaConnector
+
+
+class _WithoutRedirects:
+    """vLLM's HTTP connection, with `allow_redirects` always off."""
+
+    def __init__(self, connection: Any) -> None:
+        self._connection = connection
+
+    def get_bytes(self, url: str, **kwargs: Any) -> bytes:
+        return bytes(self._connection.get_bytes(url, **{**kwargs, "allow_redirects": False}))
+
+    async def async_get_bytes(self, url: str, **kwargs: Any) -> bytes:
+        kwargs["allow_redirects"] = False
+        return bytes(await self._connection.async_get_bytes(url, **kwargs))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._connection, name)

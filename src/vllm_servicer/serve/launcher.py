@@ -38,7 +38,8 @@ from ..vllm_releases import engine_core_died
 from .args import ADMIN_KEY_ENV, ServeArgs, parse_args
 from .engine_processes import apart_from_stop_signals, exit_now
 from .http_api import HttpApi
-from .peers import start_peers
+from .kv_publisher import warn_if_publisher_exposed
+from .peers import Peers, start_peers
 from .probe_port import start_probe_port
 from .stack import authenticates, build_interceptors, http_verifier, key_verifier
 
@@ -60,6 +61,7 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     """
     args = parse_args(argv)
     _configure_logging(str(args.engine.get("log_level") or "info").upper())
+    warn_if_publisher_exposed(args.engine)
     if args.api_server_count > 1:
         from .api_servers import serve_frontends
 
@@ -329,7 +331,7 @@ class _SideServers:
     metrics: Any = None  # prometheus_client's WSGI server
     http: HttpApi | None = None
     probes: grpc.aio.Server | None = None
-    peers: grpc.aio.Server | None = None  # the other frontends' way in (api_servers.py)
+    peers: Peers | None = None  # the other frontends' way in (api_servers.py)
 
     async def prepare(
         self, args: ServeArgs, engine: AsyncLLM, verifier: Verifier | None, *, metrics: bool

@@ -38,9 +38,17 @@ logger = logging.getLogger("vllm_servicer")
 
 ENABLE_HINT = "LoRA is not enabled on this engine; start the engine with --enable-lora"
 
+# The first id handed out. vLLM's HTTP API (`--http-port`) numbers the adapters
+# it loads at run time (VLLM_ALLOW_RUNTIME_LORA_UPDATING=1) from 1 up, one at a
+# time (OpenAIServingModels.lora_id_counter); ids from 2**30 up are out of its
+# reach, so an adapter loaded over HTTP never shares an id with one of ours
+# (the engine would run the first one's weights for both). Below 2**31, so
+# an id fits wherever a signed 32-bit integer holds it.
+FIRST_LORA_ID = 1 << 30
+
 # One sequence for the process: an engine loads nothing under an id it already
 # holds, so two registries on one engine must never hand out the same id.
-_ids = itertools.count(1)
+_ids = itertools.count(FIRST_LORA_ID)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,154 @@
+"""vLLM's runtime LoRA routes beside vllm.Control, on the launcher as shipped.
+
+With `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1` and `--http-port`, vLLM's HTTP API
+loads adapters at `/v1/load_lora_adapter`: a change to the engine every
+tenant shares, so an admin key's alone, as Control's LoadLora is. The HTTP
+API and the gRPC registry number their adapters apart: an adapter loaded
+over HTTP never takes the id of one loaded over gRPC, which would make the
+engine run one adapter's weights for the other's requests.
+
+One launcher: the tiny Llama with real weights (an adapter changes its
+tokens), LoRA on, both protocols, a tenant key and an admin key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+from support import bearer
+from support.launcher import START_TIMEOUT, drain_output, spawn, stop, wait_for_line
+from support.vllm_protocol import reference_modules
+
+from vllm_servicer.testing.tiny_lora import (
+    TINY_LORA_ENGINE_KWARGS,
+    write_tiny_lora_adapter,
+    write_tiny_weighted_model,
+)
+from vllm_servicer.testing.tiny_model import apply_cpu_env_defaults
+
+pytestmark = pytest.mark.timeout(START_TIMEOUT + 180)
+
+ctl, ctl_grpc = reference_modules("control")
+inf, inf_grpc = reference_modules("inference")
+
+TENANT = "lora-tenant-0123456789abcdefABCDEF"
+ADMIN = "lora-admin-0123456789abcdefABCDEF"
+PROMPT = [5, 17, 42, 99, 7, 63, 21, 88]
+ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+
+
+@dataclass
+class Launcher:
+    grpc_address: str
+    http_url: str
+    adapters: dict[str, Path]
+    output: collections.deque[str]
+
+
+def _flags(settings: dict[str, Any]) -> list[str]:
+    """Engine keyword arguments as vLLM's command-line flags."""
+    flags = []
+    for key, value in settings.items():
+        flag = key.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(f"--{flag}" if value else f"--no-{flag}")
+        else:
+            flags.append(f"--{flag}={value}")
+    return flags
+
+
+@pytest.fixture(scope="module")
+async def launcher(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Launcher]:
+    root = tmp_path_factory.mktemp("runtime-lora")
+    model = write_tiny_weighted_model(root / "model")
+    adapters = {name: write_tiny_lora_adapter(root / name, seed=seed) for name, seed in
+                (("a", 0), ("b", 1))}  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_API_KEY")}
+    env.update(apply_cpu_env_defaults())
+    env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
+    env["VLLM_SERVICER_CACHE"] = str(root / "cache")
+    proc = await spawn(
+        "-m", "vllm_servicer", "serve", "--model", str(model), *_flags(TINY_LORA_ENGINE_KWARGS),
+        "--port", "0", "--http-port", "0",
+        "--services", "vllm-engine", "inference", "control",
+        "--api-key", TENANT, "--admin-api-key", ADMIN,
+        env=env,
+    )  # fmt: skip
+    output: collections.deque[str] = collections.deque(maxlen=300)
+    try:
+        grpc_address = (await wait_for_line(proc, r"listening on (\S+:\d+)")).group(1)
+        http_url = (await wait_for_line(proc, r"http on (http://\S+:\d+)")).group(1)
+        drain = asyncio.ensure_future(drain_output(proc, output))
+        yield Launcher(grpc_address, http_url, adapters, output)
+        assert await stop(proc) == 0, "".join(output)
+        drain.cancel()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def _post(launcher: Launcher, path: str, key: str, body: dict[str, Any]) -> httpx.Response:
+    async with httpx.AsyncClient(base_url=launcher.http_url, timeout=120) as client:
+        return await client.post(path, json=body, headers={"authorization": f"Bearer {key}"})
+
+
+@pytest.mark.parametrize("route", ROUTES)
+async def test_an_inference_key_may_not_change_the_adapters_over_http(
+    launcher: Launcher, route: str
+) -> None:
+    body = {"lora_name": "tenant-adapter", "lora_path": str(launcher.adapters["a"])}
+    reply = await _post(launcher, route, TENANT, body)
+    assert reply.status_code == 403, reply.text
+    assert "admin key" in reply.json()["error"]
+
+
+async def _grpc_greedy(channel: grpc.aio.Channel, lora_name: str) -> list[int]:
+    message = inf.GenerateRequest(lora_name=lora_name)
+    message.token_ids.ids.extend(PROMPT)
+    message.stopping.max_new_tokens = 8
+    message.stopping.ignore_eos = True
+    message.response.output_token_ids = True
+    reply = await inf_grpc.InferenceStub(channel).Generate(
+        message, metadata=bearer(TENANT), timeout=120
+    )
+    return list(reply.outputs.token_ids)
+
+
+async def test_adapters_loaded_over_http_and_grpc_never_share_an_id(launcher: Launcher) -> None:
+    """Adapter a loads over HTTP first (vLLM numbers it 1), then adapter b over
+    gRPC: b's requests run b's weights, the same tokens as b loaded again under
+    another name, not a's."""
+    body = {"lora_name": "http-a", "lora_path": str(launcher.adapters["a"])}
+    reply = await _post(launcher, "/v1/load_lora_adapter", ADMIN, body)
+    assert reply.status_code == 200, reply.text
+    async with grpc.aio.insecure_channel(launcher.grpc_address) as channel:
+        control = ctl_grpc.ControlStub(channel)
+        loaded = []
+        for name in ("grpc-b", "grpc-b-again"):
+            request = ctl.LoadLoraRequest(lora_name=name, source_path=str(launcher.adapters["b"]))
+            loaded.append(await control.LoadLora(request, metadata=bearer(ADMIN), timeout=120))
+        assert loaded[0].adapter.lora_id != loaded[1].adapter.lora_id
+        tokens_b = await _grpc_greedy(channel, "grpc-b")
+        assert tokens_b == await _grpc_greedy(channel, "grpc-b-again")
+        base = await _grpc_greedy(channel, "")
+    assert tokens_b != base, "the adapter changes nothing: the test cannot tell adapters apart"
+    completion = await _post(
+        launcher,
+        "/v1/completions",
+        TENANT,
+        {"model": "http-a", "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+         "ignore_eos": True, "return_token_ids": True},
+    )  # fmt: skip
+    assert completion.status_code == 200, completion.text
+    tokens_a = completion.json()["choices"][0]["token_ids"]
+    assert len(tokens_a) == 8 and tokens_a != tokens_b
