@@ -13,6 +13,7 @@ from grpc_reflection.v1alpha import reflection_pb2 as _reflection_pb2  # noqa: F
 from ._registration import HandlerRecorder, register, server_started
 from .engine import EngineClient
 from .frontends import FrontendGroup
+from .guard import EngineGuard
 from .health import EngineHealthServicer
 from .interceptors import InflightInterceptor, MetricsInterceptor, Pipeline
 from .multimodal.media import MediaRefOptions
@@ -60,6 +61,8 @@ class MountedServices:
             limit and a drain (`wait_idle`) read.
         inference: the `vllm.Inference` servicer, or None when not mounted.
         control: the `vllm.Control` servicer, or None when not mounted.
+        guard: where every engine request claims its id and in-flight slot,
+            for other ways in on the same engine (the launcher's HTTP API).
     """
 
     servicer: VllmEngineServicer
@@ -68,6 +71,7 @@ class MountedServices:
     inflight: InflightInterceptor
     inference: InferenceServicer | None = None
     control: ControlServicer | None = None
+    guard: EngineGuard | None = None
 
 
 def mount(
@@ -202,6 +206,7 @@ def mount(
         inflight=inflight,
         inference=inference,
         control=control,
+        guard=EngineGuard(running, inflight),
     )
 
 
