@@ -185,11 +185,11 @@ async def test_http_streams_count_against_the_in_flight_limit(
     async with contextlib.AsyncExitStack() as running:
         for _ in range(MAX_INFLIGHT):
             await running.enter_async_context(http_stream(http, model, max_tokens=LONG))
-        assert await _active(stub) == MAX_INFLIGHT
         with pytest.raises(grpc.aio.AioRpcError) as busy:
             await collect(stub.Generate(request(), metadata=a))
         assert busy.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert f"limit (max_inflight) is {MAX_INFLIGHT}" in (busy.value.details() or "")
+        assert await _active(stub) == MAX_INFLIGHT
         # A third over HTTP: 503, as vLLM answers its own queue limit.
         body = {"model": model, "prompt": [5, 17], "max_tokens": 4, "stream": True}
         reply = await http.post("/v1/completions", json=body)
