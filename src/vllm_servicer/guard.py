@@ -64,7 +64,7 @@ class EngineGuard:
         self.running = running
         self.inflight = inflight
 
-    def check(self, request_id: str, method: str, n: int = 1) -> None:
+    def check(self, request_id: str, method: str) -> None:
         """Refuse now what `hold` would refuse, holding nothing.
 
         For a protocol that answers before the request starts (the HTTP API
@@ -72,9 +72,9 @@ class EngineGuard:
 
         Raises:
             RequestIdInUseError: the id runs for another caller.
-            ServerBusyError: `n` more requests would pass the in-flight limit.
+            ServerBusyError: the in-flight limit is reached.
         """
-        self.check_room(n)
+        self.check_room()
         self.running.check(request_id, method)
 
     def check_room(self, n: int = 1) -> None:

@@ -76,9 +76,13 @@ class GuardedEngine:
         return getattr(self._engine, name)
 
     def check_admission(self, n: int = 1, request_id: str | None = None) -> None:
-        """vLLM's admission check, the in-flight limit first (503 past either)."""
+        """vLLM's admission check, the in-flight limit first (503 past either).
+
+        `n` counts sequences (a request's `n`), the limit engine requests, as
+        a gRPC Generate with `n` > 1 takes one slot: one free slot admits it.
+        """
         with _as_http_errors():
-            self._guard.check_room(n)
+            self._guard.check_room()
         self._engine.check_admission(n, request_id)
 
     def generate(
