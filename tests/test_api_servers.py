@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
-import httpx
 import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -524,39 +523,6 @@ def _model(launcher: Launcher) -> str:
         timeout=30,
     ) as reply:
         return str(json.loads(reply.read())["data"][0]["id"])
-
-
-async def test_an_http_requests_id_is_its_callers_in_every_process(
-    launcher: Launcher, connections: Connections
-) -> None:
-    """vLLM runs `X-Request-Id: n2-trace` as `cmpl-n2-trace-0` in the process
-    the kernel gave the connection to; the id is tenant A's in both, and the
-    HTTP request counts in flight with the gRPC calls."""
-    body = {
-        "model": _model(launcher),
-        "prompt": [5, 17, 42, 99],
-        "max_tokens": 400,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-    }
-    b = bearer(TENANT_B)
-    headers = {"Authorization": f"Bearer {TENANT_A}", "X-Request-Id": "n2-trace"}
-    async with (
-        httpx.AsyncClient(base_url=launcher.http, timeout=120) as http,
-        http.stream("POST", "/v1/completions", json=body, headers=headers) as response,
-    ):
-        assert response.status_code == 200
-        async for line in response.aiter_lines():
-            if line.startswith("data: "):
-                break  # running in the engine
-        reused = request(request_id="cmpl-n2-trace-0")
-        for i in (0, 1):
-            with pytest.raises(grpc.aio.AioRpcError) as refused:
-                await _tokens(connections.engine(i).Generate(reused, metadata=b))
-            assert refused.value.code() == grpc.StatusCode.ALREADY_EXISTS
-            info = await connections.engine(i).GetServerInfo(pb.GetServerInfoRequest(), metadata=b)
-            assert info.active_requests >= 1
 
 
 async def test_each_process_traces_its_calls(
