@@ -222,3 +222,47 @@ def test_no_request_id_reaches_a_callers_stream_counter() -> None:
         assert group.streams_held_by("alice") == 1
     finally:
         group.remove_directory()
+
+
+async def test_an_http_requests_id_is_its_callers_in_both_frontend_processes(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """`--api-server-count 2`: the HTTP request runs in one process; its id is
+    refused and its slot counted in both (the frontends' shared table)."""
+    # Its connection helper, which holds one connection to each process, and its keys.
+    from test_api_servers import TENANT_A as A
+    from test_api_servers import TENANT_B as B
+    from test_api_servers import Connections, _launch_env, _start
+    from test_api_servers import Launcher as GroupLauncher
+
+    argv = ["--api-server-count", "2", "--http-port", "0", "--api-key", A]
+    argv += ["--api-key", B, "--max-inflight", str(MAX_INFLIGHT)]
+    proc, lines = await _start(argv, _launch_env(tmp_path_factory))
+    tail: collections.deque[str] = collections.deque(maxlen=200)
+    output = asyncio.ensure_future(drain_output(proc, tail))
+    first, second = (int(p) for p in lines["pids"].split())
+    address = lines["address"]
+    port = int(address.rsplit(":", 1)[1])
+    group = GroupLauncher(address, port, lines["http"], "", (first, second), tail)
+    connections = await Connections(group).open()
+    try:
+        async with httpx.AsyncClient(
+            base_url=lines["http"], headers=dict(bearer(A)), timeout=120
+        ) as http:
+            model = str((await http.get("/v1/models")).json()["data"][0]["id"])
+            async with http_stream(http, model, max_tokens=LONG, request_id="n2-trace"):
+                reused, b = request(request_id="cmpl-n2-trace-0"), bearer(B)
+                for i in (0, 1):
+                    with pytest.raises(grpc.aio.AioRpcError) as refused:
+                        await collect(connections.engine(i).Generate(reused, metadata=b))
+                    assert refused.value.code() == grpc.StatusCode.ALREADY_EXISTS
+                    info = await connections.engine(i).GetServerInfo(
+                        pb.GetServerInfoRequest(), metadata=b
+                    )
+                    assert info.active_requests == 1
+    finally:
+        await connections.close()
+        try:
+            assert await stop(proc) == 0, "".join(tail)
+        finally:
+            output.cancel()
