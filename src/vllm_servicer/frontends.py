@@ -40,9 +40,19 @@ _EMPTY = 0
 _NO_OWNER = 1  # a call without credentials
 
 
-def key_hash(text: str) -> int:
-    """A stable, nonzero 64-bit hash (Python's own `hash` differs per process)."""
-    value = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+# The table's key spaces: a key is hashed with its space's name as BLAKE2b's
+# personalization, so no string in one space (a request id, whatever its
+# characters) hashes to a key of another (a caller's stream counter) but by a
+# 64-bit accident.
+REQUEST_IDS = b"request-id"
+STREAM_COUNTERS = b"kv-subscribers"
+
+
+def key_hash(text: str, space: bytes = REQUEST_IDS) -> int:
+    """A stable, nonzero 64-bit hash of `text` in key space `space` (Python's
+    own `hash` differs per process)."""
+    digest = hashlib.blake2b(text.encode(), digest_size=8, person=space).digest()
+    value = int.from_bytes(digest, "little")
     return value if value > _NO_OWNER else value + 2
 
 
@@ -204,6 +214,12 @@ class FrontendGroup:
             self._table.put(key, who, stored[1] | bit)
             return True
 
+    def free_for(self, request_id: str, owner: str | None) -> bool:
+        """Whether `owner` may run `request_id` now (no one else runs it anywhere)."""
+        with self._lock:
+            stored = self._table.get(key_hash(request_id))
+        return stored is None or stored[0] == owner_hash(owner)
+
     def release(self, request_id: str) -> None:
         """`request_id` no longer runs in this process."""
         key, bit = key_hash(request_id), 1 << self.index
@@ -241,12 +257,12 @@ class FrontendGroup:
         return sum(self._streams)
 
     def streams_held_by(self, name: str) -> int:
-        stored = self._table.get(key_hash("kv-subscriber\0" + name))
+        stored = self._table.get(key_hash(name, STREAM_COUNTERS))
         return 0 if stored is None else stored[1]
 
     def add_stream(self, name: str | None, delta: int) -> None:
         """Count a stream opened (+1) or closed (-1); call under `locked()`."""
         self._streams[self.index] += delta
         if name is not None:
-            key = key_hash("kv-subscriber\0" + name)
+            key = key_hash(name, STREAM_COUNTERS)
             self._table.put(key, _NO_OWNER, self.streams_held_by(name) + delta)

@@ -14,6 +14,7 @@ from ._registration import HandlerRecorder, register, server_started
 from .budgets import RequestBudgets
 from .engine import EngineClient
 from .frontends import FrontendGroup
+from .guard import EngineGuard
 from .health import EngineHealthServicer
 from .interceptors import InflightInterceptor, MetricsInterceptor, Pipeline
 from .multimodal.decoded import DecodedMedia
@@ -62,6 +63,8 @@ class MountedServices:
             limit and a drain (`wait_idle`) read.
         inference: the `vllm.Inference` servicer, or None when not mounted.
         control: the `vllm.Control` servicer, or None when not mounted.
+        guard: where every engine request claims its id and in-flight slot,
+            for other ways in on the same engine (the launcher's HTTP API).
     """
 
     servicer: VllmEngineServicer
@@ -70,6 +73,7 @@ class MountedServices:
     inflight: InflightInterceptor
     inference: InferenceServicer | None = None
     control: ControlServicer | None = None
+    guard: EngineGuard | None = None
 
 
 def mount(
@@ -228,6 +232,7 @@ def mount(
         inflight=inflight,
         inference=inference,
         control=control,
+        guard=EngineGuard(running, inflight),
     )
 
 

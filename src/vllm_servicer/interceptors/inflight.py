@@ -110,6 +110,46 @@ class InflightInterceptor(CallInterceptor):
             return False
         return True
 
+    # ----- engine requests counted outside a gRPC call ---------------------------
+
+    def room_for(self, n: int = 1) -> int | None:
+        """None when `n` more limited requests fit under the limit now; else the count in flight.
+
+        Counts nothing: the HTTP API asks before it answers a stream's
+        headers, as vLLM's own `check_admission` is asked, then `enter`s.
+        """
+        if self.max_inflight is None:
+            return None
+        busy = self.limited_everywhere
+        return busy if busy + n > self.max_inflight else None
+
+    def enter(self) -> int | None:
+        """Count one more limited request (any protocol's); the count in flight
+        instead, counting nothing, when at the limit. Pair with `leave`."""
+        busy = self._admit()
+        if busy is not None:
+            self.rejected += 1
+            return busy
+        self._limited_total += 1
+        if self._limited_idle is not None:
+            self._limited_idle.clear()
+        return None
+
+    def leave(self) -> None:
+        """One limited request counted by `enter` ended."""
+        self._limited_total -= 1
+        if self._group is not None:
+            self._group.add_inflight(-1)
+        if self._limited_total == 0 and self._limited_idle is not None:
+            self._limited_idle.set()
+
+    def busy_message(self, busy: int) -> str:
+        """The refusal's text, the same for every protocol."""
+        return (
+            f"server busy: {busy} requests in flight, the limit "
+            f"(max_inflight) is {self.max_inflight}; retry later"
+        )
+
     # ----- hooks ----------------------------------------------------------------------
 
     def _admit(self) -> int | None:
@@ -134,23 +174,17 @@ class InflightInterceptor(CallInterceptor):
     async def on_start(self, call: Call) -> None:
         limited = self._is_limited(call.method)
         if limited:
-            busy = self._admit()
+            busy = self.enter()
             if busy is not None:
-                self.rejected += 1
                 await call.context.abort(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"server busy: {busy} requests in flight, the limit "
-                    f"(max_inflight) is {self.max_inflight}; retry later",
+                    self.busy_message(busy),
                     trailing_metadata=self._pushback,
                 )
         # Marks the call as counted: a rejected call also reaches on_finish.
         call.state = limited
         self._counts[call.method] += 1
         self._total += 1
-        if limited:
-            self._limited_total += 1
-            if self._limited_idle is not None:
-                self._limited_idle.clear()
         if self._idle is not None:
             self._idle.clear()
 
@@ -163,11 +197,7 @@ class InflightInterceptor(CallInterceptor):
         if self._total == 0 and self._idle is not None:
             self._idle.set()
         if limited:
-            self._limited_total -= 1
-            if self._group is not None:
-                self._group.add_inflight(-1)
-            if self._limited_total == 0 and self._limited_idle is not None:
-                self._limited_idle.set()
+            self.leave()
 
     def _event(self, include_all: bool) -> asyncio.Event:
         if include_all:

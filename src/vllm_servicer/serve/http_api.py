@@ -36,8 +36,11 @@ from typing import Any
 
 import uvicorn
 
+from ..context import Identity, current_identity
+from ..guard import EngineGuard
 from ..interceptors.auth import ADMIN_ROLE, AuthError, Unauthenticated
 from .args import ServeArgs
+from .http_guard import HTTP_CALLER, GuardedEngine
 
 __all__ = ["HTTP_APP_FLAGS", "HttpApi", "frontend_args", "uvicorn_config"]
 
@@ -158,14 +161,20 @@ class _Front:
             # Balancers probing HTTP stop sending, as gRPC probes see NOT_SERVING.
             await self._refuse(scope, send, 503, "draining")
             return
+        caller: Identity | None = HTTP_CALLER
         if self.verifier is not None and not _public(path):
-            refusal = await self._check(scope, path)
+            refusal, caller = await self._check(scope, path)
             if refusal is not None:
                 await self._refuse(scope, send, *refusal)
                 return
-        await self.app(scope, receive, send)
+        # Whom the engine guard claims this request's id for (http_guard.py).
+        token = current_identity.set(caller)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            current_identity.reset(token)
 
-    async def _check(self, scope: Any, path: str) -> tuple[int, str] | None:
+    async def _check(self, scope: Any, path: str) -> tuple[tuple[int, str] | None, Identity | None]:
         metadata = [
             ("authorization", value.decode("latin-1"))
             for name, value in scope["headers"]
@@ -174,12 +183,12 @@ class _Front:
         try:
             identity = await self.verifier(metadata, {})
         except Unauthenticated:
-            return 401, "Unauthorized"
+            return (401, "Unauthorized"), None
         except AuthError:
-            return 403, "Forbidden"
+            return (403, "Forbidden"), None
         if not _inference(path) and ADMIN_ROLE not in identity.roles:
-            return 403, "Forbidden: this path needs an admin key"
-        return None
+            return (403, "Forbidden: this path needs an admin key"), None
+        return None, identity
 
     @staticmethod
     async def _refuse(scope: Any, send: Any, status: int, message: str) -> None:
@@ -260,6 +269,7 @@ class HttpApi:
         port: int,
         verifier: Any = None,
         tls: tuple[str, str, str | None] | None = None,
+        guard: EngineGuard | None = None,
     ) -> HttpApi:
         """Build vLLM's app on `engine` and a uvicorn server for it (nothing bound yet).
 
@@ -271,9 +281,13 @@ class HttpApi:
             verifier: the gRPC side's key verifier, or None for no keys.
             tls: (certificate, key, client CA or None): serve HTTPS, requiring
                 client certificates when a CA is given.
+            guard: the mount's engine guard: every HTTP generation and
+                embedding claims its id and an in-flight slot there, as the
+                gRPC protocols' requests do.
         """
         gate_media_fetching()
-        app = await _build_app(engine, frontend_args(args, host, port))
+        client = engine if guard is None else GuardedEngine(engine, guard)
+        app = await _build_app(client, frontend_args(args, host, port))
         front = _Front(app, verifier)
         return cls(_Server(uvicorn_config(front, host, port, tls)), front)
 

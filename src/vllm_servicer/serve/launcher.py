@@ -26,6 +26,7 @@ import grpc
 
 from ..drain import GracefulShutdown, HardStop
 from ..frontends import FrontendGroup
+from ..guard import EngineGuard
 from ..interceptors import CallInterceptor, MetricsInterceptor, start_metrics_server
 from ..interceptors.auth import Verifier
 from ..interceptors.keyless import KeylessLimitInterceptor
@@ -122,7 +123,8 @@ async def serve(args: ServeArgs, frontend: Frontend | None = None) -> int:
             return 1
         if group is not None:
             side.peers = await start_peers(group, engine)
-        await side.prepare(args, engine, http_verifier(args, verifier), metrics=frontend is None)
+        http_keys = http_verifier(args, verifier)
+        await side.prepare(args, engine, http_keys, metrics=frontend is None, guard=mounted.guard)
         shutdown = _shutdown(args, server, mounted, metrics, side)
         await side.open(args, mounted, shared=frontend is not None)
         await server.start()
@@ -334,7 +336,13 @@ class _SideServers:
     peers: Peers | None = None  # the other frontends' way in (api_servers.py)
 
     async def prepare(
-        self, args: ServeArgs, engine: AsyncLLM, verifier: Verifier | None, *, metrics: bool
+        self,
+        args: ServeArgs,
+        engine: AsyncLLM,
+        verifier: Verifier | None,
+        *,
+        metrics: bool,
+        guard: EngineGuard | None = None,
     ) -> None:
         """Start the metrics endpoint (when `metrics`); build the HTTP API, whose
         port `open` opens."""
@@ -353,6 +361,7 @@ class _SideServers:
                 port=args.http_port,
                 verifier=verifier,
                 tls=args.tls,
+                guard=guard,
             )
 
     async def open(self, args: ServeArgs, mounted: MountedServices, *, shared: bool) -> None:

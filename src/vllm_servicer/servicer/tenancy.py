@@ -61,6 +61,23 @@ class RunningRequests:
         """The running request ids, each once."""
         return list(self._counts)
 
+    def check(self, request_id: str, method: str) -> None:
+        """Refuse `request_id` now if it runs for another caller; claims nothing.
+
+        For a protocol that must answer before the request starts (the HTTP
+        API's status line); `claim` checks again.
+
+        Raises:
+            RequestIdInUseError: the id runs for another caller.
+        """
+        owner = caller_name()
+        if request_id in self._counts:
+            taken = self._owners[request_id] != owner
+        else:
+            taken = self._group is not None and not self._group.free_for(request_id, owner)
+        if taken:
+            self._refuse(request_id, method)
+
     def claim(self, request_id: str, method: str) -> None:
         """Count `request_id` as running for the current caller.
 
@@ -75,17 +92,17 @@ class RunningRequests:
             and self._group is not None
             and not self._group.claim(request_id, owner)
         ):
-            shown = request_id[:_SHOWN_ID_CHARS] + (
-                "..." if len(request_id) > _SHOWN_ID_CHARS else ""
-            )
-            logger.info(
-                "%s request %r refused: its id is running for another caller", method, shown
-            )
-            raise RequestIdInUseError(
-                f"request_id {shown!r} is already in use by a running request; choose another id"
-            )
+            self._refuse(request_id, method)
         self._counts[request_id] = self._counts.get(request_id, 0) + 1
         self._owners[request_id] = owner
+
+    @staticmethod
+    def _refuse(request_id: str, method: str) -> None:
+        shown = request_id[:_SHOWN_ID_CHARS] + ("..." if len(request_id) > _SHOWN_ID_CHARS else "")
+        logger.info("%s request %r refused: its id is running for another caller", method, shown)
+        raise RequestIdInUseError(
+            f"request_id {shown!r} is already in use by a running request; choose another id"
+        )
 
     def release(self, request_id: str) -> None:
         """One run of `request_id` ended."""

@@ -1,0 +1,134 @@
+"""vLLM's HTTP API behind the one engine guard: its engine client, wrapped.
+
+vLLM's OpenAI app runs every generation and embedding through the engine
+client it is handed (`generate`, `encode`) and asks `check_admission` before
+it answers a stream's headers. The app gets `GuardedEngine` instead of the
+launcher's `AsyncLLM`: each request's id (`cmpl-<X-Request-Id>-0` and the
+like) is claimed for the HTTP caller in the registry the gRPC protocols use,
+and counted against `--max-inflight`, from the engine call to its end.
+
+Refusals take vLLM's own error mapping: an id another caller runs is a
+`GracefulHTTPError` with 409 Conflict (gRPC's ALREADY_EXISTS), the in-flight
+limit a `QueueOverflowError` with 503, as vLLM answers its own queue limit.
+Asked before a stream starts they are the status line; a request that loses
+a race between the check and the claim ends its stream with vLLM's error event.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncGenerator, Callable, Iterator
+from http import HTTPStatus
+from typing import Any
+
+from vllm.exceptions import GracefulHTTPError, QueueOverflowError
+
+from ..context import Identity
+from ..errors import RequestIdInUseError
+from ..guard import EngineGuard, ServerBusyError
+
+__all__ = ["HTTP_CALLER", "GuardedEngine"]
+
+HTTP_CALLER = Identity(name="http-api", kind="http")
+"""Who an HTTP request runs for when the HTTP API checks no keys: one caller,
+apart from every gRPC one (its ids are not theirs to share or abort)."""
+
+
+class RequestIdConflictError(GracefulHTTPError):
+    """The request's id runs for another caller: 409, as gRPC's ALREADY_EXISTS."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, HTTPStatus.CONFLICT)
+
+
+class InflightLimitError(QueueOverflowError):
+    """`--max-inflight` requests run already: 503, as vLLM's own queue limit."""
+
+    def __init__(self, message: str) -> None:
+        GracefulHTTPError.__init__(self, message, HTTPStatus.SERVICE_UNAVAILABLE)
+
+
+@contextlib.contextmanager
+def _as_http_errors() -> Iterator[None]:
+    try:
+        yield
+    except RequestIdInUseError as exc:
+        raise RequestIdConflictError(str(exc)) from exc
+    except ServerBusyError as exc:
+        raise InflightLimitError(str(exc)) from exc
+
+
+class GuardedEngine:
+    """The engine client handed to vLLM's HTTP app: the engine, every request guarded.
+
+    Everything but `generate`, `encode` and `check_admission` is the engine's own.
+
+    Args:
+        engine: the launcher's `AsyncLLM`.
+        guard: the mount's `EngineGuard`.
+    """
+
+    def __init__(self, engine: Any, guard: EngineGuard) -> None:
+        self._engine = engine
+        self._guard = guard
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    def check_admission(self, n: int = 1, request_id: str | None = None) -> None:
+        """vLLM's admission check, the in-flight limit first (503 past either).
+
+        `n` counts sequences (a request's `n`), the limit engine requests, as
+        a gRPC Generate with `n` > 1 takes one slot: one free slot admits it.
+        """
+        with _as_http_errors():
+            self._guard.check_room()
+        self._engine.check_admission(n, request_id)
+
+    def generate(
+        self, prompt: Any, sampling_params: Any, request_id: str, *args: Any, **kwargs: Any
+    ) -> AsyncGenerator[Any, None]:
+        call, params = self._engine.generate, sampling_params
+        return self._guarded("HTTP generate", call, prompt, params, request_id, args, kwargs)
+
+    def encode(
+        self, prompt: Any, pooling_params: Any, request_id: str, *args: Any, **kwargs: Any
+    ) -> AsyncGenerator[Any, None]:
+        return self._guarded(
+            "HTTP encode", self._engine.encode, prompt, pooling_params, request_id, args, kwargs
+        )
+
+    def _guarded(
+        self,
+        method: str,
+        call: Callable[..., AsyncGenerator[Any, None]],
+        prompt: Any,
+        params: Any,
+        request_id: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> AsyncGenerator[Any, None]:
+        # Checked at once: vLLM calls this before it answers a stream's
+        # headers, so a refusal is the status line, not an event in a 200.
+        with _as_http_errors():
+            self._guard.check(request_id, method)
+        return self._held(method, call, prompt, params, request_id, args, kwargs)
+
+    async def _held(
+        self,
+        method: str,
+        call: Callable[..., AsyncGenerator[Any, None]],
+        prompt: Any,
+        params: Any,
+        request_id: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> AsyncGenerator[Any, None]:
+        # Held from the first read (a generator never read holds nothing)
+        # until it ends, fails or is closed (vLLM's handler closes it when
+        # the client goes; the engine aborts the request then).
+        with contextlib.ExitStack() as held:
+            with _as_http_errors():
+                held.enter_context(self._guard.hold(request_id, method))
+            async for output in call(prompt, params, request_id, *args, **kwargs):
+                yield output

@@ -1,0 +1,268 @@
+"""One guard for every way in: vLLM's HTTP API and the gRPC protocols share
+the engine's request ids and the in-flight limit.
+
+`serve --http-port` serves vLLM's OpenAI API from the launcher's engine. vLLM
+runs an HTTP request sent with `X-Request-Id: X` under the engine id
+`cmpl-X-0`; that id belongs to the HTTP caller as a gRPC caller's ids belong
+to it, and HTTP generations count toward `--max-inflight` with gRPC calls.
+One launcher as shipped, real clients on both sides.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import json
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+from support import bearer, collect, request
+from support.launcher import START_TIMEOUT, drain_output, spawn, stop, wait_for_line
+
+from vllm_servicer.frontends import FrontendGroup
+from vllm_servicer.proto import vllm_engine_pb2 as pb
+from vllm_servicer.proto import vllm_engine_pb2_grpc
+
+pytestmark = pytest.mark.timeout(START_TIMEOUT + 300)
+
+TENANT_A = "guard-tenant-a-0123456789abcdefABCDEF"
+TENANT_B = "guard-tenant-b-0123456789abcdefABCDEF"
+MAX_INFLIGHT = 2
+LONG = 500  # tokens: still running when the test acts on it (the model's context is 512)
+
+
+@dataclass
+class Launcher:
+    grpc_address: str
+    http_url: str
+    output: collections.deque[str]
+
+
+@pytest.fixture(scope="module")
+async def launcher(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Launcher]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "VLLM_API_KEY"))}
+    env["VLLM_SERVICER_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+    proc = await spawn(
+        "-m",
+        "vllm_servicer",
+        "serve",
+        "--port",
+        "0",
+        "--http-port",
+        "0",
+        "--api-key",
+        TENANT_A,
+        "--api-key",
+        TENANT_B,
+        "--max-inflight",
+        str(MAX_INFLIGHT),
+        env=env,
+    )
+    tail: collections.deque[str] = collections.deque(maxlen=200)
+    try:
+        grpc_address = (await wait_for_line(proc, r"listening on (\S+:\d+)")).group(1)
+        http_url = (await wait_for_line(proc, r"http on (http://\S+:\d+)")).group(1)
+        output = asyncio.ensure_future(drain_output(proc, tail))
+        yield Launcher(grpc_address, http_url, tail)
+        assert await stop(proc) == 0, "".join(tail)
+        output.cancel()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+@pytest.fixture(scope="module")
+async def stub(launcher: Launcher) -> AsyncIterator[vllm_engine_pb2_grpc.VllmEngineStub]:
+    async with grpc.aio.insecure_channel(launcher.grpc_address) as channel:
+        yield vllm_engine_pb2_grpc.VllmEngineStub(channel)
+
+
+@pytest.fixture(scope="module")
+async def http(launcher: Launcher) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(
+        base_url=launcher.http_url, headers=dict(bearer(TENANT_A)), timeout=120
+    ) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+async def model(http: httpx.AsyncClient) -> str:
+    reply = await http.get("/v1/models")
+    return str(reply.json()["data"][0]["id"])
+
+
+class HttpStream:
+    """A streamed /v1/completions, read an event at a time."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        self.response = response
+        self._lines = response.aiter_lines()
+
+    async def next_event(self) -> dict[str, Any] | None:
+        """The next data event; None after `[DONE]`."""
+        async for line in self._lines:
+            if line.startswith("data: "):
+                data = line.removeprefix("data: ")
+                return None if data == "[DONE]" else dict(json.loads(data))
+        raise AssertionError("the stream ended without [DONE]")
+
+    async def finish_reason(self) -> str | None:
+        """How the stream ended: the last finish_reason it sent."""
+        reason = None
+        while (event := await self.next_event()) is not None:
+            assert "error" not in event, event
+            reason = event["choices"][0].get("finish_reason") or reason
+        return reason
+
+
+@contextlib.asynccontextmanager
+async def http_stream(
+    http: httpx.AsyncClient, model: str, *, max_tokens: int, request_id: str | None = None
+) -> AsyncIterator[HttpStream]:
+    """A completion streamed over HTTP, its first event read (it runs in the
+    engine); leaving the block drops the connection (vLLM aborts it)."""
+    body = {
+        "model": model,
+        "prompt": [5, 17, 42, 99],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    headers = {"X-Request-Id": request_id} if request_id else {}
+    async with http.stream("POST", "/v1/completions", json=body, headers=headers) as response:
+        assert response.status_code == 200, await response.aread()
+        stream = HttpStream(response)
+        assert await stream.next_event() is not None
+        yield stream
+
+
+async def _active(stub: Any) -> int:
+    info = await stub.GetServerInfo(pb.GetServerInfoRequest(), metadata=bearer(TENANT_A))
+    return int(info.active_requests)
+
+
+async def test_an_http_requests_engine_id_is_its_callers_alone(
+    stub: Any, http: httpx.AsyncClient, model: str
+) -> None:
+    b = bearer(TENANT_B)
+    async with http_stream(http, model, max_tokens=120, request_id="trace-42") as stream:
+        # Tenant B over gRPC: the id vLLM runs the HTTP request under is not free.
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await collect(stub.Generate(request(request_id="cmpl-trace-42-0"), metadata=b))
+        assert refused.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        assert "already in use" in (refused.value.details() or "")
+        # Its Abort of "its own" id touches nothing of tenant A's.
+        await stub.Abort(pb.AbortRequest(request_ids=["cmpl-trace-42-0"]), metadata=b)
+        assert await asyncio.wait_for(stream.finish_reason(), 120) == "length"
+
+    # The other way round: an id a gRPC caller runs is refused to HTTP, with 409.
+    call = stub.Generate(
+        request(request_id="cmpl-grpc-7-0", max_tokens=LONG, ignore_eos=True, stream=True),
+        metadata=b,
+    )
+    try:
+        assert await call.read() is not grpc.aio.EOF
+        body = {"model": model, "prompt": [5, 17], "max_tokens": 4, "stream": True}
+        reply = await http.post("/v1/completions", json=body, headers={"X-Request-Id": "grpc-7"})
+        assert reply.status_code == 409, reply.text
+        assert "already in use" in reply.json()["error"]["message"]
+    finally:
+        call.cancel()
+
+
+async def test_http_streams_count_against_the_in_flight_limit(
+    stub: Any, http: httpx.AsyncClient, model: str
+) -> None:
+    a = bearer(TENANT_A)
+    async with contextlib.AsyncExitStack() as running:
+        for _ in range(MAX_INFLIGHT):
+            await running.enter_async_context(http_stream(http, model, max_tokens=LONG))
+        with pytest.raises(grpc.aio.AioRpcError) as busy:
+            await collect(stub.Generate(request(), metadata=a))
+        assert busy.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert f"limit (max_inflight) is {MAX_INFLIGHT}" in (busy.value.details() or "")
+        assert await _active(stub) == MAX_INFLIGHT
+        # A third over HTTP: 503, as vLLM answers its own queue limit.
+        body = {"model": model, "prompt": [5, 17], "max_tokens": 4, "stream": True}
+        reply = await http.post("/v1/completions", json=body)
+        assert reply.status_code == 503, reply.text
+        assert f"limit (max_inflight) is {MAX_INFLIGHT}" in reply.json()["error"]["message"]
+    # The dropped streams are released with their connections.
+    for _ in range(100):
+        if await _active(stub) == 0:
+            break
+        await asyncio.sleep(0.1)
+    assert await _active(stub) == 0
+    assert len(await collect(stub.Generate(request(), metadata=a)))
+
+
+def test_no_request_id_reaches_a_callers_stream_counter() -> None:
+    """`--api-server-count`'s shared table holds running ids and each caller's
+    KV-event stream count; an id spelled like a counter's key is an id only."""
+    group = FrontendGroup(2, capacity=64)
+    try:
+        group.join(0)
+        # A running id spelled as alice's counter does not count as her streams...
+        assert group.claim("kv-subscriber\0alice", "mallory")
+        assert group.streams_held_by("alice") == 0
+        group.release("kv-subscriber\0alice")
+        # ...and, alice holding a stream, claiming it tells nothing of her label.
+        with group.locked():
+            group.add_stream("alice", 1)
+        assert group.streams_held_by("alice") == 1
+        assert group.claim("kv-subscriber\0alice", "mallory")
+        assert group.streams_held_by("alice") == 1
+    finally:
+        group.remove_directory()
+
+
+async def test_an_http_requests_id_is_its_callers_in_both_frontend_processes(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """`--api-server-count 2`: the HTTP request runs in one process; its id is
+    refused and its slot counted in both (the frontends' shared table)."""
+    # Its connection helper, which holds one connection to each process, and its keys.
+    from test_api_servers import TENANT_A as A
+    from test_api_servers import TENANT_B as B
+    from test_api_servers import Connections, _launch_env, _start
+    from test_api_servers import Launcher as GroupLauncher
+
+    argv = ["--api-server-count", "2", "--http-port", "0", "--api-key", A]
+    argv += ["--api-key", B, "--max-inflight", str(MAX_INFLIGHT)]
+    proc, lines = await _start(argv, _launch_env(tmp_path_factory))
+    tail: collections.deque[str] = collections.deque(maxlen=200)
+    output = asyncio.ensure_future(drain_output(proc, tail))
+    first, second = (int(p) for p in lines["pids"].split())
+    address = lines["address"]
+    port = int(address.rsplit(":", 1)[1])
+    group = GroupLauncher(address, port, lines["http"], "", (first, second), tail)
+    connections = await Connections(group).open()
+    try:
+        async with httpx.AsyncClient(
+            base_url=lines["http"], headers=dict(bearer(A)), timeout=120
+        ) as http:
+            model = str((await http.get("/v1/models")).json()["data"][0]["id"])
+            async with http_stream(http, model, max_tokens=LONG, request_id="n2-trace"):
+                reused, b = request(request_id="cmpl-n2-trace-0"), bearer(B)
+                for i in (0, 1):
+                    with pytest.raises(grpc.aio.AioRpcError) as refused:
+                        await collect(connections.engine(i).Generate(reused, metadata=b))
+                    assert refused.value.code() == grpc.StatusCode.ALREADY_EXISTS
+                    info = await connections.engine(i).GetServerInfo(
+                        pb.GetServerInfoRequest(), metadata=b
+                    )
+                    assert info.active_requests == 1
+    finally:
+        await connections.close()
+        try:
+            assert await stop(proc) == 0, "".join(tail)
+        finally:
+            output.cancel()
