@@ -225,6 +225,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("multimodal", "status", "health", "reflection"),
     # Side by side: they share `context`, never import one another.
     ("servicer", "interceptors"),
+    # The one guard every way in passes (both gRPC protocols, the HTTP API).
+    ("guard",),
     ("mounting", "drain"),
     # Tiny models, stand-in engines and a test server, for users' tests too.
     ("testing",),
