@@ -391,7 +391,7 @@ async def test_a_fifo_named_as_a_segment_is_refused_without_blocking(
     err = await _refused(shm_on.Generate(req, timeout=60))
     assert not writer_opened.is_set()  # refused before any writer came
     assert err.code() is INVALID
-    assert err.details() == f"mm_inputs.pixel_values.shm.name: '/{name}' is not a segment"
+    assert err.details() == f"mm_inputs.pixel_values.shm.name: '{name}' is not a segment"
 
 
 async def test_shared_memory_past_the_request_budget_is_refused_before_any_read(

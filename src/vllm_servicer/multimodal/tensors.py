@@ -613,7 +613,7 @@ def _read_shm(path: str, handle: common_pb2.ShmHandle) -> bytearray:
             os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
         )
     except OSError as exc:
-        raise InvalidRequestError(f"{path}.shm.name", _open_failure(handle.name, exc)) from None
+        raise InvalidRequestError(f"{path}.shm.name", _open_failure(name, exc)) from None
     try:
         return _read_range(path, fd, handle)
     finally:
@@ -629,15 +629,18 @@ def _open_failure(name: str, exc: OSError) -> str:
 
 
 def _read_range(path: str, fd: int, handle: common_pb2.ShmHandle) -> bytearray:
+    # Named without the POSIX slash: a word starting with "/" reads as a path,
+    # which error messages do not show (status.redact_paths).
+    name = handle.name.removeprefix("/")
     info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode):
-        raise InvalidRequestError(f"{path}.shm.name", f"{handle.name!r} is not a segment")
+        raise InvalidRequestError(f"{path}.shm.name", f"{name!r} is not a segment")
     end = handle.offset + handle.nbytes
     if end > info.st_size:
         raise InvalidRequestError(
             f"{path}.shm",
             f"offset {handle.offset} + nbytes {handle.nbytes} runs past the end of segment "
-            f"{handle.name!r} ({info.st_size} bytes)",
+            f"{name!r} ({info.st_size} bytes)",
         )
     raw = bytearray(handle.nbytes)
     view = memoryview(raw)
@@ -645,7 +648,7 @@ def _read_range(path: str, fd: int, handle: common_pb2.ShmHandle) -> bytearray:
     while done < handle.nbytes:
         read = os.preadv(fd, [view[done:]], handle.offset + done)
         if read == 0:
-            raise InvalidRequestError(f"{path}.shm", f"segment {handle.name!r} shrank while read")
+            raise InvalidRequestError(f"{path}.shm", f"segment {name!r} shrank while read")
         done += read
     return raw
 
