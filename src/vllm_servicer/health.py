@@ -93,7 +93,9 @@ class EngineHealthServicer(health_pb2_grpc.HealthServicer):  # type: ignore[misc
         Concurrent callers share one read. A read that fails or outlasts the
         interval keeps the state last read (a dead engine shows in `errored`).
         """
-        if time.monotonic() - self._state_read_at < self._poll_interval or self._engine.errored:
+        if self._draining or self._closed or self._engine.errored:
+            return  # NOT_SERVING whatever the engine says: ask it nothing while it stops
+        if time.monotonic() - self._state_read_at < self._poll_interval:
             return
         if self._state_read is None or self._state_read.done():
             self._state_read = asyncio.get_running_loop().create_task(
