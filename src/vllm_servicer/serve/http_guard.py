@@ -9,7 +9,8 @@ and counted against `--max-inflight`, from the engine call to its end.
 
 Refusals take vLLM's own error mapping: an id another caller runs is a
 `GracefulHTTPError` with 409 Conflict (gRPC's ALREADY_EXISTS), the in-flight
-limit a `QueueOverflowError` with 503, as vLLM answers its own queue limit.
+limit a 503, as vLLM answers its own queue limit (`QueueOverflowError`, whose
+fixed message cannot name the limit).
 Asked before a stream starts they are the status line; a request that loses
 a race between the check and the claim ends its stream with vLLM's error event.
 """
@@ -21,7 +22,7 @@ from collections.abc import AsyncGenerator, Callable, Iterator
 from http import HTTPStatus
 from typing import Any
 
-from vllm.exceptions import GracefulHTTPError, QueueOverflowError
+from vllm.exceptions import GracefulHTTPError
 
 from ..context import Identity
 from ..errors import RequestIdInUseError
@@ -41,11 +42,11 @@ class RequestIdConflictError(GracefulHTTPError):
         super().__init__(message, HTTPStatus.CONFLICT)
 
 
-class InflightLimitError(QueueOverflowError):
+class InflightLimitError(GracefulHTTPError):
     """`--max-inflight` requests run already: 503, as vLLM's own queue limit."""
 
     def __init__(self, message: str) -> None:
-        GracefulHTTPError.__init__(self, message, HTTPStatus.SERVICE_UNAVAILABLE)
+        super().__init__(message, HTTPStatus.SERVICE_UNAVAILABLE)
 
 
 @contextlib.contextmanager
