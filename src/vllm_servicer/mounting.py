@@ -30,6 +30,7 @@ from .proto import (
 )
 from .reflection import ChainedPool
 from .servicer.control import ControlServicer
+from .servicer.engine_call import EngineCallSteps
 from .servicer.inference import InferenceServicer
 from .servicer.lora import LoraRegistry
 from .servicer.service import VllmEngineServicer
@@ -160,6 +161,8 @@ def mount(
     # One registry of running requests for every protocol: an id belongs to
     # its caller whichever protocol started it, and a drain aborts them all.
     running = RunningRequests(frontends)
+    # One preparation of the engine call too: each protocol only converts its messages.
+    steps = EngineCallSteps(engine, running)
     # One account of decoded images in flight for every protocol.
     budgets = budgets if budgets is not None else RequestBudgets()
     decoded_media = DecodedMedia(budgets)
@@ -173,6 +176,7 @@ def mount(
         group=frontends,
         budgets=budgets,
         decoded_media=decoded_media,
+        steps=steps,
     )
     # One adapter registry too (built once the engine's members are checked):
     # an adapter Control loads is one Inference's lora_name can name.
@@ -198,6 +202,7 @@ def mount(
             loras=loras,
             budgets=budgets,
             decoded_media=decoded_media,
+            steps=steps,
         )
         inference_pb2_grpc.add_InferenceServicer_to_server(inference, recorder)  # type: ignore[no-untyped-call]
         names.append(INFERENCE_SERVICE)

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import logging
 import re
-import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
@@ -23,9 +21,8 @@ from .. import _vllm_version  # noqa: F401
 # isort: split
 from vllm.exceptions import VLLMClientError
 
-from .. import vllm_releases
-from ..budgets import RequestBudgets, check_request_id
-from ..context import current_request_id, engine_trace_headers, kept_usage
+from ..budgets import RequestBudgets
+from ..context import engine_trace_headers, kept_usage
 from ..engine import EngineClient, require_engine, served_model_name
 from ..errors import (
     InvalidRequestError,
@@ -40,7 +37,7 @@ from ..proto import INFERENCE_SERVICE, inference_pb2_grpc
 from ..proto import inference_pb2 as pb
 from ..wire import fields
 from ..wire import inference as wire
-from .generate import notify_kv_rejection
+from .engine_call import EngineCallSteps
 from .tenancy import RunningRequests
 
 if TYPE_CHECKING:
@@ -113,6 +110,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         budgets: what one request may cost; None: the defaults.
         decoded_media: the process's decoded images in flight, shared with
             the other protocols' servicers; None: an account of its own.
+        steps: the engine call's steps every protocol takes, over `running`,
+            shared with the other protocols' servicers; None: its own.
     """
 
     def __init__(
@@ -124,6 +123,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         loras: AdapterLookup | None = None,
         budgets: RequestBudgets | None = None,
         decoded_media: DecodedMedia | None = None,
+        steps: EngineCallSteps | None = None,
     ) -> None:
         require_engine(engine)
         self._engine = engine
@@ -131,29 +131,20 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self._decoded_media = (
             decoded_media if decoded_media is not None else DecodedMedia(self._budgets)
         )
-        self._running = running
+        self._steps = steps if steps is not None else EngineCallSteps(engine, running)
         self.loras = loras
         self._media = (
             MediaResolver(media_refs, engine.model_config) if media_refs is not None else None
         )
         config = engine.model_config
         self._model_name = served_model_name(engine)
-        max_len = getattr(config, "max_model_len", None)
-        self._max_prompt_tokens: int | None = int(max_len) if max_len else None
         self._defaults = _model_defaults(config)
-        vllm_config = engine.vllm_config
-        self._kv_connector = getattr(vllm_config, "kv_transfer_config", None) is not None
-        self._ec_connector = getattr(vllm_config, "ec_transfer_config", None) is not None
-        # A seeded sampling request would kill an engine set up so (a vLLM CPU fault).
-        self._seed_hazard = vllm_releases.seeded_sampling_hazard(vllm_config)
-        # vLLM's renderer turns a token prompt into engine input synchronously.
-        self._render = engine.renderer.process_for_engine
 
     # ----- the RPCs ---------------------------------------------------------
 
     async def Generate(self, request: pb.GenerateRequest, context: Context) -> pb.GenerateResponse:
         """The whole generation in one message: `prompt_info`, then the finished sequence."""
-        request_id = self._claim(request.request_id, "Generate")
+        request_id = self._steps.claim(request.request_id, "inference", "Generate")
         call: EngineCall | None = None
         # Its decoded images' bytes are the process's until the request ends.
         media = self._decoded_media.request()
@@ -182,13 +173,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             raise
         finally:
             media.release()
-            self._running.release(request_id)
+            self._steps.release(request_id)
 
     async def GenerateStream(
         self, request: pb.GenerateRequest, context: Context
     ) -> AsyncIterator[pb.GenerateResponse]:
         """`prompt_info` alone, then one message per engine step; the last has `finish_info`."""
-        request_id = self._claim(request.request_id, "GenerateStream")
+        request_id = self._steps.claim(request.request_id, "inference", "GenerateStream")
         call: EngineCall | None = None
         started = False
         media = self._decoded_media.request()
@@ -220,23 +211,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             raise
         finally:
             media.release()
-            self._running.release(request_id)
+            self._steps.release(request_id)
 
     # ----- preparation ------------------------------------------------------
-
-    def _claim(self, given: str, method: str) -> str:
-        """The request's engine id (one made up when empty), claimed for the caller.
-
-        Raises:
-            InvalidRequestError: the id has a control character.
-            RequestIdInUseError: the id runs for another caller.
-        """
-        # vLLM needs an id; a client that sent none cannot abort it by id anyway.
-        request_id = given or f"inference-{uuid.uuid4().hex}"
-        check_request_id("request_id", request_id)
-        current_request_id.set(request_id)
-        self._running.claim(request_id, method)
-        return request_id
 
     async def _engine_call(
         self, request: pb.GenerateRequest, context: Context, media: RequestMedia, *, stream: bool
@@ -249,6 +226,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 or engine cannot do, is malformed, or passes a budget.
             BudgetFullError: the process's decoded-media budget is full.
         """
+        steps = self._steps
         method = "GenerateStream" if stream else "Generate"
         fields.refuse_unserved(INFERENCE_SERVICE, method, request)
         constraint = wire.constraint_size(request.decoding)
@@ -266,21 +244,18 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         sampling = wire.sampling_params_from_request(
             request, stream=stream, defaults=self._defaults, extra_args=extra_args
         )
-        self._check_seed(sampling)
+        steps.check_seed(sampling, "sampling.seed")
         tokenization = wire.tokenization_kwargs(request)
         if tokenization is not None:
             kwargs["tokenization_kwargs"] = tokenization
-        # With truncation asked for, a longer prompt is the engine's to cut.
-        limit = None if tokenization is not None else self._max_prompt_tokens
+        limit = steps.prompt_limit(tokenization is not None)
         prompt: Any = wire.prompt_from_request(request, limit)
         if request.media:
             prompt = await self._with_media(
                 request, prompt, media, truncating=tokenization is not None
             )
         elif tokenization is None and "prompt_token_ids" in prompt:
-            # Token ids need no tokenizer: rendered here, which spares the
-            # engine's hop through a worker thread. The engine still validates it.
-            prompt = self._render(prompt, time.time())
+            prompt = steps.render_tokens(prompt)
         if request.priority:
             kwargs["priority"] = request.priority  # lower runs first (--scheduling-policy priority)
         if request.HasField("session_id") and request.session_id:
@@ -317,22 +292,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         extra: dict[str, Any] = {}
         kv_transfer = None
         if kv.HasField("kv_transfer_params"):
-            if not self._kv_connector:
-                raise UnsupportedError(fields.KV_CONNECTOR_HINT, field="kv.kv_transfer_params")
+            self._steps.check_kv_connector("kv.kv_transfer_params")
             kv_transfer = extra["kv_transfer_params"] = wire.struct_to_dict(kv.kv_transfer_params)
         if kv.HasField("ec_transfer_params"):
-            if not self._ec_connector:
+            if not self._steps.ec_connector:
                 raise UnsupportedError(fields.EC_CONNECTOR_HINT, field="kv.ec_transfer_params")
             extra["ec_transfer_params"] = wire.struct_to_dict(kv.ec_transfer_params)
         return extra, kv_transfer
-
-    def _check_seed(self, sampling: SamplingParams) -> None:
-        if self._seed_hazard and vllm_releases.draws_from_own_generator(sampling):
-            raise UnsupportedError(
-                f"seeded sampling would stop this CPU engine ({self._seed_hazard}); "
-                "send no seed, a temperature of 0, or serve with --no-enable-chunked-prefill",
-                field="sampling.seed",
-            )
 
     async def _with_media(
         self, request: pb.GenerateRequest, prompt: Any, media: RequestMedia, *, truncating: bool
@@ -356,14 +322,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             prompt["multi_modal_uuids"] = {"image": uuids}
         if truncating:
             return prompt  # the engine processes it (truncating it first)
-        try:
-            # As the engine would; rendered here, a mismatch is named as the
-            # request's fault (vLLM asserts it, which would read as internal).
-            return await self._engine.renderer.process_for_engine_async(prompt, time.time())
-        except (AssertionError, RuntimeError, ValueError) as exc:
-            raise InvalidRequestError(
-                "media", f"the images do not fit the prompt's placeholders: {exc}"
-            ) from exc
+        return await self._steps.render_with_images(prompt, "media")
 
     # ----- failure ----------------------------------------------------------
 
@@ -390,7 +349,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     async def _kv_transfer_rejected(self, request_id: str, call: EngineCall) -> None:
         if call.kv_transfer is not None:
             rank = call.kwargs.get("data_parallel_rank")
-            await notify_kv_rejection(self._engine, request_id, call.kv_transfer, rank)
+            await self._steps.kv_transfer_rejected(request_id, call.kv_transfer, rank)
 
 
 def _model_defaults(model_config: Any) -> wire.ModelDefaults:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -16,7 +15,7 @@ import grpc
 from vllm.exceptions import VLLMClientError
 from vllm.pooling_params import PoolingParams
 
-from ..budgets import RequestBudgets, check_request_id
+from ..budgets import RequestBudgets
 from ..context import current_request_id, engine_trace_headers, kept_usage
 from ..engine import EngineClient, require_engine
 from ..errors import (
@@ -32,6 +31,7 @@ from ..proto import SERVICE_NAME, common_pb2, vllm_engine_pb2_grpc
 from ..proto import vllm_engine_pb2 as pb
 from ..wire import convert, fields
 from . import admin, info, kv_events, loads
+from .engine_call import EngineCallSteps
 from .generate import Generation
 from .tenancy import RunningRequests, SubscriberLimit
 from .tokenizer_bundle import TokenizerBundle, chunks, tokenizer_dir
@@ -42,11 +42,6 @@ if TYPE_CHECKING:
     Context = grpc.aio.ServicerContext[Any, Any]
 
 logger = logging.getLogger("vllm_servicer")
-
-
-def _request_id(given: str, prefix: str) -> str:
-    # vLLM needs an id; a client that sent none cannot Abort by id anyway.
-    return given or f"{prefix}-{uuid.uuid4().hex}"
 
 
 class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
@@ -69,6 +64,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         budgets: what one request may cost; None: the defaults.
         decoded_media: the process's decoded images in flight, shared with
             the other protocols' servicers; None: an account of its own.
+        steps: the engine call's steps every protocol takes, over `running`,
+            shared with the other protocols' servicers; None: its own.
     """
 
     def __init__(
@@ -83,6 +80,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         group: FrontendGroup | None = None,
         budgets: RequestBudgets | None = None,
         decoded_media: DecodedMedia | None = None,
+        steps: EngineCallSteps | None = None,
     ) -> None:
         require_engine(engine)
         self._engine = engine
@@ -99,12 +97,19 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self._kv_subscribers = SubscriberLimit(max_kv_subscribers, group)
         self._group = group
         self._started_monotonic = time.monotonic()
-        self._running = running if running is not None else RunningRequests()
+        if steps is None:
+            steps = EngineCallSteps(engine, running if running is not None else RunningRequests())
+        self._steps = steps
+        self._running = steps.running
         self._last_receive_timestamp = 0.0
         self._model_info: pb.GetModelInfoResponse | None = None
         self._supported_tasks: tuple[str, ...] | None = None
         self._generation = Generation(
-            engine, media=self._media, model_media=self._model_media, budgets=self._budgets
+            engine,
+            media=self._media,
+            model_media=self._model_media,
+            steps=steps,
+            budgets=self._budgets,
         )
         # Reads the engine's own per-step scheduler stats for GetLoads.
         self._stats_tap = loads.attach(engine)
@@ -144,28 +149,22 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         if ids:
             await self._engine.abort(ids)
 
-    def _received(self, request_id: str, method: str) -> None:
-        """Count `request_id` as running for the caller (RequestIdInUseError if it may not).
+    def _received(self, given: str, prefix: str, method: str) -> str:
+        """The request's engine id, claimed for the caller (`EngineCallSteps.claim`).
 
         Raises:
             InvalidRequestError: the id has a control character.
             RequestIdInUseError: the id runs for another caller.
         """
         self._last_receive_timestamp = time.time()
-        check_request_id("request_id", request_id)
-        current_request_id.set(request_id)
-        self._running.claim(request_id, method)
-
-    def _done(self, request_id: str) -> None:
-        self._running.release(request_id)
+        return self._steps.claim(given, prefix, method)
 
     # ----- generation -------------------------------------------------------
 
     async def Generate(
         self, request: pb.GenerateRequest, context: Context
     ) -> AsyncIterator[pb.GenerateResponse]:
-        request_id = _request_id(request.request_id, "generate")
-        self._received(request_id, "Generate")
+        request_id = self._received(request.request_id, "generate", "Generate")
         kv_transfer: dict[str, Any] | None = None
         started = False
         # Its decoded images' bytes are the process's until the request ends.
@@ -219,11 +218,10 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             raise
         finally:
             media.release()
-            self._done(request_id)
+            self._steps.release(request_id)
 
     async def Embed(self, request: pb.EmbedRequest, context: Context) -> pb.EmbedResponse:
-        request_id = _request_id(request.request_id, "embed")
-        self._received(request_id, "Embed")
+        request_id = self._received(request.request_id, "embed", "Embed")
         try:
             if "embed" not in await self._tasks():
                 raise UnsupportedError(
@@ -232,7 +230,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 )
             final = None
             async for output in self._engine.encode(
-                convert.prompt_from_request(request, self._generation.max_prompt_tokens),
+                convert.prompt_from_request(request, self._steps.max_prompt_tokens),
                 PoolingParams(task="embed"),
                 request_id,
                 trace_headers=engine_trace_headers(context),
@@ -247,7 +245,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 embedding_dim=len(vector),
             )
         finally:
-            self._done(request_id)
+            self._steps.release(request_id)
 
     async def Abort(self, request: pb.AbortRequest, context: Context) -> pb.AbortResponse:
         # Idempotent: vLLM ignores ids it does not know (finished or never seen).

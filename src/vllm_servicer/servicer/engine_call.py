@@ -1,0 +1,167 @@
+"""The steps every gRPC protocol takes to prepare one `engine.generate` call.
+
+VllmEngine's Generate and vllm.Inference's Generate and GenerateStream read
+different messages but make the same engine call, and the engine asks the
+same of each: an id claimed for its caller, no seeded sampling an engine set
+up so cannot survive, a token prompt within the model's context, a KV
+connector for KV transfer parameters, token prompts rendered here and images
+that fit their placeholders. `EngineCallSteps` takes each step once; a
+protocol's own code only turns its messages into vLLM's objects and back,
+naming its own fields in the refusals.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from .. import vllm_releases
+from ..budgets import check_request_id
+from ..context import current_request_id
+from ..engine import EngineClient, require_engine
+from ..errors import InvalidRequestError, UnsupportedError
+from ..wire import fields
+from .tenancy import RunningRequests
+
+if TYPE_CHECKING:
+    from vllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("vllm_servicer")
+
+
+class EngineCallSteps:
+    """The engine call's preparation common to every protocol, over one engine.
+
+    One per mount, shared by its protocols' servicers: the seed hazard is
+    warned about once, and an id is claimed in the one registry whichever
+    protocol runs it.
+
+    Args:
+        engine: the engine served.
+        running: the mount's registry of running request ids (the one its
+            `EngineGuard` holds; a gRPC call's in-flight slot is taken by the
+            in-flight interceptor, so the claim is all the guard adds here).
+
+    Raises:
+        TypeError: `engine` lacks a member of `EngineClient` (the message names it).
+    """
+
+    def __init__(self, engine: EngineClient, running: RunningRequests) -> None:
+        require_engine(engine)  # a TypeError naming what it lacks, not an AttributeError
+        self._engine = engine
+        self.running = running
+        # A token prompt past the model's context is refused by its length alone.
+        max_len = getattr(engine.model_config, "max_model_len", None)
+        self.max_prompt_tokens: int | None = int(max_len) if max_len else None
+        config = engine.vllm_config
+        # Prefill/decode hand-off needs a KV connector in the engine (--kv-transfer-config);
+        # encoder-cache hand-off an EC one (--ec-transfer-config).
+        self.kv_connector = getattr(config, "kv_transfer_config", None) is not None
+        self.ec_connector = getattr(config, "ec_transfer_config", None) is not None
+        # A seeded sampling request would kill an engine set up so (a vLLM CPU fault).
+        self._seed_hazard = vllm_releases.seeded_sampling_hazard(config)
+        if self._seed_hazard is not None:
+            logger.warning(
+                "seeded sampling requests will be refused: on this CPU engine %s, and vLLM's "
+                "CPU generator cannot rewind a split prompt's draw (the engine would die); "
+                "start it with enable_chunked_prefill=False (--no-enable-chunked-prefill)",
+                self._seed_hazard,
+            )
+        # vLLM's renderer turns a token prompt into engine input synchronously.
+        self._render = engine.renderer.process_for_engine
+
+    # ----- the request id ---------------------------------------------------
+
+    def claim(self, given: str, prefix: str, method: str) -> str:
+        """The request's engine id (one made up when empty), claimed for the caller.
+
+        Release it with `release` however the request ends.
+
+        Raises:
+            InvalidRequestError: the id has a control character.
+            RequestIdInUseError: the id runs for another caller.
+        """
+        # vLLM needs an id; a client that sent none cannot abort it by id anyway.
+        request_id = given or f"{prefix}-{uuid.uuid4().hex}"
+        check_request_id("request_id", request_id)
+        current_request_id.set(request_id)
+        self.running.claim(request_id, method)
+        return request_id
+
+    def release(self, request_id: str) -> None:
+        """One run of `request_id`, claimed by `claim`, ended."""
+        self.running.release(request_id)
+
+    # ----- the checks -------------------------------------------------------
+
+    def check_kv_connector(self, field: str) -> None:
+        """Refuse KV transfer parameters (in `field`) the engine has no connector for."""
+        if not self.kv_connector:
+            raise UnsupportedError(fields.KV_CONNECTOR_HINT, field=field)
+
+    def check_seed(self, sampling: SamplingParams, field: str) -> None:
+        """Refuse sampling (its seed in `field`) that would stop this engine."""
+        if self._seed_hazard and vllm_releases.draws_from_own_generator(sampling):
+            raise UnsupportedError(
+                f"seeded sampling would stop this CPU engine ({self._seed_hazard}); "
+                "send no seed, a temperature of 0, or serve with --no-enable-chunked-prefill",
+                field=field,
+            )
+
+    def prompt_limit(self, truncating: bool) -> int | None:
+        """The longest token prompt to accept: none when the engine truncates it."""
+        # With truncation asked for, a longer prompt is the engine's to cut.
+        return None if truncating else self.max_prompt_tokens
+
+    # ----- rendering --------------------------------------------------------
+
+    def render_tokens(self, prompt: Any) -> Any:
+        """A token prompt (no images, no truncation) as engine input.
+
+        Token ids need no tokenizer: rendered here, which spares the engine's
+        hop through a worker thread. The engine still validates the result.
+        """
+        return self._render(prompt, time.time())
+
+    async def render_with_images(self, prompt: Any, field: str) -> Any:
+        """A token prompt with images (`field`) as engine input, off the event loop.
+
+        Raises:
+            InvalidRequestError: the images do not fit the prompt's placeholders.
+        """
+        try:
+            # As the engine would; rendered here, a mismatch is named as the
+            # request's fault (vLLM asserts it, which would read as internal).
+            return await self._engine.renderer.process_for_engine_async(prompt, time.time())
+        except (AssertionError, RuntimeError, ValueError) as exc:
+            raise InvalidRequestError(
+                field, f"the images do not fit the prompt's placeholders: {exc}"
+            ) from exc
+
+    # ----- failure ----------------------------------------------------------
+
+    async def kv_transfer_rejected(
+        self, request_id: str, kv_transfer: dict[str, Any], rank: int | None
+    ) -> None:
+        """Tell the KV connector a remote-prefill request failed before the engine ran it.
+
+        The prefill side holds the request's blocks until the decode side takes
+        them; without this they stay pinned until the connector's lease expires.
+        A cancelled call is not reported: once the engine holds the request, its
+        abort runs the connector's hook itself. A request without
+        `do_remote_prefill` holds nothing; a failure to tell is logged.
+        """
+        if not self.kv_connector or not kv_transfer.get("do_remote_prefill"):
+            return
+        try:
+            await self._engine.notify_kv_transfer_request_rejected(
+                request_id, kv_transfer, data_parallel_rank=rank
+            )
+        except Exception:
+            logger.warning(
+                "could not tell the KV connector that request %r was rejected",
+                request_id,
+                exc_info=True,
+            )
