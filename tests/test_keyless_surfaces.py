@@ -123,7 +123,7 @@ async def _generate(channel: grpc.aio.Channel) -> str:
     return str(replies[-1].complete.finish_reason)
 
 
-async def test_probe_port_watch_streams_take_no_slot_of_a_probe(
+async def test_keyless_streams_take_no_slot_of_a_keyed_call_nor_of_a_probe(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     folder = tmp_path_factory.mktemp("keyless")
@@ -143,13 +143,29 @@ async def test_probe_port_watch_streams_take_no_slot_of_a_probe(
         main = Connections(address, grpc.ssl_channel_credentials(ca.pem))
         probe = Connections(probe_address, None)
 
-        # Main port: keyless caps are not applied there yet (docs/security.md,
-        # "Keyless surfaces"); vllm.Control is served by default with a key.
-        info = await control_pb2_grpc.ControlStub(main.open()).GetServerInfo(
+        # Main port: more keyless streams than --max-concurrent-rpcs, Watch and
+        # reflection, each connection up to its share; then the total is full.
+        per_connection = DEFAULTS.max_keyless_per_connection
+        opened = []
+        while len(opened) < DEFAULTS.max_keyless_streams:
+            channel = main.open()
+            for i in range(per_connection):
+                opened.append(await (main.reflect(channel) if i % 4 == 0 else main.watch(channel)))
+        assert opened == [grpc.StatusCode.OK] * DEFAULTS.max_keyless_streams
+        assert DEFAULTS.max_keyless_streams > MAX_CONCURRENT_RPCS
+        refused = str(await main.watch(main.open()))
+        assert refused.startswith("RESOURCE_EXHAUSTED") and "max_keyless_streams" in refused
+        # A keyed caller still has every slot of --max-concurrent-rpcs.
+        fresh = main.open()
+        results = await asyncio.gather(*(_generate(fresh) for _ in range(8)))
+        assert results == ["length"] * 8
+        # So does a probe on the main port: checks have slots of their own.
+        assert await _check(main.open()) == SERVING
+        # vllm.Control is served by default with a key (GetServerInfo needs no admin key).
+        info = await control_pb2_grpc.ControlStub(fresh).GetServerInfo(
             control_pb2.GetServerInfoRequest(), metadata=bearer(KEY), timeout=30
         )
         assert info.max_model_len > 0
-        assert await _check(main.open()) == SERVING
 
         # Probe port: Watch streams from every side fill only their own share.
         limits = PROBE_PORT_LIMITS

@@ -29,6 +29,7 @@ from ..frontends import FrontendGroup
 from ..guard import EngineGuard
 from ..interceptors import CallInterceptor, MetricsInterceptor, start_metrics_server
 from ..interceptors.auth import Verifier
+from ..interceptors.keyless import KeylessLimitInterceptor
 from ..mounting import mount
 from ..multimodal.media import MediaRefOptions
 from ..options import port_in_use, server_options, shared_port
@@ -294,17 +295,18 @@ def _grpc_server(
     )
     if group is not None:
         options = shared_port(options)  # every frontend binds this one port
+    limits = args.keyless_limits
     server = grpc.aio.server(
-        maximum_concurrent_rpcs=args.max_concurrent_rpcs or None,
+        # Health and reflection need no key: their slots come on top of what
+        # --max-concurrent-rpcs keeps for every other call, and their own caps
+        # (outermost, so that a refusal costs no span nor key check) keep them there.
+        maximum_concurrent_rpcs=limits.grpc_cap(args.max_concurrent_rpcs or None),
         options=options,
     )
     mounted = mount(
         server,
         engine,
-        # No keyless caps on this port yet: with them, a stop while a health
-        # Watch or reflection stream was still open hung until the shutdown
-        # ceiling (exit 1, about one stop in three; test_drain), cause not found.
-        interceptors=list(interceptors),
+        interceptors=[KeylessLimitInterceptor(limits), *interceptors],
         reflection_service=not args.no_reflection,
         max_kv_subscribers=args.max_kv_subscribers,
         media_refs=MediaRefOptions() if args.enable_media_refs else None,
