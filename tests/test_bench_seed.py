@@ -18,6 +18,9 @@ from typing import Any
 
 import pytest
 
+# Brief runs of the benchmarks (make test-bench), so that they cannot rot.
+pytestmark = [pytest.mark.bench, pytest.mark.engine]
+
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 SEED = BENCHMARKS / "seed.py"
 TINY_OUTPUTS, TINY_CONCURRENCY, TINY_REQUESTS = (8, 16), (1, 4), 4

@@ -14,6 +14,9 @@ from typing import Any
 
 import pytest
 
+# Brief runs of the benchmarks (make test-bench), so that they cannot rot.
+pytestmark = [pytest.mark.bench, pytest.mark.engine]
+
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 

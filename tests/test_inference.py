@@ -393,6 +393,7 @@ async def priority_served(tiny_model_dir: Path) -> AsyncIterator[Any]:
         llm.shutdown()
 
 
+@pytest.mark.engine  # an engine of its own (priority_served)
 @pytest.mark.parametrize(
     ("first", "second", "finish_first"),
     [

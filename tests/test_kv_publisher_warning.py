@@ -9,35 +9,19 @@ count as exposed is tested on the function the launcher calls.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
-import socket
-import sys
 
 import pytest
+from support.launcher import serve_to_end, taken_port
 
 WARNING = "KV-event publisher binds"
 
 
 async def _launcher_log(*flags: str) -> str:
     """The output of a launcher given `flags`, ended by a taken --port before any engine starts."""
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "vllm_servicer", "serve", "--port", str(port), *flags,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-        )  # fmt: skip
-        try:
-            output, _ = await asyncio.wait_for(proc.communicate(), 120)
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-    text = output.decode(errors="replace")
-    assert proc.returncode == 1 and "starting the vLLM engine" not in text, text[-2000:]
+    with taken_port() as port:
+        code, text = await serve_to_end("--port", str(port), *flags)
+    assert code == 1 and "starting the vLLM engine" not in text, text[-2000:]
     return text
 
 

@@ -11,19 +11,16 @@ One launcher as shipped, real clients on both sides.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import json
-import os
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
 import httpx
 import pytest
 from support import bearer, collect, request
-from support.launcher import START_TIMEOUT, drain_output, spawn, stop, wait_for_line
+from support.launcher import START_TIMEOUT, Launched, launched, launcher_env
 
 from vllm_servicer.frontends import FrontendGroup
 from vllm_servicer.proto import vllm_engine_pb2 as pb
@@ -37,55 +34,22 @@ MAX_INFLIGHT = 2
 LONG = 500  # tokens: still running when the test acts on it (the model's context is 512)
 
 
-@dataclass
-class Launcher:
-    grpc_address: str
-    http_url: str
-    output: collections.deque[str]
+@pytest.fixture(scope="module")
+async def launcher(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Launched]:
+    flags = ["--http-port", "0", "--api-key", TENANT_A, "--api-key", TENANT_B]
+    env = launcher_env(tmp_path_factory.mktemp("cache"))
+    async with launched(*flags, "--max-inflight", str(MAX_INFLIGHT), env=env) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")
-async def launcher(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Launcher]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "VLLM_API_KEY"))}
-    env["VLLM_SERVICER_CACHE"] = str(tmp_path_factory.mktemp("cache"))
-    proc = await spawn(
-        "-m",
-        "vllm_servicer",
-        "serve",
-        "--port",
-        "0",
-        "--http-port",
-        "0",
-        "--api-key",
-        TENANT_A,
-        "--api-key",
-        TENANT_B,
-        "--max-inflight",
-        str(MAX_INFLIGHT),
-        env=env,
-    )
-    tail: collections.deque[str] = collections.deque(maxlen=200)
-    try:
-        grpc_address = (await wait_for_line(proc, r"listening on (\S+:\d+)")).group(1)
-        http_url = (await wait_for_line(proc, r"http on (http://\S+:\d+)")).group(1)
-        output = asyncio.ensure_future(drain_output(proc, tail))
-        yield Launcher(grpc_address, http_url, tail)
-        assert await stop(proc) == 0, "".join(tail)
-        output.cancel()
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-
-
-@pytest.fixture(scope="module")
-async def stub(launcher: Launcher) -> AsyncIterator[vllm_engine_pb2_grpc.VllmEngineStub]:
-    async with grpc.aio.insecure_channel(launcher.grpc_address) as channel:
+async def stub(launcher: Launched) -> AsyncIterator[vllm_engine_pb2_grpc.VllmEngineStub]:
+    async with grpc.aio.insecure_channel(launcher.address) as channel:
         yield vllm_engine_pb2_grpc.VllmEngineStub(channel)
 
 
 @pytest.fixture(scope="module")
-async def http(launcher: Launcher) -> AsyncIterator[httpx.AsyncClient]:
+async def http(launcher: Launched) -> AsyncIterator[httpx.AsyncClient]:
     async with httpx.AsyncClient(
         base_url=launcher.http_url, headers=dict(bearer(TENANT_A)), timeout=120
     ) as client:
@@ -232,37 +196,27 @@ async def test_an_http_requests_id_is_its_callers_in_both_frontend_processes(
     # Its connection helper, which holds one connection to each process, and its keys.
     from test_api_servers import TENANT_A as A
     from test_api_servers import TENANT_B as B
-    from test_api_servers import Connections, _launch_env, _start
-    from test_api_servers import Launcher as GroupLauncher
+    from test_api_servers import Connections
 
     argv = ["--api-server-count", "2", "--http-port", "0", "--api-key", A]
     argv += ["--api-key", B, "--max-inflight", str(MAX_INFLIGHT)]
-    proc, lines = await _start(argv, _launch_env(tmp_path_factory))
-    tail: collections.deque[str] = collections.deque(maxlen=200)
-    output = asyncio.ensure_future(drain_output(proc, tail))
-    first, second = (int(p) for p in lines["pids"].split())
-    address = lines["address"]
-    port = int(address.rsplit(":", 1)[1])
-    group = GroupLauncher(address, port, lines["http"], "", (first, second), tail)
-    connections = await Connections(group).open()
-    try:
-        async with httpx.AsyncClient(
-            base_url=lines["http"], headers=dict(bearer(A)), timeout=120
-        ) as http:
-            model = str((await http.get("/v1/models")).json()["data"][0]["id"])
-            async with http_stream(http, model, max_tokens=LONG, request_id="n2-trace"):
-                reused, b = request(request_id="cmpl-n2-trace-0"), bearer(B)
-                for i in (0, 1):
-                    with pytest.raises(grpc.aio.AioRpcError) as refused:
-                        await collect(connections.engine(i).Generate(reused, metadata=b))
-                    assert refused.value.code() == grpc.StatusCode.ALREADY_EXISTS
-                    info = await connections.engine(i).GetServerInfo(
-                        pb.GetServerInfoRequest(), metadata=b
-                    )
-                    assert info.active_requests == 1
-    finally:
-        await connections.close()
+    env = launcher_env(tmp_path_factory.mktemp("cache"))
+    async with launched(*argv, env=env) as group:
+        connections = await Connections(group).open()
         try:
-            assert await stop(proc) == 0, "".join(tail)
+            async with httpx.AsyncClient(
+                base_url=group.http_url, headers=dict(bearer(A)), timeout=120
+            ) as http:
+                model = str((await http.get("/v1/models")).json()["data"][0]["id"])
+                async with http_stream(http, model, max_tokens=LONG, request_id="n2-trace"):
+                    reused, b = request(request_id="cmpl-n2-trace-0"), bearer(B)
+                    for i in (0, 1):
+                        with pytest.raises(grpc.aio.AioRpcError) as refused:
+                            await collect(connections.engine(i).Generate(reused, metadata=b))
+                        assert refused.value.code() == grpc.StatusCode.ALREADY_EXISTS
+                        info = await connections.engine(i).GetServerInfo(
+                            pb.GetServerInfoRequest(), metadata=b
+                        )
+                        assert info.active_requests == 1
         finally:
-            output.cancel()
+            await connections.close()

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import socket
-import sys
 import time
 from pathlib import Path
 
 import grpc
 import pytest
 from support.certs import CertificateAuthority
+from support.launcher import serve_to_end, taken_port
 
 from vllm_servicer import server_options
 
@@ -48,26 +45,15 @@ async def test_the_launcher_refuses_a_port_in_use_before_loading_the_model(
     """One process or several (`--api-server-count`): the main port, or the
     plaintext probe port beside a TLS one."""
     cert, key = CertificateAuthority("port-ca").server().write(tmp_path, "server")
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
+    with taken_port() as port:
         ports = {"--port": "0", "--health-port": "0", flag: str(port)}
         started = time.monotonic()
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "vllm_servicer", "serve", "--host", "127.0.0.1",
-            "--api-server-count", count, "--tls-cert", str(cert), "--tls-key", str(key),
+        code, text = await serve_to_end(
+            "--host", "127.0.0.1", "--api-server-count", count,
+            "--tls-cert", str(cert), "--tls-key", str(key),
             *(arg for pair in ports.items() for arg in pair),
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
         )  # fmt: skip
-        try:
-            output, _ = await asyncio.wait_for(proc.communicate(), 120)
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-    text = output.decode(errors="replace")
-    assert proc.returncode == 1, text[-2000:]
+    assert code == 1, text[-2000:]
     assert f"127.0.0.1:{port} is already in use" in text
     assert f"choose another {flag}" in text
     assert "starting the vLLM engine" not in text, "it loaded the model first"

@@ -13,7 +13,6 @@ tokens), LoRA on, both protocols, a tenant key and an admin key.
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import os
 from collections.abc import AsyncIterator
@@ -25,7 +24,7 @@ import grpc
 import httpx
 import pytest
 from support import bearer
-from support.launcher import START_TIMEOUT, drain_output, spawn, stop, wait_for_line
+from support.launcher import START_TIMEOUT, launched
 from support.vllm_protocol import reference_modules
 
 from vllm_servicer.testing.tiny_lora import (
@@ -76,25 +75,13 @@ async def launcher(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[La
     env.update(apply_cpu_env_defaults())
     env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
     env["VLLM_SERVICER_CACHE"] = str(root / "cache")
-    proc = await spawn(
-        "-m", "vllm_servicer", "serve", "--model", str(model), *_flags(TINY_LORA_ENGINE_KWARGS),
-        "--port", "0", "--http-port", "0",
+    flags = (
+        "--model", str(model), *_flags(TINY_LORA_ENGINE_KWARGS), "--http-port", "0",
         "--services", "vllm-engine", "inference", "control",
         "--api-key", TENANT, "--admin-api-key", ADMIN,
-        env=env,
     )  # fmt: skip
-    output: collections.deque[str] = collections.deque(maxlen=300)
-    try:
-        grpc_address = (await wait_for_line(proc, r"listening on (\S+:\d+)")).group(1)
-        http_url = (await wait_for_line(proc, r"http on (http://\S+:\d+)")).group(1)
-        drain = asyncio.ensure_future(drain_output(proc, output))
-        yield Launcher(grpc_address, http_url, adapters, output)
-        assert await stop(proc) == 0, "".join(output)
-        drain.cancel()
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+    async with launched(*flags, env=env) as served:
+        yield Launcher(served.address, served.http_url, adapters, served.output)
 
 
 async def _post(launcher: Launcher, path: str, key: str, body: dict[str, Any]) -> httpx.Response:

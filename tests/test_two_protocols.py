@@ -15,7 +15,6 @@ import signal
 import ssl
 import sys
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,7 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from support import bearer, free_port, request
-from support.launcher import ROOT, drain_output, spawn, stop, wait_for_line
+from support.launcher import ROOT, Launched, drain_output, launched, spawn, wait_for_line
 
 from vllm_servicer.proto import vllm_engine_pb2 as pb
 from vllm_servicer.proto import vllm_engine_pb2_grpc
@@ -37,15 +36,6 @@ KEY = "two-protocols-0123456789abcdefABCDEF"
 PROMPTS = [[5, 17, 42, 99, 7, 63, 21, 88], [11, 12, 13], [200, 3, 150, 77, 9]]
 # Enough for /v1/chat/completions on the tiny model, whose tokenizer has none.
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
-
-
-@dataclass
-class Launcher:
-    proc: asyncio.subprocess.Process
-    grpc_address: str
-    http_url: str
-    metrics_url: str
-    output: collections.deque[str]
 
 
 @pytest.fixture(scope="module")
@@ -62,33 +52,20 @@ async def _serve_both(*flags: str, env: dict[str, str]) -> Any:
 
 
 @pytest.fixture(scope="module")
-async def launcher(env: dict[str, str]) -> AsyncIterator[Launcher]:
-    proc = await _serve_both(
-        "--metrics-port", "0", "--api-key", KEY, "--chat-template", CHAT_TEMPLATE, env=env
-    )
-    try:
-        metrics = (await wait_for_line(proc, r"metrics on (http://\S+/metrics)")).group(1)
-        grpc_address = (await wait_for_line(proc, r"listening on (\S+:\d+)")).group(1)
-        http_url = (await wait_for_line(proc, r"http on (http://\S+:\d+)")).group(1)
-        tail: collections.deque[str] = collections.deque(maxlen=200)
-        output = asyncio.ensure_future(drain_output(proc, tail))
-        yield Launcher(proc, grpc_address, http_url, metrics, tail)
-        assert await stop(proc) == 0, "".join(tail)
-        output.cancel()
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+async def launcher(env: dict[str, str]) -> AsyncIterator[Launched]:
+    flags = ("--http-port", "0", "--metrics-port", "0", "--api-key", KEY)
+    async with launched(*flags, "--chat-template", CHAT_TEMPLATE, env=env) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")
-async def stub(launcher: Launcher) -> AsyncIterator[vllm_engine_pb2_grpc.VllmEngineStub]:
-    async with grpc.aio.insecure_channel(launcher.grpc_address) as channel:
+async def stub(launcher: Launched) -> AsyncIterator[vllm_engine_pb2_grpc.VllmEngineStub]:
+    async with grpc.aio.insecure_channel(launcher.address) as channel:
         yield vllm_engine_pb2_grpc.VllmEngineStub(channel)
 
 
 @pytest.fixture(scope="module")
-async def client(launcher: Launcher) -> AsyncIterator[openai.AsyncOpenAI]:
+async def client(launcher: Launched) -> AsyncIterator[openai.AsyncOpenAI]:
     async with openai.AsyncOpenAI(
         base_url=f"{launcher.http_url}/v1", api_key=KEY, max_retries=0, timeout=120
     ) as client:
@@ -160,7 +137,7 @@ async def test_greedy_answers_are_the_same_over_both_protocols_at_once(
 
 
 async def test_chat_completions_and_tokenize_are_served(
-    launcher: Launcher, client: openai.AsyncOpenAI, model: str
+    launcher: Launched, client: openai.AsyncOpenAI, model: str
 ) -> None:
     reply = await client.chat.completions.create(
         model=model,
@@ -200,7 +177,7 @@ async def _scrape(url: str) -> str:
 
 
 async def test_one_scrape_counts_both_protocols(
-    launcher: Launcher, stub: Any, client: openai.AsyncOpenAI, model: str
+    launcher: Launched, stub: Any, client: openai.AsyncOpenAI, model: str
 ) -> None:
     """The engine's success counter grows by the calls of both protocols together."""
     generate = 'grpc_method="Generate"'
@@ -221,7 +198,7 @@ async def test_one_scrape_counts_both_protocols(
     assert _total(after, handled, generate) - _total(before, handled, generate) == 3
 
 
-async def _idle(launcher: Launcher, stub: Any) -> tuple[float, int]:
+async def _idle(launcher: Launched, stub: Any) -> tuple[float, int]:
     """Wait for the engine and the servicer to hold no request; return what is left."""
     for _ in range(100):
         text = await _scrape(f"{launcher.http_url}/metrics")
@@ -236,7 +213,7 @@ async def _idle(launcher: Launcher, stub: Any) -> tuple[float, int]:
 
 @pytest.mark.parametrize("side", ["http", "grpc"])
 async def test_a_cancel_on_either_side_leaves_the_engine_idle(
-    launcher: Launcher, stub: Any, client: openai.AsyncOpenAI, model: str, side: str
+    launcher: Launched, stub: Any, client: openai.AsyncOpenAI, model: str, side: str
 ) -> None:
     long = request(PROMPTS[0], stream=True, max_tokens=400, ignore_eos=True)
     other = stub.Generate(long, metadata=AUTH)
@@ -268,7 +245,7 @@ async def test_a_cancel_on_either_side_leaves_the_engine_idle(
     assert await _idle(launcher, stub) == (0, 0)
 
 
-async def test_keys_guard_both_protocols(launcher: Launcher, stub: Any) -> None:
+async def test_keys_guard_both_protocols(launcher: Launched, stub: Any) -> None:
     url = launcher.http_url
     async with httpx.AsyncClient() as http:
         for headers in ({}, {"authorization": "Bearer wrong-key"}):

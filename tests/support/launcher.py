@@ -5,6 +5,10 @@ output (stdout and stderr together) on a pipe the test reads: `wait_for_line`
 for a start-up line, `drain_output` for the rest, so it never blocks on a full
 pipe. The engine a launcher starts runs in child processes of its own
 (`children`).
+
+`launched` is a launcher as users start it, from start-up to a clean stop:
+`async with launched("--http-port", "0", env=launcher_env(tmp)) as served:`
+gives every address it announced (`served.address`, `served.http_url`, ...).
 """
 
 from __future__ import annotations
@@ -15,8 +19,11 @@ import contextlib
 import os
 import re
 import signal
+import socket
 import sys
 import time
+from collections.abc import AsyncIterator, Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,14 +50,26 @@ async def spawn(
 
 async def wait_for_line(proc: asyncio.subprocess.Process, pattern: str) -> re.Match[str]:
     """The first line of the process's output `pattern` finds; fail if it exits or stalls first."""
+    return (await wait_for_lines(proc, {"line": pattern}))["line"]
+
+
+async def wait_for_lines(
+    proc: asyncio.subprocess.Process, patterns: dict[str, str]
+) -> dict[str, re.Match[str]]:
+    """The first line each of `patterns` finds, in whatever order they come;
+    fail if the process exits or stalls before all are found."""
     assert proc.stdout is not None
     seen: list[str] = []
 
-    async def scan() -> re.Match[str]:
+    async def scan() -> dict[str, re.Match[str]]:
+        found: dict[str, re.Match[str]] = {}
         while line := (await proc.stdout.readline()).decode(errors="replace"):  # type: ignore[union-attr]
             seen.append(line)
-            if match := re.search(pattern, line):
-                return match
+            for name, pattern in patterns.items():
+                if name not in found and (match := re.search(pattern, line)):
+                    found[name] = match
+            if len(found) == len(patterns):
+                return found
         raise AssertionError("process ended before it served:\n" + "".join(seen[-40:]))
 
     # The process may die while a child it started (an engine) keeps the pipe
@@ -74,6 +93,122 @@ async def wait_for_line(proc: asyncio.subprocess.Process, pattern: str) -> re.Ma
     finally:
         found.cancel()
         exited.cancel()
+
+
+ANNOUNCED = {
+    "address": ("--port", r"listening on (\S+:\d+)"),
+    "http_url": ("--http-port", r"http on (http://\S+:\d+)"),
+    "metrics_url": ("--metrics-port", r"metrics on (http://\S+/metrics)"),
+    "probe_address": ("--health-port", r"health \(plaintext\) on (\S+:\d+)"),
+    "pids": ("--api-server-count", r"frontends: \d+ processes, pids ([\d ]+)"),
+}
+"""What the launcher announces at start-up, and the flag that makes it announce it."""
+
+
+@dataclass
+class Launched:
+    """A launcher serving: its process, what it announced, its output's tail."""
+
+    proc: asyncio.subprocess.Process
+    address: str
+    http_url: str = ""
+    metrics_url: str = ""
+    probe_address: str = ""
+    pids: tuple[int, ...] = ()
+    output: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=400))
+    reader: asyncio.Future[None] | None = field(default=None, repr=False)
+
+    @property
+    def port(self) -> int:
+        """The gRPC port (`address`'s)."""
+        return int(self.address.rsplit(":", 1)[1])
+
+
+def launcher_env(
+    cache: Path, *, drop: Iterable[str] = ("OTEL_", "VLLM_API_KEY"), **extra: str
+) -> dict[str, str]:
+    """This process's environment for a launcher: its own cache directory, without
+    the variables in `drop` (prefixes) that would change what it serves."""
+    prefixes = tuple(drop)
+    env = {k: v for k, v in os.environ.items() if not (prefixes and k.startswith(prefixes))}
+    return {**env, "VLLM_SERVICER_CACHE": str(cache), **extra}
+
+
+async def launch(*flags: str, env: dict[str, str], new_session: bool = False) -> Launched:
+    """`python -m vllm_servicer serve --port 0 *flags`, once it serves (its output
+    then read into `output`; `stop_launched` ends it)."""
+    proc = await spawn(
+        "-m", "vllm_servicer", "serve", "--port", "0", *flags, env=env, new_session=new_session
+    )
+    wanted = {
+        name: pattern
+        for name, (flag, pattern) in ANNOUNCED.items()
+        if name == "address" or flag in flags
+    }
+    try:
+        found = await wait_for_lines(proc, wanted)
+    except BaseException:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        raise
+    said = {name: match.group(1) for name, match in found.items()}
+    pids = tuple(int(p) for p in said.pop("pids", "").split())
+    served = Launched(proc, pids=pids, **said)
+    served.reader = asyncio.ensure_future(drain_output(proc, served.output))
+    return served
+
+
+async def stop_launched(served: Launched, *, expect: int | None = 0) -> int:
+    """SIGTERM, the exit status (asserted `expect` unless None), the output read to its end."""
+    try:
+        code = await stop(served.proc)
+    finally:
+        if served.proc.returncode is None:
+            served.proc.kill()
+            await served.proc.wait()
+    if served.reader is not None:
+        # Engine processes may hold the pipe a moment longer: read what they said.
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(served.reader), 5)
+        served.reader.cancel()
+    if expect is not None:
+        assert code == expect, "".join(served.output)
+    return code
+
+
+@contextlib.asynccontextmanager
+async def launched(
+    *flags: str, env: dict[str, str], new_session: bool = False, expect: int | None = 0
+) -> AsyncIterator[Launched]:
+    """A launcher from start-up to its stop, whose exit status must be `expect`."""
+    served = await launch(*flags, env=env, new_session=new_session)
+    try:
+        yield served
+    finally:
+        await stop_launched(served, expect=expect)
+
+
+@contextlib.contextmanager
+def taken_port() -> Iterator[int]:
+    """A loopback port something listens on, for as long as the block runs."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        yield taken.getsockname()[1]
+
+
+async def serve_to_end(*flags: str, timeout: float = 120) -> tuple[int, str]:
+    """`python -m vllm_servicer serve *flags` run until it exits by itself (a
+    launcher that refuses to start): its exit status and its output."""
+    proc = await spawn("-m", "vllm_servicer", "serve", *flags, env=dict(os.environ))
+    try:
+        output, _ = await asyncio.wait_for(proc.communicate(), timeout)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+    assert proc.returncode is not None
+    return proc.returncode, output.decode(errors="replace")
 
 
 async def exit_code(proc: asyncio.subprocess.Process) -> int:

@@ -18,6 +18,7 @@ a race between the check and the claim ends its stream with vLLM's error event.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import AsyncGenerator, Callable, Iterator
 from http import HTTPStatus
 from typing import Any
@@ -89,41 +90,30 @@ class GuardedEngine:
     def generate(
         self, prompt: Any, sampling_params: Any, request_id: str, *args: Any, **kwargs: Any
     ) -> AsyncGenerator[Any, None]:
-        call, params = self._engine.generate, sampling_params
-        return self._guarded("HTTP generate", call, prompt, params, request_id, args, kwargs)
+        start = functools.partial(
+            self._engine.generate, prompt, sampling_params, request_id, *args, **kwargs
+        )
+        return self._guarded("HTTP generate", request_id, start)
 
     def encode(
         self, prompt: Any, pooling_params: Any, request_id: str, *args: Any, **kwargs: Any
     ) -> AsyncGenerator[Any, None]:
-        return self._guarded(
-            "HTTP encode", self._engine.encode, prompt, pooling_params, request_id, args, kwargs
+        start = functools.partial(
+            self._engine.encode, prompt, pooling_params, request_id, *args, **kwargs
         )
+        return self._guarded("HTTP encode", request_id, start)
 
     def _guarded(
-        self,
-        method: str,
-        call: Callable[..., AsyncGenerator[Any, None]],
-        prompt: Any,
-        params: Any,
-        request_id: str,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
+        self, method: str, request_id: str, start: Callable[[], AsyncGenerator[Any, None]]
     ) -> AsyncGenerator[Any, None]:
         # Checked at once: vLLM calls this before it answers a stream's
         # headers, so a refusal is the status line, not an event in a 200.
         with _as_http_errors():
             self._guard.check(request_id, method)
-        return self._held(method, call, prompt, params, request_id, args, kwargs)
+        return self._held(method, request_id, start)
 
     async def _held(
-        self,
-        method: str,
-        call: Callable[..., AsyncGenerator[Any, None]],
-        prompt: Any,
-        params: Any,
-        request_id: str,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
+        self, method: str, request_id: str, start: Callable[[], AsyncGenerator[Any, None]]
     ) -> AsyncGenerator[Any, None]:
         # Held from the first read (a generator never read holds nothing)
         # until it ends, fails or is closed (vLLM's handler closes it when
@@ -131,5 +121,5 @@ class GuardedEngine:
         with contextlib.ExitStack() as held:
             with _as_http_errors():
                 held.enter_context(self._guard.hold(request_id, method))
-            async for output in call(prompt, params, request_id, *args, **kwargs):
+            async for output in start():
                 yield output

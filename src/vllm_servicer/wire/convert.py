@@ -87,17 +87,24 @@ def _structured_outputs(params: pb.SamplingParams) -> StructuredOutputsParams | 
 
 
 def constraint_size(params: pb.SamplingParams) -> tuple[str, int] | None:
-    """The request's structured-output constraint field and its size in bytes, if it has one.
+    """The request's structured-output constraint field and its size in bytes, if it has one."""
+    return structured_output_size(params, "constraint", "sampling_params")
+
+
+def structured_output_size(message: Any, oneof: str, prefix: str) -> tuple[str, int] | None:
+    """The structured-output field set in `message`'s `oneof` (named under `prefix`)
+    and its size in bytes, if one is set: both protocols' constraints are a oneof of
+    the same kinds.
 
     A choice list counts all its choices together; `json_object` is a flag
     and has no size.
     """
-    kind = params.WhichOneof("constraint")
+    kind = message.WhichOneof(oneof)
     if kind is None or kind == "json_object":
         return None
     if kind == "choice":
-        return "sampling_params.choice.choices", encoded_size(*params.choice.choices)
-    return f"sampling_params.{kind}", encoded_size(getattr(params, kind))
+        return f"{prefix}.choice.choices", encoded_size(*message.choice.choices)
+    return f"{prefix}.{kind}", encoded_size(getattr(message, kind))
 
 
 def _finite(name: str, value: float) -> float:

@@ -28,10 +28,9 @@ from .. import _vllm_version  # noqa: F401
 from vllm.inputs import TextPrompt, TokensPrompt
 from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
-from ..budgets import encoded_size
 from ..errors import InvalidRequestError
 from ..proto import inference_pb2 as pb
-from .convert import structured_output_error
+from .convert import structured_output_error, structured_output_size
 
 if TYPE_CHECKING:
     from google.protobuf import struct_pb2
@@ -162,17 +161,8 @@ def _structured_outputs(decoding: pb.DecodingParameters) -> StructuredOutputsPar
 
 
 def constraint_size(decoding: pb.DecodingParameters) -> tuple[str, int] | None:
-    """The request's structured-output field and its size in bytes, if it has one.
-
-    A choice list counts all its choices together; `json_object` is a flag
-    and has no size.
-    """
-    kind = decoding.WhichOneof("structured_output")
-    if kind is None or kind == "json_object":
-        return None
-    if kind == "choice":
-        return "decoding.choice.choices", encoded_size(*decoding.choice.choices)
-    return f"decoding.{kind}", encoded_size(getattr(decoding, kind))
+    """The request's structured-output field and its size in bytes, if it has one."""
+    return structured_output_size(decoding, "structured_output", "decoding")
 
 
 def _logit_bias(decoding: pb.DecodingParameters) -> dict[int, float] | None:
