@@ -82,10 +82,10 @@ def flag(
     default: Any = dataclasses.MISSING,
     *,
     group: str,
-    help: str,  # noqa: A002 (argparse's name for it)
+    help: str,
     default_factory: Callable[[], Any] | Any = dataclasses.MISSING,
     aliases: tuple[str, ...] = (),
-    type: Callable[[str], Any] | None = None,  # noqa: A002 (argparse's name for it)
+    type: Callable[[str], Any] | None = None,
     action: str | None = None,
     nargs: str | None = None,
     choices: tuple[Any, ...] | None = None,
@@ -96,7 +96,8 @@ def flag(
     """A dataclass field that is also a command-line flag (see `Flag` for each argument).
 
     `default` and `default_factory` are the field's, as in `dataclasses.field`;
-    `parsed_default` is argparse's default when the parsed form differs.
+    `parsed_default` is argparse's default when the parsed form differs. The
+    other names are argparse's own, `help` and `type` included.
     """
     declared = Flag(
         group=group,
