@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
+import typing
+from collections.abc import Mapping
 from pathlib import Path
+from types import UnionType
 from typing import Any
 
 import pytest
 import yaml
 
 from vllm_servicer import SERVICE_NAME
+from vllm_servicer.budgets import RequestBudgets
 from vllm_servicer.health import LIVENESS_SERVICE
-from vllm_servicer.serve.args import parse_args
+from vllm_servicer.serve.args import ADMIN_KEY_ENV, API_KEY_ENV, ServeArgs, build_parser, parse_args
+from vllm_servicer.serve.flags import declared_flags, flag, flag_values
 from vllm_servicer.serve.http_api import frontend_args
 from vllm_servicer.vllm_releases import make_arg_parser
 
@@ -90,6 +96,65 @@ def test_safe_defaults() -> None:
     assert args.max_inflight == 1024
     assert args.max_concurrent_rpcs == 2048
     assert args.max_kv_subscribers == 16
+
+
+def test_each_flag_s_default_is_its_field_s(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Parsed with no launcher flag, every field is what ServeArgs declares as
+    # its default: a flag whose parser default or conversion disagrees shows here.
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    monkeypatch.delenv(ADMIN_KEY_ENV, raising=False)
+    parsed = parse_args(["serve", "--model", "m"])
+    declared = ServeArgs(engine=parsed.engine)
+    names = [field.name for field in dataclasses.fields(ServeArgs)]
+    assert {name: getattr(parsed, name) for name in names} == {
+        name: getattr(declared, name) for name in names
+    }
+
+
+def test_the_launcher_s_flags_are_serve_args_fields_and_nothing_else() -> None:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    # Every field is a flag or marked as set otherwise (declared_flags refuses
+    # an unmarked one), and every launcher flag the parser has is a field's, a
+    # budget's, or one of vLLM's TLS spellings read into tls_client_ca.
+    fields = {field.name for field in dataclasses.fields(ServeArgs)}
+    flags = declared_flags(ServeArgs)
+    assert fields - set(flags) == {"engine", "budgets", "services_named"}
+    parsed = vars(build_parser().parse_args(["serve", "--model", "m"]))
+    engine = {field.name for field in dataclasses.fields(AsyncEngineArgs)}
+    budgets = {field.name for field in dataclasses.fields(RequestBudgets)}
+    vllm_tls = {"ssl_ca_certs", "ssl_cert_reqs", "enable_ssl_refresh"}
+    assert set(parsed) - engine == {"command", "model_tag", *flags, *budgets, *vllm_tls}
+
+
+# A value other than the default for each kind of launcher flag.
+_GIVEN = {"services": ["control"], "lora_modules": ["a=/x"]}
+_GIVEN_BY_TYPE = {int: ["7"], float: ["2.5"], str: ["x"], bool: [], tuple: ["x"]}
+
+
+def test_each_flag_reaches_its_field_with_the_field_s_type() -> None:
+    parser = build_parser()
+    defaults = ServeArgs(engine={})
+    hints = typing.get_type_hints(ServeArgs)
+    for name in declared_flags(ServeArgs):
+        hint = hints[name]
+        if isinstance(hint, UnionType):  # X | None
+            [hint] = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+        kind = typing.get_origin(hint) or hint
+        argv = ["--" + name.replace("_", "-"), *(_GIVEN.get(name) or _GIVEN_BY_TYPE[kind])]
+        value = flag_values(ServeArgs, parser.parse_args(["serve", "--model", "m", *argv]))[name]
+        assert value != getattr(defaults, name), argv
+        assert isinstance(value, Mapping if kind is Mapping else kind), (argv, value)
+
+
+def test_a_field_that_is_not_marked_is_refused() -> None:
+    @dataclasses.dataclass(frozen=True)
+    class Options:
+        port: int = flag(1, group="g", help="the port")
+        forgotten: int = 0
+
+    with pytest.raises(TypeError, match="forgotten"):
+        declared_flags(Options)
 
 
 @pytest.mark.parametrize(

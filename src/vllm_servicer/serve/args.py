@@ -4,6 +4,10 @@
 fields of a frozen `ServeArgs`, which refuses contradictory ones; vLLM's engine
 flags travel beside them, as parsed, until the engine is built from them
 (`ServeArgs.engine_args()`), as `vllm serve` builds its own.
+
+Each launcher flag is declared once, as a `ServeArgs` field carrying its help
+and group (`flags.flag`); the parser's groups and `ServeArgs.from_flags` are
+built from those fields.
 """
 
 from __future__ import annotations
@@ -17,10 +21,11 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from ..budgets import RequestBudgets, flag_name
+from ..budgets import RequestBudgets
 from ..interceptors.keyless import KeylessLimits
 from ..options import DEFAULT_MAX_KV_SUBSCRIBERS, DEFAULT_MAX_MESSAGE_BYTES
 from ..proto import CONTROL_SERVICE, INFERENCE_SERVICE, SERVICE_NAME
+from .flags import Flag, add_flags, declared_flags, flag, flag_values, not_a_flag
 
 if TYPE_CHECKING:
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -47,61 +52,298 @@ _KEYLESS_DEFAULTS = KeylessLimits()
 _DESCRIPTION = "Standalone launcher: `python -m vllm_servicer serve [vLLM engine flags]`."
 
 
+# The launcher's argparse groups, shown in this order.
+_SERVING = "vllm-servicer: serving"
+_HTTP_API = "vllm-servicer: vLLM's HTTP API on the same engine"
+_SHUTDOWN = "vllm-servicer: shutdown"
+_OBSERVABILITY = "vllm-servicer: observability"
+_SECURITY = "vllm-servicer: security"
+_BUDGETS = "vllm-servicer: per-request budgets (refused before any engine work)"
+
+# Flags of vLLM's own server that are no field here: its spelling of
+# --tls-client-ca (read by _client_ca), and one accepted as it is.
+_VLLM_TLS_FLAGS = {
+    "ssl_ca_certs": Flag(_SECURITY, "with --ssl-cert-reqs 2: --tls-client-ca", default=None),
+    "ssl_cert_reqs": Flag(
+        _SECURITY,
+        "2: clients must present a certificate from --ssl-ca-certs (vLLM's flag)",
+        type=int,
+        choices=(0, 2),
+        default=0,
+    ),
+    "enable_ssl_refresh": Flag(
+        _SECURITY,
+        "accepted as vLLM's server does: certificate files are always re-read here "
+        "when they change",
+        action="store_true",
+        default=False,
+    ),
+}
+
+
+# One flag per `RequestBudgets` field, declared there once (name, default, help).
+_BUDGET_FLAGS = {
+    field.name: Flag(
+        _BUDGETS,
+        f"{field.metadata['help']} (default {field.default})",
+        type=int,
+        default=field.default,
+    )
+    for field in dataclasses.fields(RequestBudgets)
+}
+
+
+def _services(names: list[str] | None) -> tuple[str, ...]:
+    """`--services` as `mount(services=)` takes them; not named, those safe without credentials."""
+    if names is None:
+        return UNAUTHENTICATED_SERVICES
+    return tuple(_SERVICE_CHOICES[name] for name in names)
+
+
+def _lora_modules(given: list[str]) -> Mapping[str, str]:
+    """`name=path` pairs (vLLM's `--lora-modules` form) as a mapping."""
+    modules: dict[str, str] = {}
+    for item in given:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules takes name=path, got {item!r}")
+        if name in modules:
+            raise ValueError(f"--lora-modules names {name!r} twice")
+        modules[name] = path
+    return MappingProxyType(modules)
+
+
 @dataclass(frozen=True)
 class ServeArgs:
     """What the launcher serves, and how: its options, and vLLM's engine flags.
 
-    Each field is the launcher flag of the same name (`--max-inflight` is
-    `max_inflight`); see `vllm-servicer serve --help` for what each does.
-    vLLM's spellings of the TLS flags are folded in: `--ssl-certfile` and
-    `--ssl-keyfile` are `tls_cert` and `tls_key`, `--ssl-ca-certs` with
-    `--ssl-cert-reqs 2` is `tls_client_ca`. An engine flag reads by its name
-    too, as on vLLM's own parsed arguments: `args.max_model_len` is
-    `args.engine["max_model_len"]`.
+    Each field declared with `flag()` is the launcher flag of the same name
+    (`--max-inflight` is `max_inflight`), with its help and group beside it:
+    adding a field that way adds the flag. vLLM's spellings of the TLS flags
+    are folded in: `--ssl-certfile` and `--ssl-keyfile` are `tls_cert` and
+    `tls_key`, `--ssl-ca-certs` with `--ssl-cert-reqs 2` is `tls_client_ca`.
+    An engine flag reads by its name too, as on vLLM's own parsed arguments:
+    `args.max_model_len` is `args.engine["max_model_len"]`.
 
     Raises:
         ValueError: options that contradict each other; the message names the flags.
     """
 
-    engine: Mapping[str, Any]
+    engine: Mapping[str, Any] = not_a_flag()
     """vLLM's engine flags by `AsyncEngineArgs` field name, as parsed (defaults included)."""
-    host: str
-    port: int
-    api_server_count: int
-    max_message_bytes: int
-    max_inflight: int
-    max_concurrent_rpcs: int
-    max_kv_subscribers: int
-    max_connection_age: float | None
-    allow_request_compression: bool
-    no_reflection: bool
-    warm_up: bool
-    enable_media_refs: bool
-    enable_shm_tensors: bool
-    services: tuple[str, ...]
-    lora_modules: Mapping[str, str]
-    http_port: int | None
-    http_host: str | None
-    chat_template: str | None
-    drain_grace: float
-    metrics_port: int | None
-    metrics_host: str | None
-    api_key: tuple[str, ...]
-    api_key_file: str | None
-    admin_api_key: tuple[str, ...]
-    admin_api_key_file: str | None
-    tls_cert: str | None
-    tls_key: str | None
-    health_port: int | None
-    tls_client_ca: str | None
-    admin_tls_subject: tuple[str, ...]
-    budgets: RequestBudgets = RequestBudgets()
-    """What one request may cost (`--max-n`, `--max-request-media-pixels`...): `mount(budgets=)`."""
-    max_keyless_streams: int = _KEYLESS_DEFAULTS.max_keyless_streams
-    max_keyless_checks: int = _KEYLESS_DEFAULTS.max_keyless_checks
-    max_keyless_per_connection: int = _KEYLESS_DEFAULTS.max_keyless_per_connection
-    services_named: bool = False
-    """Whether `--services` was given (else `services` is the default for the credentials)."""
+
+    host: str = flag("127.0.0.1", group=_SERVING, help="address to bind (default: loopback)")
+    port: int = flag(50051, group=_SERVING, help="port to bind (0: any free port)")
+    max_message_bytes: int = flag(
+        DEFAULT_MAX_MESSAGE_BYTES,
+        group=_SERVING,
+        help="largest request or response message accepted, in bytes",
+    )
+    api_server_count: int = flag(
+        1,
+        group=_SERVING,
+        help="serving processes, each a client of the one engine, all on --port (the kernel "
+        "spreads connections among them, SO_REUSEPORT); above 1 when one core cannot keep up "
+        "with the engine's tokens (default 1)",
+    )
+    max_inflight: int = flag(
+        1024,
+        group=_SERVING,
+        help="most Generate/Embed calls in flight (default 1024); beyond it calls get "
+        "RESOURCE_EXHAUSTED with a retry hint (0: no limit)",
+    )
+    max_concurrent_rpcs: int = flag(
+        2048,
+        group=_SERVING,
+        help="most calls (streams included, refused ones too) the server runs at once besides "
+        "health and reflection, whose --max-keyless-* slots come on top; past it grpc answers "
+        "RESOURCE_EXHAUSTED before any handler or key check runs (default 2048, above "
+        "--max-inflight so that engine calls meet that limit and its retry hint first; "
+        "0: no cap)",
+    )
+    # The caps of calls that need no key: their slots come on top of
+    # --max-concurrent-rpcs, so keyless calls never take one a keyed call needs.
+    max_keyless_streams: int = flag(
+        _KEYLESS_DEFAULTS.max_keyless_streams,
+        group=_SERVING,
+        help="most health Watch and reflection streams (no key needed) open at once; past it "
+        "RESOURCE_EXHAUSTED. Slots of their own, on top of --max-concurrent-rpcs "
+        f"(default {_KEYLESS_DEFAULTS.max_keyless_streams})",
+    )
+    max_keyless_checks: int = flag(
+        _KEYLESS_DEFAULTS.max_keyless_checks,
+        group=_SERVING,
+        help="most health Check calls at once, apart from the streams so that probes are "
+        "answered while those are full; on top of --max-concurrent-rpcs "
+        f"(default {_KEYLESS_DEFAULTS.max_keyless_checks})",
+    )
+    max_keyless_per_connection: int = flag(
+        _KEYLESS_DEFAULTS.max_keyless_per_connection,
+        group=_SERVING,
+        help="most health and reflection calls at once on one connection "
+        f"(default {_KEYLESS_DEFAULTS.max_keyless_per_connection})",
+    )
+    max_kv_subscribers: int = flag(
+        DEFAULT_MAX_KV_SUBSCRIBERS,
+        group=_SERVING,
+        help="most SubscribeKvEvents streams open at once",
+    )
+    max_connection_age: float | None = flag(
+        None,
+        group=_SERVING,
+        help="seconds after which clients are asked to reconnect (re-spreads load)",
+    )
+    allow_request_compression: bool = flag(
+        False,
+        group=_SERVING,
+        help="accept gzip/deflate-compressed requests (off: UNIMPLEMENTED before any "
+        "handler, so no client, with a key or without, can make the server inflate a request)",
+    )
+    no_reflection: bool = flag(False, group=_SERVING, help="do not serve reflection")
+    warm_up: bool = flag(
+        False,
+        group=_SERVING,
+        help="run one short generation before the port opens, so that the first client "
+        "does not pay for what the engine initialises on its first request",
+    )
+    enable_media_refs: bool = flag(
+        False,
+        group=_SERVING,
+        help="resolve images that Generate names by URL (media_refs): data: URLs, file: under "
+        "--allowed-local-media-path, http(s): only to --allowed-media-domains",
+    )
+    services: tuple[str, ...] = flag(
+        UNAUTHENTICATED_SERVICES,
+        group=_SERVING,
+        help="the protocols to serve: vllm-engine (vllm.grpc.engine.VllmEngine), "
+        "inference (vLLM's vllm.Inference) and control (vLLM's vllm.Control: adapters, "
+        "pause, sleep, weight updates, shutdown; administrators only when keys are set); "
+        "default: all three with API keys or --tls-client-ca, else vllm-engine and inference "
+        "(naming control then serves it to anyone who reaches the port, with a warning)",
+        nargs="+",
+        choices=tuple(_SERVICE_CHOICES),
+        parsed_default=None,
+        convert=_services,
+    )
+    lora_modules: Mapping[str, str] = flag(
+        default_factory=lambda: MappingProxyType({}),
+        group=_SERVING,
+        help="LoRA adapters to serve by name from the start (needs --enable-lora); "
+        "more can be loaded through vllm.Control's LoadLora",
+        nargs="+",
+        metavar="NAME=PATH",
+        parsed_default=[],
+        convert=_lora_modules,
+    )
+    enable_shm_tensors: bool = flag(
+        False,
+        group=_SERVING,
+        help="take preprocessed image tensors (mm_inputs) through this host's shared memory "
+        "too, not only inline: only where every caller may read this host's shared memory",
+    )
+
+    http_port: int | None = flag(
+        None,
+        group=_HTTP_API,
+        help="also serve vLLM's OpenAI-compatible HTTP API on this port (0: any free port; "
+        "off by default); same keys and TLS as gRPC",
+    )
+    http_host: str | None = flag(
+        None, group=_HTTP_API, help="address of the HTTP API (default: the same as --host)"
+    )
+    chat_template: str | None = flag(
+        None,
+        group=_HTTP_API,
+        help="chat template (file or inline Jinja) for /v1/chat/completions, as vLLM's own",
+    )
+
+    drain_grace: float = flag(
+        2.0,
+        group=_SHUTDOWN,
+        help="seconds the server keeps answering after health turns NOT_SERVING on SIGTERM",
+    )
+
+    metrics_port: int | None = flag(
+        None, group=_OBSERVABILITY, help="serve Prometheus metrics on this port (off by default)"
+    )
+    metrics_host: str | None = flag(
+        None,
+        group=_OBSERVABILITY,
+        help="address of the metrics endpoint (default: the same as --host)",
+    )
+
+    api_key: tuple[str, ...] = flag(
+        (),
+        group=_SECURITY,
+        help="inference key: accept `authorization: Bearer <key>`; repeat for several keys "
+        "(rotation). Visible in the process list: prefer --api-key-file or $VLLM_API_KEY",
+        action="append",
+        parsed_default=[],
+        convert=tuple,
+    )
+    api_key_file: str | None = flag(
+        None,
+        group=_SECURITY,
+        help="file of inference keys, one per line (re-read when it changes; "
+        "empty or unreadable: no key is valid)",
+    )
+    admin_api_key: tuple[str, ...] = flag(
+        (),
+        group=_SECURITY,
+        help="admin key: also FlushCache, StartProfile/StopProfile and Abort of any request "
+        f"(default ${ADMIN_KEY_ENV}); prefer --admin-api-key-file",
+        action="append",
+        parsed_default=[],
+        convert=tuple,
+    )
+    admin_api_key_file: str | None = flag(
+        None,
+        group=_SECURITY,
+        help="file of admin keys, one per line (re-read when it changes)",
+    )
+    # vLLM's own server names the same two files --ssl-certfile/--ssl-keyfile.
+    tls_cert: str | None = flag(
+        None,
+        group=_SECURITY,
+        help="server certificate chain (PEM)",
+        aliases=("--ssl-certfile",),
+    )
+    tls_key: str | None = flag(
+        None, group=_SECURITY, help="server private key (PEM)", aliases=("--ssl-keyfile",)
+    )
+    health_port: int | None = flag(
+        None,
+        group=_SECURITY,
+        help="with --tls-cert: also serve grpc.health.v1 alone, in plaintext, on this port "
+        "(0: any free port), for probes that cannot speak TLS (Kubernetes' gRPC probes)",
+    )
+    tls_client_ca: str | None = flag(
+        None,
+        group=_SECURITY,
+        help="CA bundle (PEM) for client certificates; when given, clients must present one. "
+        "Without API keys, the certificate names the caller (its common name): any "
+        "certificate may generate and abort its own requests, only --admin-tls-subject "
+        "ones may administer",
+    )
+    admin_tls_subject: tuple[str, ...] = flag(
+        (),
+        group=_SECURITY,
+        help="with --tls-client-ca and no API keys: a client certificate subject with the "
+        "admin role (FlushCache, StartProfile/StopProfile, Abort of any request), a common "
+        "name ('ops') or a whole subject ('CN=ops,O=Acme'); repeat for several. Without it, "
+        "no certificate may call the admin methods (vLLM's HTTP admin paths: none may)",
+        action="append",
+        metavar="SUBJECT",
+        parsed_default=[],
+        convert=tuple,
+    )
+
+    budgets: RequestBudgets = not_a_flag(RequestBudgets())
+    """What one request may cost (`--max-n`, `--max-request-media-pixels`...): `mount(budgets=)`.
+
+    A flag per `RequestBudgets` field, declared there (`_BUDGET_FLAGS`)."""
+    services_named: bool = not_a_flag(False)
+    """Whether `--services` was given (else `services` follows the credentials)."""
 
     def __post_init__(self) -> None:
         if self.api_server_count < 1:
@@ -134,8 +376,8 @@ class ServeArgs:
             raise ValueError("--http-port must differ from --port")
         for name in ("max_keyless_streams", "max_keyless_checks", "max_keyless_per_connection"):
             if getattr(self, name) < 1:
-                flag = "--" + name.replace("_", "-")
-                raise ValueError(f"{flag} must be at least 1, got {getattr(self, name)}")
+                option = "--" + name.replace("_", "-")
+                raise ValueError(f"{option} must be at least 1, got {getattr(self, name)}")
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Handed to each frontend process (--api-server-count): read-only
@@ -161,47 +403,18 @@ class ServeArgs:
         Raises:
             ValueError: flags that contradict each other; the message names them.
         """
-        args = cls(
+        values = flag_values(cls, flags)
+        values.update(
             engine=_engine_flags(flags),
-            host=flags.host,
-            port=flags.port,
-            api_server_count=flags.api_server_count,
-            max_message_bytes=flags.max_message_bytes,
-            max_inflight=flags.max_inflight,
-            max_concurrent_rpcs=flags.max_concurrent_rpcs,
-            max_kv_subscribers=flags.max_kv_subscribers,
-            max_connection_age=flags.max_connection_age,
-            allow_request_compression=flags.allow_request_compression,
-            no_reflection=flags.no_reflection,
-            warm_up=flags.warm_up,
-            enable_media_refs=flags.enable_media_refs,
-            enable_shm_tensors=flags.enable_shm_tensors,
-            services=tuple(_SERVICE_CHOICES[name] for name in flags.services or _SERVICE_CHOICES),
-            lora_modules=_lora_modules(flags.lora_modules),
-            http_port=flags.http_port,
-            http_host=flags.http_host,
-            chat_template=flags.chat_template,
-            drain_grace=flags.drain_grace,
-            metrics_port=flags.metrics_port,
-            metrics_host=flags.metrics_host,
-            api_key=tuple(flags.api_key),
-            api_key_file=flags.api_key_file,
-            admin_api_key=tuple(flags.admin_api_key),
-            admin_api_key_file=flags.admin_api_key_file,
-            tls_cert=flags.tls_cert,
-            tls_key=flags.tls_key,
-            health_port=flags.health_port,
             tls_client_ca=_client_ca(flags),
-            admin_tls_subject=tuple(flags.admin_tls_subject),
-            budgets=_budgets_of(flags),
-            max_keyless_streams=flags.max_keyless_streams,
-            max_keyless_checks=flags.max_keyless_checks,
-            max_keyless_per_connection=flags.max_keyless_per_connection,
+            budgets=RequestBudgets(**{name: getattr(flags, name) for name in _BUDGET_FLAGS}),
             services_named=flags.services is not None,
         )
-        if args.services_named or args.authenticates():
+        args = cls(**values)
+        if args.services_named or not args.authenticates():
             return args
-        return dataclasses.replace(args, services=UNAUTHENTICATED_SERVICES)
+        # Not named: with credentials, every protocol (vllm.Control for administrators).
+        return dataclasses.replace(args, services=tuple(_SERVICE_CHOICES.values()))
 
     @property
     def http_address(self) -> str:
@@ -324,19 +537,6 @@ def _engine_flags(flags: argparse.Namespace) -> Mapping[str, Any]:
     return MappingProxyType(engine)
 
 
-def _lora_modules(given: list[str]) -> Mapping[str, str]:
-    """`name=path` pairs (vLLM's `--lora-modules` form) as a mapping."""
-    modules: dict[str, str] = {}
-    for item in given:
-        name, sep, path = item.partition("=")
-        if not sep or not name or not path:
-            raise ValueError(f"--lora-modules takes name=path, got {item!r}")
-        if name in modules:
-            raise ValueError(f"--lora-modules names {name!r} twice")
-        modules[name] = path
-    return MappingProxyType(modules)
-
-
 def _client_ca(flags: argparse.Namespace) -> str | None:
     """`--tls-client-ca`, or vLLM's spelling of it: `--ssl-ca-certs` with `--ssl-cert-reqs 2`.
 
@@ -372,283 +572,14 @@ def build_parser(engine_defaults: Mapping[str, Any] | None = None) -> argparse.A
         dest="command", required=True, parser_class=FlexibleArgumentParser
     )
     serve = commands.add_parser("serve", help="serve a model over vLLM's gRPC protocol")
-    for add_flags in (
-        _model,
-        _serving,
-        _http_api,
-        _shutdown,
-        _observability,
-        _security,
-        _budgets,
-    ):
-        add_flags(serve)
+    _add_launcher_flags(serve)
     AsyncEngineArgs.add_cli_args(serve)
     # Our drain waits this long for in-flight calls (vLLM's default 0 would cut them).
     serve.set_defaults(model=None, shutdown_timeout=30, **(engine_defaults or {}))
     return parser
 
 
-def _model(serve: argparse.ArgumentParser) -> None:
+def _add_launcher_flags(serve: argparse.ArgumentParser) -> None:
     # vLLM's parser rewrites `serve --model X` into `serve X` (its positional form).
     serve.add_argument("model_tag", nargs="?", default=None, help="the model (same as --model)")
-
-
-def _serving(serve: argparse.ArgumentParser) -> None:
-    net = serve.add_argument_group("vllm-servicer: serving")
-    net.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
-    net.add_argument("--port", type=int, default=50051, help="port to bind (0: any free port)")
-    net.add_argument(
-        "--max-message-bytes",
-        type=int,
-        default=DEFAULT_MAX_MESSAGE_BYTES,
-        help="largest request or response message accepted, in bytes",
-    )
-    net.add_argument(
-        "--api-server-count",
-        type=int,
-        default=1,
-        help="serving processes, each a client of the one engine, all on --port (the kernel "
-        "spreads connections among them, SO_REUSEPORT); above 1 when one core cannot keep up "
-        "with the engine's tokens (default 1)",
-    )
-    net.add_argument(
-        "--max-inflight",
-        type=int,
-        default=1024,
-        help="most Generate/Embed calls in flight (default 1024); beyond it calls get "
-        "RESOURCE_EXHAUSTED with a retry hint (0: no limit)",
-    )
-    net.add_argument(
-        "--max-concurrent-rpcs",
-        type=int,
-        default=2048,
-        help="most calls (streams included, refused ones too) the server runs at once besides "
-        "health and reflection, whose --max-keyless-* slots come on top; past it grpc answers "
-        "RESOURCE_EXHAUSTED before any handler or key check runs (default 2048, above "
-        "--max-inflight so that engine calls meet that limit and its retry hint first; "
-        "0: no cap)",
-    )
-    # The caps of calls that need no key: their slots come on top of
-    # --max-concurrent-rpcs, so keyless calls never take one a keyed call needs.
-    net.add_argument(
-        "--max-keyless-streams",
-        type=int,
-        default=_KEYLESS_DEFAULTS.max_keyless_streams,
-        help="most health Watch and reflection streams (no key needed) open at once; past it "
-        "RESOURCE_EXHAUSTED. Slots of their own, on top of --max-concurrent-rpcs "
-        f"(default {_KEYLESS_DEFAULTS.max_keyless_streams})",
-    )
-    net.add_argument(
-        "--max-keyless-checks",
-        type=int,
-        default=_KEYLESS_DEFAULTS.max_keyless_checks,
-        help="most health Check calls at once, apart from the streams so that probes are "
-        "answered while those are full; on top of --max-concurrent-rpcs "
-        f"(default {_KEYLESS_DEFAULTS.max_keyless_checks})",
-    )
-    net.add_argument(
-        "--max-keyless-per-connection",
-        type=int,
-        default=_KEYLESS_DEFAULTS.max_keyless_per_connection,
-        help="most health and reflection calls at once on one connection "
-        f"(default {_KEYLESS_DEFAULTS.max_keyless_per_connection})",
-    )
-    net.add_argument(
-        "--max-kv-subscribers",
-        type=int,
-        default=DEFAULT_MAX_KV_SUBSCRIBERS,
-        help="most SubscribeKvEvents streams open at once",
-    )
-    net.add_argument(
-        "--max-connection-age",
-        type=float,
-        default=None,
-        help="seconds after which clients are asked to reconnect (re-spreads load)",
-    )
-    net.add_argument(
-        "--allow-request-compression",
-        action="store_true",
-        help="accept gzip/deflate-compressed requests (off: UNIMPLEMENTED before any "
-        "handler, so no client, with a key or without, can make the server inflate a request)",
-    )
-    net.add_argument("--no-reflection", action="store_true", help="do not serve reflection")
-    net.add_argument(
-        "--warm-up",
-        action="store_true",
-        help="run one short generation before the port opens, so that the first client "
-        "does not pay for what the engine initialises on its first request",
-    )
-    net.add_argument(
-        "--enable-media-refs",
-        action="store_true",
-        help="resolve images that Generate names by URL (media_refs): data: URLs, file: under "
-        "--allowed-local-media-path, http(s): only to --allowed-media-domains",
-    )
-    net.add_argument(
-        "--services",
-        nargs="+",
-        choices=tuple(_SERVICE_CHOICES),
-        default=None,
-        help="the protocols to serve: vllm-engine (vllm.grpc.engine.VllmEngine), "
-        "inference (vLLM's vllm.Inference) and control (vLLM's vllm.Control: adapters, "
-        "pause, sleep, weight updates, shutdown; administrators only when keys are set); "
-        "default: all three with API keys or --tls-client-ca, else vllm-engine and inference "
-        "(naming control then serves it to anyone who reaches the port, with a warning)",
-    )
-    net.add_argument(
-        "--lora-modules",
-        nargs="+",
-        default=[],
-        metavar="NAME=PATH",
-        help="LoRA adapters to serve by name from the start (needs --enable-lora); "
-        "more can be loaded through vllm.Control's LoadLora",
-    )
-    net.add_argument(
-        "--enable-shm-tensors",
-        action="store_true",
-        help="take preprocessed image tensors (mm_inputs) through this host's shared memory "
-        "too, not only inline: only where every caller may read this host's shared memory",
-    )
-
-
-def _budgets(serve: argparse.ArgumentParser) -> None:
-    # One flag per RequestBudgets field, declared there once (name, default, help).
-    group = serve.add_argument_group(
-        "vllm-servicer: per-request budgets (refused before any engine work)"
-    )
-    for field in dataclasses.fields(RequestBudgets):
-        group.add_argument(
-            flag_name(field.name),
-            type=int,
-            default=field.default,
-            help=f"{field.metadata['help']} (default {field.default})",
-        )
-
-
-def _budgets_of(flags: argparse.Namespace) -> RequestBudgets:
-    """The budgets the flags give.
-
-    Raises:
-        ValueError: a budget below 1, or per-request media bytes above the process's.
-    """
-    return RequestBudgets(
-        **{field.name: getattr(flags, field.name) for field in dataclasses.fields(RequestBudgets)}
-    )
-
-
-def _http_api(serve: argparse.ArgumentParser) -> None:
-    http = serve.add_argument_group("vllm-servicer: vLLM's HTTP API on the same engine")
-    http.add_argument(
-        "--http-port",
-        type=int,
-        default=None,
-        help="also serve vLLM's OpenAI-compatible HTTP API on this port (0: any free port; "
-        "off by default); same keys and TLS as gRPC",
-    )
-    http.add_argument(
-        "--http-host", default=None, help="address of the HTTP API (default: the same as --host)"
-    )
-    http.add_argument(
-        "--chat-template",
-        default=None,
-        help="chat template (file or inline Jinja) for /v1/chat/completions, as vLLM's own",
-    )
-
-
-def _shutdown(serve: argparse.ArgumentParser) -> None:
-    drain = serve.add_argument_group("vllm-servicer: shutdown")
-    drain.add_argument(
-        "--drain-grace",
-        type=float,
-        default=2.0,
-        help="seconds the server keeps answering after health turns NOT_SERVING on SIGTERM",
-    )
-
-
-def _observability(serve: argparse.ArgumentParser) -> None:
-    obs = serve.add_argument_group("vllm-servicer: observability")
-    obs.add_argument(
-        "--metrics-port",
-        type=int,
-        default=None,
-        help="serve Prometheus metrics on this port (off by default)",
-    )
-    obs.add_argument(
-        "--metrics-host",
-        default=None,
-        help="address of the metrics endpoint (default: the same as --host)",
-    )
-
-
-def _security(serve: argparse.ArgumentParser) -> None:
-    sec = serve.add_argument_group("vllm-servicer: security")
-    sec.add_argument(
-        "--api-key",
-        action="append",
-        default=[],
-        help="inference key: accept `authorization: Bearer <key>`; repeat for several keys "
-        "(rotation). Visible in the process list: prefer --api-key-file or $VLLM_API_KEY",
-    )
-    sec.add_argument(
-        "--api-key-file",
-        default=None,
-        help="file of inference keys, one per line (re-read when it changes; "
-        "empty or unreadable: no key is valid)",
-    )
-    sec.add_argument(
-        "--admin-api-key",
-        action="append",
-        default=[],
-        help="admin key: also FlushCache, StartProfile/StopProfile and Abort of any request "
-        f"(default ${ADMIN_KEY_ENV}); prefer --admin-api-key-file",
-    )
-    sec.add_argument(
-        "--admin-api-key-file",
-        default=None,
-        help="file of admin keys, one per line (re-read when it changes)",
-    )
-    # vLLM's own server names the same two files --ssl-certfile/--ssl-keyfile.
-    sec.add_argument(
-        "--tls-cert", "--ssl-certfile", default=None, help="server certificate chain (PEM)"
-    )
-    sec.add_argument("--tls-key", "--ssl-keyfile", default=None, help="server private key (PEM)")
-    sec.add_argument(
-        "--health-port",
-        type=int,
-        default=None,
-        help="with --tls-cert: also serve grpc.health.v1 alone, in plaintext, on this port "
-        "(0: any free port), for probes that cannot speak TLS (Kubernetes' gRPC probes)",
-    )
-    sec.add_argument(
-        "--tls-client-ca",
-        default=None,
-        help="CA bundle (PEM) for client certificates; when given, clients must present one. "
-        "Without API keys, the certificate names the caller (its common name): any "
-        "certificate may generate and abort its own requests, only --admin-tls-subject "
-        "ones may administer",
-    )
-    # vLLM's names for --tls-client-ca (see _client_ca).
-    sec.add_argument("--ssl-ca-certs", default=None, help="with --ssl-cert-reqs 2: --tls-client-ca")
-    sec.add_argument(
-        "--ssl-cert-reqs",
-        type=int,
-        choices=(0, 2),
-        default=0,
-        help="2: clients must present a certificate from --ssl-ca-certs (vLLM's flag)",
-    )
-    sec.add_argument(
-        "--enable-ssl-refresh",
-        action="store_true",
-        help="accepted as vLLM's server does: certificate files are always re-read here "
-        "when they change",
-    )
-    sec.add_argument(
-        "--admin-tls-subject",
-        action="append",
-        default=[],
-        metavar="SUBJECT",
-        help="with --tls-client-ca and no API keys: a client certificate subject with the "
-        "admin role (FlushCache, StartProfile/StopProfile, Abort of any request), a common "
-        "name ('ops') or a whole subject ('CN=ops,O=Acme'); repeat for several. Without it, "
-        "no certificate may call the admin methods (vLLM's HTTP admin paths: none may)",
-    )
+    add_flags(serve, {**declared_flags(ServeArgs), **_VLLM_TLS_FLAGS, **_BUDGET_FLAGS})
