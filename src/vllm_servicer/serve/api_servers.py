@@ -9,7 +9,9 @@ with `--http-port` and the plaintext probe port with `--health-port`, all on
 the same ports: each is bound with SO_REUSEPORT and the kernel hands each
 new connection to one of the processes. A router holding one HTTP/2
 connection is thus served by one process; open several connections (or set
-`--max-connection-age`) to spread.
+`--max-connection-age`) to spread. The process entry (`cli.py`) hands the
+process here; each frontend runs the one-process launcher's `serve`
+(`launcher.py`), as a client of the engine this process started.
 
 What must hold across the processes they share (`frontends.FrontendGroup`):
 request ids and their owners, the in-flight count and its limit, the KV-event
