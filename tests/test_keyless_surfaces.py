@@ -31,7 +31,7 @@ from vllm_servicer.interceptors.keyless import KeylessLimits
 from vllm_servicer.proto import control_pb2, control_pb2_grpc, vllm_engine_pb2_grpc
 from vllm_servicer.proto import vllm_engine_pb2 as pb
 from vllm_servicer.serve.args import parse_args
-from vllm_servicer.serve.launcher import CONTROL_ALLOWS, addresses_usable
+from vllm_servicer.serve.preflight import CONTROL_ALLOWS, addresses_usable
 from vllm_servicer.serve.probe_port import PROBE_PORT_LIMITS
 
 pytestmark = pytest.mark.timeout(START_TIMEOUT + 240)

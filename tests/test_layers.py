@@ -8,7 +8,10 @@ function, but not under `if TYPE_CHECKING:`):
    the interceptors share `context`, they never import one another);
 2. no module outside the launcher (`serve/`, `__main__`) imports it;
 3. the interceptors import no vLLM, followed through every module they reach;
-4. `wire/` and `context` import no grpc, likewise.
+4. `wire/` and `context` import no grpc, likewise;
+5. no circle: no module imports, through any chain, a module that imports it
+   back (a module's own packages aside: Python runs them before it, so they
+   close no circle).
 
 A failure names the import, or the chain of imports, that breaks the rule.
 Subprocess checks confirm rule 3 (and that the package itself imports no
@@ -301,6 +304,36 @@ def grpc_free_violations(package_dir: Path, package: str, parts: tuple[str, ...]
     return _violations(graph, package_dir, starts, _is_grpc)
 
 
+def import_cycles(package_dir: Path, package: str) -> list[str]:
+    """Rule 5: each circle of imports between the package's modules, once, shortest first."""
+    graph = import_graph(package_dir, package)
+    # A module's own packages have started running before it: importing them closes no circle.
+    edges = {
+        name: [i for i in module.imports if i in graph and not _is_under(name, i)]
+        for name, module in graph.items()
+    }
+    found: dict[tuple[str, ...], list[str]] = {}
+    for start in sorted(graph):
+        came_from: dict[str, str] = {}
+        queue = deque([start])
+        while queue:
+            name = queue.popleft()
+            if start in edges[name]:  # back to the start: a circle
+                chain = [name]
+                while chain[-1] != start:
+                    chain.append(came_from[chain[-1]])
+                circle = chain[::-1]
+                first = circle.index(min(circle))  # one circle, whichever module it starts at
+                found.setdefault(tuple(circle[first:] + circle[:first]), circle)
+                break
+            for imported in edges[name]:
+                if imported not in came_from and imported != start:
+                    came_from[imported] = name
+                    queue.append(imported)
+    circles = sorted(found, key=lambda circle: (len(circle), circle))
+    return [_shown(graph, [*circle, circle[0]], package_dir) for circle in circles]
+
+
 def convert_grpc_violations(package_dir: Path, package: str) -> list[str]:
     return grpc_free_violations(package_dir, package, ("convert",))
 
@@ -326,6 +359,11 @@ def test_the_interceptors_import_no_vllm() -> None:
 def test_the_wire_and_the_call_context_import_no_grpc() -> None:
     violations = grpc_free_violations(PACKAGE_DIR, PACKAGE, ("wire", "context"))
     assert not violations, "grpc imported:\n" + "\n".join(violations)
+
+
+def test_no_module_imports_itself_through_others() -> None:
+    circles = import_cycles(PACKAGE_DIR, PACKAGE)
+    assert not circles, "a circle of imports:\n" + "\n".join(circles)
 
 
 def test_the_type_checking_imports_name_the_public_api() -> None:
@@ -388,6 +426,27 @@ def test_the_checker_passes_a_clean_package(tmp_path: Path) -> None:
     assert cli_violations(root, "pkg") == []
     assert interceptor_vllm_violations(root, "pkg") == []
     assert convert_grpc_violations(root, "pkg") == []
+
+
+def test_the_checker_passes_packages_importing_their_modules(tmp_path: Path) -> None:
+    # interceptors/__init__.py imports auth.py, which runs its package first: no circle.
+    assert import_cycles(_write(tmp_path, _CLEAN), "pkg") == []
+
+
+def test_the_checker_finds_circles_of_imports(tmp_path: Path) -> None:
+    # Inside a function still closes a circle: both modules are each other's to load.
+    files = {
+        **_CLEAN,
+        "errors.py": "def f():\n    from .convert import to_wire\n",
+        "proto/stubs.py": "from ..interceptors import auth\n",
+        "interceptors/auth.py": "from ..proto import stubs\n",
+    }
+    assert import_cycles(_write(tmp_path, files), "pkg") == [
+        "convert.py -> errors.py -> convert.py",
+        "interceptors/auth.py -> proto/stubs.py -> interceptors/auth.py",
+        "interceptors/__init__.py -> interceptors/auth.py -> proto/stubs.py"
+        " -> interceptors/__init__.py",
+    ]
 
 
 def test_the_checker_resolves_imports(tmp_path: Path) -> None:

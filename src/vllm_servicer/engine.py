@@ -1,4 +1,4 @@
-"""The slice of vLLM's engine client that the servicer uses.
+"""The slice of vLLM's engine client that the servicers use.
 
 Typed as a Protocol so that anything shaped like vLLM's `AsyncLLM` (its
 `EngineClient`) can be mounted, including a fault-injecting stand-in in tests.
@@ -68,18 +68,21 @@ class EngineCoreClient(Protocol):
 
 @runtime_checkable
 class EngineClient(Protocol):
-    """What `VllmEngineServicer` uses of the engine (vLLM's `AsyncLLM` fits).
+    """What the servicers use of the engine (vLLM's `AsyncLLM` fits); only
+    vllm.Control's pause, sleep, weight-update and shutdown calls reach past
+    it, to `AsyncLLM`'s own.
 
     Every member is required: `AsyncLLM` has each of them in every supported
-    vLLM (0.31 and 0.32), so the package reads them directly. Two are present
-    but vary, and only there does the package handle the difference (the
-    section at the end):
+    vLLM (0.31 to 0.34, `_vllm_version.SUPPORTED_VLLM`), so the package reads
+    them directly; `require_engine` refuses an engine lacking one when a
+    servicer is built. Two are present but vary, and only there does the
+    package handle the difference (the section at the end):
 
     - `logger_manager` is None when the engine collects no stats
       (`--disable-log-stats`); GetLoads then reports no ranks' figures.
-    - `start_profile` takes `delay_iterations` / `max_iterations` only from
-      vLLM 0.32, so they are not declared; `admin.start_profile` checks the
-      engine's signature before passing them.
+    - `start_profile`'s keywords beyond the prefix vary by release, so none
+      is declared: `vllm_releases.start_profile_options` reads which the
+      engine takes, and `admin.start_profile` passes only those.
 
     `isinstance(x, EngineClient)` checks only that the members exist.
     """
@@ -148,9 +151,10 @@ class EngineClient(Protocol):
     logger_manager: Any
 
     async def start_profile(self, profile_prefix: str | None = None) -> None:
-        """Start the profiler (vLLM 0.31's signature, which both releases accept).
+        """Start the profiler (vLLM 0.31's signature, which every supported release accepts).
 
-        vLLM 0.32 adds keyword-only `delay_iterations` / `max_iterations`;
-        `admin.start_profile` inspects the engine's signature before passing them.
+        vLLM 0.32 adds keyword-only `delay_iterations` / `max_iterations`, 0.33
+        `profiler_kwargs`; `vllm_releases.start_profile_options` reads which
+        the engine takes before `admin.start_profile` passes them.
         """
         ...

@@ -1,6 +1,7 @@
 """The exceptions this package raises for a call it will not serve.
 
-Each names the request field at fault where there is one, and carries its
+Each names the request field at fault where there is one (those derive from
+`FieldError`, which writes the message "field: reason"), and carries its
 status: `status_code` (a `grpc.StatusCode` name) and `status_reason` (the
 ErrorInfo reason clients switch on, part of the API). `status.ERROR_TABLE`
 orders them beside vLLM's own exceptions; this module imports no grpc, so
@@ -12,7 +13,30 @@ from __future__ import annotations
 from typing import ClassVar
 
 
-class InvalidRequestError(ValueError):
+class FieldError(Exception):
+    """A call refused for one request field: `field` names it, `reason` says why.
+
+    The message, which the client reads, is "field: reason". Each subclass
+    adds its status and its built-in base (`ValueError` and so on). Every one
+    takes `field` and `reason` by name, `UnsupportedError` too (whose field
+    is optional and comes second when positional).
+
+    Args:
+        field: the request field at fault, as a dotted path
+            (e.g. "sampling_params.n").
+        reason: what is wrong with it.
+    """
+
+    status_code: ClassVar[str]
+    status_reason: ClassVar[str]
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
+class InvalidRequestError(FieldError, ValueError):
     """A request the servicer rejects before it reaches the engine.
 
     Args:
@@ -24,13 +48,8 @@ class InvalidRequestError(ValueError):
     status_code: ClassVar[str] = "INVALID_ARGUMENT"
     status_reason: ClassVar[str] = "INVALID_ARGUMENT"
 
-    def __init__(self, field: str, reason: str) -> None:
-        super().__init__(f"{field}: {reason}")
-        self.field = field
-        self.reason = reason
 
-
-class MediaUnavailableError(RuntimeError):
+class MediaUnavailableError(FieldError, RuntimeError):
     """An image could not be fetched for a reason on the far side (no answer in
     time, connection refused, a 5xx): the same request may succeed later.
 
@@ -42,29 +61,26 @@ class MediaUnavailableError(RuntimeError):
     status_code: ClassVar[str] = "UNAVAILABLE"
     status_reason: ClassVar[str] = "MEDIA_UNAVAILABLE"
 
-    def __init__(self, field: str, reason: str) -> None:
-        super().__init__(f"{field}: {reason}")
-        self.field = field
-        self.reason = reason
 
-
-class UnsupportedError(RuntimeError):
+class UnsupportedError(FieldError, RuntimeError):
     """The engine lacks a feature this RPC needs (no pooling runner, no profiler).
 
     Args:
-        message: what is missing and how to enable it.
-        field: the request field that needs it, when one does (named in the message).
+        reason: what is missing and how to enable it.
+        field: the request field that needs it, when one does (named in the
+            message, as every field error's is); "" when none does.
     """
 
     status_code: ClassVar[str] = "FAILED_PRECONDITION"
     status_reason: ClassVar[str] = "UNSUPPORTED"
 
-    def __init__(self, message: str, *, field: str = "") -> None:
-        super().__init__(f"{field}: {message}" if field else message)
-        self.field = field
+    def __init__(self, reason: str, *, field: str = "") -> None:
+        super().__init__(field, reason)
+        if not field:  # none to name: the message is the reason alone
+            self.args = (reason,)
 
 
-class UnimplementedFieldError(NotImplementedError):
+class UnimplementedFieldError(FieldError, NotImplementedError):
     """A request field this server does not implement: refused, never ignored.
 
     Args:
@@ -75,13 +91,8 @@ class UnimplementedFieldError(NotImplementedError):
     status_code: ClassVar[str] = "UNIMPLEMENTED"
     status_reason: ClassVar[str] = "FIELD_UNIMPLEMENTED"
 
-    def __init__(self, field: str, reason: str) -> None:
-        super().__init__(f"{field}: {reason}")
-        self.field = field
-        self.reason = reason
 
-
-class FieldOutOfRangeError(LookupError):
+class FieldOutOfRangeError(FieldError, LookupError):
     """A request field whose value lies past what this server can serve (no history kept).
 
     Args:
@@ -91,11 +102,6 @@ class FieldOutOfRangeError(LookupError):
 
     status_code: ClassVar[str] = "OUT_OF_RANGE"
     status_reason: ClassVar[str] = "OUT_OF_RANGE"
-
-    def __init__(self, field: str, reason: str) -> None:
-        super().__init__(f"{field}: {reason}")
-        self.field = field
-        self.reason = reason
 
 
 class NotEnabledError(RuntimeError):
@@ -112,7 +118,7 @@ class TooManySubscribersError(RuntimeError):
     status_reason: ClassVar[str] = "TOO_MANY_SUBSCRIBERS"
 
 
-class BudgetFullError(RuntimeError):
+class BudgetFullError(FieldError, RuntimeError):
     """A request within its own budgets that a budget shared by the whole process
     cannot take now (decoded images in flight): another replica, or this one
     later, may serve it.
@@ -124,11 +130,6 @@ class BudgetFullError(RuntimeError):
 
     status_code: ClassVar[str] = "RESOURCE_EXHAUSTED"
     status_reason: ClassVar[str] = "BUDGET_FULL"
-
-    def __init__(self, field: str, reason: str) -> None:
-        super().__init__(f"{field}: {reason}")
-        self.field = field
-        self.reason = reason
 
 
 class KeylessLimitError(RuntimeError):
@@ -150,7 +151,7 @@ class EventsLostError(RuntimeError):
     status_reason: ClassVar[str] = "EVENTS_LOST"
 
 
-class NotFoundError(LookupError):
+class NotFoundError(FieldError, LookupError):
     """A request names something this server does not have (a model, an adapter).
 
     Args:
@@ -161,13 +162,8 @@ class NotFoundError(LookupError):
     status_code: ClassVar[str] = "NOT_FOUND"
     status_reason: ClassVar[str] = "NOT_FOUND"
 
-    def __init__(self, field: str, reason: str) -> None:
-        super().__init__(f"{field}: {reason}")
-        self.field = field
-        self.reason = reason
 
-
-class AlreadyExistsError(RuntimeError):
+class AlreadyExistsError(FieldError, RuntimeError):
     """A request would create what exists already (an adapter of that name).
 
     Args:
@@ -177,11 +173,6 @@ class AlreadyExistsError(RuntimeError):
 
     status_code: ClassVar[str] = "ALREADY_EXISTS"
     status_reason: ClassVar[str] = "ALREADY_EXISTS"
-
-    def __init__(self, field: str, reason: str) -> None:
-        super().__init__(f"{field}: {reason}")
-        self.field = field
-        self.reason = reason
 
 
 class EngineRefusedError(RuntimeError):

@@ -13,7 +13,8 @@ from ._base import CallInterceptor, MethodFilter, all_methods, only_methods
 from ._call import Call
 
 ENGINE_REQUESTS: MethodFilter = only_methods(*ENGINE_METHODS)
-"""The calls that occupy the engine: Generate and Embed of `vllm.grpc.engine.VllmEngine`."""
+"""The calls that occupy the engine (`proto.ENGINE_METHODS`): VllmEngine's Generate
+and Embed, vllm.Inference's Generate and GenerateStream."""
 
 RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
 
@@ -26,11 +27,12 @@ class InflightInterceptor(CallInterceptor):
     limited calls in flight, a new limited call is rejected at once with
     RESOURCE_EXHAUSTED and a `grpc-retry-pushback-ms` trailer (clients with a
     retry policy wait that long), instead of queueing in the engine without
-    bound.
+    bound. Engine requests that come another way (vLLM's HTTP API beside)
+    count under the same limit through `enter` and `leave`.
 
     Args:
         max_inflight: the most limited calls in flight at once; None: no limit.
-        limited: which calls the limit applies to (default: Generate and Embed).
+        limited: which calls the limit applies to (default: `ENGINE_REQUESTS`).
         retry_pushback_ms: the retry hint sent with a rejection.
         methods: which methods are counted at all (default: every method).
         group: the frontend processes sharing one engine (`serve
@@ -71,7 +73,7 @@ class InflightInterceptor(CallInterceptor):
 
     @property
     def limited_total(self) -> int:
-        """Limited calls (by default Generate and Embed) in flight."""
+        """Limited calls (by default `ENGINE_REQUESTS`) in flight, in this process."""
         return self._limited_total
 
     @property

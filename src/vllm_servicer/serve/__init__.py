@@ -3,6 +3,6 @@
 `main()` is `python -m vllm_servicer` and the `vllm-servicer` command.
 """
 
-from .launcher import main
+from .cli import main
 
 __all__ = ["main"]

@@ -9,7 +9,9 @@ with `--http-port` and the plaintext probe port with `--health-port`, all on
 the same ports: each is bound with SO_REUSEPORT and the kernel hands each
 new connection to one of the processes. A router holding one HTTP/2
 connection is thus served by one process; open several connections (or set
-`--max-connection-age`) to spread.
+`--max-connection-age`) to spread. The process entry (`cli.py`) hands the
+process here; each frontend runs the one-process launcher's `serve`
+(`launcher.py`), as a client of the engine this process started.
 
 What must hold across the processes they share (`frontends.FrontendGroup`):
 request ids and their owners, the in-flight count and its limit, the KV-event
@@ -38,6 +40,9 @@ from typing import Any
 from ..frontends import FrontendGroup
 from .args import ServeArgs
 from .engine_processes import apart_from_stop_signals
+from .launcher import Frontend, serve
+from .preflight import addresses_usable
+from .process import EXIT_FAILED, EXIT_STOPPED, configure_logging, end_process, run_until_done
 
 logger = logging.getLogger("vllm_servicer.serve")
 
@@ -58,46 +63,35 @@ def frontend_main(
     listen_address: str, sock: Any, launch: _Launch, client_config: dict[str, Any]
 ) -> None:
     """A frontend process: serve as client `client_index` until told to stop."""
-    import asyncio
-
     from vllm.utils.system_utils import set_process_title
-
-    from .launcher import Frontend, _configure_logging, _end_process, serve
 
     index = client_config["client_index"]
     # vLLM's title for its own API server processes: VLLM::APIServer_<index>.
     set_process_title("APIServer", str(index))
     launch.group.join(index)
-    _configure_logging(str(launch.args.engine.get("log_level") or "info").upper())
+    configure_logging(launch.args)
     frontend = Frontend(launch.group, client_config, launch.ready)
-    try:
-        import uvloop
-    except ImportError:
-        code = asyncio.run(serve(launch.args, frontend))
-    else:
-        code = uvloop.run(serve(launch.args, frontend))
-    _end_process(code)
+    end_process(run_until_done(serve(launch.args, frontend)))
 
 
 def serve_frontends(args: ServeArgs) -> int:
     """Start the engine and `args.api_server_count` frontends; serve until a
     stop signal, then drain them all and stop the engine. The exit code.
 
-    0 after a stop asked for by a signal; 1 when a port is taken, the engine
-    died or a frontend ended on its own.
+    `EXIT_STOPPED` (0) after a stop asked for by a signal; `EXIT_FAILED` (1)
+    when a port is taken, the engine died or a frontend ended on its own.
     """
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.metrics.prometheus import setup_multiprocess_prometheus
 
     from .. import vllm_releases
-    from .launcher import addresses_usable
 
     count = args.api_server_count
     # Before anything imports prometheus_client's value class in a frontend:
     # each process writes its series to files in a directory this one reads.
     setup_multiprocess_prometheus()  # type: ignore[no-untyped-call]
     if not addresses_usable(args):
-        return 1
+        return EXIT_FAILED
     args = _with_fixed_ports(args)
     group = FrontendGroup(count)
     ready = multiprocessing.get_context("spawn").Queue()
@@ -125,7 +119,7 @@ def _run(args: ServeArgs, group: FrontendGroup, frontends: Any, ready: Any, star
     metrics = None
     try:
         if not _wait_until_serving(processes, ready, stop):
-            return 1
+            return EXIT_FAILED
         logger.info(
             "engine and %d frontends ready in %.1f s", len(processes), time.monotonic() - started
         )
@@ -228,7 +222,7 @@ def _wait_until_ended(
 ) -> int:
     """Until every frontend has ended; the exit code. A frontend that ends on
     its own, or the engine's death, stops the others."""
-    code = 0
+    code = EXIT_STOPPED
     alive: dict[Any, multiprocessing.process.BaseProcess] = {p.sentinel: p for p in processes}
     engine = list(engine_manager.sentinels()) if hasattr(engine_manager, "sentinels") else []
     # A frontend's longest stop: its drain, then its hard stop's deadline.
@@ -241,29 +235,29 @@ def _wait_until_ended(
                 for process in alive.values():
                     logger.error("frontend %s did not stop in time: killed", process.name)
                     process.kill()
-                return 1
+                return EXIT_FAILED
             timeout = min(timeout, left)
         for sentinel in connection.wait([*alive, *engine], timeout=timeout):
             if sentinel in engine:
                 engine.remove(sentinel)
                 if stop.requested_at is None:
                     logger.error("the vLLM engine died: its frontends stop")
-                    code = 1
+                    code = EXIT_FAILED
                     group.engine_died()  # each ends itself, exit code 1
                     stop.requested_at = time.monotonic()  # in time, or killed
                 continue
             process = alive.pop(sentinel)
             process.join(5)  # its pipe closes a moment before its exit status is there
             logger.info("frontend %s ended (exit code %s)", process.name, process.exitcode)
-            if process.exitcode != 0:
-                code = 1
+            if process.exitcode != EXIT_STOPPED:
+                code = EXIT_FAILED
             if stop.requested_at is None:
                 logger.error(
                     "frontend %s ended (exit code %s): stopping the others",
                     process.name,
                     process.exitcode,
                 )
-                code = 1
+                code = EXIT_FAILED
                 stop.stop_all()
     return code
 

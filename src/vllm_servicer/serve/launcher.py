@@ -1,4 +1,4 @@
-"""Standalone launcher: `python -m vllm_servicer serve [vLLM engine flags]`.
+"""The one-process launcher: one engine and its servers in this process.
 
 Builds an `AsyncLLM` from vLLM's own engine arguments (every vLLM engine flag
 passes through), mounts the servicer on a new grpc.aio server with the
@@ -6,21 +6,22 @@ recommended options, optional metrics, authentication, TLS and tracing, and
 serves until SIGTERM/SIGINT, then drains gracefully. With `--http-port` the
 same engine also serves vLLM's own OpenAI-compatible HTTP API (`http_api.py`).
 With no `--model`, it serves the built-in tiny model (random weights, no
-download). The command line is `args.py`'s, the interceptor stack `stack.py`'s.
+download). The process entry above it is `cli.py`; the command line is
+`args.py`'s, the checks before any port opens `preflight.py`'s, the interceptor
+stack `stack.py`'s. Each `--api-server-count` frontend (`api_servers.py`) runs
+`serve` too, as a client of the engine its parent started.
 """
 
 from __future__ import annotations
 
 import asyncio
-import atexit
 import logging
 import os
 import signal
-import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -32,48 +33,26 @@ from ..interceptors.auth import Verifier
 from ..interceptors.keyless import KeylessLimitInterceptor
 from ..mounting import mount
 from ..multimodal.media import MediaRefOptions
-from ..options import port_in_use, server_options, shared_port
-from ..proto import CONTROL_SERVICE
-from ..tls import is_loopback, server_credentials, warn_if_exposed
+from ..options import server_options, shared_port
+from ..tls import server_credentials
 from ..vllm_releases import engine_core_died
-from .args import ADMIN_KEY_ENV, ServeArgs, parse_args
+from .args import ServeArgs
 from .engine_processes import apart_from_stop_signals, exit_now
 from .http_api import HttpApi
-from .kv_publisher import warn_if_publisher_exposed
 from .peers import Peers, start_peers
+from .preflight import addresses_usable
 from .probe_port import start_probe_port
-from .stack import authenticates, build_interceptors, http_verifier, key_verifier
+from .process import EXIT_FAILED, EXIT_STOPPED
+from .stack import build_interceptors, http_verifier, key_verifier
 
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from ..mounting import MountedServices
 
-__all__ = ["Frontend", "main", "serve", "settle_process_for_serving", "stop_when_engine_dies"]
+__all__ = ["Frontend", "serve", "settle_process_for_serving", "stop_when_engine_dies"]
 
 logger = logging.getLogger("vllm_servicer.serve")
-
-
-def main(argv: Sequence[str] | None = None) -> NoReturn:
-    """Console entry point of `vllm-servicer`.
-
-    Args:
-        argv: the arguments after the program name (default: `sys.argv[1:]`).
-    """
-    args = parse_args(argv)
-    _configure_logging(str(args.engine.get("log_level") or "info").upper())
-    warn_if_publisher_exposed(args.engine)
-    if args.api_server_count > 1:
-        from .api_servers import serve_frontends
-
-        _end_process(serve_frontends(args))
-    try:
-        import uvloop  # optional: a faster event loop when installed
-    except ImportError:
-        code = asyncio.run(serve(args))
-    else:
-        code = uvloop.run(serve(args))
-    _end_process(code)
 
 
 @dataclass
@@ -102,8 +81,8 @@ async def serve(args: ServeArgs, frontend: Frontend | None = None) -> int:
             and serves the metrics.
 
     Returns:
-        0 after a stop asked for by a signal; 1 when a port is taken or the
-        engine died.
+        `EXIT_STOPPED` (0) after a stop asked for by a signal; `EXIT_FAILED`
+        (1) when a port is taken or the engine died.
     """
     group = frontend.group if frontend is not None else None
     # One verifier for both protocols: a key file re-read for one is re-read for both.
@@ -111,7 +90,7 @@ async def serve(args: ServeArgs, frontend: Frontend | None = None) -> int:
     interceptors, metrics = build_interceptors(args, verifier, group=group)
     credentials = server_credentials(*args.tls) if args.tls is not None else None
     if frontend is None and not addresses_usable(args):
-        return 1
+        return EXIT_FAILED
     engine = _start_engine(args, frontend)
     if args.warm_up and frontend is None:
         await _warm_up(engine)
@@ -120,7 +99,7 @@ async def serve(args: ServeArgs, frontend: Frontend | None = None) -> int:
     try:
         server, mounted, port = _grpc_server(args, engine, interceptors, credentials, group)
         if port == 0:
-            return 1
+            return EXIT_FAILED
         if group is not None:
             side.peers = await start_peers(group, engine)
         http_keys = http_verifier(args, verifier)
@@ -141,65 +120,6 @@ async def serve(args: ServeArgs, frontend: Frontend | None = None) -> int:
         return await _serve_until_stopped(engine, shutdown, group)
     finally:
         await side.close(engine)
-
-
-def listening_addresses(args: ServeArgs) -> list[tuple[str, str, int]]:
-    """(flag, host, port) of each port the launcher listens on (port 0: any free one)."""
-    addresses = [("--port", args.host, args.port)]
-    if args.http_port is not None:
-        addresses.append(("--http-port", args.http_address, args.http_port))
-    if args.health_port is not None:
-        addresses.append(("--health-port", args.host, args.health_port))
-    return addresses
-
-
-def addresses_usable(args: ServeArgs) -> bool:
-    """Warn about exposed addresses and an unauthenticated vllm.Control; False
-    (logged) when a port is already taken."""
-    tls, auth = args.tls is not None, authenticates(args)
-    warn_if_exposed(args.host, tls=tls, auth=auth)
-    if args.http_port is not None and args.http_address != args.host:
-        warn_if_exposed(args.http_address, tls=tls, auth=auth)
-    announce_control(args)
-    for flag, host, port in listening_addresses(args):
-        if port_in_use(host, port):
-            logger.error(
-                "%s:%d is already in use (another server?); choose another %s", host, port, flag
-            )
-            return False
-    return True
-
-
-CONTROL_ALLOWS = (
-    "shut the server down, sleep or pause the engine, load LoRA adapters from any "
-    "directory this user can read, and point weight updates at a trainer of its own"
-)
-"""What a caller of vllm.Control can do, named wherever it is served without authentication."""
-
-
-def announce_control(args: ServeArgs) -> None:
-    """Log why vllm.Control is left out without authentication, or warn that it is served."""
-    if authenticates(args):
-        return
-    if CONTROL_SERVICE not in args.services:
-        if not args.services_named:
-            logger.info(
-                "vllm.Control is not served: without API keys or --tls-client-ca anyone "
-                "who reaches the port could %s. Set keys (its methods are then for admin "
-                "keys), or name it: --services vllm-engine inference control",
-                CONTROL_ALLOWS,
-            )
-        return
-    who = "any local user or process" if is_loopback(args.host) else "anyone"
-    logger.warning(
-        "serving vllm.Control without authentication (--services names it): %s who reaches "
-        "%s:%d can %s. Add --admin-api-key-file (or $%s) to keep it to administrators.",
-        who,
-        args.host,
-        args.port,
-        CONTROL_ALLOWS,
-        ADMIN_KEY_ENV,
-    )
 
 
 def _start_engine(args: ServeArgs, frontend: Frontend | None = None) -> AsyncLLM:
@@ -425,7 +345,7 @@ async def _serve_until_stopped(
     died = watchdog.done() and not watchdog.cancelled() and watchdog.result()
     watchdog.cancel()
     await shutdown.run()
-    return 1 if died else 0
+    return EXIT_FAILED if died else EXIT_STOPPED
 
 
 async def stop_when_engine_dies(
@@ -459,28 +379,3 @@ async def stop_when_engine_dies(
     )
     stop()
     return True
-
-
-def _configure_logging(level: str) -> None:
-    """Lines in vLLM's format (process, level, time, source file), so that one log
-    reads as one: vLLM's own lines go through its handler, the rest through the root."""
-    logging.basicConfig(
-        level=level,
-        format="(%(processName)s pid=%(process)d) %(levelname)s %(asctime)s "
-        "[%(filename)s:%(lineno)d] %(message)s",
-        datefmt="%m-%d %H:%M:%S",
-    )
-
-
-def _end_process(code: int) -> NoReturn:
-    """Exit once serving is over, without the interpreter's own teardown.
-
-    The atexit handlers run (exporters flush their spans, multiprocessing reaps
-    its children); the teardown after them does not: there a compiled module
-    vLLM imports (triton's, built with nanobind) prints hundreds of lines of
-    "leaked" objects, which read like a failed stop after a clean one.
-    """
-    atexit._run_exitfuncs()  # noqa: SLF001 - the handlers sys.exit would run
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)

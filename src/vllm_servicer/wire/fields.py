@@ -22,19 +22,13 @@ from typing import NamedTuple
 from google.protobuf.message import Message
 
 from ..errors import (
+    FieldError,
     FieldOutOfRangeError,
     InvalidRequestError,
     UnimplementedFieldError,
     UnsupportedError,
 )
 from ..proto import INFERENCE_SERVICE, SERVICE_NAME
-
-FieldError = (
-    type[InvalidRequestError]
-    | type[UnimplementedFieldError]
-    | type[FieldOutOfRangeError]
-    | type[UnsupportedError]
-)
 
 
 class RefusedField(NamedTuple):
@@ -48,7 +42,7 @@ class RefusedField(NamedTuple):
         reason: what the client is told after the field's name.
     """
 
-    error: FieldError
+    error: type[FieldError]
     when: str
     reason: str
 
@@ -431,10 +425,9 @@ def refuse_unserved(service: str, method: str, request: Message) -> None:
                 raise _raised(refusal, found)
 
 
-def _raised(refusal: RefusedField, path: str) -> Exception:
-    if refusal.error is UnsupportedError:
-        return UnsupportedError(refusal.reason, field=path)
-    return refusal.error(path, refusal.reason)  # type: ignore[call-arg]
+def _raised(refusal: RefusedField, path: str) -> FieldError:
+    # By name: UnsupportedError takes its (optional) field second.
+    return refusal.error(field=path, reason=refusal.reason)
 
 
 def load_sections(include: list[str]) -> None:

@@ -1,0 +1,35 @@
+"""The process entry: `python -m vllm_servicer serve [vLLM engine flags]`.
+
+Parses the command line (`args.py`), sets up logging, then hands the process
+to one of the two launchers below it, as vLLM's `vllm serve` hands its
+process to one API server or to several: `launcher.py` serves in this
+process; with `--api-server-count` above 1, `api_servers.py` starts the
+engine and that many serving processes. Nothing below imports this module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NoReturn
+
+from .api_servers import serve_frontends
+from .args import parse_args
+from .kv_publisher import warn_if_publisher_exposed
+from .launcher import serve
+from .process import configure_logging, end_process, run_until_done
+
+__all__ = ["main"]
+
+
+def main(argv: Sequence[str] | None = None) -> NoReturn:
+    """Console entry point of `vllm-servicer`.
+
+    Args:
+        argv: the arguments after the program name (default: `sys.argv[1:]`).
+    """
+    args = parse_args(argv)
+    configure_logging(args)
+    warn_if_publisher_exposed(args.engine)
+    if args.api_server_count > 1:
+        end_process(serve_frontends(args))
+    end_process(run_until_done(serve(args)))
