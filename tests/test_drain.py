@@ -272,10 +272,11 @@ async def test_open_watch_and_reflection_streams_do_not_delay_the_stop(
             sent = time.perf_counter()
             assert (await watch.read()).status == health_pb2.HealthCheckResponse.NOT_SERVING
             # Nothing is in flight: the stop ends both streams instead of
-            # waiting out the 30 s shutdown timeout for them.
+            # waiting out the 30 s shutdown timeout for them (well under it
+            # even on a loaded machine, where the engine's own stop takes seconds).
             assert await asyncio.wait_for(proc.wait(), 60) == 0
             elapsed = time.perf_counter() - sent
-            assert elapsed < 10, f"stopped after {elapsed:.1f} s"
+            assert elapsed < 20, f"stopped after {elapsed:.1f} s"
             assert await watch.read() == grpc.aio.EOF
     finally:
         await stop_and_reap(proc, output, engine_processes)
