@@ -1,5 +1,5 @@
 """What every layer knows of the call being served: who calls, its request id,
-its usage record and its trace.
+its record (what the request asks for, what it sent) and its trace.
 
 The interceptors set these and the servicer and the HTTP API read them, so
 neither imports the other. grpc.aio runs each call in a task of its own, whose
@@ -96,7 +96,11 @@ def shared_usage() -> GenerationUsage:
 
 
 def kept_usage() -> GenerationUsage | None:
-    """For the handler: the record to keep for this call; None when nothing reads one."""
+    """For the handler: the record to keep for this call; None when nothing reads one.
+
+    The handler states its request there (`request`, a `RequestSummary`) and
+    what it sends: the interceptors read those, never the protocol's messages.
+    """
     usage = _usage.get()
     if usage is None or usage.owner is not current_task():
         return None

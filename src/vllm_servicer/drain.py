@@ -111,7 +111,8 @@ class GracefulShutdown:
 
     Args:
         server: the grpc.aio server.
-        mounted: what `mount()` returned for it.
+        mounted: what `mount()` returned for it: the state read here (the
+            requests in flight to wait for and abort) and its health service.
         grace_period: seconds the server keeps answering after health turned
             NOT_SERVING.
         timeout: seconds in-flight calls get to finish once new calls are refused.
@@ -184,11 +185,9 @@ class GracefulShutdown:
 
     async def run(self) -> None:
         """Drain and stop the server (the engine is left to the caller)."""
-        servicer = self._mounted.servicer
+        state = self._mounted.state
         health = self._mounted.health
-        logger.info(
-            "draining: health now NOT_SERVING, %d calls in flight", servicer.active_requests
-        )
+        logger.info("draining: health now NOT_SERVING, %d calls in flight", state.active_requests)
         if health is not None:
             # Never waits on a client (a Watch caller can stall only its own stream).
             await health.start_draining()
@@ -202,20 +201,19 @@ class GracefulShutdown:
         logger.info(
             "refusing new calls; waiting up to %.1f s for %d in flight",
             self._timeout,
-            servicer.active_requests,
+            state.active_requests,
         )
         if health is not None:
             await health.close()  # Watch streams end now, after their NOT_SERVING
         stopped = asyncio.ensure_future(self._server.stop(self._timeout + _ABORT_FLUSH_SECONDS))
         others = [asyncio.ensure_future(c.stop(self._timeout)) for c in self._companions]
         if not await self._wait_idle(self._timeout):
-            running = servicer.running_request_ids
             logger.warning(
                 "aborting %d calls still running (%s)",
-                len(running),
+                len(state.running.ids),
                 "second stop request" if self._hurry.is_set() else "drain timeout",
             )
-            await servicer.abort_running()
+            await state.abort_running()
             # The aborted streams still send their final "abort" message.
             await self._wait_idle(_ABORT_FLUSH_SECONDS, interruptible=False)
         if not stopped.done():
@@ -226,4 +224,4 @@ class GracefulShutdown:
             await self._server.stop(_STATUS_FLUSH_SECONDS)
         await stopped
         await asyncio.gather(*others)
-        logger.info("server stopped; %d calls left", servicer.active_requests)
+        logger.info("server stopped; %d calls left", state.active_requests)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # type: ignore[import-untyped]
@@ -17,9 +18,8 @@ from .frontends import FrontendGroup
 from .guard import EngineGuard
 from .health import EngineHealthServicer
 from .interceptors import InflightInterceptor, MetricsInterceptor, Pipeline
-from .multimodal.decoded import DecodedMedia
 from .multimodal.media import MediaRefOptions
-from .options import DEFAULT_MAX_KV_SUBSCRIBERS
+from .options import DEFAULT_MAX_KV_SUBSCRIBERS, MountOptions
 from .proto import (
     CONTROL_SERVICE,
     INFERENCE_SERVICE,
@@ -30,11 +30,9 @@ from .proto import (
 )
 from .reflection import ChainedPool
 from .servicer.control import ControlServicer
-from .servicer.engine_call import EngineCallSteps
 from .servicer.inference import InferenceServicer
-from .servicer.lora import LoraRegistry
 from .servicer.service import VllmEngineServicer
-from .servicer.tenancy import RunningRequests
+from .servicer.state import MountState
 from .status import error_layer
 
 HEALTH_SERVICE_NAME: str = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
@@ -53,28 +51,32 @@ class MountError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class MountedServices:
-    """What `mount()` added to the server.
+    """What `mount()` added to the server, and the state its servicers share.
 
     Attributes:
-        servicer: the VllmEngine servicer.
-        health: the `grpc.health.v1` servicer, or None when health was not mounted.
-        service_names: full names of every service mounted, for reflection lists.
-        inflight: the count of calls in flight (the one passed in `interceptors`,
-            else one mount added): what GetServerInfo, the metrics gauge, a
-            limit and a drain (`wait_idle`) read.
-        inference: the `vllm.Inference` servicer, or None when not mounted.
-        control: the `vllm.Control` servicer, or None when not mounted.
+        state: what every mounted servicer shares: the running requests (every
+            protocol's, which a drain aborts), the count in flight, the LoRA
+            adapters, the frontend group (`MountState`).
+        inflight: the count of calls in flight (`state.inflight`: the one
+            passed in `interceptors`, else one mount added): what
+            GetServerInfo, the metrics gauge, a limit and a drain (`wait_idle`) read.
         guard: where every engine request claims its id and in-flight slot,
             for other ways in on the same engine (the launcher's HTTP API).
+        service_names: full names of every service mounted, for reflection lists.
+        health: the `grpc.health.v1` servicer, or None when health was not mounted.
+        servicer: the VllmEngine servicer, or None when not mounted.
+        inference: the `vllm.Inference` servicer, or None when not mounted.
+        control: the `vllm.Control` servicer, or None when not mounted.
     """
 
-    servicer: VllmEngineServicer
-    health: EngineHealthServicer | None
-    service_names: tuple[str, ...]
+    state: MountState
     inflight: InflightInterceptor
+    guard: EngineGuard
+    service_names: tuple[str, ...]
+    health: EngineHealthServicer | None
+    servicer: VllmEngineServicer | None = None
     inference: InferenceServicer | None = None
     control: ControlServicer | None = None
-    guard: EngineGuard | None = None
 
 
 def mount(
@@ -146,80 +148,31 @@ def mount(
         ValueError: `services` names a service this package does not serve,
             or `frontends` has not been joined.
     """
-    if server_started(server):
-        raise MountError(
-            "mount() must be called before server.start(): grpc.aio serves handlers "
-            "added after start only through a slow fallback path"
-        )
-    unknown = sorted(set(services) - set(SERVICES))
-    if unknown or not services:
-        raise ValueError(f"services must be some of {', '.join(SERVICES)}; got {unknown or 'none'}")
-    if frontends is not None and frontends.index < 0:
-        raise ValueError("this process has not joined the frontend group: call join(index) first")
-    pipeline, inflight = engine_pipeline(interceptors)
-    recorder = HandlerRecorder()
-    # One registry of running requests for every protocol: an id belongs to
-    # its caller whichever protocol started it, and a drain aborts them all.
-    running = RunningRequests(frontends)
-    # One preparation of the engine call too: each protocol only converts its messages.
-    steps = EngineCallSteps(engine, running)
-    # One account of decoded images in flight for every protocol.
-    budgets = budgets if budgets is not None else RequestBudgets()
-    decoded_media = DecodedMedia(budgets)
-    servicer = VllmEngineServicer(
-        engine,
+    _check_mountable(server, services, frontends)
+    options = MountOptions(
         max_kv_subscribers=max_kv_subscribers,
         media_refs=media_refs,
-        active_calls=lambda: inflight.limited_everywhere,
         shm_tensors=shm_tensors,
-        running=running,
-        group=frontends,
-        budgets=budgets,
-        decoded_media=decoded_media,
-        steps=steps,
+        lora_modules=lora_modules or {},
+        budgets=budgets if budgets is not None else RequestBudgets(),
     )
-    # One adapter registry too (built once the engine's members are checked):
-    # an adapter Control loads is one Inference's lora_name can name.
-    loras = LoraRegistry(
-        engine, lora_modules or {}, fixed=frontends is not None and frontends.count > 1
-    )
+    pipeline, inflight = engine_pipeline(interceptors)
+    # One state for every protocol: an id belongs to its caller whichever
+    # protocol started it, a drain aborts them all, an adapter Control loads
+    # is one Inference can name.
+    state = MountState.build(engine, options, inflight=inflight, frontends=frontends)
+    served = tuple(name for name in SERVICES if name in services)
     # Built first: Control tells it when the engine's state changes. Readiness
     # for the whole server ("") and each protocol served.
-    served = tuple(
-        name for name in (SERVICE_NAME, INFERENCE_SERVICE, CONTROL_SERVICE) if name in services
-    )
     health_servicer = EngineHealthServicer(engine, services=("", *served)) if health else None
-    names: list[str] = []
-    if SERVICE_NAME in services:
-        vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(servicer, recorder)  # type: ignore[no-untyped-call]
-        names.append(SERVICE_NAME)
-    inference = None
-    if INFERENCE_SERVICE in services:
-        inference = InferenceServicer(
-            engine,
-            running=running,
-            media_refs=media_refs,
-            loras=loras,
-            budgets=budgets,
-            decoded_media=decoded_media,
-            steps=steps,
-        )
-        inference_pb2_grpc.add_InferenceServicer_to_server(inference, recorder)  # type: ignore[no-untyped-call]
-        names.append(INFERENCE_SERVICE)
-    control = None
-    if CONTROL_SERVICE in services:
-        control = ControlServicer(
-            engine,
-            running=running,
-            active_calls=lambda: inflight.limited_everywhere,
-            loras=loras,
-            group=frontends,
-            on_state_change=health_servicer.recheck if health_servicer is not None else None,
-            budgets=budgets,
-        )
-        control_pb2_grpc.add_ControlServicer_to_server(control, recorder)  # type: ignore[no-untyped-call]
-        names.append(CONTROL_SERVICE)
-
+    recheck = health_servicer.recheck if health_servicer is not None else None
+    servicers: dict[str, Any] = {
+        name: _PROTOCOLS[name].build(state, options, recheck) for name in served
+    }
+    recorder = HandlerRecorder()
+    for name, servicer in servicers.items():
+        _PROTOCOLS[name].add(servicer, recorder)
+    names = list(served)
     if health_servicer is not None:
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, recorder)
         names.append(HEALTH_SERVICE_NAME)
@@ -231,14 +184,58 @@ def mount(
         )
     _register_wrapped(server, recorder, pipeline)
     return MountedServices(
-        servicer=servicer,
-        health=health_servicer,
-        service_names=tuple(names),
+        state=state,
         inflight=inflight,
-        inference=inference,
-        control=control,
-        guard=EngineGuard(running, inflight),
+        guard=EngineGuard(state.running, inflight),
+        service_names=tuple(names),
+        health=health_servicer,
+        servicer=servicers.get(SERVICE_NAME),
+        inference=servicers.get(INFERENCE_SERVICE),
+        control=servicers.get(CONTROL_SERVICE),
     )
+
+
+def _check_mountable(
+    server: grpc.aio.Server, services: Sequence[str], frontends: FrontendGroup | None
+) -> None:
+    """Raise what `mount()` documents for a server, services or group it cannot serve."""
+    if server_started(server):
+        raise MountError(
+            "mount() must be called before server.start(): grpc.aio serves handlers "
+            "added after start only through a slow fallback path"
+        )
+    unknown = sorted(set(services) - set(SERVICES))
+    if unknown or not services:
+        raise ValueError(f"services must be some of {', '.join(SERVICES)}; got {unknown or 'none'}")
+    if frontends is not None and frontends.index < 0:
+        raise ValueError("this process has not joined the frontend group: call join(index) first")
+
+
+StateChanged = Callable[[], Awaitable[None]] | None
+
+
+class _Protocol(NamedTuple):
+    """How `mount()` builds one protocol's servicer and adds it to a server."""
+
+    build: Callable[[MountState, MountOptions, StateChanged], Any]
+    add: Callable[[Any, Any], None]
+
+
+_PROTOCOLS: dict[str, _Protocol] = {
+    SERVICE_NAME: _Protocol(
+        lambda state, options, _: VllmEngineServicer(state, options),
+        vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server,
+    ),
+    INFERENCE_SERVICE: _Protocol(
+        lambda state, options, _: InferenceServicer(state, options),
+        inference_pb2_grpc.add_InferenceServicer_to_server,
+    ),
+    CONTROL_SERVICE: _Protocol(
+        lambda state, options, changed: ControlServicer(state, options, on_state_change=changed),
+        control_pb2_grpc.add_ControlServicer_to_server,
+    ),
+}
+"""Each protocol `mount()` serves, by full service name."""
 
 
 def _register_wrapped(

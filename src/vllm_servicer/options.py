@@ -1,13 +1,50 @@
-"""Recommended grpc.aio server options for serving LLM traffic."""
+"""Options: the grpc.aio server's that suit LLM traffic (`server_options`), and
+what `mount()` was told that its servicers read (`MountOptions`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import socket
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import TYPE_CHECKING
+
+from .budgets import RequestBudgets
+
+if TYPE_CHECKING:
+    from .multimodal.media import MediaRefOptions
 
 DEFAULT_MAX_MESSAGE_BYTES = 32 * 1024 * 1024
 # Concurrent SubscribeKvEvents streams: each holds a socket in the serving
 # process and a send queue in every engine core's publisher.
 DEFAULT_MAX_KV_SUBSCRIBERS = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class MountOptions:
+    """What `mount()` was told that its servicers read: one object, passed to each unchanged.
+
+    A serving option is a field here, read by the servicer that needs it;
+    `mount()` (its keyword arguments, documented there) only fills it.
+
+    Attributes:
+        max_kv_subscribers: SubscribeKvEvents streams allowed at once.
+        media_refs: the rules images named by URL are fetched by; None refuses them.
+        shm_tensors: take preprocessed tensors (`mm_inputs`) through this
+            host's shared memory too.
+        lora_modules: LoRA adapters loaded at first use, by name: their paths.
+        budgets: what one request may cost.
+    """
+
+    max_kv_subscribers: int = DEFAULT_MAX_KV_SUBSCRIBERS
+    media_refs: MediaRefOptions | None = None
+    shm_tensors: bool = False
+    lora_modules: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    budgets: RequestBudgets = dataclasses.field(default_factory=RequestBudgets)
+
+    def __post_init__(self) -> None:
+        # Frozen all through: a copy the caller cannot change under the servicers.
+        object.__setattr__(self, "lora_modules", MappingProxyType(dict(self.lora_modules)))
 
 
 def server_options(

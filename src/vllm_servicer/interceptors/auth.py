@@ -7,13 +7,13 @@ may call the method, before the handler runs:
   UNAUTHENTICATED;
 - a known identity without permission for the method: PERMISSION_DENIED.
 
-The decision is made from the call's metadata while grpc looks up the
-handler, before the request message is read: a refused call gets a handler
-that never parses its bytes and aborts, so a client without credentials costs
-the server no deserialization and no engine work. (A verifier that reads the
-TLS auth context, such as `MtlsVerifier`, can only decide once the call runs,
-after grpc has parsed a unary request; with mTLS the handshake already keeps
-out clients without a certificate.)
+The decision is made as the call starts (`on_admit`), from its metadata and,
+for a verifier that reads it, the TLS auth context, before the request
+message is read: the wrapper reads a unary request itself, after admission,
+so a refused call's bytes are never received, inflated nor parsed, and a
+client without credentials costs the server no deserialization and no engine
+work. Which methods are an administrator's is the protos' method table
+(`proto.ADMIN_METHODS`), not a list here.
 Health (`grpc.health.v1.Health`) and reflection (`grpc.reflection.*`) are
 exempt by default: probes carry no credentials.
 
@@ -50,7 +50,7 @@ import grpc
 
 from ..context import ADMIN_ROLE, Identity, current_identity
 from ..errors import AuthError, PermissionDenied, Unauthenticated
-from ..proto import CONTROL_SERVICE, SERVICE_NAME
+from ..proto import ADMIN_METHODS
 from ._base import CallInterceptor, MethodFilter
 from ._call import Call, Refusal
 
@@ -88,31 +88,6 @@ DEFAULT_MAX_TOKEN_LENGTH = 1024
 _TOKEN = re.compile(r"[A-Za-z0-9\-._~+/]+=*")
 _SCHEME = "Bearer "
 _EXEMPT_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
-
-# vLLM's Control: everything but discovery and Abort (which touches the
-# caller's own requests only) changes the engine for everyone.
-_CONTROL_ADMIN = (
-    "Shutdown",
-    "LoadLora",
-    "UnloadLora",
-    "PauseGeneration",
-    "ResumeGeneration",
-    "Sleep",
-    "WakeUp",
-    "InitWeightTransferEngine",
-    "StartWeightUpdate",
-    "StartDraftWeightUpdate",
-    "UpdateWeights",
-    "FinishWeightUpdate",
-    "UpdateWeightVersion",
-)
-ADMIN_METHODS: frozenset[str] = frozenset(
-    (
-        *(f"/{SERVICE_NAME}/{name}" for name in ("FlushCache", "StartProfile", "StopProfile")),
-        *(f"/{CONTROL_SERVICE}/{name}" for name in _CONTROL_ADMIN),
-    )
-)
-"""Methods that change the server for everyone or expose its internals."""
 
 
 class Verifier(Protocol):

@@ -9,7 +9,10 @@
    aborts.
 2. **inner**: a `CallInterceptor` (the package's shared hook plumbing), which
    runs inside that span and adds what the instrumentation lacks: GenAI
-   attributes on Generate and Embed, a `gen_ai.first_token` event, and the
+   attributes on the engine calls (every protocol's generation, Embed), read
+   from the call's record the servicer keeps (`context.kept_usage`: a
+   neutral summary of the request, what it sent), never from a protocol's
+   messages; a `gen_ai.first_token` event, and the
    real `rpc.grpc.status_code` and status for calls that end without an abort
    (the instrumentation leaves code 0 on a client cancel, and no status for a
    deadline or an unhandled exception).
@@ -60,8 +63,7 @@ import grpc
 
 from ..context import shared_usage
 from ..engine import served_model_name
-from ..proto import ENGINE_METHODS, GENERATE_METHOD, GENERATION_METHODS, inference_pb2
-from ..proto import vllm_engine_pb2 as pb
+from ..proto import ENGINE_METHODS, GENERATION_METHODS
 from ..wire import usage as generation_usage
 from ._base import CallInterceptor, MethodFilter
 from ._call import Call
@@ -86,8 +88,6 @@ logger = logging.getLogger("vllm_servicer.interceptors")
 _MISSING_EXTRA = "tracing needs the OpenTelemetry packages: pip install 'vllm-servicer[otel]'"
 
 HEALTH_WATCH = "/grpc.health.v1.Health/Watch"
-
-_TRACED_REQUESTS = (pb.GenerateRequest, pb.EmbedRequest, inference_pb2.GenerateRequest)
 
 FIRST_TOKEN_EVENT = "gen_ai.first_token"
 """Event added to the Generate span at the first response message that carried output tokens."""
@@ -254,14 +254,16 @@ class _RenamingSpan:
 
 
 class _GenAiState:
-    """What one Generate/Embed call has told the span so far."""
+    """One engine call's record, and whether its request was told to the span yet."""
 
-    __slots__ = ("embedding_dim", "generation", "input_tokens")
+    __slots__ = ("generation", "noted", "record")
 
-    def __init__(self, generation: generation_usage.UsageReader | None) -> None:
-        self.generation = generation  # Generate: its usage, read when the call ends
-        self.input_tokens = -1  # Embed
-        self.embedding_dim = 0
+    def __init__(self, record: generation_usage.GenerationUsage, generation: bool) -> None:
+        self.record = record  # the servicer's: the request's summary, Embed's usage
+        # Generation: its usage, read when the call ends (from the messages of
+        # a handler that keeps no record).
+        self.generation = generation_usage.UsageReader(record) if generation else None
+        self.noted = False
 
 
 class TracingInterceptor(CallInterceptor):
@@ -350,64 +352,60 @@ class TracingInterceptor(CallInterceptor):
         span = self._current_span()
         # The span object, not the context: on_finish may run after the
         # handler's context was detached.
-        if call.method in GENERATION_METHODS:
-            # Either protocol's generation: its servicer keeps the usage record.
-            call.state = (span, _GenAiState(generation_usage.UsageReader(shared_usage())))
+        if call.method in ENGINE_METHODS:
+            # Any protocol's engine call: its servicer keeps the call's record.
+            generation = call.method in GENERATION_METHODS
+            call.state = (span, _GenAiState(shared_usage(), generation))
         else:
-            call.state = (span, _GenAiState(None) if call.method in ENGINE_METHODS else None)
+            call.state = (span, None)
 
-    def on_request(self, call: Call, message: Any) -> None:
-        span, state = call.state
-        # A refused call's request is never parsed (None), and bytes that do not
-        # parse arrive as a placeholder answered INVALID_ARGUMENT further in:
-        # neither has anything to record.
-        if state is None or type(message) not in _TRACED_REQUESTS or not span.is_recording():
+    def _note_request(self, span: Any, state: _GenAiState) -> None:
+        """The request's attributes, once the servicer has stated its summary.
+
+        Told at the first response (a stream dropped later may find its span
+        ended already) or at the end. A call refused before its handler ran
+        (its request never read, or unparsable) has no summary to tell.
+        """
+        state.noted = True
+        summary = state.record.request
+        if summary is None or not span.is_recording():
             return
-        attrs: dict[str, Any] = {"gen_ai.provider.name": GEN_AI_PROVIDER}
-        if type(message) is inference_pb2.GenerateRequest:
-            attrs["gen_ai.operation.name"] = "text_completion"
-            if message.stopping.max_new_tokens:  # 0 means unset
-                attrs["gen_ai.request.max_tokens"] = message.stopping.max_new_tokens
-            if message.HasField("temperature"):
-                attrs["gen_ai.request.temperature"] = message.temperature
-            if message.sampling.top_p != 0.0:
-                attrs["gen_ai.request.top_p"] = message.sampling.top_p
-        elif call.method == GENERATE_METHOD:
-            attrs["gen_ai.operation.name"] = "text_completion"
-            params = message.sampling_params
-            if params.HasField("max_tokens"):
-                attrs["gen_ai.request.max_tokens"] = params.max_tokens
-            if params.HasField("temperature"):
-                attrs["gen_ai.request.temperature"] = params.temperature
-            if params.top_p != 0.0:  # proto3 zero means "unset" (top_p 1)
-                attrs["gen_ai.request.top_p"] = params.top_p
-            if params.n > 1:
-                attrs["gen_ai.request.choice.count"] = params.n
-        else:
-            attrs["gen_ai.operation.name"] = "embeddings"
+        attrs: dict[str, Any] = {
+            "gen_ai.provider.name": GEN_AI_PROVIDER,
+            "gen_ai.operation.name": summary.operation,
+        }
+        if summary.max_tokens is not None:
+            attrs["gen_ai.request.max_tokens"] = summary.max_tokens
+        if summary.temperature is not None:
+            attrs["gen_ai.request.temperature"] = summary.temperature
+        if summary.top_p is not None:
+            attrs["gen_ai.request.top_p"] = summary.top_p
+        if summary.n > 1:
+            attrs["gen_ai.request.choice.count"] = summary.n
         if self._model:
             attrs["gen_ai.request.model"] = self._model
-        if message.request_id:
+        if summary.request_id:
             # The name vLLM's own engine spans use for the same id.
-            attrs["gen_ai.request.id"] = message.request_id
+            attrs["gen_ai.request.id"] = summary.request_id
         span.set_attributes(attrs)
 
     def reads_responses(self, call: Call) -> bool:
         span, state = call.state
-        return state is not None and (state.generation is None or state.generation.reads_messages)
+        if state is None:
+            return False
+        if not state.noted:
+            self._note_request(span, state)
+        return state.generation is not None and state.generation.reads_messages
 
     def on_response(self, call: Call, message: Any) -> None:
         span, state = call.state
-        if state is None:
-            return
-        if state.generation is not None:
+        if state is not None and state.generation is not None:
             state.generation.read(message)
-        else:  # Embed
-            state.input_tokens = message.prompt_tokens
-            state.embedding_dim = message.embedding_dim
 
     def on_finish(self, call: Call) -> None:
         span, state = call.state
+        if state is not None and not state.noted:
+            self._note_request(span, state)
         generation = state.generation if state is not None else None
         usage = generation.usage if generation is not None else None
         if usage is not None and usage.first_token_at and span.is_recording():
@@ -433,10 +431,11 @@ class TracingInterceptor(CallInterceptor):
         if state is not None:
             generation = state.generation
             if generation is None:  # Embed
-                if state.input_tokens >= 0:
-                    attrs["gen_ai.usage.input_tokens"] = state.input_tokens
-                if state.embedding_dim:
-                    attrs["gen_ai.embeddings.dimension.count"] = state.embedding_dim
+                record = state.record
+                if record.prompt_tokens >= 0:
+                    attrs["gen_ai.usage.input_tokens"] = record.prompt_tokens
+                if record.embedding_dim:
+                    attrs["gen_ai.embeddings.dimension.count"] = record.embedding_dim
             else:
                 usage = generation.usage
                 if usage.prompt_tokens >= 0:

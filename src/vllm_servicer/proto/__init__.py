@@ -1,5 +1,6 @@
 """Generated protocol modules (run `make proto`): `vllm.grpc.engine.VllmEngine`,
-and vLLM's own `vllm.Inference` and `vllm.Control`.
+and vLLM's own `vllm.Inference` and `vllm.Control`; the services' names and
+each method's role (`methods.py`).
 
 from vllm_servicer.proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 
@@ -15,33 +16,34 @@ from typing import TYPE_CHECKING
 
 from . import common_pb2, control_pb2, inference_pb2, vllm_engine_pb2
 from ._pool import POOL
+from .methods import (
+    ADMIN_METHODS,
+    CONTROL_SERVICE,
+    EMBED_METHOD,
+    ENGINE_METHODS,
+    GENERATE_METHOD,
+    GENERATION_METHODS,
+    INFERENCE_SERVICE,
+    METHOD_ROLES,
+    SERVICE_NAME,
+    MethodRole,
+)
 
 if TYPE_CHECKING:
     from . import common_pb2_grpc, control_pb2_grpc, inference_pb2_grpc, vllm_engine_pb2_grpc
 
-SERVICE_NAME: str = vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"].full_name
-
-GENERATE_METHOD: str = f"/{SERVICE_NAME}/Generate"
-EMBED_METHOD: str = f"/{SERVICE_NAME}/Embed"
-INFERENCE_SERVICE: str = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
-CONTROL_SERVICE: str = control_pb2.DESCRIPTOR.services_by_name["Control"].full_name
-
-GENERATION_METHODS: frozenset[str] = frozenset(
-    (GENERATE_METHOD, f"/{INFERENCE_SERVICE}/Generate", f"/{INFERENCE_SERVICE}/GenerateStream")
-)
-"""The full names of the generation calls, whose servicers keep a usage record."""
-ENGINE_METHODS: frozenset[str] = GENERATION_METHODS | {EMBED_METHOD}
-"""The full names of the calls that run on the engine (generation and embedding)."""
-
 __all__ = [
+    "ADMIN_METHODS",
     "CONTROL_SERVICE",
     "EMBED_METHOD",
     "ENGINE_METHODS",
     "GENERATE_METHOD",
     "GENERATION_METHODS",
     "INFERENCE_SERVICE",
+    "METHOD_ROLES",
     "POOL",
     "SERVICE_NAME",
+    "MethodRole",
     "common_pb2",
     "common_pb2_grpc",
     "control_pb2",

@@ -27,24 +27,23 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from .. import vllm_releases
-from ..budgets import RequestBudgets
 from ..context import current_request_id
-from ..engine import EngineClient
 from ..errors import (
     CheckpointStateError,
     EngineRefusedError,
     InvalidRequestError,
     UnsupportedError,
 )
-from ..frontends import FrontendGroup
 from ..proto import control_pb2 as pb
 from ..proto import control_pb2_grpc
 from . import control_info
 from .lora import Adapter, LoraRegistry
-from .tenancy import RunningRequests
+from .state import MountState
 
 if TYPE_CHECKING:
     import grpc.aio
+
+    from ..options import MountOptions
 
     Context = grpc.aio.ServicerContext[Any, Any]
 
@@ -126,40 +125,34 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
     """Serves vLLM's `vllm.Control` protocol from an `AsyncLLM`.
 
     Args:
-        engine: the host's engine client, vLLM's `AsyncLLM`.
-        running: the registry of running requests shared with the mount's
-            inference servicers: Abort stops only the caller's own.
-        active_calls: the count of generation calls in flight.
-        loras: the LoRA adapters served by name, shared with `vllm.Inference`
-            (which resolves `lora_name` through it).
-        group: the frontend processes sharing the engine (`serve
-            --api-server-count`); with several, Shutdown stops them all.
+        state: what the mount's servicers share: the engine (vLLM's
+            `AsyncLLM`), the running requests (Abort stops only the caller's
+            own), the count in flight, the LoRA adapters served by name (which
+            `vllm.Inference` resolves `lora_name` through), the frontend
+            processes sharing the engine (with several, Shutdown stops them all).
+        options: the mount's options (ids per Abort).
         on_state_change: awaited after each call that may change whether the
             engine accepts requests (pause, resume, sleep, wake, weight
             updates): the health service re-reads readiness.
-        budgets: what one request may cost (ids per Abort); None: the defaults.
     """
 
     def __init__(
         self,
-        engine: EngineClient,
+        state: MountState,
+        options: MountOptions,
         *,
-        running: RunningRequests,
-        active_calls: Callable[[], int],
-        loras: LoraRegistry,
-        group: FrontendGroup | None = None,
         on_state_change: Callable[[], Awaitable[None]] | None = None,
-        budgets: RequestBudgets | None = None,
     ) -> None:
+        engine = state.engine
         self._engine = engine
-        self._group = group
+        self._state = state
+        self._group = state.frontends
         self._on_state_change = on_state_change
-        self._budgets = budgets if budgets is not None else RequestBudgets()
+        self._budgets = options.budgets
         # The RL and adapter calls are AsyncLLM's, beyond the EngineClient protocol.
         self._llm: Any = engine
-        self._running = running
-        self._active_calls = active_calls
-        self._loras = loras
+        self._running = state.running
+        self._loras = state.loras
         # One RL call at a time: a resume must not overtake the pause it follows.
         self._rl_lock = asyncio.Lock()
         self._shutdown_requested = False
@@ -419,7 +412,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         logger.warning(
             "Shutdown requested over vllm.Control: shutting the engine down "
             "(%d generation calls in flight end UNAVAILABLE)",
-            self._active_calls(),
+            self._state.active_requests,
         )
         try:
             # Blocking (it waits for the engine processes): off the event loop.

@@ -21,9 +21,8 @@ from .. import _vllm_version  # noqa: F401
 # isort: split
 from vllm.exceptions import VLLMClientError
 
-from ..budgets import RequestBudgets
 from ..context import engine_trace_headers, kept_usage
-from ..engine import EngineClient, require_engine, served_model_name
+from ..engine import require_engine, served_model_name
 from ..errors import (
     InvalidRequestError,
     NotFoundError,
@@ -31,19 +30,21 @@ from ..errors import (
     UnsupportedError,
 )
 from ..multimodal import inference_media
-from ..multimodal.decoded import DecodedMedia, RequestMedia
-from ..multimodal.media import MediaRefOptions, MediaResolver
+from ..multimodal.decoded import RequestMedia
+from ..multimodal.media import MediaResolver
 from ..proto import INFERENCE_SERVICE, inference_pb2_grpc
 from ..proto import inference_pb2 as pb
 from ..wire import fields
 from ..wire import inference as wire
-from .engine_call import EngineCallSteps
-from .tenancy import RunningRequests
+from ..wire.usage import RequestSummary
+from .state import MountState
 
 if TYPE_CHECKING:
     import grpc.aio
     from vllm.lora.request import LoRARequest
     from vllm.sampling_params import SamplingParams
+
+    from ..options import MountOptions
 
     Context = grpc.aio.ServicerContext[Any, Any]
 
@@ -53,7 +54,6 @@ DATA_PARALLEL_RANK_HEADER = "x-data-parallel-rank"
 """The call metadata that pins a request to one data-parallel rank (u32), as vLLM reads it."""
 _U32 = re.compile(r"\+?\d{1,10}")
 _U32_MAX = 2**32 - 1
-LORA_NOT_ENABLED = fields.REFUSED[INFERENCE_SERVICE]["Generate"]["lora_name"].reason
 
 
 class AdapterLookup(Protocol):
@@ -100,41 +100,24 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     """Serves `vllm.Inference` from an `AsyncLLM` (or anything shaped like it).
 
     Args:
-        engine: the host's engine client, usually `vllm.v1.engine.async_llm.AsyncLLM`.
-        running: the registry of running requests, shared with the other
-            protocols' servicers of the same mount.
-        media_refs: resolve `media` images (url, data_uri) by these rules;
-            None (the default) refuses them.
-        loras: resolves `lora_name` (vllm.Control's adapter registry); None:
-            a request naming an adapter is refused with FAILED_PRECONDITION.
-        budgets: what one request may cost; None: the defaults.
-        decoded_media: the process's decoded images in flight, shared with
-            the other protocols' servicers; None: an account of its own.
-        steps: the engine call's steps every protocol takes, over `running`,
-            shared with the other protocols' servicers; None: its own.
+        state: what the mount's servicers share: the engine, its running
+            requests (an id is its caller's whichever protocol started it),
+            the LoRA adapters `lora_name` names (vllm.Control loads them).
+        options: the mount's options (images by URL, budgets).
     """
 
-    def __init__(
-        self,
-        engine: EngineClient,
-        *,
-        running: RunningRequests,
-        media_refs: MediaRefOptions | None = None,
-        loras: AdapterLookup | None = None,
-        budgets: RequestBudgets | None = None,
-        decoded_media: DecodedMedia | None = None,
-        steps: EngineCallSteps | None = None,
-    ) -> None:
+    def __init__(self, state: MountState, options: MountOptions) -> None:
+        engine = state.engine
         require_engine(engine)
         self._engine = engine
-        self._budgets = budgets if budgets is not None else RequestBudgets()
-        self._decoded_media = (
-            decoded_media if decoded_media is not None else DecodedMedia(self._budgets)
-        )
-        self._steps = steps if steps is not None else EngineCallSteps(engine, running)
-        self.loras = loras
+        self._budgets = options.budgets
+        self._decoded_media = state.decoded_media
+        self._steps = state.steps
+        self.loras: AdapterLookup = state.loras
         self._media = (
-            MediaResolver(media_refs, engine.model_config) if media_refs is not None else None
+            MediaResolver(options.media_refs, engine.model_config)
+            if options.media_refs is not None
+            else None
         )
         config = engine.model_config
         self._model_name = served_model_name(engine)
@@ -144,13 +127,16 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: Context) -> pb.GenerateResponse:
         """The whole generation in one message: `prompt_info`, then the finished sequence."""
+        # What the metrics and tracing read: the request, then what is sent.
+        usage = kept_usage()
+        if usage is not None:
+            usage.request = _summary(request)
         request_id = self._steps.claim(request.request_id, "inference", "Generate")
         call: EngineCall | None = None
         # Its decoded images' bytes are the process's until the request ends.
         media = self._decoded_media.request()
         try:
             call = await self._engine_call(request, context, media, stream=False)
-            usage = kept_usage()
             final = None
             async for output in self._engine.generate(
                 call.prompt, call.sampling, request_id, **call.kwargs
@@ -179,6 +165,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self, request: pb.GenerateRequest, context: Context
     ) -> AsyncIterator[pb.GenerateResponse]:
         """`prompt_info` alone, then one message per engine step; the last has `finish_info`."""
+        usage = kept_usage()
+        if usage is not None:
+            usage.request = _summary(request)
         request_id = self._steps.claim(request.request_id, "inference", "GenerateStream")
         call: EngineCall | None = None
         started = False
@@ -186,8 +175,6 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         try:
             call = await self._engine_call(request, context, media, stream=True)
             delta = call.builder.delta
-            # What the metrics and tracing read, kept from the numbers at hand.
-            usage = kept_usage()
             async for output in self._engine.generate(
                 call.prompt, call.sampling, request_id, **call.kwargs
             ):
@@ -275,11 +262,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             )
 
     def _lora(self, name: str) -> LoRARequest | None:
-        if not name:
-            return None
-        if self.loras is None:
-            raise UnsupportedError(LORA_NOT_ENABLED, field="lora_name")
-        return self.loras.request_for(name)
+        return self.loras.request_for(name) if name else None
 
     def _transfer_params(
         self, kv: pb.KVCacheParameters
@@ -350,6 +333,22 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         if call.kv_transfer is not None:
             rank = call.kwargs.get("data_parallel_rank")
             await self._steps.kv_transfer_rejected(request_id, call.kv_transfer, rank)
+
+
+def _summary(request: pb.GenerateRequest) -> RequestSummary:
+    """What a request asks for, in no protocol's terms (proto3 zeros are unset).
+
+    One sequence: `num_sequences` above 1 is refused.
+    """
+    max_new_tokens = request.stopping.max_new_tokens
+    top_p = request.sampling.top_p
+    return RequestSummary(
+        "text_completion",
+        request.request_id,
+        max_tokens=max_new_tokens or None,
+        temperature=request.temperature if request.HasField("temperature") else None,
+        top_p=top_p if top_p != 0.0 else None,
+    )
 
 
 def _model_defaults(model_config: Any) -> wire.ModelDefaults:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 # Before vLLM is imported below: an untested vLLM release fails here, naming both versions.
@@ -15,29 +15,29 @@ import grpc
 from vllm.exceptions import VLLMClientError
 from vllm.pooling_params import PoolingParams
 
-from ..budgets import RequestBudgets
 from ..context import current_request_id, engine_trace_headers, kept_usage
 from ..engine import EngineClient, require_engine
 from ..errors import (
     NotEnabledError,
     UnsupportedError,
 )
-from ..frontends import FrontendGroup
 from ..multimodal import tensors as mm_tensors
-from ..multimodal.decoded import DecodedMedia
-from ..multimodal.media import MediaRefOptions, MediaResolver
-from ..options import DEFAULT_MAX_KV_SUBSCRIBERS
+from ..multimodal.media import MediaResolver
 from ..proto import SERVICE_NAME, common_pb2, vllm_engine_pb2_grpc
 from ..proto import vllm_engine_pb2 as pb
 from ..wire import convert, fields
+from ..wire.usage import RequestSummary
 from . import admin, info, kv_events, loads
-from .engine_call import EngineCallSteps
 from .generate import Generation
-from .tenancy import RunningRequests, SubscriberLimit
+from .state import MountState
+from .tenancy import SubscriberLimit
 from .tokenizer_bundle import TokenizerBundle, chunks, tokenizer_dir
 
 if TYPE_CHECKING:
     import grpc.aio
+
+    from ..multimodal.decoded import DecodedMedia
+    from ..options import MountOptions
 
     Context = grpc.aio.ServicerContext[Any, Any]
 
@@ -48,59 +48,32 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     """Serves vLLM's gRPC engine protocol from an `AsyncLLM` (or anything shaped like it).
 
     Args:
-        engine: the host's engine client, usually `vllm.v1.engine.async_llm.AsyncLLM`.
-        max_kv_subscribers: SubscribeKvEvents streams allowed at once.
-        media_refs: resolve images named by URL in `media_refs` by these
-            rules; None (the default) refuses them.
-        active_calls: what `active_requests` reports: the count of calls in
-            flight (`mount()` passes the one its interceptors keep); None: the
-            requests this servicer runs.
-        shm_tensors: take preprocessed tensors (`mm_inputs`) through this
-            host's shared memory; off, they must come inline.
-        running: the registry of running requests, shared with the other
-            protocols' servicers of the same mount; None: one of its own.
-        group: the frontend processes sharing one engine (`serve
-            --api-server-count`), whose KV-event streams count together.
-        budgets: what one request may cost; None: the defaults.
-        decoded_media: the process's decoded images in flight, shared with
-            the other protocols' servicers; None: an account of its own.
-        steps: the engine call's steps every protocol takes, over `running`,
-            shared with the other protocols' servicers; None: its own.
+        state: what the mount's servicers share: the engine (usually
+            `vllm.v1.engine.async_llm.AsyncLLM`), its running requests, the
+            count in flight (`MountState.build` makes one for a servicer alone).
+        options: the mount's options (KV-event streams, images by URL,
+            shared-memory tensors, budgets).
     """
 
-    def __init__(
-        self,
-        engine: EngineClient,
-        *,
-        max_kv_subscribers: int = DEFAULT_MAX_KV_SUBSCRIBERS,
-        media_refs: MediaRefOptions | None = None,
-        active_calls: Callable[[], int] | None = None,
-        shm_tensors: bool = False,
-        running: RunningRequests | None = None,
-        group: FrontendGroup | None = None,
-        budgets: RequestBudgets | None = None,
-        decoded_media: DecodedMedia | None = None,
-        steps: EngineCallSteps | None = None,
-    ) -> None:
+    def __init__(self, state: MountState, options: MountOptions) -> None:
+        engine = state.engine
         require_engine(engine)
         self._engine = engine
-        self._budgets = budgets if budgets is not None else RequestBudgets()
-        self._decoded_media = (
-            decoded_media if decoded_media is not None else DecodedMedia(self._budgets)
-        )
-        self._active_calls = active_calls
+        self._state = state
+        self._budgets = options.budgets
+        self._decoded_media = state.decoded_media
         self._media = (
-            MediaResolver(media_refs, engine.model_config) if media_refs is not None else None
+            MediaResolver(options.media_refs, engine.model_config)
+            if options.media_refs is not None
+            else None
         )
         # What preprocessed tensors (mm_inputs) this model takes.
-        self._model_media = mm_tensors.ModelMedia.of(engine, shm=shm_tensors)
-        self._kv_subscribers = SubscriberLimit(max_kv_subscribers, group)
-        self._group = group
+        self._model_media = mm_tensors.ModelMedia.of(engine, shm=options.shm_tensors)
+        self._kv_subscribers = SubscriberLimit(options.max_kv_subscribers, state.frontends)
+        self._group = state.frontends
         self._started_monotonic = time.monotonic()
-        if steps is None:
-            steps = EngineCallSteps(engine, running if running is not None else RunningRequests())
-        self._steps = steps
-        self._running = steps.running
+        self._steps = state.steps
+        self._running = state.running
         self._last_receive_timestamp = 0.0
         self._model_info: pb.GetModelInfoResponse | None = None
         self._supported_tasks: tuple[str, ...] | None = None
@@ -108,7 +81,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             engine,
             media=self._media,
             model_media=self._model_media,
-            steps=steps,
+            steps=self._steps,
             budgets=self._budgets,
         )
         # Reads the engine's own per-step scheduler stats for GetLoads.
@@ -133,21 +106,13 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     @property
     def active_requests(self) -> int:
-        """Generate and Embed calls currently being served."""
-        if self._active_calls is not None:
-            return self._active_calls()
-        return len(self._running)
+        """Engine calls (every protocol's) being served now (`MountState.active_requests`)."""
+        return self._state.active_requests
 
     @property
     def running_request_ids(self) -> list[str]:
-        """Ids of the Generate and Embed calls being served now."""
+        """Ids of the engine requests (every protocol's) being served now."""
         return self._running.ids
-
-    async def abort_running(self) -> None:
-        """Abort every request in flight in the engine (their streams end with "abort")."""
-        ids = self.running_request_ids
-        if ids:
-            await self._engine.abort(ids)
 
     def _received(self, given: str, prefix: str, method: str) -> str:
         """The request's engine id, claimed for the caller (`EngineCallSteps.claim`).
@@ -164,6 +129,11 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: Context
     ) -> AsyncIterator[pb.GenerateResponse]:
+        # What the metrics and tracing read: the request stated first, then
+        # what is sent, kept from the numbers at hand.
+        usage = kept_usage()
+        if usage is not None:
+            usage.request = _generate_summary(request)
         request_id = self._received(request.request_id, "generate", "Generate")
         kv_transfer: dict[str, Any] | None = None
         started = False
@@ -179,8 +149,6 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             stream = request.stream
             build = convert.ResponseBuilder(params)
             chunk, complete = build.chunk, build.complete
-            # What the metrics and tracing read, kept from the numbers at hand.
-            usage = kept_usage()
             async for output in self._engine.generate(prompt, sampling, request_id, **kwargs):
                 if usage is not None and not started:
                     usage.prompt_tokens = len(output.prompt_token_ids or ())
@@ -221,6 +189,9 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             self._steps.release(request_id)
 
     async def Embed(self, request: pb.EmbedRequest, context: Context) -> pb.EmbedResponse:
+        usage = kept_usage()
+        if usage is not None:
+            usage.request = RequestSummary("embeddings", request.request_id)
         request_id = self._received(request.request_id, "embed", "Embed")
         try:
             if "embed" not in await self._tasks():
@@ -239,10 +210,12 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             if final is None:  # pragma: no cover - the engine always yields once
                 raise RuntimeError("engine returned no embedding")
             vector = final.outputs.data.tolist()
+            prompt_tokens = len(final.prompt_token_ids)
+            if usage is not None:
+                usage.prompt_tokens = prompt_tokens
+                usage.embedding_dim = len(vector)
             return pb.EmbedResponse(
-                embedding=vector,
-                prompt_tokens=len(final.prompt_token_ids),
-                embedding_dim=len(vector),
+                embedding=vector, prompt_tokens=prompt_tokens, embedding_dim=len(vector)
             )
         finally:
             self._steps.release(request_id)
@@ -377,3 +350,16 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             tasks = await self._engine.get_supported_tasks()
             self._supported_tasks = tuple(tasks)
         return self._supported_tasks
+
+
+def _generate_summary(request: pb.GenerateRequest) -> RequestSummary:
+    """What a Generate request asks for, in no protocol's terms (proto3 zeros are unset)."""
+    params = request.sampling_params
+    return RequestSummary(
+        "text_completion",
+        request.request_id,
+        max_tokens=params.max_tokens if params.HasField("max_tokens") else None,
+        temperature=params.temperature if params.HasField("temperature") else None,
+        top_p=params.top_p if params.top_p != 0.0 else None,  # 0: unset (top_p 1)
+        n=params.n,
+    )

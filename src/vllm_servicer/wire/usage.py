@@ -1,6 +1,9 @@
-"""What one Generate call has sent: tokens, their times, finish reasons.
+"""What one engine call asked for and sent: the request's summary, tokens,
+their times, finish reasons.
 
-The Generate handler keeps this record as it sends, from the plain integers it
+The servicer states what the request asks for (`RequestSummary`, in no
+protocol's terms) as its handler begins, and tracing reads that instead of
+the request message. The Generate handler keeps this record as it sends, from the plain integers it
 builds each message from. The metrics and tracing interceptors read it when
 they report (metrics once a second while the call runs, both at its end)
 instead of each reading every message back: a protobuf field read allocates,
@@ -14,14 +17,37 @@ Pure data: no grpc, no vLLM, no protocol module.
 
 from __future__ import annotations
 
+import dataclasses
 from time import perf_counter
 from typing import Any
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class RequestSummary:
+    """What one engine request asks for, whichever protocol carried it.
+
+    Attributes:
+        operation: the GenAI operation: "text_completion" or "embeddings".
+        request_id: the request id as the client sent it ("": none).
+        max_tokens: the most output tokens per choice; None: not set.
+        temperature: None: not set.
+        top_p: None: not set (1).
+        n: the choices asked for.
+    """
+
+    operation: str
+    request_id: str = ""
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+
+
 class GenerationUsage:
-    """The running totals of one Generate call's responses."""
+    """One engine call's record: its request's summary and the running totals of its responses."""
 
     __slots__ = (
+        "embedding_dim",
         "finish_reasons",
         "first_token_at",
         "kept",
@@ -30,6 +56,7 @@ class GenerationUsage:
         "messages",
         "output_tokens",
         "prompt_tokens",
+        "request",
         "streamed",
         "tokens_after_first",
     )
@@ -37,6 +64,7 @@ class GenerationUsage:
     def __init__(self, owner: object = None) -> None:
         self.owner = owner  # the task of the call it belongs to
         self.kept = False  # the handler keeps it; else it is read from the messages
+        self.request: RequestSummary | None = None  # None: the handler stated none
         self.prompt_tokens = -1  # -1: not known yet
         self.output_tokens = 0
         self.messages = 0
@@ -47,6 +75,7 @@ class GenerationUsage:
         self.last_token_at = 0.0
         self.tokens_after_first = 0
         self.finish_reasons: dict[int, str] = {}  # choice index -> finish_reason
+        self.embedding_dim = 0  # Embed: the vector's size (0: none sent)
 
     def chunk_sent(self, tokens: int) -> None:
         """A streamed chunk with `tokens` new output tokens left."""

@@ -1,0 +1,86 @@
+"""The served services' names and what each method is to the layers around it.
+
+One table (`METHOD_ROLES`), read from the proto descriptors: the in-flight
+count and limit, the metrics and tracing (which calls run on the engine,
+which generate) and authorization (which methods are an administrator's)
+all ask it, so none of them names a protocol's methods itself. A method of a
+new protocol gets its role here, or has none.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from types import MappingProxyType
+
+from google.protobuf.descriptor import ServiceDescriptor
+
+from . import control_pb2, inference_pb2, vllm_engine_pb2
+
+_ENGINE = vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"]
+_INFERENCE = inference_pb2.DESCRIPTOR.services_by_name["Inference"]
+_CONTROL = control_pb2.DESCRIPTOR.services_by_name["Control"]
+
+SERVICE_NAME: str = _ENGINE.full_name
+INFERENCE_SERVICE: str = _INFERENCE.full_name
+CONTROL_SERVICE: str = _CONTROL.full_name
+
+
+class MethodRole(enum.Enum):
+    """What a method is to the interceptors and the in-flight count."""
+
+    GENERATION = "generation"
+    """Runs `engine.generate`; its servicer keeps the call's record (context.py)."""
+    EMBEDDING = "embedding"
+    """Runs `engine.encode`; its servicer keeps the call's record too."""
+    ADMIN = "admin"
+    """Changes the server for everyone or exposes its internals: administrators only."""
+
+
+def _methods(service: ServiceDescriptor, role: MethodRole, *names: str) -> dict[str, MethodRole]:
+    # Looked up in the descriptor: a name the proto does not define fails at import.
+    return {f"/{service.full_name}/{service.methods_by_name[name].name}": role for name in names}
+
+
+METHOD_ROLES: Mapping[str, MethodRole] = MappingProxyType(
+    {
+        **_methods(_ENGINE, MethodRole.GENERATION, "Generate"),
+        **_methods(_ENGINE, MethodRole.EMBEDDING, "Embed"),
+        **_methods(_ENGINE, MethodRole.ADMIN, "FlushCache", "StartProfile", "StopProfile"),
+        **_methods(_INFERENCE, MethodRole.GENERATION, "Generate", "GenerateStream"),
+        # vLLM's Control: everything but discovery and Abort (which touches the
+        # caller's own requests only) changes the engine for everyone.
+        **_methods(
+            _CONTROL,
+            MethodRole.ADMIN,
+            "Shutdown",
+            "LoadLora",
+            "UnloadLora",
+            "PauseGeneration",
+            "ResumeGeneration",
+            "Sleep",
+            "WakeUp",
+            "InitWeightTransferEngine",
+            "StartWeightUpdate",
+            "StartDraftWeightUpdate",
+            "UpdateWeights",
+            "FinishWeightUpdate",
+            "UpdateWeightVersion",
+        ),
+    }
+)
+"""Each method with a role, by full name ("/package.Service/Method")."""
+
+
+def _with(*roles: MethodRole) -> frozenset[str]:
+    return frozenset(method for method, role in METHOD_ROLES.items() if role in roles)
+
+
+GENERATE_METHOD: str = f"/{SERVICE_NAME}/Generate"
+EMBED_METHOD: str = f"/{SERVICE_NAME}/Embed"
+GENERATION_METHODS: frozenset[str] = _with(MethodRole.GENERATION)
+"""The generation calls of every protocol."""
+ENGINE_METHODS: frozenset[str] = _with(MethodRole.GENERATION, MethodRole.EMBEDDING)
+"""The calls that run on the engine (generation and embedding): what is counted in flight."""
+ADMIN_METHODS: frozenset[str] = _with(MethodRole.ADMIN)
+"""Methods that change the server for everyone or expose its internals."""

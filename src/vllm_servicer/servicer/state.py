@@ -1,0 +1,100 @@
+"""What the servicers of one mount share, built once by `mount()`.
+
+Every protocol runs requests on one engine: an id belongs to its caller
+whichever protocol started it (`RunningRequests`), each engine call is
+prepared by the same steps (`EngineCallSteps`), an adapter Control loads is
+one Inference's `lora_name` names (`LoraRegistry`), and the decoded images in
+flight count against one budget (`DecodedMedia`). `MountState` holds them,
+with the count of calls in flight and the frontend group, for the servicers
+and for what reads the mount from outside (the drain, through
+`MountedServices.state`). No grpc here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Protocol
+
+from ..engine import EngineClient
+from ..frontends import FrontendGroup
+from ..multimodal.decoded import DecodedMedia
+from .engine_call import EngineCallSteps
+from .lora import LoraRegistry
+from .tenancy import RunningRequests
+
+if TYPE_CHECKING:
+    from ..options import MountOptions
+
+
+class InflightCount(Protocol):
+    """The count of engine calls in flight (`InflightInterceptor`)."""
+
+    @property
+    def limited_everywhere(self) -> int:
+        """Engine calls in flight in every frontend process on the engine."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class MountState:
+    """The state one mount's servicers share.
+
+    Attributes:
+        engine: the engine served.
+        running: the requests running now, by id and owner, every protocol's.
+        steps: the engine call's preparation every protocol takes, over `running`.
+        loras: the LoRA adapters served, by name.
+        decoded_media: the decoded images the process holds for running requests.
+        inflight: the count of engine calls in flight; None: `running` counts them.
+        frontends: the frontend processes sharing the engine (`serve
+            --api-server-count`), or None.
+    """
+
+    engine: EngineClient
+    running: RunningRequests
+    steps: EngineCallSteps
+    loras: LoraRegistry
+    decoded_media: DecodedMedia
+    inflight: InflightCount | None = None
+    frontends: FrontendGroup | None = None
+
+    @classmethod
+    def build(
+        cls,
+        engine: EngineClient,
+        options: MountOptions,
+        *,
+        inflight: InflightCount | None = None,
+        frontends: FrontendGroup | None = None,
+    ) -> MountState:
+        """The state of a mount of `engine` with `options`.
+
+        Raises:
+            TypeError: `engine` lacks a member of `EngineClient` (the message names it).
+        """
+        running = RunningRequests(frontends)
+        # First: it checks the engine's members, which the registry reads.
+        steps = EngineCallSteps(engine, running)
+        several = frontends is not None and frontends.count > 1
+        loras = LoraRegistry(engine, options.lora_modules, fixed=several)
+        return cls(
+            engine, running, steps, loras, DecodedMedia(options.budgets), inflight, frontends
+        )
+
+    @property
+    def active_requests(self) -> int:
+        """Engine calls in flight: what GetServerInfo reports and a drain waits for."""
+        if self.inflight is not None:
+            return self.inflight.limited_everywhere
+        return len(self.running)
+
+    async def abort_running(self) -> list[str]:
+        """Abort every request running in this process (their streams end with "abort").
+
+        Returns:
+            The ids aborted.
+        """
+        ids = self.running.ids
+        if ids:
+            await self.engine.abort(ids)
+        return ids
