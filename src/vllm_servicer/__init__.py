@@ -26,9 +26,10 @@ if TYPE_CHECKING:  # the names of _SOURCES, for type checkers (test_packaging co
     )
     from .mounting import MountedServices, MountError, mount
     from .multimodal.media import MediaRefOptions
-    from .options import server_options
+    from .options import MountOptions, server_options
     from .proto import SERVICE_NAME
     from .servicer import VllmEngineServicer
+    from .servicer.state import MountState
     from .status import ERROR_TABLE
 
 try:
@@ -50,6 +51,8 @@ _SOURCES: dict[str, str] = {
     "MountError": ".mounting",
     "TracingInterceptor": ".interceptors",
     "MountedServices": ".mounting",
+    "MountOptions": ".options",
+    "MountState": ".servicer.state",
     "RequestBudgets": ".budgets",
     "VllmEngineServicer": ".servicer",
     "mount": ".mounting",

@@ -111,8 +111,9 @@ class GracefulShutdown:
 
     Args:
         server: the grpc.aio server.
-        mounted: what `mount()` returned for it: the state read here (the
-            requests in flight to wait for and abort) and its health service.
+        mounted: what `mount()` returned for it: the in-flight count waited
+            on, the state whose running requests a timeout aborts, and its
+            health service.
         grace_period: seconds the server keeps answering after health turned
             NOT_SERVING.
         timeout: seconds in-flight calls get to finish once new calls are refused.

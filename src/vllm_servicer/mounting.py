@@ -140,7 +140,8 @@ def mount(
             (`RequestBudgets`). Past one, a call is refused before any engine work.
 
     Returns:
-        The servicers and service names mounted.
+        What was mounted: the servicers (None for a protocol not served), the
+        service names, the state they share, the in-flight count and the guard.
 
     Raises:
         MountError: the server has already been started.

@@ -263,7 +263,8 @@ class MetricsInterceptor(CallInterceptor):
         )
         self.requests_in_flight = Gauge(
             "vllm_servicer_requests_in_flight",
-            "Generate and Embed calls in flight, as GetServerInfo's active_requests "
+            "Engine calls in flight (every protocol's generation and embedding, and the "
+            "HTTP API's under --http-port), as GetServerInfo's active_requests "
             "(no OTel GenAI instrument).",
             _MODEL,
             registry=reg,

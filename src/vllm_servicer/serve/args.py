@@ -125,6 +125,10 @@ class ServeArgs:
     An engine flag reads by its name too, as on vLLM's own parsed arguments:
     `args.max_model_len` is `args.engine["max_model_len"]`.
 
+    `services` defaults to what is safe without credentials (no vllm.Control);
+    `from_flags` widens it to all three when keys or client certificates are
+    set, so a `ServeArgs` built by hand with keys names its services itself.
+
     Raises:
         ValueError: options that contradict each other; the message names the flags.
     """
