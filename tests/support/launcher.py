@@ -140,10 +140,14 @@ async def launch(*flags: str, env: dict[str, str], new_session: bool = False) ->
     proc = await spawn(
         "-m", "vllm_servicer", "serve", "--port", "0", *flags, env=env, new_session=new_session
     )
+    given = list(flags)
+    # One process (--api-server-count 1) announces no frontends.
+    if "--api-server-count" in given and given[given.index("--api-server-count") + 1] == "1":
+        given.remove("--api-server-count")
     wanted = {
         name: pattern
         for name, (flag, pattern) in ANNOUNCED.items()
-        if name == "address" or flag in flags
+        if name == "address" or flag in given
     }
     try:
         found = await wait_for_lines(proc, wanted)

@@ -26,8 +26,11 @@ if TYPE_CHECKING:
     from ..options import MountOptions
 
 
-class InflightCount(Protocol):
-    """The count of engine calls in flight (`InflightInterceptor`)."""
+class InflightTotal(Protocol):
+    """What the state reads of the in-flight count (`InflightInterceptor`): its total.
+
+    Not `guard.InflightCount`, which also admits and releases calls.
+    """
 
     @property
     def limited_everywhere(self) -> int:
@@ -55,7 +58,7 @@ class MountState:
     steps: EngineCallSteps
     loras: LoraRegistry
     decoded_media: DecodedMedia
-    inflight: InflightCount | None = None
+    inflight: InflightTotal | None = None
     frontends: FrontendGroup | None = None
 
     @classmethod
@@ -64,7 +67,7 @@ class MountState:
         engine: EngineClient,
         options: MountOptions,
         *,
-        inflight: InflightCount | None = None,
+        inflight: InflightTotal | None = None,
         frontends: FrontendGroup | None = None,
     ) -> MountState:
         """The state of a mount of `engine` with `options`.
