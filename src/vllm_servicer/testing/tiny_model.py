@@ -61,6 +61,11 @@ TINY_ENGINE_KWARGS: Final[dict[str, Any]] = {
     "seed": 0,
     # Keeps batch shapes, and so start-up and memory, small.
     "max_num_seqs": 64,
+    # 256 MiB of host RAM for the KV cache: about 262,000 tokens of this model,
+    # eight times what 64 sequences of 512 tokens can hold. vLLM's CPU default
+    # (4 GiB) is more than a shared machine should give a toy model, and an
+    # explicit size also skips the start-up warm-up that sizes the cache.
+    "kv_cache_memory_bytes": 256 * 2**20,
     # Whole prompts only: on vLLM 0.31 to 0.33 a split prompt's seeded draw kills
     # a CPU engine (vllm_releases.seeded_sampling_hazard); measured at no
     # throughput cost here, and one setting for every release keeps runs alike.
@@ -68,7 +73,7 @@ TINY_ENGINE_KWARGS: Final[dict[str, Any]] = {
 }
 """``AsyncEngineArgs`` keyword arguments that start the tiny model on a CPU machine.
 
-Use with :func:`apply_cpu_env_defaults` (``VLLM_CPU_KVCACHE_SPACE=1``) set before the
+Use with :func:`apply_cpu_env_defaults` (``TOKENIZERS_PARALLELISM=false``) set before the
 engine is built: ``AsyncEngineArgs(model=str(ensure_tiny_model()), **TINY_ENGINE_KWARGS)``.
 """
 
@@ -94,9 +99,6 @@ TINY_EMBED_ENGINE_KWARGS: Final[dict[str, Any]] = {
 """``AsyncEngineArgs`` keyword arguments that serve the tiny model as an embedding model."""
 
 _CPU_ENV_DEFAULTS: Final[dict[str, str]] = {
-    # GiB of host RAM for the KV cache; the default (4 GiB) is more than a small
-    # shared machine should give to a 512-token toy model.
-    "VLLM_CPU_KVCACHE_SPACE": "1",
     # The tokenizer is used both before and after vLLM forks/spawns workers.
     "TOKENIZERS_PARALLELISM": "false",
 }
