@@ -155,6 +155,25 @@ def test_the_engine_is_read_at_most_once_per_refresh() -> None:
     assert len(reads) == 2
 
 
+async def test_a_report_that_can_wait_takes_the_newest_figures() -> None:
+    clock = Clock()
+    peers = {"running": 1}
+
+    async def update() -> bool:  # the other processes' figures fetched anew
+        peers["running"] = 5
+        return True
+
+    reporter = LoadReporter(
+        lambda: EngineLoad(peers["running"], 0, 8),
+        CallRates(clock=clock),
+        update=update,
+        clock=clock,
+    )
+    assert reporter.report().named_metrics["num_requests_running"] == 1
+    # Within the cached report's life, yet made anew: the stream's report waits for them.
+    assert (await reporter.fresh_report()).named_metrics["num_requests_running"] == 5
+
+
 # ----- the trailer and the stream through a real server, stand-in handlers ---------
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import NamedTuple
 
 from .frontends import FrontendGroup
@@ -167,6 +167,9 @@ class LoadReporter:
         read_load: the engine's load now (cheap: a dictionary read, no engine call).
         rates: the engine calls' rates, counted by whoever sees them end.
         refresh: seconds a report is reused for.
+        update: what a report that can wait awaits first (`fresh_report`): the
+            other frontend processes' figures, which `read_load` otherwise
+            takes as last fetched.
         clock: monotonic seconds (tests give their own).
     """
 
@@ -176,9 +179,11 @@ class LoadReporter:
         rates: CallRates,
         *,
         refresh: float = REFRESH_SECONDS,
+        update: Callable[[], Awaitable[bool]] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._read_load = read_load
+        self._update = update
         self.rates = rates
         self._refresh = refresh
         self._clock = clock
@@ -199,6 +204,12 @@ class LoadReporter:
         """The current report, serialized: a trailer's value."""
         self._fresh()
         return self._serialized
+
+    async def fresh_report(self) -> orca_load_report_pb2.OrcaLoadReport:
+        """The report, made anew if `update` brought newer figures (the out-of-band stream's)."""
+        if self._update is not None and await self._update():
+            self._made_at = float("-inf")
+        return self.report()
 
     def _fresh(self) -> None:
         now = self._clock()

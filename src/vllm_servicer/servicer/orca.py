@@ -5,9 +5,12 @@ the engine's load as every load report reads it.
 each data-parallel rank (`loads.SchedulerStatsTap`, a dictionary, no engine
 call), merged with the other frontend processes' (`serve --api-server-count`:
 vLLM hands each engine step's stats to one frontend). Their figures are
-fetched in the background at most once per `load_report.REFRESH_SECONDS`, so
-a report never waits on a peer. Without stats (`--disable-log-stats`) the
-engine calls in flight stand for the running requests.
+fetched at most once per `load_report.REFRESH_SECONDS`: in the background
+for a call's trailer, which never waits on a peer (it takes the figures last
+fetched, a report's life old under traffic), and awaited by the out-of-band
+stream, whose reports come seconds apart. Without stats
+(`--disable-log-stats`) the engine calls in flight stand for the running
+requests.
 
 `OpenRcaServicer.StreamCoreMetrics` sends the report (`load_report.LoadReporter`)
 every `report_interval` the client asks for, at least `MIN_REPORT_INTERVAL_SECONDS`
@@ -41,6 +44,10 @@ logger = logging.getLogger("vllm_servicer")
 
 MIN_REPORT_INTERVAL_SECONDS = 1.0
 """The shortest time between two reports on one out-of-band stream."""
+
+# How long a report waits for the other processes' figures (they answer in
+# milliseconds; a peer that is stopping takes the peers socket's 5 s).
+_PEERS_WAIT_SECONDS = 1.0
 
 
 class EngineLoadReader:
@@ -93,17 +100,28 @@ class EngineLoadReader:
         # Every rank has a KV cache of the same size: the mean is the engine's share.
         return EngineLoad(running, waiting, self._max_num_seqs, sum(usage) / len(usage))
 
-    def _ask_peers(self) -> None:
-        """Fetch the other frontend processes' figures in the background, when due."""
+    async def update(self) -> bool:
+        """Fetch the other frontend processes' figures, when due; whether new ones came."""
+        asking = self._ask_peers()
+        if asking is None:
+            return False
+        # A peer that is slow to answer holds no report back for long.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(asking), _PEERS_WAIT_SECONDS)
+        return True
+
+    def _ask_peers(self) -> asyncio.Task[None] | None:
+        """The fetch of the other processes' figures under way, started when due."""
         ask = self._group.loads_elsewhere if self._group is not None else None
         if ask is None or self._asking is not None:
-            return
+            return self._asking
         now = time.monotonic()
         if now - self._asked_at < self._refresh:
-            return
+            return None
         self._asked_at = now
         with contextlib.suppress(RuntimeError):  # no running loop: the last figures stand
             self._asking = asyncio.get_running_loop().create_task(self._fetch(ask))
+        return self._asking
 
     async def _fetch(self, ask: Callable[[], Awaitable[list[Any]]]) -> None:
         try:
@@ -136,5 +154,5 @@ class OpenRcaServicer(orca_pb2_grpc.OpenRcaServiceServicer):
         asked = request.report_interval.ToTimedelta().total_seconds()
         interval = max(asked, self._min_interval)
         while True:
-            yield self._reporter.report()
+            yield await self._reporter.fresh_report()
             await asyncio.sleep(interval)

@@ -91,7 +91,7 @@ class MountState:
             reader = EngineLoadReader(
                 engine, lambda: _active(inflight, running), frontends=frontends
             )
-            reporter = LoadReporter(reader, CallRates(frontends))
+            reporter = LoadReporter(reader, CallRates(frontends), update=reader.update)
         return cls(
             engine,
             running,
