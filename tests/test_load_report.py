@@ -186,6 +186,7 @@ async def stand_in() -> AsyncIterator[tuple[str, LoadReporter]]:
     async def generate(request: bytes, context: Any) -> AsyncIterator[bytes]:
         if request != b"OK":
             await context.abort(grpc.StatusCode[request.decode()], "as asked")
+        context.set_trailing_metadata((("x-handler", "kept"),))
         yield b"token"
 
     async def health_check(request: bytes, context: Any) -> bytes:
@@ -213,6 +214,7 @@ async def test_engine_calls_ending_ok_carry_the_report_and_server_faults_count_a
     address, reporter = stand_in
     ok = await raw_call(address, GENERATE, b"OK")
     assert ok.status == 0 and ok.messages == [b"token"]
+    assert ok.trailers["x-handler"] == "kept"  # the handler's own trailers stay
     report = _report(ok)
     assert report.application_utilization == 0.25  # (3 running + 1 waiting) / 16 slots
     assert dict(report.named_metrics) == {

@@ -190,6 +190,7 @@ class LoadReporter:
         self._made_at = float("-inf")
         self._report = orca_load_report_pb2.OrcaLoadReport()
         self._serialized = b""
+        self._trailer: tuple[tuple[str, bytes], ...] = ()
 
     def call_ended(self, failed: bool) -> None:
         """Count one engine call's end (`failed`: an error status) in the rates."""
@@ -205,6 +206,11 @@ class LoadReporter:
         self._fresh()
         return self._serialized
 
+    def trailer(self) -> tuple[tuple[str, bytes], ...]:
+        """The current report as a call's trailing metadata: `((TRAILER_KEY, serialized),)`."""
+        self._fresh()
+        return self._trailer
+
     async def fresh_report(self) -> orca_load_report_pb2.OrcaLoadReport:
         """The report, made anew if `update` brought newer figures (the out-of-band stream's)."""
         if self._update is not None and await self._update():
@@ -218,4 +224,5 @@ class LoadReporter:
         rps, eps = self.rates.rates()
         self._report = report_of(self._read_load(), rps, eps)
         self._serialized = self._report.SerializeToString()
+        self._trailer = ((TRAILER_KEY, self._serialized),)
         self._made_at = now

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import grpc
 
-from ..load_report import TRAILER_KEY, LoadReporter
+from ..load_report import LoadReporter
 from ._base import CallInterceptor, MethodFilter
 from ._call import Call
 from .inflight import ENGINE_REQUESTS
@@ -71,6 +71,6 @@ class LoadReportInterceptor(CallInterceptor):
         if code is not _OK:
             return  # aborted: the status and its trailers are sent already
         context = call.context
-        context.set_trailing_metadata(
-            (*(context.trailing_metadata() or ()), (TRAILER_KEY, reporter.serialized()))
-        )
+        trailer = reporter.trailer()
+        handlers = context.trailing_metadata()  # what the handler set, kept
+        context.set_trailing_metadata((*handlers, *trailer) if handlers else trailer)
