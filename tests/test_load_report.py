@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import re
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+import yaml
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from support import bearer, request, serving
 from support.h2_grpc import RawReply, raw_call
@@ -409,3 +412,56 @@ async def test_switched_off_nothing_is_reported(engine: Any) -> None:
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await call.read()
         assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+# ----- the Envoy example -------------------------------------------------------------
+
+ENVOY_EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "envoy" / "envoy.yaml"
+CSWRR = "envoy.load_balancing_policies.client_side_weighted_round_robin"
+# The policy's fields, from its proto (client_side_weighted_round_robin/v3).
+CSWRR_FIELDS = {
+    "@type",
+    "enable_oob_load_report",
+    "oob_reporting_period",
+    "blackout_period",
+    "weight_expiration_period",
+    "weight_update_period",
+    "error_utilization_penalty",
+    "metric_names_for_computing_utilization",
+}
+
+
+def test_the_envoy_example_balances_two_replicas_by_their_reports() -> None:
+    """Its shape only: no Envoy is installable where the tests run (docs/scale-out.md)."""
+    config = yaml.safe_load(ENVOY_EXAMPLE.read_text())
+    resources = config["static_resources"]
+    (listener,) = resources["listeners"]
+    assert listener["address"]["socket_address"]["address"] == "127.0.0.1"
+    (manager,) = listener["filter_chains"][0]["filters"]
+    typed = manager["typed_config"]
+    assert typed["@type"].endswith("http_connection_manager.v3.HttpConnectionManager")
+    assert typed["http_filters"][-1]["name"] == "envoy.filters.http.router"
+    (route,) = typed["route_config"]["virtual_hosts"][0]["routes"]
+    assert route["route"]["timeout"] == "0s"  # streams run as long as generation does
+    (cluster,) = resources["clusters"]
+    assert route["route"]["cluster"] == cluster["name"]
+    # gRPC upstream: HTTP/2 to each replica, health by grpc.health.v1 (no key needed).
+    protocol = cluster["typed_extension_protocol_options"][
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+    ]
+    assert "http2_protocol_options" in protocol["explicit_http_config"]
+    assert "grpc_health_check" in cluster["health_checks"][0]
+    (policy,) = cluster["load_balancing_policy"]["policies"]
+    extension = policy["typed_extension_config"]
+    assert extension["name"] == CSWRR
+    settings = extension["typed_config"]
+    assert settings["@type"] == (
+        "type.googleapis.com/envoy.extensions.load_balancing_policies."
+        "client_side_weighted_round_robin.v3.ClientSideWeightedRoundRobin"
+    )
+    assert set(settings) <= CSWRR_FIELDS, set(settings) - CSWRR_FIELDS
+    for name in ("blackout_period", "weight_update_period", "weight_expiration_period"):
+        assert re.fullmatch(r"\d+(\.\d+)?s", settings[name]), name
+    endpoints = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    ports = {e["endpoint"]["address"]["socket_address"]["port_value"] for e in endpoints}
+    assert len(ports) == 2
