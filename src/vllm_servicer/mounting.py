@@ -297,8 +297,8 @@ def engine_pipeline(
     `inflight` (a new one if None) added innermost; every `MetricsInterceptor`
     reports it as its gauge. `load_reports` goes just outside the count, where
     the count's refusals reach it and a refusal by authentication (which comes
-    before the count) does not; outermost-last when the count is inside a
-    nested `Pipeline`.
+    before the count) does not; last, when the count is inside a nested
+    `Pipeline` (the count's refusals then pass it by).
     """
     stack = list(interceptors)
     found = _inflight_of(stack)

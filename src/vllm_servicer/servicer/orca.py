@@ -101,7 +101,8 @@ class EngineLoadReader:
         return EngineLoad(running, waiting, self._max_num_seqs, sum(usage) / len(usage))
 
     async def update(self) -> bool:
-        """Fetch the other frontend processes' figures, when due; whether new ones came."""
+        """Fetch the other frontend processes' figures when due (or await the fetch
+        under way); whether one was awaited, so that a report is made anew."""
         asking = self._ask_peers()
         if asking is None:
             return False
