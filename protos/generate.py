@@ -10,6 +10,10 @@ name from different files fail at import, so a private pool is what lets both
 live in one process. Imports between the generated modules are made relative.
 The .proto files are copied beside them, so that the wheel carries the
 protocol for clients in other languages.
+
+ORCA's files (`xds/...`, copied from cncf/xds) keep their folders, so their
+descriptors have the names every ORCA client knows; their modules are written
+beside the others (`orca_load_report_pb2`, `orca_pb2`), imported relatively.
 """
 
 from __future__ import annotations
@@ -25,13 +29,26 @@ from grpc_tools import protoc
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_DIR = ROOT / "protos"
 DEFAULT_OUT = ROOT / "src" / "vllm_servicer" / "proto"
-PROTOS = ("common.proto", "vllm_engine.proto", "inference.proto", "control.proto")
+PROTOS = (
+    "common.proto",
+    "vllm_engine.proto",
+    "inference.proto",
+    "control.proto",
+    # Load reports (ORCA) for balancers: gRPC's weighted_round_robin, Envoy.
+    "xds/data/orca/v3/orca_load_report.proto",
+    "xds/service/orca/v3/orca.proto",
+)
 
 
 def _rewrite(text: str) -> str:
     # Sibling imports: `import common_pb2 as x` -> `from . import common_pb2 as x`.
     text = re.sub(r"^import (\w+_pb2(?:_grpc)?) as ", r"from . import \1 as ", text, flags=re.M)
     text = re.sub(r"^import (\w+_pb2)$", r"from . import \1", text, flags=re.M)
+    # ORCA's modules, generated in their packages' folders, are written flat beside these.
+    text = re.sub(
+        r"^from xds(?:\.\w+)+ import (\w+_pb2) as ", r"from . import \1 as ", text, flags=re.M
+    )
+    text = re.sub(r"(DESCRIPTOR, )'xds(?:\.\w+)+\.(\w+_pb2)'", r"\1'\2'", text)
     text = text.replace(
         "_descriptor_pool.Default().AddSerializedFile(",
         "_pool.POOL.AddSerializedFile(",
@@ -62,12 +79,13 @@ def generate(out_dir: Path) -> list[Path]:
         if protoc.main(args) != 0:
             raise SystemExit("protoc failed")
         out_dir.mkdir(parents=True, exist_ok=True)
-        for src in sorted(Path(tmp).iterdir()):
+        for src in sorted(p for p in Path(tmp).rglob("*") if p.is_file()):
             dest = out_dir / src.name
             dest.write_text(_rewrite(src.read_text()))
             written.append(dest)
     for name in PROTOS:
         dest = out_dir / name
+        dest.parent.mkdir(parents=True, exist_ok=True)
         dest.write_text((PROTO_DIR / name).read_text())
         written.append(dest)
     return written

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import json
 import os
 import pickle
@@ -48,7 +49,7 @@ from test_tracing_otlp import Collector, _received
 from test_tracing_otlp import collector as collector  # a fixture: an OTLP receiver
 
 from vllm_servicer.health import LIVENESS_SERVICE
-from vllm_servicer.proto import common_pb2, vllm_engine_pb2_grpc
+from vllm_servicer.proto import common_pb2, orca_pb2, orca_pb2_grpc, vllm_engine_pb2_grpc
 from vllm_servicer.proto import vllm_engine_pb2 as pb
 
 pytestmark = pytest.mark.timeout(START_TIMEOUT + 300)
@@ -362,6 +363,44 @@ async def test_get_loads_at_either_process_reports_the_whole_engine(
             break
         await asyncio.sleep(0.1)
     assert await running_seen_by(1) == 0
+
+
+async def test_load_reports_at_either_process_are_the_whole_engines(
+    connections: Connections,
+) -> None:
+    """A balancer weighs the port, not one process: the ORCA report process 1
+    streams counts the requests process 0 runs (from the peers' stats) and the
+    calls it served (the group's shared counts)."""
+    a = bearer(TENANT_A)
+    interval = datetime.timedelta(seconds=1)
+
+    def streams() -> list[Any]:
+        return [
+            orca_pb2_grpc.OpenRcaServiceStub(connections.channel(i)).StreamCoreMetrics(
+                orca_pb2.OrcaLoadReportRequest(report_interval=interval)  # no key: a balancer's
+            )
+            for i in (0, 1)
+        ]
+
+    # Balancers watching both processes all along, as they would.
+    watching, after = streams(), []
+    long = connections.engine(0).Generate(
+        request(max_tokens=LONG, ignore_eos=True, stream=True), metadata=a
+    )
+    try:
+        await _first(long)
+        for _ in range(30):
+            await collect(connections.engine(0).Generate(request(max_tokens=2), metadata=a))
+        after = streams()  # each stream's first report is made as it opens
+        reports = [await asyncio.wait_for(stream.read(), 10) for stream in after]
+    finally:
+        long.cancel()
+        for stream in [*watching, *after]:
+            stream.cancel()
+    assert reports[1].named_metrics["num_requests_running"] >= 1, reports[1]
+    # 30 calls in the last seconds, in the window of both: alike, whoever served them.
+    assert reports[0].rps_fractional >= 2, reports[0]
+    assert reports[1].rps_fractional >= 0.7 * reports[0].rps_fractional, reports
 
 
 # ----- the peers socket ------------------------------------------------------

@@ -109,3 +109,29 @@ def test_protocols_benchmark_measures_three_cells_on_one_server(tmp_path: Path) 
         assert cell["cpu_us_per_token"]["median"] > 0
     for name in ("inference-ids", "inference-text"):
         assert cells[name]["ratio_cpu_us_per_token"]["median"] > 0
+
+
+@pytest.mark.timeout(900)
+def test_orca_balance_benchmark_measures_the_split_and_the_cost(tmp_path: Path) -> None:
+    import subprocess
+
+    out = tmp_path / "orca.json"
+    command = [sys.executable, str(BENCHMARKS / "orca_balance.py"), "--quick", "--core", "-1"]
+    done = subprocess.run(
+        [*command, "--json", str(out)], capture_output=True, text=True, timeout=840
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert [row["policy"] for row in data["split"]] == [
+        "round_robin",
+        "weighted_round_robin (per call)",
+        "weighted_round_robin (out of band)",
+    ]
+    for row in data["split"]:
+        # Every counted call was served by one of the two launchers, and printed.
+        assert row["busy"] + row["idle"] == 100
+        assert f"busy {row['busy']:>4}  idle {row['idle']:>4}" in done.stdout
+    assert [row["load_reports"] for row in data["cost"]] == ["off", "on"]
+    for row in data["cost"]:
+        assert row["calls_per_s"] > 0 and row["loop_us_per_call"] > 0
+    assert "extra_loop_us_per_call" in data["cost"][1]

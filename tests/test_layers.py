@@ -224,6 +224,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "_registration",
         "frontends",
         "budgets",
+        "load_report",
     ),
     ("multimodal", "status", "health", "reflection"),
     # Side by side: they share `context`, never import one another.

@@ -165,8 +165,12 @@ async def test_an_engine_lacking_members_is_refused_at_mount_naming_them(engine:
 
 
 async def test_switches_leave_services_out(engine: Any) -> None:
-    async with serving(engine, health=False, reflection_service=False) as served:
+    async with serving(
+        engine, health=False, reflection_service=False, load_reports=False
+    ) as served:
         assert served.mounted.health is None
+        assert served.mounted.load_reports is None
+        assert served.mounted.state.load_reporter is None
         # The inference protocols by default; vllm.Control only when asked.
         assert served.mounted.service_names == (SERVICE_NAME, "vllm.Inference")
         channel = served.channel

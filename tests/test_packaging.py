@@ -47,7 +47,13 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> zipfile.ZipFile:
 
 
 def test_the_wheel_carries_the_protocol(wheel: zipfile.ZipFile) -> None:
-    for name in ("common.proto", "vllm_engine.proto"):
+    for name in (
+        "common.proto",
+        "vllm_engine.proto",
+        # ORCA's, in the folders their imports name.
+        "xds/data/orca/v3/orca_load_report.proto",
+        "xds/service/orca/v3/orca.proto",
+    ):
         shipped = wheel.read(f"vllm_servicer/proto/{name}").decode()
         assert shipped == (ROOT / "protos" / name).read_text(), f"{name} differs from protos/"
     names = set(wheel.namelist())

@@ -21,7 +21,7 @@ def _generator():  # type: ignore[no-untyped-def]
 
 def test_generated_code_is_up_to_date(tmp_path: Path) -> None:
     written = _generator().generate(tmp_path)
-    assert {p.name for p in written} == {
+    assert {p.relative_to(tmp_path).as_posix() for p in written} == {
         "common_pb2.py",
         "common_pb2.pyi",
         "common_pb2_grpc.py",
@@ -38,6 +38,19 @@ def test_generated_code_is_up_to_date(tmp_path: Path) -> None:
         "vllm_engine.proto",
         "inference.proto",
         "control.proto",
+        # ORCA's, from cncf/xds: modules beside the others, the files in their folders.
+        "orca_load_report_pb2.py",
+        "orca_load_report_pb2.pyi",
+        "orca_load_report_pb2_grpc.py",
+        "orca_pb2.py",
+        "orca_pb2.pyi",
+        "orca_pb2_grpc.py",
+        "xds/data/orca/v3/orca_load_report.proto",
+        "xds/service/orca/v3/orca.proto",
     }
-    stale = [p.name for p in written if p.read_text() != (GENERATED / p.name).read_text()]
+    stale = [
+        name
+        for p in written
+        if p.read_text() != (GENERATED / (name := p.relative_to(tmp_path).as_posix())).read_text()
+    ]
     assert not stale, f"run `make proto`: {stale} differ from protos/"

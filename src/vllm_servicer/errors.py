@@ -133,7 +133,7 @@ class BudgetFullError(FieldError, RuntimeError):
 
 
 class KeylessLimitError(RuntimeError):
-    """A call that needs no key (health, reflection) past the caps that keep such
+    """A call that needs no key (health, reflection, load reports) past the caps that keep such
     calls apart from keyed work; the message names the cap."""
 
     status_code: ClassVar[str] = "RESOURCE_EXHAUSTED"

@@ -1,5 +1,5 @@
 """What N serving processes on one engine share: who runs which request id,
-the calls in flight, the KV-event streams open.
+the calls in flight, the KV-event streams open, the engine calls ended.
 
 `serve --api-server-count N` starts N frontend processes, each an `AsyncLLM`
 client of one engine core. A router's Abort often arrives on another
@@ -150,6 +150,11 @@ class FrontendGroup:
         # in flight, KV-event streams open.
         self._inflight = ctx.RawArray(ctypes.c_int64, count)
         self._streams = ctx.RawArray(ctypes.c_int64, count)
+        # Engine calls ended in each process, and how many failed: the rates
+        # a load report gives for the engine as a whole (load_report.CallRates).
+        # Each process adds to its own slot only, so no lock is taken.
+        self._ended = ctx.RawArray(ctypes.c_int64, count)
+        self._failed = ctx.RawArray(ctypes.c_int64, count)
         # Set by the parent when the engine core's process ends: a client of
         # an engine it did not start cannot see that process.
         self._engine_dead = ctx.RawValue(ctypes.c_bool, False)
@@ -250,6 +255,17 @@ class FrontendGroup:
     def add_inflight(self, delta: int) -> None:
         """Call under `locked()` when it follows a check; alone otherwise."""
         self._inflight[self.index] += delta
+
+    def count_ended(self, failed: bool) -> None:
+        """One engine call ended in this process (`failed`: with an error status)."""
+        self._ended[self.index] += 1
+        if failed:
+            self._failed[self.index] += 1
+
+    @property
+    def ended(self) -> tuple[int, int]:
+        """Engine calls ended in all the processes so far, and how many failed."""
+        return sum(self._ended), sum(self._failed)
 
     @property
     def streams(self) -> int:

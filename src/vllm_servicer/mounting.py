@@ -17,20 +17,28 @@ from .engine import EngineClient
 from .frontends import FrontendGroup
 from .guard import EngineGuard
 from .health import EngineHealthServicer
-from .interceptors import InflightInterceptor, MetricsInterceptor, Pipeline
+from .interceptors import (
+    InflightInterceptor,
+    LoadReportInterceptor,
+    MetricsInterceptor,
+    Pipeline,
+)
 from .multimodal.media import MediaRefOptions
 from .options import DEFAULT_MAX_KV_SUBSCRIBERS, MountOptions
 from .proto import (
     CONTROL_SERVICE,
     INFERENCE_SERVICE,
+    ORCA_SERVICE,
     SERVICE_NAME,
     control_pb2_grpc,
     inference_pb2_grpc,
+    orca_pb2_grpc,
     vllm_engine_pb2_grpc,
 )
 from .reflection import ChainedPool
 from .servicer.control import ControlServicer
 from .servicer.inference import InferenceServicer
+from .servicer.orca import OpenRcaServicer
 from .servicer.service import VllmEngineServicer
 from .servicer.state import MountState
 from .status import error_layer
@@ -67,6 +75,8 @@ class MountedServices:
         servicer: the VllmEngine servicer, or None when not mounted.
         inference: the `vllm.Inference` servicer, or None when not mounted.
         control: the `vllm.Control` servicer, or None when not mounted.
+        load_reports: the ORCA `OpenRcaService` servicer, or None when the
+            mount sends no load reports.
     """
 
     state: MountState
@@ -77,6 +87,7 @@ class MountedServices:
     servicer: VllmEngineServicer | None = None
     inference: InferenceServicer | None = None
     control: ControlServicer | None = None
+    load_reports: OpenRcaServicer | None = None
 
 
 def mount(
@@ -93,14 +104,16 @@ def mount(
     lora_modules: Mapping[str, str] | None = None,
     frontends: FrontendGroup | None = None,
     budgets: RequestBudgets | None = None,
+    load_reports: bool = True,
 ) -> MountedServices:
     """Serve vLLM's gRPC protocols from `engine` on the host's `server`.
 
     `vllm.grpc.engine.VllmEngine` and vLLM's own `vllm.Inference` by default,
     `vllm.Control` when `services` names it. Also mounts the standard health
     service (services "" and each mounted name; NOT_SERVING while the engine
-    is dead) and server reflection, each switchable. Call it before
-    `server.start()`.
+    is dead), server reflection, and the engine's load for balancers (ORCA:
+    a report in every engine call's trailer and `xds.service.orca.v3.
+    OpenRcaService`), each switchable. Call it before `server.start()`.
 
     Args:
         server: the host's grpc.aio server, built with its own options and
@@ -138,6 +151,12 @@ def mount(
             `n`, constraint size, ids per Abort, shared-memory bytes) and the
             decoded images the process holds at once; None: the defaults
             (`RequestBudgets`). Past one, a call is refused before any engine work.
+        load_reports: send the engine's load to balancers (gRPC's
+            `weighted_round_robin`, Envoy's client-side weighted round robin):
+            an ORCA report in the trailer `endpoint-load-metrics-bin` of every
+            engine call that ends OK, and `OpenRcaService` (no key needed, as
+            health). The trailer is added just outside the in-flight count in
+            `interceptors`, so calls it refuses count as errors.
 
     Returns:
         What was mounted: the servicers (None for a protocol not served), the
@@ -156,12 +175,20 @@ def mount(
         shm_tensors=shm_tensors,
         lora_modules=lora_modules or {},
         budgets=budgets if budgets is not None else RequestBudgets(),
+        load_reports=load_reports,
     )
-    pipeline, inflight = engine_pipeline(interceptors)
+    given = _inflight_of(interceptors)
+    inflight = given if given is not None else InflightInterceptor()
     # One state for every protocol: an id belongs to its caller whichever
     # protocol started it, a drain aborts them all, an adapter Control loads
-    # is one Inference can name.
+    # is one Inference can name, one load report covers them all.
     state = MountState.build(engine, options, inflight=inflight, frontends=frontends)
+    reporter = state.load_reporter
+    pipeline, _ = engine_pipeline(
+        interceptors,
+        inflight=inflight,
+        load_reports=LoadReportInterceptor(reporter) if reporter is not None else None,
+    )
     served = tuple(name for name in SERVICES if name in services)
     # Built first: Control tells it when the engine's state changes. Readiness
     # for the whole server ("") and each protocol served.
@@ -177,6 +204,10 @@ def mount(
     if health_servicer is not None:
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, recorder)
         names.append(HEALTH_SERVICE_NAME)
+    orca = OpenRcaServicer(reporter) if reporter is not None else None
+    if orca is not None:
+        orca_pb2_grpc.add_OpenRcaServiceServicer_to_server(orca, recorder)  # type: ignore[no-untyped-call]
+        names.append(ORCA_SERVICE)
     if reflection_service:
         names.append(REFLECTION_SERVICE_NAME)
         reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
@@ -193,6 +224,7 @@ def mount(
         servicer=servicers.get(SERVICE_NAME),
         inference=servicers.get(INFERENCE_SERVICE),
         control=servicers.get(CONTROL_SERVICE),
+        load_reports=orca,
     )
 
 
@@ -255,17 +287,27 @@ def _register_wrapped(
 
 def engine_pipeline(
     interceptors: Sequence[grpc.aio.ServerInterceptor],
+    *,
+    inflight: InflightInterceptor | None = None,
+    load_reports: LoadReportInterceptor | None = None,
 ) -> tuple[Pipeline, InflightInterceptor]:
     """The pipeline `mount()` runs its services' calls through, and its in-flight count.
 
-    The count is the `InflightInterceptor` among `interceptors`, else one
-    added innermost; every `MetricsInterceptor` reports it as its gauge.
+    The count is the `InflightInterceptor` among `interceptors`, else
+    `inflight` (a new one if None) added innermost; every `MetricsInterceptor`
+    reports it as its gauge. `load_reports` goes just outside the count, where
+    the count's refusals reach it and a refusal by authentication (which comes
+    before the count) does not; last, when the count is inside a nested
+    `Pipeline` (the count's refusals then pass it by).
     """
     stack = list(interceptors)
-    inflight = _inflight_of(stack)
-    if inflight is None:
-        inflight = InflightInterceptor()
-        stack.append(inflight)
+    found = _inflight_of(stack)
+    if found is None:
+        found = inflight if inflight is not None else InflightInterceptor()
+        stack.append(found)
+    inflight = found
+    if load_reports is not None:
+        stack.insert(stack.index(inflight) if inflight in stack else len(stack), load_reports)
     for interceptor in _flattened(stack):
         if isinstance(interceptor, MetricsInterceptor):
             interceptor.read_in_flight_from(inflight)

@@ -34,6 +34,9 @@ class MountOptions:
             host's shared memory too.
         lora_modules: LoRA adapters loaded at first use, by name: their paths.
         budgets: what one request may cost.
+        load_reports: send balancers the engine's load (ORCA): in the trailer
+            `endpoint-load-metrics-bin` of every engine call, and on
+            `xds.service.orca.v3.OpenRcaService` streams.
     """
 
     max_kv_subscribers: int = DEFAULT_MAX_KV_SUBSCRIBERS
@@ -41,6 +44,7 @@ class MountOptions:
     shm_tensors: bool = False
     lora_modules: Mapping[str, str] = dataclasses.field(default_factory=dict)
     budgets: RequestBudgets = dataclasses.field(default_factory=RequestBudgets)
+    load_reports: bool = True
 
     def __post_init__(self) -> None:
         # Frozen all through: a copy the caller cannot change under the servicers.

@@ -18,6 +18,7 @@ from ._pipeline import Pipeline
 from .auth import AuthInterceptor
 from .inflight import ENGINE_REQUESTS, InflightInterceptor
 from .keyless import KeylessLimitInterceptor, KeylessLimits
+from .load_reports import LoadReportInterceptor
 from .metrics import MetricsInterceptor, start_metrics_server
 
 # Tracing needs the `otel` extra only when used: importing it here is safe.
@@ -31,6 +32,7 @@ __all__ = [
     "InflightInterceptor",
     "KeylessLimitInterceptor",
     "KeylessLimits",
+    "LoadReportInterceptor",
     "MethodFilter",
     "MetricsInterceptor",
     "Pipeline",

@@ -14,8 +14,10 @@ so a refused call's bytes are never received, inflated nor parsed, and a
 client without credentials costs the server no deserialization and no engine
 work. Which methods are an administrator's is the protos' method table
 (`proto.ADMIN_METHODS`), not a list here.
-Health (`grpc.health.v1.Health`) and reflection (`grpc.reflection.*`) are
-exempt by default: probes carry no credentials.
+Health (`grpc.health.v1.Health`), reflection (`grpc.reflection.*`) and
+ORCA's load reports (`xds.service.orca.v3.OpenRcaService`) are exempt by
+default: probes carry no credentials, nor do a balancer's out-of-band streams
+(gRPC opens them on the connection, without a call's credentials).
 
 Verifiers are small async callables `(metadata, auth_context) -> Identity`
 that raise `Unauthenticated` or `PermissionDenied` to reject:
@@ -50,7 +52,7 @@ import grpc
 
 from ..context import ADMIN_ROLE, Identity, current_identity
 from ..errors import AuthError, PermissionDenied, Unauthenticated
-from ..proto import ADMIN_METHODS
+from ..proto import ADMIN_METHODS, ORCA_SERVICE
 from ._base import CallInterceptor, MethodFilter
 from ._call import Call, Refusal
 
@@ -87,7 +89,7 @@ DEFAULT_MAX_TOKEN_LENGTH = 1024
 # RFC 6750 b64token: no whitespace, no commas, no quotes.
 _TOKEN = re.compile(r"[A-Za-z0-9\-._~+/]+=*")
 _SCHEME = "Bearer "
-_EXEMPT_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+_EXEMPT_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.", f"/{ORCA_SERVICE}/")
 
 
 class Verifier(Protocol):
@@ -115,7 +117,7 @@ def role_permissions(identity: Identity, method: str) -> bool:
 
 
 def requires_auth_by_default(method: str) -> bool:
-    """The default method filter: everything except health and reflection."""
+    """The default method filter: everything except health, reflection and ORCA's load reports."""
     return not method.startswith(_EXEMPT_PREFIXES)
 
 

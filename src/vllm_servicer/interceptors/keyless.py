@@ -1,11 +1,12 @@
-"""Slots of their own for the calls that need no key: health and reflection.
+"""Slots of their own for the calls that need no key: health, reflection, load reports.
 
-Health `Watch` and reflection streams stay open as long as their client
-likes, and so does a health `Check` whose client never sends its request (the
-wrapper reads it once the call has started); none of them needs a key. grpc's
-own cap on calls at once (`maximum_concurrent_rpcs`) counts them with every
-other call, before any interceptor runs: enough of them, from anyone who
-reaches the port, and every later call is RESOURCE_EXHAUSTED, keyed or not.
+Health `Watch`, reflection and ORCA load-report (`StreamCoreMetrics`) streams
+stay open as long as their client likes, and so does a health `Check` whose
+client never sends its request (the wrapper reads it once the call has
+started); none of them needs a key. grpc's own cap on calls at once
+(`maximum_concurrent_rpcs`) counts them with every other call, before any
+interceptor runs: enough of them, from anyone who reaches the port, and every
+later call is RESOURCE_EXHAUSTED, keyed or not.
 
 `KeylessLimitInterceptor` caps them apart: the streams (any keyless call that
 streams) and the checks (keyless calls of one request and one answer) each
@@ -33,7 +34,8 @@ __all__ = ["KeylessLimitInterceptor", "KeylessLimits", "keyless_methods"]
 
 
 def keyless_methods(method: str) -> bool:
-    """The calls that need no key by default: health and reflection (`AuthInterceptor`'s rule)."""
+    """The calls that need no key by default: health, reflection, ORCA's load reports
+    (`AuthInterceptor`'s rule)."""
     return not requires_auth_by_default(method)
 
 
@@ -42,8 +44,8 @@ class KeylessLimits:
     """How many keyless calls may run at once, per process.
 
     Attributes:
-        max_keyless_streams: streaming keyless calls (health Watch, reflection)
-            open at once.
+        max_keyless_streams: streaming keyless calls (health Watch, reflection,
+            ORCA's StreamCoreMetrics) open at once.
         max_keyless_checks: keyless calls of one answer (health Check) at once;
             apart from the streams, so a probe is answered while they are full.
         max_keyless_per_connection: keyless calls of either kind at once on one
@@ -79,7 +81,7 @@ class KeylessLimitInterceptor(CallInterceptor):
 
     Args:
         limits: the caps.
-        methods: which calls are keyless (default: health and reflection).
+        methods: which calls are keyless (default: health, reflection, load reports).
     """
 
     def __init__(
@@ -132,8 +134,8 @@ class KeylessLimitInterceptor(CallInterceptor):
         limits = self.limits
         if streams and self._streams >= limits.max_keyless_streams:
             return KeylessLimitError(
-                f"too many keyless streams: {self._streams} health Watch and reflection "
-                f"streams are open, the limit (max_keyless_streams) is "
+                f"too many keyless streams: {self._streams} health Watch, reflection and "
+                f"load-report streams are open, the limit (max_keyless_streams) is "
                 f"{limits.max_keyless_streams}; retry later"
             )
         if not streams and self._checks >= limits.max_keyless_checks:
@@ -144,7 +146,7 @@ class KeylessLimitInterceptor(CallInterceptor):
         if self._per_connection[peer] >= limits.max_keyless_per_connection:
             return KeylessLimitError(
                 f"too many keyless calls on this connection: {self._per_connection[peer]} "
-                "health and reflection calls are open on it, the limit "
+                "health, reflection and load-report calls are open on it, the limit "
                 f"(max_keyless_per_connection) is {limits.max_keyless_per_connection}; "
                 "close some or open another connection"
             )

@@ -1,6 +1,7 @@
 """Generated protocol modules (run `make proto`): `vllm.grpc.engine.VllmEngine`,
-and vLLM's own `vllm.Inference` and `vllm.Control`; the services' names and
-each method's role (`methods.py`).
+vLLM's own `vllm.Inference` and `vllm.Control`, and ORCA's load reports
+(`orca_load_report_pb2`, `orca_pb2`: cncf/xds's `xds.data.orca.v3` and
+`xds.service.orca.v3`); the services' names and each method's role (`methods.py`).
 
 from vllm_servicer.proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 
@@ -14,7 +15,14 @@ import importlib
 import types
 from typing import TYPE_CHECKING
 
-from . import common_pb2, control_pb2, inference_pb2, vllm_engine_pb2
+from . import (
+    common_pb2,
+    control_pb2,
+    inference_pb2,
+    orca_load_report_pb2,
+    orca_pb2,
+    vllm_engine_pb2,
+)
 from ._pool import POOL
 from .methods import (
     ADMIN_METHODS,
@@ -25,12 +33,19 @@ from .methods import (
     GENERATION_METHODS,
     INFERENCE_SERVICE,
     METHOD_ROLES,
+    ORCA_SERVICE,
     SERVICE_NAME,
     MethodRole,
 )
 
 if TYPE_CHECKING:
-    from . import common_pb2_grpc, control_pb2_grpc, inference_pb2_grpc, vllm_engine_pb2_grpc
+    from . import (
+        common_pb2_grpc,
+        control_pb2_grpc,
+        inference_pb2_grpc,
+        orca_pb2_grpc,
+        vllm_engine_pb2_grpc,
+    )
 
 __all__ = [
     "ADMIN_METHODS",
@@ -41,6 +56,7 @@ __all__ = [
     "GENERATION_METHODS",
     "INFERENCE_SERVICE",
     "METHOD_ROLES",
+    "ORCA_SERVICE",
     "POOL",
     "SERVICE_NAME",
     "MethodRole",
@@ -50,12 +66,21 @@ __all__ = [
     "control_pb2_grpc",
     "inference_pb2",
     "inference_pb2_grpc",
+    "orca_load_report_pb2",
+    "orca_pb2",
+    "orca_pb2_grpc",
     "vllm_engine_pb2",
     "vllm_engine_pb2_grpc",
 ]
 
 _GRPC_MODULES = frozenset(
-    ("common_pb2_grpc", "vllm_engine_pb2_grpc", "inference_pb2_grpc", "control_pb2_grpc")
+    (
+        "common_pb2_grpc",
+        "vllm_engine_pb2_grpc",
+        "inference_pb2_grpc",
+        "control_pb2_grpc",
+        "orca_pb2_grpc",
+    )
 )
 
 

@@ -15,15 +15,18 @@ from types import MappingProxyType
 
 from google.protobuf.descriptor import ServiceDescriptor
 
-from . import control_pb2, inference_pb2, vllm_engine_pb2
+from . import control_pb2, inference_pb2, orca_pb2, vllm_engine_pb2
 
 _ENGINE = vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"]
 _INFERENCE = inference_pb2.DESCRIPTOR.services_by_name["Inference"]
 _CONTROL = control_pb2.DESCRIPTOR.services_by_name["Control"]
+_ORCA = orca_pb2.DESCRIPTOR.services_by_name["OpenRcaService"]
 
 SERVICE_NAME: str = _ENGINE.full_name
 INFERENCE_SERVICE: str = _INFERENCE.full_name
 CONTROL_SERVICE: str = _CONTROL.full_name
+ORCA_SERVICE: str = _ORCA.full_name
+"""ORCA's out-of-band load reports (`xds.service.orca.v3.OpenRcaService`), for balancers."""
 
 
 class MethodRole(enum.Enum):

@@ -160,17 +160,18 @@ class ServeArgs:
         2048,
         group=_SERVING,
         help="most calls (streams included, refused ones too) the server runs at once besides "
-        "health and reflection, whose --max-keyless-* slots come on top; past it grpc answers "
-        "RESOURCE_EXHAUSTED before any handler or key check runs (default 2048, above "
-        "--max-inflight so that engine calls meet that limit and its retry hint first; "
-        "0: no cap)",
+        "health, reflection and load reports, whose --max-keyless-* slots come on top; past "
+        "it grpc answers RESOURCE_EXHAUSTED before any handler or key check runs (default "
+        "2048, above --max-inflight so that engine calls meet that limit and its retry hint "
+        "first; 0: no cap)",
     )
     # The caps of calls that need no key: their slots come on top of
     # --max-concurrent-rpcs, so keyless calls never take one a keyed call needs.
     max_keyless_streams: int = flag(
         _KEYLESS_DEFAULTS.max_keyless_streams,
         group=_SERVING,
-        help="most health Watch and reflection streams (no key needed) open at once; past it "
+        help="most health Watch, reflection and ORCA load-report streams (no key needed) open "
+        "at once; past it "
         "RESOURCE_EXHAUSTED. Slots of their own, on top of --max-concurrent-rpcs "
         f"(default {_KEYLESS_DEFAULTS.max_keyless_streams})",
     )
@@ -184,7 +185,7 @@ class ServeArgs:
     max_keyless_per_connection: int = flag(
         _KEYLESS_DEFAULTS.max_keyless_per_connection,
         group=_SERVING,
-        help="most health and reflection calls at once on one connection "
+        help="most health, reflection and load-report calls at once on one connection "
         f"(default {_KEYLESS_DEFAULTS.max_keyless_per_connection})",
     )
     max_kv_subscribers: int = flag(
@@ -204,6 +205,13 @@ class ServeArgs:
         "handler, so no client, with a key or without, can make the server inflate a request)",
     )
     no_reflection: bool = flag(False, group=_SERVING, help="do not serve reflection")
+    no_load_reports: bool = flag(
+        False,
+        group=_SERVING,
+        help="send balancers no ORCA load reports: neither the endpoint-load-metrics-bin "
+        "trailer on Generate and Embed calls nor xds.service.orca.v3.OpenRcaService (no key "
+        "needed, as health), which gRPC's weighted_round_robin and Envoy read",
+    )
     warm_up: bool = flag(
         False,
         group=_SERVING,
@@ -454,7 +462,7 @@ class ServeArgs:
 
     @property
     def keyless_limits(self) -> KeylessLimits:
-        """The caps on calls that need no key (health, reflection), per process."""
+        """The caps on calls that need no key (health, reflection, load reports), per process."""
         return KeylessLimits(
             max_keyless_streams=self.max_keyless_streams,
             max_keyless_checks=self.max_keyless_checks,

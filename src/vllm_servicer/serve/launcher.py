@@ -228,6 +228,7 @@ def _grpc_server(
         engine,
         interceptors=[KeylessLimitInterceptor(limits), *interceptors],
         reflection_service=not args.no_reflection,
+        load_reports=not args.no_load_reports,
         max_kv_subscribers=args.max_kv_subscribers,
         media_refs=MediaRefOptions() if args.enable_media_refs else None,
         shm_tensors=args.enable_shm_tensors,

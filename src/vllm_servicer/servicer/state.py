@@ -3,11 +3,12 @@
 Every protocol runs requests on one engine: an id belongs to its caller
 whichever protocol started it (`RunningRequests`), each engine call is
 prepared by the same steps (`EngineCallSteps`), an adapter Control loads is
-one Inference's `lora_name` names (`LoraRegistry`), and the decoded images in
-flight count against one budget (`DecodedMedia`). `MountState` holds them,
-with the count of calls in flight and the frontend group, for the servicers
-and for what reads the mount from outside (the drain, through
-`MountedServices.state`). No grpc here.
+one Inference's `lora_name` names (`LoraRegistry`), the decoded images in
+flight count against one budget (`DecodedMedia`), and one load report
+(`LoadReporter`) is what the calls' trailers and the out-of-band stream send.
+`MountState` holds them, with the count of calls in flight and the frontend
+group, for the servicers and for what reads the mount from outside (the
+drain, through `MountedServices.state`). No grpc here.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from typing import TYPE_CHECKING, Protocol
 
 from ..engine import EngineClient
 from ..frontends import FrontendGroup
+from ..load_report import CallRates, LoadReporter
 from ..multimodal.decoded import DecodedMedia
 from .engine_call import EngineCallSteps
 from .lora import LoraRegistry
+from .orca import EngineLoadReader
 from .tenancy import RunningRequests
 
 if TYPE_CHECKING:
@@ -51,6 +54,8 @@ class MountState:
         inflight: the count of engine calls in flight; None: `running` counts them.
         frontends: the frontend processes sharing the engine (`serve
             --api-server-count`), or None.
+        load_reporter: the engine's ORCA load report, or None when the mount
+            sends none (`MountOptions.load_reports`).
     """
 
     engine: EngineClient
@@ -60,6 +65,7 @@ class MountState:
     decoded_media: DecodedMedia
     inflight: InflightTotal | None = None
     frontends: FrontendGroup | None = None
+    load_reporter: LoadReporter | None = None
 
     @classmethod
     def build(
@@ -80,16 +86,27 @@ class MountState:
         steps = EngineCallSteps(engine, running)
         several = frontends is not None and frontends.count > 1
         loras = LoraRegistry(engine, options.lora_modules, fixed=several)
+        reporter = None
+        if options.load_reports:
+            reader = EngineLoadReader(
+                engine, lambda: _active(inflight, running), frontends=frontends
+            )
+            reporter = LoadReporter(reader, CallRates(frontends), update=reader.update)
         return cls(
-            engine, running, steps, loras, DecodedMedia(options.budgets), inflight, frontends
+            engine,
+            running,
+            steps,
+            loras,
+            DecodedMedia(options.budgets),
+            inflight,
+            frontends,
+            reporter,
         )
 
     @property
     def active_requests(self) -> int:
         """Engine calls in flight: what GetServerInfo reports and a drain waits for."""
-        if self.inflight is not None:
-            return self.inflight.limited_everywhere
-        return len(self.running)
+        return _active(self.inflight, self.running)
 
     async def abort_running(self) -> list[str]:
         """Abort every request running in this process (their streams end with "abort").
@@ -101,3 +118,8 @@ class MountState:
         if ids:
             await self.engine.abort(ids)
         return ids
+
+
+def _active(inflight: InflightTotal | None, running: RunningRequests) -> int:
+    """Engine calls in flight: the count's, else the running requests' (a servicer alone)."""
+    return inflight.limited_everywhere if inflight is not None else len(running)
