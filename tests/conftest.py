@@ -4,10 +4,12 @@ Each engine is vLLM's `AsyncLLM` on a tiny model written here (random weights,
 seeded, so greedy output is deterministic): `engine` (the text model, served on
 loopback by `server`), `vlm_engine` (the vision model), `embedding_engine` (the
 text model as an embedding model) and `kv_echo_engine` (the text model with a
-KV connector and speculative decoding). Building one takes ~30 s on these
-machines, so each is built when a test first needs it and shut down when the
-session ends (each holds about 1.3 GiB, 256 MiB of it its KV cache). A test
-that needs an engine with other settings builds its own and says why.
+KV connector and speculative decoding); `recipe_launcher` is the launcher of
+the Kubernetes recipe, with its arguments (support/recipe.py). Building one
+takes ~30 s on these machines, so each is built when a test first needs it and
+shut down when the session ends (each holds about 1.3 GiB, 256 MiB of it its
+KV cache). A test that needs an engine with other settings builds its own and
+says why.
 
 The helpers the test files share are in the `support` package (tests/support/).
 
@@ -27,6 +29,7 @@ from typing import Any
 
 import grpc
 import pytest
+from support.recipe import recipe_launcher as recipe_launcher  # a fixture: the recipe's pod
 from support.servers import Serving, serving
 from support.servers import placement as placement  # a fixture: each placement in turn
 
@@ -39,8 +42,11 @@ from vllm_servicer.testing.tiny_model import (
 )
 from vllm_servicer.testing.tiny_vlm import TINY_VLM_ENGINE_KWARGS, write_tiny_vlm
 
-ENGINE_FIXTURES = frozenset({"engine", "vlm_engine", "embedding_engine", "kv_echo_engine"})
-"""The session's real engines: a test that uses one (or a fixture built on one) runs an engine."""
+ENGINE_FIXTURES = frozenset(
+    {"engine", "vlm_engine", "embedding_engine", "kv_echo_engine", "recipe_launcher"}
+)
+"""The session's real engines (and the launcher of the Kubernetes recipe): a test that
+uses one (or a fixture built on one) runs an engine."""
 
 ENGINE_STARTERS = ("build_tiny_engine", "spawn", "launch", "launched", "serve_to_end")
 """Names a test module imports when its tests start an engine of their own or a

@@ -314,6 +314,16 @@ def test_generation_series_carry_the_model_name_and_rpc_series_do_not() -> None:
     assert all("model_name" not in s.labels for s in grpcs)
 
 
+def test_draining_reads_one_from_mark_shutdown_on() -> None:
+    registry = CollectorRegistry()
+    metrics = MetricsInterceptor(registry, model_name="tiny-served")
+    labels = {"model_name": "tiny-served"}
+    # Present at 0 from the start, so a dashboard shows "serving", not "no data".
+    assert registry.get_sample_value("vllm_servicer_draining", labels) == 0
+    metrics.mark_shutdown()
+    assert registry.get_sample_value("vllm_servicer_draining", labels) == 1
+
+
 def test_separate_registries_do_not_collide() -> None:
     first, second = CollectorRegistry(), CollectorRegistry()
     MetricsInterceptor(first)

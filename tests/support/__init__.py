@@ -8,6 +8,8 @@ The everyday names are importable from the package itself
 - `servers`: `serving` (an engine mounted on loopback), interceptor placements,
   bearer metadata, free ports.
 - `launcher`: the launcher and examples run in processes of their own.
+- `recipe`: the Kubernetes recipe's launcher, with its Deployment's arguments
+  (the `recipe_launcher` session fixture, offered by conftest.py).
 - `certs`: CAs and certificates made on the fly.
 - `router_side`: image input as a router preprocesses it.
 - `kv_echo_connector`: a KV connector that hands its params back (loaded by the engine).

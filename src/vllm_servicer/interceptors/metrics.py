@@ -9,8 +9,9 @@ Two families:
 - `vllm_servicer_*` generation metrics for Generate, from what its
   responses carried as they left (`vllm_servicer.wire.usage`): time to first token, time per
   output token, request duration, prompt and generated tokens, finish
-  reasons, cancellations by cause, and engine requests in flight. Each
-  documents the OpenTelemetry GenAI instrument it matches, and carries a
+  reasons, cancellations by cause, engine requests in flight, and whether
+  the server drains. Each documents the OpenTelemetry GenAI instrument it
+  matches, if any, and carries a
   `model_name` label (the served model name), as vLLM's own `vllm:*` series
   do, so the two families join in a query.
 
@@ -272,6 +273,14 @@ class MetricsInterceptor(CallInterceptor):
             # the sum over the live ones.
             multiprocess_mode="livesum",
         )
+        self.draining = Gauge(
+            "vllm_servicer_draining",
+            "1 from the start of a drain (mark_shutdown(): health NOT_SERVING, then new calls "
+            "refused) to the end of the process, else 0.",
+            _MODEL,
+            registry=reg,
+            multiprocess_mode="livemax",
+        )
         # Bound once: the model is fixed per instance, so the hot path below
         # never calls .labels() (a lookup under a lock).
         model = model_name
@@ -284,6 +293,8 @@ class MetricsInterceptor(CallInterceptor):
         self._generation_inc = self.generation_tokens.labels(model).inc
         self._in_flight = self.requests_in_flight.labels(model)
         self._counts_in_flight = True
+        self._draining = self.draining.labels(model)
+        self._draining.set(0)
 
     def read_in_flight_from(self, inflight: InflightInterceptor) -> None:
         """Report the calls `inflight` counts as in flight instead of counting them again.
@@ -300,9 +311,11 @@ class MetricsInterceptor(CallInterceptor):
         """From now on, count cancelled and aborted Generate calls as `shutdown`.
 
         The call alone cannot tell a shutdown from a client cancel: the
-        launcher calls this before it drains and stops the server.
+        launcher calls this before it drains and stops the server. The
+        `vllm_servicer_draining` gauge reads 1 from then on.
         """
         self._shutting_down = True
+        self._draining.set(1)
 
     # ----- hooks ----------------------------------------------------------------
 
