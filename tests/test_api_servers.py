@@ -782,13 +782,18 @@ async def test_the_engines_death_ends_every_process_with_exit_code_1(
     and the launcher exits 1 with nothing left behind (a supervisor restarts it)."""
     env = _launch_env(tmp_path_factory)
     env["VLLM_KEEP_ALIVE_ON_ENGINE_DEATH"] = "0"
+    # A context long enough that the stream is still running when the engine
+    # dies, however slowly this test gets there on a busy machine.
+    env["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
     async with (
-        _own_launcher(["--api-server-count", "2"], env) as (served, processes),
+        _own_launcher(
+            ["--api-server-count", "2", "--max-model-len", "65536"], env
+        ) as (served, processes),
         grpc.aio.insecure_channel(served.address) as channel,
     ):
         proc, output, frontends = served.proc, served.output, set(served.pids)
         running = vllm_engine_pb2_grpc.VllmEngineStub(channel).Generate(
-            request(max_tokens=LONG, ignore_eos=True, stream=True)
+            request(max_tokens=60000, ignore_eos=True, stream=True)
         )
         await _first(running)
         (engine_core,) = [

@@ -535,3 +535,21 @@ async def test_launcher_endpoint_shows_both_families_per_model(tiny_model_dir: P
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+def test_the_load_reports_utilization_is_a_gauge_balancers_and_dashboards_agree_on() -> None:
+    from vllm_servicer.interceptors.load_reports import LoadReportInterceptor
+    from vllm_servicer.load_report import CallRates, EngineLoad, LoadReporter
+    from vllm_servicer.mounting import engine_pipeline
+
+    registry = CollectorRegistry()
+    metrics = MetricsInterceptor(registry, model_name="tiny-served")
+    load = EngineLoad(running=8, waiting=0, max_num_seqs=16, kv_cache_usage=0.25)
+    reporter = LoadReporter(lambda: load, CallRates(), refresh=0)
+    engine_pipeline([metrics], load_reports=LoadReportInterceptor(reporter))
+    labels = {"model_name": "tiny-served"}
+    # 8 of 16 slots outweighs a quarter of the KV cache: what the trailer says too.
+    assert registry.get_sample_value("vllm_servicer_orca_application_utilization", labels) == 0.5
+    assert reporter.report().application_utilization == 0.5
+    load = EngineLoad(running=1, waiting=0, max_num_seqs=16, kv_cache_usage=0.75)
+    assert registry.get_sample_value("vllm_servicer_orca_application_utilization", labels) == 0.75

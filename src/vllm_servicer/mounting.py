@@ -295,7 +295,7 @@ def engine_pipeline(
 
     The count is the `InflightInterceptor` among `interceptors`, else
     `inflight` (a new one if None) added innermost; every `MetricsInterceptor`
-    reports it as its gauge. `load_reports` goes just outside the count, where
+    reports it as its gauge, and the load reports' utilization as another. `load_reports` goes just outside the count, where
     the count's refusals reach it and a refusal by authentication (which comes
     before the count) does not; last, when the count is inside a nested
     `Pipeline` (the count's refusals then pass it by).
@@ -311,6 +311,8 @@ def engine_pipeline(
     for interceptor in _flattened(stack):
         if isinstance(interceptor, MetricsInterceptor):
             interceptor.read_in_flight_from(inflight)
+            if load_reports is not None:
+                interceptor.read_load_reports_from(load_reports.reporter)
     return Pipeline(stack), inflight
 
 

@@ -40,6 +40,7 @@ from ._base import CallInterceptor, MethodFilter, all_methods
 from ._call import Call
 
 if TYPE_CHECKING:
+    from ..load_report import LoadReporter
     from .inflight import InflightInterceptor
 
 GRPC_TYPES = {
@@ -281,6 +282,15 @@ class MetricsInterceptor(CallInterceptor):
             registry=reg,
             multiprocess_mode="livemax",
         )
+        self.orca_utilization = Gauge(
+            "vllm_servicer_orca_application_utilization",
+            "The application_utilization of the ORCA load report balancers read "
+            "(the larger of KV-cache usage and running + waiting sequences over "
+            "max_num_seqs), as of the last report; absent without load reports.",
+            _MODEL,
+            registry=reg,
+            multiprocess_mode="livemax",
+        )
         # Bound once: the model is fixed per instance, so the hot path below
         # never calls .labels() (a lookup under a lock).
         model = model_name
@@ -295,6 +305,9 @@ class MetricsInterceptor(CallInterceptor):
         self._counts_in_flight = True
         self._draining = self.draining.labels(model)
         self._draining.set(0)
+        self._model = model
+        self._orca: Any = None  # the gauge's child, once a load report is read
+        self._reporter: LoadReporter | None = None
 
     def read_in_flight_from(self, inflight: InflightInterceptor) -> None:
         """Report the calls `inflight` counts as in flight instead of counting them again.
@@ -306,6 +319,18 @@ class MetricsInterceptor(CallInterceptor):
             return  # a function's value is never written where the scrape reads: count
         self._counts_in_flight = False
         self._in_flight.set_function(lambda: inflight.limited_total)
+
+    def read_load_reports_from(self, reporter: LoadReporter) -> None:
+        """Report `reporter`'s utilization, what balancers read, as a gauge.
+
+        Read at each scrape; with several frontend processes, where a
+        function's value never reaches the scrape, set as each engine call ends.
+        """
+        self._orca = self.orca_utilization.labels(self._model)
+        if _MULTIPROCESS:
+            self._reporter = reporter
+            return
+        self._orca.set_function(lambda: reporter.report().application_utilization)
 
     def mark_shutdown(self) -> None:
         """From now on, count cancelled and aborted Generate calls as `shutdown`.
@@ -366,8 +391,11 @@ class MetricsInterceptor(CallInterceptor):
             handled = method.handled[code] = self.handled.labels(*method.labels, code.name)
         handled.inc()
         method.handling.observe(now - call.started)
-        if method.engine and self._counts_in_flight:
-            self._in_flight.dec()
+        if method.engine:
+            if self._counts_in_flight:
+                self._in_flight.dec()
+            if self._reporter is not None:
+                self._orca.set(self._reporter.report().application_utilization)
         if not state.generate:
             return
         state.running.discard(state)
