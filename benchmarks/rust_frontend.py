@@ -45,13 +45,14 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import stat
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,7 @@ sys.path.insert(0, str(ROOT / "src"))
 # The process, CPU and start-up helpers are run.py's, the prompt and timing
 # helpers loadgen.py's, so the figures are taken as theirs are.
 import loadgen  # noqa: E402
+import profile_split  # noqa: E402
 import run  # noqa: E402
 
 # The venv `make test-engine ENGINE=vllm==0.33.0` (CI) and `make test-engine-hybrid` build.
@@ -189,6 +191,7 @@ class Server:
     managed: run.Managed
     port: int
     serving_pid: int = 0
+    rust: bool = False  # vllm-rs (else this project's launcher)
     engine: list[int] = field(default_factory=list)
     description: str = ""
 
@@ -199,7 +202,7 @@ class Server:
     def find_processes(self) -> None:
         """The serving process and the engine processes (once the server answers)."""
         root = self.managed.pid
-        if self.name == RUST:
+        if self.rust:
             found = rust_frontend_pid(root)
             if found is None:
                 raise RuntimeError(f"no vllm-rs frontend process below pid {root}")
@@ -490,7 +493,8 @@ class Driver:
             else:
                 m = self.start_rust(port)
             self.log(f"starting {labels[name]} on port {port} (log: {m.log_path})")
-            self.servers[name] = Server(name, labels[name], m, port)
+            rust = name == RUST and not self.args.against_src
+            self.servers[name] = Server(name, labels[name], m, port, rust=rust)
         cmd = [sys.executable, __file__, "loadgen", "--cpu", str(self.args.loadgen_cpu)]
         lg = self.procs.add("loadgen", cmd)
         lg.start(stdin=subprocess.PIPE, stdout=subprocess.PIPE)
@@ -573,6 +577,74 @@ class Driver:
                 line.append(f"{name} {b.result['tokens_per_s']:.0f} tok/s {cpu:.0f} us/tok")
                 time.sleep(self.args.pause)
             self.log(f"round {rnd}: " + ", ".join(line))
+
+    def profile(self) -> dict[str, Any]:
+        """Our serving process sampled under bursts of the rounds' shape (`--profile`)."""
+        server = self.servers[OURS]
+        seconds = self.args.profile
+        rate = statistics.median(b.result["tokens_per_s"] for b in self.bursts if b.server == OURS)
+        # Long enough to outlast a sampler.
+        requests = max(self.args.concurrency, int(rate * (seconds + 5) / self.args.tokens))
+        spec = {"op": "burst", "target": server.target, "concurrency": self.args.concurrency}
+        spec |= {"requests": requests, "prompt_len": PROMPT_LEN, "stream": True}
+        spec |= {"max_tokens": self.args.tokens, "response": self.args.response}
+        assert self.loadgen is not None
+        loadgen = self.loadgen
+
+        @contextlib.contextmanager
+        def under_load() -> Iterator[None]:
+            proc = loadgen.managed.proc
+            assert proc is not None and proc.stdin is not None
+            proc.stdin.write((json.dumps(spec) + "\n").encode())
+            proc.stdin.flush()
+            time.sleep(1.0)  # the streams under way
+            yield
+            loadgen.read()  # the burst's own result, not counted
+
+        installed = self.args.venv / "bin" / "py-spy"
+        py_spy = str(installed) if installed.exists() else shutil.which("py-spy")
+        self.log(f"profiling {server.label} (pid {server.serving_pid}), 2 x {seconds:.0f} s")
+        return profile_split.profile(server.serving_pid, seconds, py_spy, under_load)
+
+    def ceiling(self) -> dict[str, Any]:
+        """vLLM's frontend alone: `AsyncLLM.generate` in-process at the rounds' shape (`--ceiling`).
+
+        The same engine flags and venv, no server: what the serving process
+        of any Python frontend on this engine spends per token before a byte
+        is sent. Its own process's CPU, the engine core's excluded.
+        """
+        python = str(self.args.venv / "bin" / "python")
+        m = self.procs.add("ceiling", [python, str(HERE / "ceiling.py"), *self.engine])
+        self.log(f"starting the in-process ceiling (log: {m.log_path})")
+        m.start(stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=self.base_env())
+        channel = run.LineChannel(m)
+        pid = int(channel.read()["pid"])
+        if self.args.loadgen_cpu >= 0:
+            keep_off(engine_pids(pid), self.args.loadgen_cpu)
+        c = self.args.concurrency
+        spec = {"concurrency": c, "requests": self.args.requests or 2 * c, "stream": True}
+        spec |= {"prompt_len": PROMPT_LEN, "max_tokens": self.args.tokens}
+        spec |= {"detokenize": self.args.response != "ids"}
+        channel.ask(spec)  # warm-up
+        figures = []
+        for _ in range(2 * self.args.rounds):
+            before = run.cpu_seconds(pid)
+            result = channel.ask(spec)
+            used = run.cpu_seconds(pid) - before
+            tokens = result["output_tokens"]
+            figures.append(
+                {
+                    "tokens_per_s": result["tokens_per_s"],
+                    "cpu_us_per_token": used / tokens * 1e6,
+                    "outputs_per_token": result["messages"] / tokens,
+                }
+            )
+        self.procs.stop(m)
+        out = {k: _spread([f[k] for f in figures]) for k in figures[0]}
+        cpu = out["cpu_us_per_token"]
+        spread = f"[{cpu['min']:.1f}-{cpu['max']:.1f}]"
+        self.log(f"in-process AsyncLLM: {cpu['median']:.1f} us/token {spread}")
+        return out
 
 
 # ----- summary ------------------------------------------------------------------------
@@ -679,6 +751,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="instead of vllm-rs, this launcher from another source tree (before/after)",
     )
+    p.add_argument(
+        "--profile",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="after the rounds, sample our serving process under the same load with perf "
+        "and py-spy (benchmarks/profile_split.py), SECONDS each",
+    )
+    p.add_argument(
+        "--ceiling",
+        action="store_true",
+        help="after the rounds, vLLM's frontend alone: AsyncLLM.generate in-process at the "
+        "same shape (benchmarks/ceiling.py), its CPU per token",
+    )
     p.add_argument("--loadgen-cpu", type=int, default=1, help="its core; -1: unpinned")
     p.add_argument("--pause", type=float, default=0.2, help="seconds between bursts")
     p.add_argument("--start-timeout", type=float, default=600.0)
@@ -733,6 +819,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         driver.start()
         driver.check_greedy()
         driver.run_rounds()
+        profiled = driver.profile() if args.profile > 0 else None
+        ceiling = driver.ceiling() if args.ceiling else None
     except KeyboardInterrupt:
         driver.log("interrupted; stopping every process started")
         return 130
@@ -741,6 +829,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, previous)
     summary = summarize(driver.bursts)
     print_summary(summary, labels)
+    if ceiling is not None:
+        cpu = ceiling["cpu_us_per_token"]
+        print(
+            f"vLLM's frontend alone (AsyncLLM.generate in-process, same shape): "
+            f"{cpu['median']:.1f} us/token [{cpu['min']:.1f}-{cpu['max']:.1f}], "
+            f"{ceiling['outputs_per_token']['median']:.2f} outputs/token"
+        )
     load_end = loadavg()
     print(f"\nload average: {load_start} at start, {load_end} at the end")
     for problem in driver.problems:
@@ -764,6 +859,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "loadavg": {"start": load_start, "end": load_end},
                 "elapsed_s": round(time.monotonic() - started, 1),
                 "problems": driver.problems,
+                "profile": profiled,
+                "ceiling": ceiling,
                 "requests_checked": sum(b.result["spec"]["requests"] for b in driver.bursts),
                 "summary": summary,
                 "bursts": [b.to_json() for b in driver.bursts],
