@@ -331,6 +331,10 @@ class InferenceClient:
         stub = self.stub(spec["target"])
         rec = loadgen.Recorder(expected_tokens=burst.max_tokens)
         numbers = iter(range(burst.requests))
+        # The time between two messages that carry tokens, unsplit: what a
+        # client waits for the next text (the inter-token figures spread a
+        # message of n tokens over n equal gaps).
+        gaps: list[float] = []
 
         async def worker() -> None:
             for _ in numbers:
@@ -345,10 +349,17 @@ class InferenceClient:
                 if not note and spec["response"] != "text" and len(ids) != total:
                     note = f"{len(ids)} token ids for {total} tokens"
                 rec.request_done(sent, arrivals, total, note)
+                timed = [t for t, n in arrivals if n]
+                gaps.extend(b - a for a, b in zip(timed, timed[1:], strict=False))
 
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(min(burst.concurrency, burst.requests))))
-        return loadgen.summarize(burst, rec, time.perf_counter() - started)
+        result = loadgen.summarize(burst, rec, time.perf_counter() - started)
+        ordered = sorted(gaps)
+        for q in QUANTILES:
+            at = int(int(q[1:]) / 100 * (len(ordered) - 1))
+            result[f"gap_{q}_ms"] = round(ordered[at] * 1000, 3) if ordered else None
+        return result
 
 
 async def serve_stdin() -> None:
@@ -412,7 +423,11 @@ class Burst:
             "engine_cpu_us_per_token": self.per_token_us(self.engine_cpu_s),
             "serving_cpu_us_per_message": self.serving_cpu_s / messages * 1e6 if messages else None,
             "messages_per_token": messages / r["output_tokens"] if r["output_tokens"] else None,
-            **{f"{m}_{q}_ms": r.get(f"{m}_{q}_ms") for m in ("ttft", "itl") for q in QUANTILES},
+            **{
+                f"{m}_{q}_ms": r.get(f"{m}_{q}_ms")
+                for m in ("ttft", "itl", "gap")
+                for q in QUANTILES
+            },
         }
 
     def to_json(self) -> dict[str, Any]:
@@ -461,9 +476,9 @@ class Driver:
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         return env
 
-    def start_ours(self, name: str, src: Path, port: int) -> run.Managed:
+    def start_ours(self, name: str, src: Path, port: int, flags: str) -> run.Managed:
         own = ["--host", "127.0.0.1", "--port", str(port), "--services", "inference"]
-        own += ["--drain-grace", "0", *shlex.split(self.args.ours_args)]
+        own += ["--drain-grace", "0", *shlex.split(flags)]
         python = str(self.args.venv / "bin" / "python")
         cmd = [python, "-m", "vllm_servicer", "serve", *own, *self.engine]
         m = self.procs.add(name, cmd)
@@ -487,9 +502,10 @@ class Driver:
         for name in (OURS, RUST):
             port = run.free_port()
             if name == OURS:
-                m = self.start_ours(name, ROOT, port)
+                m = self.start_ours(name, ROOT, port, self.args.ours_args)
             elif self.args.against_src:
-                m = self.start_ours(name, Path(self.args.against_src).resolve(), port)
+                src = Path(self.args.against_src).resolve()
+                m = self.start_ours(name, src, port, self.args.rust_args)
             else:
                 m = self.start_rust(port)
             self.log(f"starting {labels[name]} on port {port} (log: {m.log_path})")
@@ -697,7 +713,7 @@ def print_summary(summary: dict[str, Any], labels: dict[str, str]) -> None:
         ("output tokens/s", "tokens_per_s", ".0f"),
         *(
             (f"{name} {q} (ms)", f"{key}_{q}_ms", ".1f")
-            for key, name in (("ttft", "TTFT"), ("itl", "inter-token"))
+            for key, name in (("ttft", "TTFT"), ("itl", "inter-token"), ("gap", "message gap"))
             for q in QUANTILES
         ),
         ("serving CPU us/token", "serving_cpu_us_per_token", ".1f"),
@@ -745,7 +761,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--quick", action="store_true", help="C=16, 1 round, 16 tokens")
     p.add_argument("--ours-args", default="", help="launcher flags for ours only (one string)")
-    p.add_argument("--rust-args", default="", help="`vllm serve` flags for vllm-rs only")
+    p.add_argument(
+        "--rust-args",
+        default="",
+        help="`vllm serve` flags for vllm-rs only (with --against-src: launcher flags for "
+        "the other tree's launcher)",
+    )
     p.add_argument(
         "--against-src",
         default=None,

@@ -93,6 +93,8 @@ def mount(
     lora_modules: Mapping[str, str] | None = None,
     frontends: FrontendGroup | None = None,
     budgets: RequestBudgets | None = None,
+    stream_interval: int = 1,
+    stream_interval_min_inflight: int = 0,
 ) -> MountedServices:
     """Serve vLLM's gRPC protocols from `engine` on the host's `server`.
 
@@ -138,6 +140,18 @@ def mount(
             `n`, constraint size, ids per Abort, shared-memory bytes) and the
             decoded images the process holds at once; None: the defaults
             (`RequestBudgets`). Past one, a call is refused before any engine work.
+        stream_interval: the new tokens a streamed generation's message
+            gathers before it leaves, both gRPC protocols (vLLM's per-request
+            `stream_interval`; the first and the last token leave at once); 1,
+            the default, sends each engine step's tokens. Under load a
+            message per engine step and stream is most of the serving
+            process's CPU; N cuts the messages about N-fold, and a token
+            waits up to N - 1 engine steps. The engine's own
+            `stream_interval` (all its frontends, vLLM's HTTP server too)
+            stays the floor.
+        stream_interval_min_inflight: apply `stream_interval` only to streams
+            that start while at least this many engine calls are in flight
+            (the new one counted): a lightly loaded server streams every step.
 
     Returns:
         What was mounted: the servicers (None for a protocol not served), the
@@ -147,7 +161,8 @@ def mount(
         MountError: the server has already been started.
         TypeError: `engine` lacks a member of `EngineClient` (the message names it).
         ValueError: `services` names a service this package does not serve,
-            or `frontends` has not been joined.
+            `frontends` has not been joined, or a stream interval is out of
+            range or not taken per request by the installed vLLM.
     """
     _check_mountable(server, services, frontends)
     options = MountOptions(
@@ -156,6 +171,8 @@ def mount(
         shm_tensors=shm_tensors,
         lora_modules=lora_modules or {},
         budgets=budgets if budgets is not None else RequestBudgets(),
+        stream_interval=stream_interval,
+        stream_interval_min_inflight=stream_interval_min_inflight,
     )
     pipeline, inflight = engine_pipeline(interceptors)
     # One state for every protocol: an id belongs to its caller whichever

@@ -76,8 +76,18 @@ class MountState:
             TypeError: `engine` lacks a member of `EngineClient` (the message names it).
         """
         running = RunningRequests(frontends)
+
+        def in_flight() -> int:
+            return _active(inflight, running)
+
         # First: it checks the engine's members, which the registry reads.
-        steps = EngineCallSteps(engine, running)
+        steps = EngineCallSteps(
+            engine,
+            running,
+            stream_interval=options.stream_interval,
+            min_inflight=options.stream_interval_min_inflight,
+            in_flight=in_flight,
+        )
         several = frontends is not None and frontends.count > 1
         loras = LoraRegistry(engine, options.lora_modules, fixed=several)
         return cls(
@@ -87,9 +97,7 @@ class MountState:
     @property
     def active_requests(self) -> int:
         """Engine calls in flight: what GetServerInfo reports and a drain waits for."""
-        if self.inflight is not None:
-            return self.inflight.limited_everywhere
-        return len(self.running)
+        return _active(self.inflight, self.running)
 
     async def abort_running(self) -> list[str]:
         """Abort every request running in this process (their streams end with "abort").
@@ -101,3 +109,8 @@ class MountState:
         if ids:
             await self.engine.abort(ids)
         return ids
+
+
+def _active(inflight: InflightTotal | None, running: RunningRequests) -> int:
+    """Engine calls in flight: the in-flight count's, else the running requests'."""
+    return inflight.limited_everywhere if inflight is not None else len(running)
