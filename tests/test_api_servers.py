@@ -786,9 +786,10 @@ async def test_the_engines_death_ends_every_process_with_exit_code_1(
     # dies, however slowly this test gets there on a busy machine.
     env["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
     async with (
-        _own_launcher(
-            ["--api-server-count", "2", "--max-model-len", "65536"], env
-        ) as (served, processes),
+        _own_launcher(["--api-server-count", "2", "--max-model-len", "65536"], env) as (
+            served,
+            processes,
+        ),
         grpc.aio.insecure_channel(served.address) as channel,
     ):
         proc, output, frontends = served.proc, served.output, set(served.pids)

@@ -135,3 +135,39 @@ def test_orca_balance_benchmark_measures_the_split_and_the_cost(tmp_path: Path) 
     for row in data["cost"]:
         assert row["calls_per_s"] > 0 and row["loop_us_per_call"] > 0
     assert "extra_loop_us_per_call" in data["cost"][1]
+
+
+HYBRID_VENV = BENCHMARKS.parent / "build" / "venv-vllm-0.33.0-over-cpu-0.32.0"
+
+
+@pytest.mark.skipif(
+    not (HYBRID_VENV / ".setup-done").exists(),
+    reason=f"needs the vLLM 0.33 hybrid venv ({HYBRID_VENV}), whose vLLM ships vllm-rs: "
+    "`make test-engine ENGINE=vllm==0.33.0` or `make test-engine-hybrid VLLM=0.33.0` builds it",
+)
+def test_rust_frontend_benchmark_counts_each_serving_process_alone(tmp_path: Path) -> None:
+    import subprocess
+
+    out = tmp_path / "rust.json"
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "rust_frontend.py"), "--quick", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    data = json.loads(out.read_text())
+    # Both gave the same greedy tokens, and every request its count and finish reason.
+    assert data["problems"] == []
+    # --quick: 16 in flight, 32 requests per burst, A B B A in its one round.
+    assert data["requests_checked"] == 4 * 32
+    # The serving processes counted: vllm-rs's own, the launcher's; engine cores apart.
+    assert "vllm-rs frontend" in data["counted"]["vllm-rs"]
+    assert "vllm_servicer serve" in data["counted"]["ours"]
+    for counted in data["counted"].values():
+        assert "excluded engine processes" in counted and "VLLM::EngineCore" in counted
+    for name in ("ours", "vllm-rs"):
+        figures = data["summary"][name]
+        assert figures["tokens_per_s"] > 0 and figures["serving_cpu_us_per_token"] > 0
+        assert figures["itl_p90_ms"] is not None and figures["ttft_p99_ms"] is not None
+    assert data["summary"]["ratios"]["serving_cpu_us_per_token"]["median"] > 0

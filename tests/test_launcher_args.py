@@ -163,8 +163,16 @@ def test_a_field_that_is_not_marked_is_refused() -> None:
         ["--api-key", "a", "--api-key-file", "f"],
         ["--tls-cert", "c.pem"],
         ["--tls-client-ca", "ca.pem"],
+        ["--grpc-stream-interval", "0"],
+        ["--grpc-stream-interval-min-inflight", "-1"],
     ],
-    ids=["two-key-sources", "cert-without-key", "client-ca-without-cert"],
+    ids=[
+        "two-key-sources",
+        "cert-without-key",
+        "client-ca-without-cert",
+        "no-stream-interval",
+        "negative-threshold",
+    ],
 )
 def test_contradictory_flags_are_refused(argv: list[str]) -> None:
     with pytest.raises(SystemExit):

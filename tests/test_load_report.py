@@ -28,7 +28,6 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from support import bearer, request, serving
 from support.h2_grpc import RawReply, raw_call
 
-from vllm_servicer.testing.tiny_model import TINY_ENGINE_KWARGS
 from vllm_servicer.frontends import FrontendGroup
 from vllm_servicer.interceptors import (
     AuthInterceptor,
@@ -56,6 +55,7 @@ from vllm_servicer.proto import (
 )
 from vllm_servicer.proto import vllm_engine_pb2 as pb
 from vllm_servicer.servicer.orca import OpenRcaServicer
+from vllm_servicer.testing.tiny_model import TINY_ENGINE_KWARGS
 
 OrcaLoadReport = orca_load_report_pb2.OrcaLoadReport
 GENERATE = "/vllm.grpc.engine.VllmEngine/Generate"

@@ -105,6 +105,8 @@ def mount(
     frontends: FrontendGroup | None = None,
     budgets: RequestBudgets | None = None,
     load_reports: bool = True,
+    stream_interval: int = 1,
+    stream_interval_min_inflight: int = 0,
 ) -> MountedServices:
     """Serve vLLM's gRPC protocols from `engine` on the host's `server`.
 
@@ -157,6 +159,18 @@ def mount(
             engine call that ends OK, and `OpenRcaService` (no key needed, as
             health). The trailer is added just outside the in-flight count in
             `interceptors`, so calls it refuses count as errors.
+        stream_interval: the new tokens a streamed generation's message
+            gathers before it leaves, both gRPC protocols (vLLM's per-request
+            `stream_interval`; the first and the last token leave at once); 1,
+            the default, sends each engine step's tokens. Under load a
+            message per engine step and stream is most of the serving
+            process's CPU; N cuts the messages about N-fold, and a token
+            waits up to N - 1 engine steps. The engine's own
+            `stream_interval` (all its frontends, vLLM's HTTP server too)
+            stays the floor.
+        stream_interval_min_inflight: apply `stream_interval` only to streams
+            that start while at least this many engine calls are in flight
+            (the new one counted): a lightly loaded server streams every step.
 
     Returns:
         What was mounted: the servicers (None for a protocol not served), the
@@ -166,7 +180,8 @@ def mount(
         MountError: the server has already been started.
         TypeError: `engine` lacks a member of `EngineClient` (the message names it).
         ValueError: `services` names a service this package does not serve,
-            or `frontends` has not been joined.
+            `frontends` has not been joined, or a stream interval is out of
+            range or not taken per request by the installed vLLM.
     """
     _check_mountable(server, services, frontends)
     options = MountOptions(
@@ -176,6 +191,8 @@ def mount(
         lora_modules=lora_modules or {},
         budgets=budgets if budgets is not None else RequestBudgets(),
         load_reports=load_reports,
+        stream_interval=stream_interval,
+        stream_interval_min_inflight=stream_interval_min_inflight,
     )
     given = _inflight_of(interceptors)
     inflight = given if given is not None else InflightInterceptor()
@@ -295,7 +312,8 @@ def engine_pipeline(
 
     The count is the `InflightInterceptor` among `interceptors`, else
     `inflight` (a new one if None) added innermost; every `MetricsInterceptor`
-    reports it as its gauge, and the load reports' utilization as another. `load_reports` goes just outside the count, where
+    reports it as its gauge, and the load reports' utilization as another.
+    `load_reports` goes just outside the count, where
     the count's refusals reach it and a refusal by authentication (which comes
     before the count) does not; last, when the count is inside a nested
     `Pipeline` (the count's refusals then pass it by).

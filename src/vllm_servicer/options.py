@@ -37,6 +37,14 @@ class MountOptions:
         load_reports: send balancers the engine's load (ORCA): in the trailer
             `endpoint-load-metrics-bin` of every engine call, and on
             `xds.service.orca.v3.OpenRcaService` streams.
+        stream_interval: the new tokens a streamed generation's message
+            gathers before it leaves (vLLM's per-request `stream_interval`;
+            the first token and the last leave at once); 1 sends each engine
+            step's. Fewer messages cost the serving process less per token;
+            a token then waits up to `stream_interval - 1` engine steps.
+        stream_interval_min_inflight: the interval applies to streams that
+            start while at least this many engine calls are in flight (the
+            new one counted); 0: to every stream.
     """
 
     max_kv_subscribers: int = DEFAULT_MAX_KV_SUBSCRIBERS
@@ -45,10 +53,19 @@ class MountOptions:
     lora_modules: Mapping[str, str] = dataclasses.field(default_factory=dict)
     budgets: RequestBudgets = dataclasses.field(default_factory=RequestBudgets)
     load_reports: bool = True
+    stream_interval: int = 1
+    stream_interval_min_inflight: int = 0
 
     def __post_init__(self) -> None:
         # Frozen all through: a copy the caller cannot change under the servicers.
         object.__setattr__(self, "lora_modules", MappingProxyType(dict(self.lora_modules)))
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be at least 1, got {self.stream_interval}")
+        if self.stream_interval_min_inflight < 0:
+            raise ValueError(
+                "stream_interval_min_inflight must be 0 or more, "
+                f"got {self.stream_interval_min_inflight}"
+            )
 
 
 def server_options(

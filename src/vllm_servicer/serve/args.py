@@ -193,6 +193,23 @@ class ServeArgs:
         group=_SERVING,
         help="most SubscribeKvEvents streams open at once",
     )
+    grpc_stream_interval: int = flag(
+        1,
+        group=_SERVING,
+        help="new tokens a streamed gRPC generation's message gathers before it is sent "
+        "(the first and the last token go at once): fewer messages cost the serving process "
+        "less per token, and a token waits up to N-1 engine steps; vLLM's --stream-interval "
+        "does the same for every protocol, vLLM's HTTP API included (default 1: every step)",
+        metavar="N",
+    )
+    grpc_stream_interval_min_inflight: int = flag(
+        0,
+        group=_SERVING,
+        help="apply --grpc-stream-interval only to streams that start while at least this "
+        "many engine calls are in flight, so that a lightly loaded server streams every "
+        "step (default 0: always)",
+        metavar="K",
+    )
     max_connection_age: float | None = flag(
         None,
         group=_SERVING,
@@ -386,6 +403,15 @@ class ServeArgs:
             raise ValueError("--http-host and --chat-template need --http-port")
         if self.http_port and self.http_port == self.port and self.http_address == self.host:
             raise ValueError("--http-port must differ from --port")
+        if self.grpc_stream_interval < 1:
+            raise ValueError(
+                f"--grpc-stream-interval must be at least 1, got {self.grpc_stream_interval}"
+            )
+        if self.grpc_stream_interval_min_inflight < 0:
+            raise ValueError(
+                "--grpc-stream-interval-min-inflight must be 0 or more, "
+                f"got {self.grpc_stream_interval_min_inflight}"
+            )
         for name in ("max_keyless_streams", "max_keyless_checks", "max_keyless_per_connection"):
             if getattr(self, name) < 1:
                 option = "--" + name.replace("_", "-")

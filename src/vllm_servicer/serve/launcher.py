@@ -236,6 +236,8 @@ def _grpc_server(
         lora_modules=args.lora_modules,
         frontends=group,
         budgets=args.budgets,
+        stream_interval=args.grpc_stream_interval,
+        stream_interval_min_inflight=args.grpc_stream_interval_min_inflight,
     )
     address = f"{args.host}:{args.port}"
     if credentials is not None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .. import vllm_releases
@@ -24,6 +25,9 @@ from ..engine import EngineClient, require_engine
 from ..errors import InvalidRequestError, UnsupportedError
 from ..wire import fields
 from .tenancy import RunningRequests
+
+# isort: split
+from vllm.sampling_params import RequestOutputKind
 
 if TYPE_CHECKING:
     from vllm.sampling_params import SamplingParams
@@ -43,15 +47,35 @@ class EngineCallSteps:
         running: the mount's registry of running request ids (the one its
             `EngineGuard` holds; a gRPC call's in-flight slot is taken by the
             in-flight interceptor, so the claim is all the guard adds here).
+        stream_interval: the tokens a streamed generation's message gathers
+            (`MountOptions.stream_interval`), from `min_inflight` engine calls
+            in flight on, as `in_flight` counts them.
 
     Raises:
         TypeError: `engine` lacks a member of `EngineClient` (the message names it).
+        ValueError: a stream interval above 1 on a vLLM release that takes none per request.
     """
 
-    def __init__(self, engine: EngineClient, running: RunningRequests) -> None:
+    def __init__(
+        self,
+        engine: EngineClient,
+        running: RunningRequests,
+        *,
+        stream_interval: int = 1,
+        min_inflight: int = 0,
+        in_flight: Callable[[], int] | None = None,
+    ) -> None:
         require_engine(engine)  # a TypeError naming what it lacks, not an AttributeError
         self._engine = engine
         self.running = running
+        if stream_interval > 1 and not vllm_releases.PER_REQUEST_STREAM_INTERVAL:
+            raise ValueError(
+                "stream_interval needs a vLLM whose SamplingParams takes one per request "
+                "(0.32 does); on this release use the engine's own --stream-interval"
+            )
+        self._stream_interval = stream_interval
+        self._min_inflight = min_inflight
+        self._in_flight = in_flight if in_flight is not None else running.__len__
         # A token prompt past the model's context is refused by its length alone.
         max_len = getattr(engine.model_config, "max_model_len", None)
         self.max_prompt_tokens: int | None = int(max_len) if max_len else None
@@ -109,6 +133,21 @@ class EngineCallSteps:
                 "send no seed, a temperature of 0, or serve with --no-enable-chunked-prefill",
                 field=field,
             )
+
+    def pace(self, sampling: SamplingParams) -> None:
+        """Let a streamed generation's messages gather the mount's stream interval
+        of tokens, when the engine calls in flight reach its threshold.
+
+        vLLM holds the request's outputs until that many new tokens are ready
+        (its own per-request `stream_interval`, never below the engine's), so
+        the serving process builds, wakes for and sends fewer messages.
+        """
+        if (
+            self._stream_interval > 1
+            and sampling.output_kind == RequestOutputKind.DELTA
+            and self._in_flight() >= self._min_inflight
+        ):
+            sampling.stream_interval = max(self._stream_interval, sampling.stream_interval or 1)
 
     def prompt_limit(self, truncating: bool) -> int | None:
         """The longest token prompt to accept: none when the engine truncates it."""

@@ -83,6 +83,7 @@ class Generation:
             params, stream=request.stream, kv_transfer=kv_transfer
         )
         steps.check_seed(sampling, "sampling_params.seed")
+        steps.pace(sampling)
         tokenization = convert.tokenization_kwargs(params)
         prompt = convert.prompt_from_request(request, steps.prompt_limit(tokenization is not None))
         images = request.HasField("media_refs")

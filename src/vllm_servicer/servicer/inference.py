@@ -232,6 +232,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             request, stream=stream, defaults=self._defaults, extra_args=extra_args
         )
         steps.check_seed(sampling, "sampling.seed")
+        steps.pace(sampling)
         tokenization = wire.tokenization_kwargs(request)
         if tokenization is not None:
             kwargs["tokenization_kwargs"] = tokenization

@@ -82,8 +82,18 @@ class MountState:
             TypeError: `engine` lacks a member of `EngineClient` (the message names it).
         """
         running = RunningRequests(frontends)
+
+        def in_flight() -> int:
+            return _active(inflight, running)
+
         # First: it checks the engine's members, which the registry reads.
-        steps = EngineCallSteps(engine, running)
+        steps = EngineCallSteps(
+            engine,
+            running,
+            stream_interval=options.stream_interval,
+            min_inflight=options.stream_interval_min_inflight,
+            in_flight=in_flight,
+        )
         several = frontends is not None and frontends.count > 1
         loras = LoraRegistry(engine, options.lora_modules, fixed=several)
         reporter = None
