@@ -38,11 +38,12 @@ serve: setup
 	$(PY) -m vllm_servicer serve $(ARGS)
 
 # The suite (what CI runs), slowest tests listed at the end; the benchmarks'
-# brief runs are test-bench, which CI runs too. Two workers: most of an engine's
-# or a launcher's start is one process importing, so two overlap on two cores
+# brief runs are test-bench, which CI runs too. Two workers, each module on one
+# of them (a launcher a module shares starts once): most of an engine's or a
+# launcher's start is one process importing, so two overlap on two cores
 # (WORKERS=0 runs in one process).
 WORKERS ?= 2
-PARALLEL = $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadgroup)
+PARALLEL = $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadfile)
 test: setup system-deps
 	$(PY) -m pytest -m "not bench" $(PARALLEL) --durations=30 $(ARGS)
 

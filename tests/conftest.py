@@ -16,8 +16,9 @@ The helpers the test files share are in the `support` package (tests/support/).
 Tiers (markers set at collection): `engine` marks a test that runs a
 real engine (one of these fixtures, an engine of its own, or a launcher
 process); `bench` marks the benchmarks' brief runs. `make test-fast` runs
-neither, `make test` all but `bench` (on two workers, each module's tests on
-one of them unless marked `spread`), `make test-bench` the rest.
+neither, `make test` all but `bench` (on two workers, pytest-xdist's
+`--dist loadfile`: a module's tests on one worker, so that a launcher the
+module shares starts once), `make test-bench` the rest.
 """
 
 from __future__ import annotations
@@ -62,16 +63,10 @@ def _runs_an_engine(item: pytest.Item) -> bool:
     return any(callable(getattr(module, name, None)) for name in ENGINE_STARTERS)
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if _runs_an_engine(item):
             item.add_marker(pytest.mark.engine)
-        # `make test` runs two workers (pytest-xdist, --dist loadgroup): a module's
-        # tests stay on one worker, so that a launcher or engine it shares starts
-        # once, unless the module is marked `spread` (each test starts its own).
-        if item.get_closest_marker("spread") is None:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
 
 
 @pytest.fixture(scope="session")

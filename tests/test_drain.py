@@ -34,9 +34,6 @@ from support.launcher import (
 from vllm_servicer.health import LIVENESS_SERVICE
 from vllm_servicer.proto import vllm_engine_pb2_grpc
 
-# Each test starts a launcher of its own: the two workers of `make test` share them.
-pytestmark = pytest.mark.spread
-
 
 async def _launch(env: dict[str, str], *flags: str, session: bool = False) -> tuple[Any, str]:
     # A long context lets "long" streams outlast any drain timeout here.
