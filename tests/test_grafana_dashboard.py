@@ -19,7 +19,7 @@ import re
 import shutil
 import urllib.parse
 import urllib.request
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -253,21 +253,25 @@ async def prometheus(
         base = f"http://127.0.0.1:{port}"
         loop = asyncio.get_running_loop()
 
-        async def until(promql: str, wanted: float, what: str) -> None:
+        async def until(promql: str, wanted: Callable[[], Awaitable[float]], what: str) -> None:
+            """Until Prometheus's `promql` equals what the launcher's page says
+            now (a refused call is counted just after its status has left)."""
             deadline = loop.time() + 60
-            while (got := await _value(base, promql)) != wanted:
+            while (got := await _value(base, promql)) != (expected := await wanted()):
                 assert process.returncode is None, (home / "prometheus.log").read_text()[-2000:]
-                assert loop.time() < deadline, f"{what}: {promql} is {got}, not {wanted}"
+                assert loop.time() < deadline, f"{what}: {promql} is {got}, not {expected}"
                 await asyncio.sleep(0.5)
 
+        async def up() -> float:
+            return 1.0
+
         try:
-            await until(f'up{{job="{JOB}"}}', 1.0, "the first scrape")
+            await until(f'up{{job="{JOB}"}}', up, "the first scrape")
             # Twice, a scrape between: the gRPC series are born with their first
             # call, and a rate needs them to grow after Prometheus has seen them.
             for _ in range(2):
                 await _traffic(recipe_launcher)
                 # Prometheus holds what the traffic left: every token, the refusals.
-                page = await asyncio.to_thread(_metrics_page, url)
                 for series, labels in (
                     ("vllm_servicer_generation_tokens_total", {}),
                     ("grpc_server_handled_total", {"grpc_code": "UNAUTHENTICATED"}),
@@ -275,7 +279,12 @@ async def prometheus(
                 ):
                     matchers = "".join(f', {k}="{v}"' for k, v in labels.items())
                     promql = f'sum({series}{{job="{JOB}"{matchers}}})'
-                    await until(promql, _sample(page, series, **labels), series)
+
+                    async def on_page(series: str = series, labels: Any = labels) -> float:
+                        page = await asyncio.to_thread(_metrics_page, url)
+                        return _sample(page, series, **labels)
+
+                    await until(promql, on_page, series)
             yield Scraped(base, target)
         finally:
             process.terminate()

@@ -30,15 +30,13 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import h2.config
-import h2.connection
-import h2.events
 import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from support import request
+from support.h2_grpc import raw_call
 from support.launcher import EXAMPLES, START_TIMEOUT
 from support.recipe import RecipeLauncher, flag_value, manifests, server_container
 
@@ -348,62 +346,6 @@ async def test_the_metrics_port_serves_what_the_picker_scores_on(
         await asyncio.to_thread(_scrape, f"http://{recipe_launcher.served.address}/metrics")
 
 
-async def _raw_call(
-    address: str, path: str, message: bytes, headers: list[tuple[str, str]]
-) -> tuple[dict[str, str], list[tuple[int, bytes]], dict[str, str]]:
-    """One gRPC call over a plain HTTP/2 connection, as a proxy sees it: the
-    response headers, every message frame (compressed flag, payload) and the trailers."""
-    host, port = address.rsplit(":", 1)
-    reader, writer = await asyncio.open_connection(host, int(port))
-    conn = h2.connection.H2Connection(
-        h2.config.H2Configuration(client_side=True, header_encoding="utf-8")
-    )
-    conn.initiate_connection()
-    stream = conn.get_next_available_stream_id()
-    conn.send_headers(
-        stream,
-        [
-            (":method", "POST"),
-            (":scheme", "http"),
-            (":path", path),
-            (":authority", address),
-            ("content-type", "application/grpc"),
-            ("te", "trailers"),
-            *headers,
-        ],
-    )
-    conn.send_data(stream, b"\x00" + len(message).to_bytes(4, "big") + message, end_stream=True)
-    writer.write(conn.data_to_send())
-    response: dict[str, str] = {}
-    trailers: dict[str, str] = {}
-    body = bytearray()
-    ended = False
-    try:
-        while not ended:
-            data = await asyncio.wait_for(reader.read(65536), 60)
-            assert data, "the server closed the connection mid-call"
-            for event in conn.receive_data(data):
-                if isinstance(event, h2.events.ResponseReceived):
-                    response = dict(event.headers)
-                elif isinstance(event, h2.events.DataReceived):
-                    body += event.data
-                    conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
-                elif isinstance(event, h2.events.TrailersReceived):
-                    trailers = dict(event.headers)
-                elif isinstance(event, h2.events.StreamEnded):
-                    ended = True
-            writer.write(conn.data_to_send())
-    finally:
-        writer.close()
-    frames = []
-    offset = 0
-    while offset < len(body):
-        length = int.from_bytes(body[offset + 1 : offset + 5], "big")
-        frames.append((body[offset], bytes(body[offset + 5 : offset + 5 + length])))
-        offset += 5 + length
-    return response, frames, trailers
-
-
 @pytest.mark.timeout(START_TIMEOUT + 180)
 @pytest.mark.parametrize("stream", [True, False], ids=["streaming", "unary"])
 async def test_answers_are_uncompressed_and_carry_the_counts_the_picker_reads(
@@ -411,7 +353,7 @@ async def test_answers_are_uncompressed_and_carry_the_counts_the_picker_reads(
 ) -> None:
     prompt = [5, 17, 42, 99, 7, 63, 21, 88]
     generate = request(prompt, stream=stream, max_tokens=6, ignore_eos=True)
-    response, frames, trailers = await _raw_call(
+    reply = await raw_call(
         recipe_launcher.served.address,
         PICKER_PATHS[0],
         generate.SerializeToString(),
@@ -421,10 +363,10 @@ async def test_answers_are_uncompressed_and_carry_the_counts_the_picker_reads(
             ("authorization", f"Bearer {recipe_launcher.api_key}"),
         ],
     )
-    assert trailers.get("grpc-status") == "0", trailers
-    assert response.get("grpc-encoding", "identity") == "identity", response
-    assert frames and all(flag == 0 for flag, _ in frames), [flag for flag, _ in frames]
-    messages = [pb.GenerateResponse.FromString(payload) for _, payload in frames]
+    assert reply.status == 0, reply.trailers
+    assert reply.headers.get("grpc-encoding", "identity") == "identity", reply.headers
+    assert reply.messages and not any(reply.compressed), reply.compressed
+    messages = [pb.GenerateResponse.FromString(payload) for payload in reply.messages]
     chunks = [m.chunk for m in messages if m.HasField("chunk")]
     [complete] = [m.complete for m in messages if m.HasField("complete")]
     # The picker takes usage from any chunk or complete whose counts are not zero.

@@ -21,11 +21,13 @@ import h2.events
 
 @dataclass
 class RawReply:
-    """One call's answer as sent: headers, messages (payloads), trailers."""
+    """One call's answer as sent: headers, messages (payloads) with each one's
+    compressed flag (the frame's first byte), trailers."""
 
     headers: dict[str, str] = field(default_factory=dict)
     messages: list[bytes] = field(default_factory=list)
     trailers: dict[str, str] = field(default_factory=dict)
+    compressed: list[int] = field(default_factory=list)
 
     @property
     def status(self) -> int:
@@ -82,6 +84,7 @@ def _call(address: str, path: str, message: bytes, metadata: Sequence[tuple[str,
             sock.sendall(conn.data_to_send())
     while data:  # length-prefixed messages
         size = int.from_bytes(data[1:5], "big")
+        reply.compressed.append(data[0])
         reply.messages.append(data[5 : 5 + size])
         data = data[5 + size :]
     return reply
