@@ -34,6 +34,10 @@ DEFAULT_MAX_CONSTRAINT_BYTES = 64 * 1024
 # A router aborts the streams it drops, a few at a time; a drain, all of one
 # process's (bounded by --max-inflight, 1024 by default).
 DEFAULT_MAX_ABORT_IDS = 1024
+# The texts one Classify, Score or Rerank carries, each its own engine request
+# (a rerank's candidate documents): a router's page of candidates is tens to
+# hundreds; more belongs in several calls, which the in-flight limit counts.
+DEFAULT_MAX_POOLING_INPUTS = 256
 # Pillow's own decompression-bomb threshold: one such image per request.
 DEFAULT_MAX_REQUEST_MEDIA_PIXELS = 89_478_485
 # That many pixels decoded in a one-byte mode and converted to RGB (PIL keeps
@@ -73,6 +77,8 @@ class RequestBudgets:
             holds for the requests running, all together.
         max_request_shm_bytes: most bytes one request's tensors declare
             through shared memory.
+        max_pooling_inputs: most texts one Classify, Score or Rerank carries
+            (each is an engine request).
 
     Raises:
         ValueError: a budget below 1, or a per-request media budget above the process's.
@@ -113,6 +119,13 @@ class RequestBudgets:
         metadata=_flag("most bytes one request's tensors may name in shared memory"),
     )
 
+    max_pooling_inputs: int = dataclasses.field(
+        default=DEFAULT_MAX_POOLING_INPUTS,
+        metadata=_flag(
+            "most texts one Classify, Score or Rerank may carry (inputs, text_2, documents)"
+        ),
+    )
+
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
@@ -138,6 +151,15 @@ class RequestBudgets:
                 field,
                 f"{size} bytes, more than this server's budget of {self.max_constraint_bytes} "
                 "bytes for a structured-output constraint (--max-constraint-bytes)",
+            )
+
+    def check_pooling_inputs(self, field: str, count: int) -> None:
+        """Refuse a pooling call of more texts than `max_pooling_inputs`."""
+        if count > self.max_pooling_inputs:
+            raise InvalidRequestError(
+                field,
+                f"{count} texts, more than this server's budget of {self.max_pooling_inputs} "
+                "per call (--max-pooling-inputs); send them in several calls",
             )
 
     def check_abort_ids(self, field: str, ids: Sequence[str]) -> None:

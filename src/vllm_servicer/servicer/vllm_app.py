@@ -1,0 +1,227 @@
+"""vLLM's own HTTP handlers on the mount's engine, for the Pooling and Render services.
+
+Classify, Score, Rerank and rendering are what vLLM's HTTP server answers at
+/classify, /score, /rerank and /v1/.../render. Rather than a second copy of
+that logic, the services call vLLM's own handler objects, built once per
+mount by vLLM's own `init_app_state` with its frontend defaults: the same
+renderer (one tokenizer and chat template, the engine's), the same
+tokenization of pairs, the same activation, so the numbers and tokens are
+vLLM's on every release.
+
+The handlers get `ClaimingEngine` instead of the engine: each engine request
+they start (one per text of a batch) is claimed for the gRPC caller in the
+mount's registry of running ids, as every other protocol's requests are, and
+released however it ends. The call itself took its in-flight slot in the
+interceptors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import json
+import logging
+from collections.abc import AsyncGenerator, Callable
+from typing import Any
+
+from ..engine import EngineClient, served_model_name
+from ..errors import InvalidRequestError, NotFoundError, UnsupportedError
+from .tenancy import RunningRequests
+
+__all__ = ["ClaimingEngine", "VllmHandlers", "answer_body", "trace_headers", "vllm_request"]
+
+logger = logging.getLogger(__name__)
+
+trace_headers: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar(
+    "vllm_servicer_handler_trace_headers", default=None
+)
+"""The W3C trace headers of the call being served, handed to the engine with
+each request vLLM's handlers start (they read none from a gRPC call)."""
+
+
+class ClaimingEngine:
+    """The engine as vLLM's handlers see it: every `encode` claimed for the caller.
+
+    Everything else is the engine's own.
+
+    Args:
+        engine: the mount's engine.
+        running: the mount's registry of running request ids.
+        method: what the log names as running the request.
+    """
+
+    def __init__(self, engine: EngineClient, running: RunningRequests, method: str) -> None:
+        self._engine = engine
+        self._running = running
+        self._method = method
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    def encode(self, *args: Any, **kwargs: Any) -> AsyncGenerator[Any, None]:
+        # vLLM's handlers pass every argument by name; the id is the third positionally.
+        request_id = kwargs["request_id"] if "request_id" in kwargs else args[2]
+        if kwargs.get("trace_headers") is None:
+            kwargs["trace_headers"] = trace_headers.get()
+        return self._claimed(request_id, lambda: self._engine.encode(*args, **kwargs))
+
+    async def _claimed(
+        self, request_id: str, start: Callable[[], AsyncGenerator[Any, None]]
+    ) -> AsyncGenerator[Any, None]:
+        # Claimed from the first read to the end, an error or a close (a
+        # cancelled call closes it; the engine aborts the request then).
+        self._running.claim(request_id, self._method)
+        try:
+            async for output in start():
+                yield output
+        finally:
+            self._running.release(request_id)
+
+
+class VllmHandlers:
+    """vLLM's HTTP handler objects on one engine, built at first use.
+
+    Args:
+        engine: the mount's engine.
+        running: the mount's registry of running request ids.
+        chat_template: a chat template (a file or the template itself) to use
+            instead of the model's, as vLLM's `--chat-template`.
+    """
+
+    def __init__(
+        self, engine: EngineClient, running: RunningRequests, chat_template: str | None = None
+    ) -> None:
+        self._engine = engine
+        self._running = running
+        self._chat_template = chat_template
+        self._state: Any = None
+        self._tasks: tuple[str, ...] = ()
+        self._lock = asyncio.Lock()
+        self.served_model = served_model_name(engine)
+        max_len = getattr(getattr(engine, "model_config", None), "max_model_len", None)
+        self.max_model_len: int | None = int(max_len) if max_len else None
+
+    async def handler(self, name: str, needs: str, what: str) -> Any:
+        """vLLM's handler `name` (`serving_scores`, ...), or refuse the call.
+
+        Args:
+            name: the attribute of vLLM's app state.
+            needs: the engine task it needs ("classify", "generate", ...), for the refusal.
+            what: what the call asked for, for the refusal.
+
+        Raises:
+            UnsupportedError: the engine's model does not do it (FAILED_PRECONDITION).
+        """
+        state = await self._built()
+        found = getattr(state, name, None)
+        if found is None:
+            raise UnsupportedError(
+                f"this server's model does not {what} (its tasks: {', '.join(self._tasks)}); "
+                f"serve a model with the {needs!r} task"
+                + (" (vLLM: --runner pooling)" if needs != "generate" else "")
+            )
+        return found
+
+    def tokenizer(self) -> Any:
+        """The engine's tokenizer (the renderer's own)."""
+        return self._engine.renderer.get_tokenizer()
+
+    async def _built(self) -> Any:
+        if self._state is not None:
+            return self._state
+        async with self._lock:
+            if self._state is None:
+                self._state = await self._build()
+        return self._state
+
+    async def _build(self) -> Any:
+        from starlette.datastructures import State
+        from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+        from ..vllm_releases import make_arg_parser
+
+        parser_class: Any = FlexibleArgumentParser  # untyped in vLLM
+        args = make_arg_parser(parser_class()).parse_args([])
+        config = self._engine.model_config
+        args.model = config.model
+        args.served_model_name = [self.served_model]
+        args.chat_template = self._chat_template
+        self._tasks = tuple(await self._engine.get_supported_tasks())
+        state = State()
+        engine = ClaimingEngine(self._engine, self._running, "pooling")
+        await init_app_state(engine, state, args, self._tasks)
+        logger.info("vLLM's handlers for Pooling and Render built (tasks: %s)", ", ".join(self._tasks))
+        return state
+
+
+# vLLM's request model for each call, by its HTTP route's body (the same
+# module paths in every supported release).
+_REQUEST_MODELS = {
+    "classify": ("vllm.entrypoints.pooling.classify.protocol", "ClassificationCompletionRequest"),
+    "score": ("vllm.entrypoints.pooling.scoring.protocol", "ScoreTextRequest"),
+    "rerank": ("vllm.entrypoints.pooling.scoring.protocol", "RerankRequest"),
+    "render_chat": ("vllm.entrypoints.openai.chat_completion.protocol", "ChatCompletionRequest"),
+    "render_completion": ("vllm.entrypoints.openai.completion.protocol", "CompletionRequest"),
+}
+
+
+def vllm_request(kind: str, body: dict[str, Any]) -> Any:
+    """vLLM's request model of `kind` for the HTTP body `body`.
+
+    Raises:
+        InvalidRequestError: vLLM's validation refused it, named by the field
+            (the body's keys are the wire's field names).
+    """
+    import importlib
+
+    import pydantic
+
+    module, name = _REQUEST_MODELS[kind]
+    model = getattr(importlib.import_module(module), name)
+    try:
+        return model.model_validate(body)
+    except pydantic.ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(part) for part in first.get("loc", ())) or "request"
+        raise InvalidRequestError(field, str(first.get("msg", exc))) from None
+
+
+def answer_body(answer: Any) -> Any:
+    """The JSON body of a vLLM handler's answer; its error as this package's exception.
+
+    vLLM's handlers answer with a `JSONResponse`, a pydantic model, a list of
+    them, or an `ErrorResponse` (whose HTTP code picks the exception: 400 a
+    request fault, 404 an unknown model, 501 a feature the model lacks).
+
+    Raises:
+        ValueError: vLLM refused the request (INVALID_ARGUMENT).
+        NotFoundError: the model named is not served.
+        UnsupportedError: the model cannot do it.
+        RuntimeError: any other failure (INTERNAL).
+    """
+    if isinstance(answer, list):
+        return [answer_body(item) for item in answer]
+    error = getattr(answer, "error", None)
+    if error is not None and hasattr(error, "code"):
+        _raise(int(error.code), str(error.message))
+    body = getattr(answer, "body", None)
+    if isinstance(body, bytes):
+        data = json.loads(body)
+        status = int(getattr(answer, "status_code", 200))
+        if status >= 400:
+            failure = data.get("error") if isinstance(data, dict) else None
+            message = failure.get("message") if isinstance(failure, dict) else str(data)
+            _raise(status, str(message))
+        return data
+    return answer.model_dump(mode="json")
+
+
+def _raise(code: int, message: str) -> None:
+    if code == 404:
+        raise NotFoundError("model", message)
+    if code == 501:
+        raise UnsupportedError(message)
+    if 400 <= code < 500:
+        raise ValueError(message)
+    raise RuntimeError(f"vLLM's handler failed ({code}): {message}")
