@@ -29,9 +29,13 @@ from support.kv_echo_connector import FINISHED_LOG
 from vllm_servicer import vllm_releases
 from vllm_servicer.proto import (
     INFERENCE_SERVICE,
+    POOLING_SERVICE,
+    RENDER_SERVICE,
     SERVICE_NAME,
     common_pb2,
     inference_pb2,
+    pooling_pb2,
+    render_pb2,
     vllm_engine_pb2,
     vllm_engine_pb2_grpc,
 )
@@ -43,6 +47,8 @@ from vllm_servicer.wire.fields import HONOURED, REFUSED
 SERVICES = {
     SERVICE_NAME: vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"],
     INFERENCE_SERVICE: inference_pb2.DESCRIPTOR.services_by_name["Inference"],
+    POOLING_SERVICE: pooling_pb2.DESCRIPTOR.services_by_name["Pooling"],
+    RENDER_SERVICE: render_pb2.DESCRIPTOR.services_by_name["Render"],
 }
 PROTOCOL_DOC = Path(__file__).resolve().parent.parent / "docs" / "protocol.md"
 # Where the page's vllm.Inference section starts: its table has no RPC column

@@ -16,11 +16,13 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..context import kept_usage
-from ..errors import InvalidRequestError, UnimplementedFieldError
+from ..errors import InvalidRequestError
 from ..multimodal.decoded import DecodedMedia, RequestMedia
+from ..proto import RENDER_SERVICE
 from ..proto import render_pb2 as pb
 from ..proto import render_pb2_grpc
 from ..wire import pooling as wire
+from ..wire.fields import REFUSED
 from ..wire.usage import RequestSummary
 from .pooling import check_model
 from .state import MountState
@@ -99,9 +101,8 @@ def _admit_images(request: pb.RenderChatRequest, account: RequestMedia) -> None:
             field = f"messages[{m}].parts[{p}].image_url"
             url = part.image_url
             if not url.startswith("data:"):
-                raise UnimplementedFieldError(
-                    field, "Render takes images inline (data: URLs) only; it fetches nothing"
-                )
+                refusal = REFUSED[RENDER_SERVICE]["RenderChat"]["messages.parts.image_url"]
+                raise refusal.error(field=field, reason=refusal.reason)
             header, _, payload = url.partition(",")
             if not header.endswith(";base64"):
                 raise InvalidRequestError(field, "a data: URL of an image must be base64")
