@@ -24,10 +24,7 @@ same launcher:
 Texts are unique per call (a call number in each), the same numbers on both
 sides. Before timing, each pair is asked once over both and the answers
 compared: the same probabilities, scores and order (as float32, what the
-proto carries), the same token ids. A protobuf Struct keeps no key order, so
-RenderChat may lay a tool's JSON schema out in another order than the JSON
-it was built from: the HTTP side is sent the tool as RenderChat rendered it
-(read from its text), and whether the orders matched is reported.
+proto carries), the same token ids.
 
 One client process (asyncio: aiohttp, or httpx with `--http-client httpx`,
 HTTP/1.1 keep-alive with one connection per call in flight; grpc.aio, one
@@ -184,7 +181,6 @@ class Calls:
 
     def __init__(self, grpc_target: str, http_url: str, concurrency: int, http_client: str) -> None:
         import grpc
-        from google.protobuf.struct_pb2 import Struct
 
         from vllm_servicer.proto import pooling_pb2, pooling_pb2_grpc, render_pb2, render_pb2_grpc
 
@@ -193,9 +189,7 @@ class Calls:
         self.pooling = pooling_pb2_grpc.PoolingStub(self.channel)
         self.render = render_pb2_grpc.RenderStub(self.channel)
         self.http = HttpPoster(http_client, http_url, concurrency)
-        self.parameters = Struct()
-        self.parameters.update(TOOL_PARAMETERS)
-        # The tool as the HTTP side sends it: as RenderChat rendered it (see `check`).
+        self.parameters = json.dumps(TOOL_PARAMETERS)
         self.http_tools = [http_tool(TOOL_PARAMETERS)]
 
     async def close(self) -> None:
@@ -241,30 +235,9 @@ class Calls:
 
     async def check(self, pair: str) -> dict[str, Any]:
         """Call 0 of `pair` over both sides; whether the answers agree, and what they were."""
-        if pair == "render-chat":
-            # A protobuf Struct is a map: the servicer may render the tool's schema with
-            # its keys in another order. Send HTTP the tool as RenderChat laid it out.
-            rendered = await self.call(pair, GRPC, 0)
-            laid_out = re.search(r"<\|tools\|>(.*)\n", rendered.text)
-            order_kept = False
-            if laid_out is not None:
-                self.http_tools = json.loads(laid_out[1])
-                order_kept = key_order(self.http_tools) == key_order([http_tool(TOOL_PARAMETERS)])
         got_grpc = normalized(pair, await self.call(pair, GRPC, 0))
         got_http = normalized(pair, await self.call(pair, HTTP, 0))
-        result = {"agree": got_grpc == got_http, GRPC: got_grpc, HTTP: got_http}
-        if pair == "render-chat":
-            result["tool_key_order_kept"] = order_kept
-        return result
-
-
-def key_order(value: Any) -> Any:
-    """`value` with every object as its (key, value) pairs in order: order-sensitive equality."""
-    if isinstance(value, dict):
-        return [(k, key_order(v)) for k, v in value.items()]
-    if isinstance(value, list):
-        return [key_order(v) for v in value]
-    return value
+        return {"agree": got_grpc == got_http, GRPC: got_grpc, HTTP: got_http}
 
 
 def _f32(value: float) -> float:
@@ -493,13 +466,6 @@ class Driver:
             self.agreement[pair.name] = self.ask({"op": "check", "pair": pair.name})
             verdict = "agree" if self.agreement[pair.name]["agree"] else "DISAGREE"
             self.log(f"{pair.name}: gRPC and HTTP answers {verdict}")
-        kept = self.agreement["render-chat"].get("tool_key_order_kept")
-        if not kept:
-            self.log(
-                "render-chat: RenderChat laid the tool's schema out in another key order "
-                "than the JSON it was built from (a protobuf Struct keeps none); HTTP is sent "
-                "the tool in RenderChat's order"
-            )
 
     def burst(self, pair: Pair, side: str, concurrency: int, rnd: int, pos: int) -> Burst:
         server = self.servers[pair.launcher]

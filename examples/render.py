@@ -20,7 +20,6 @@ import os
 from typing import Any
 
 import grpc
-from google.protobuf import struct_pb2
 
 from vllm_servicer.proto import render_pb2, render_pb2_grpc
 
@@ -55,8 +54,6 @@ def main(args: argparse.Namespace) -> None:
     with grpc.insecure_channel(args.address) as channel:
         stub = render_pb2_grpc.RenderStub(channel)
 
-        parameters = struct_pb2.Struct()
-        parameters.update(WEATHER_PARAMETERS)
         request = render_pb2.RenderChatRequest(
             messages=[
                 render_pb2.ChatMessage(role="system", content="You are a helpful assistant."),
@@ -66,7 +63,7 @@ def main(args: argparse.Namespace) -> None:
                 render_pb2.Tool(
                     name="get_weather",
                     description="The current weather in a city",
-                    parameters=parameters,
+                    parameters=json.dumps(WEATHER_PARAMETERS),
                 )
             ],
         )

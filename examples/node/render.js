@@ -32,31 +32,6 @@ if (apiKey) {
 }
 const client = new Render(address, grpc.credentials.createInsecure());
 
-// proto-loader sends a google.protobuf.Struct as its message fields, not as
-// JSON: each value tagged with its kind.
-function toValue(value) {
-  if (value === null) return { nullValue: "NULL_VALUE" };
-  if (Array.isArray(value)) return { listValue: { values: value.map(toValue) } };
-  switch (typeof value) {
-    case "string":
-      return { stringValue: value };
-    case "number":
-      return { numberValue: value };
-    case "boolean":
-      return { boolValue: value };
-    default:
-      return { structValue: toStruct(value) };
-  }
-}
-
-function toStruct(object) {
-  const fields = {};
-  for (const [key, value] of Object.entries(object)) {
-    fields[key] = toValue(value);
-  }
-  return { fields };
-}
-
 const WEATHER_PARAMETERS = {
   type: "object",
   properties: { city: { type: "string", description: "The city's name" } },
@@ -85,7 +60,7 @@ async function main() {
       {
         name: "get_weather",
         description: "The current weather in a city",
-        parameters: toStruct(WEATHER_PARAMETERS),
+        parameters: JSON.stringify(WEATHER_PARAMETERS),
       },
     ],
   });

@@ -61,7 +61,12 @@ SERVICES: tuple[str, ...] = (
     RENDER_SERVICE,
 )
 """Every protocol service `mount()` can serve, by full name."""
-DEFAULT_SERVICES: tuple[str, ...] = (SERVICE_NAME, INFERENCE_SERVICE, POOLING_SERVICE, RENDER_SERVICE)
+DEFAULT_SERVICES: tuple[str, ...] = (
+    SERVICE_NAME,
+    INFERENCE_SERVICE,
+    POOLING_SERVICE,
+    RENDER_SERVICE,
+)
 """What `mount()` serves unless told: the inference protocols, pooling and
 rendering (each refuses what the model cannot do), not vLLM's Control."""
 

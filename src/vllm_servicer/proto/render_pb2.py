@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _pool.POOL.AddSerializedFile(b'\n\x1dvllm_servicer/v1/render.proto\x12\x10vllm_servicer.v1\x1a\x1cgoogle/protobuf/struct.proto\":\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x13\n\timage_url\x18\x02 \x01(\tH\x00\x42\x06\n\x04part\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\xae\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12,\n\x05parts\x18\x03 \x03(\x0b\x32\x1d.vllm_servicer.v1.ContentPart\x12\x0c\n\x04name\x18\x04 \x01(\t\x12.\n\ntool_calls\x18\x05 \x03(\x0b\x32\x1a.vllm_servicer.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x06 \x01(\t\"V\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12+\n\nparameters\x18\x03 \x01(\x0b\x32\x17.google.protobuf.Struct\"\xcf\x02\n\x11RenderChatRequest\x12/\n\x08messages\x18\x01 \x03(\x0b\x32\x1d.vllm_servicer.v1.ChatMessage\x12%\n\x05tools\x18\x02 \x03(\x0b\x32\x16.vllm_servicer.v1.Tool\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x03 \x01(\x08H\x00\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x04 \x01(\x08\x12\x35\n\x14\x63hat_template_kwargs\x18\x05 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\r\n\x05model\x18\x06 \x01(\t\x12#\n\x16truncate_prompt_tokens\x18\x07 \x01(\x05H\x01\x88\x01\x01\x42\x18\n\x16_add_generation_promptB\x19\n\x17_truncate_prompt_tokens\"M\n\x0bPlaceholder\x12\x10\n\x08modality\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\r\x12\x0e\n\x06length\x18\x03 \x01(\r\x12\x0c\n\x04hash\x18\x04 \x01(\t\"f\n\x0eRenderedPrompt\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x33\n\x0cplaceholders\x18\x03 \x03(\x0b\x32\x1d.vllm_servicer.v1.Placeholder\"\xb0\x01\n\x17RenderCompletionRequest\x12\x0e\n\x06prompt\x18\x01 \x03(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\r\n\x05model\x18\x03 \x01(\t\x12#\n\x16truncate_prompt_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x42\x15\n\x13_add_special_tokensB\x19\n\x17_truncate_prompt_tokens\"M\n\x18RenderCompletionResponse\x12\x31\n\x07prompts\x18\x01 \x03(\x0b\x32 .vllm_servicer.v1.RenderedPrompt2\xc8\x01\n\x06Render\x12S\n\nRenderChat\x12#.vllm_servicer.v1.RenderChatRequest\x1a .vllm_servicer.v1.RenderedPrompt\x12i\n\x10RenderCompletion\x12).vllm_servicer.v1.RenderCompletionRequest\x1a*.vllm_servicer.v1.RenderCompletionResponseb\x06proto3')
+DESCRIPTOR = _pool.POOL.AddSerializedFile(b'\n\x1dvllm_servicer/v1/render.proto\x12\x10vllm_servicer.v1\x1a\x1cgoogle/protobuf/struct.proto\":\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x13\n\timage_url\x18\x02 \x01(\tH\x00\x42\x06\n\x04part\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\xae\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12,\n\x05parts\x18\x03 \x03(\x0b\x32\x1d.vllm_servicer.v1.ContentPart\x12\x0c\n\x04name\x18\x04 \x01(\t\x12.\n\ntool_calls\x18\x05 \x03(\x0b\x32\x1a.vllm_servicer.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x06 \x01(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"\xcf\x02\n\x11RenderChatRequest\x12/\n\x08messages\x18\x01 \x03(\x0b\x32\x1d.vllm_servicer.v1.ChatMessage\x12%\n\x05tools\x18\x02 \x03(\x0b\x32\x16.vllm_servicer.v1.Tool\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x03 \x01(\x08H\x00\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x04 \x01(\x08\x12\x35\n\x14\x63hat_template_kwargs\x18\x05 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\r\n\x05model\x18\x06 \x01(\t\x12#\n\x16truncate_prompt_tokens\x18\x07 \x01(\x05H\x01\x88\x01\x01\x42\x18\n\x16_add_generation_promptB\x19\n\x17_truncate_prompt_tokens\"M\n\x0bPlaceholder\x12\x10\n\x08modality\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\r\x12\x0e\n\x06length\x18\x03 \x01(\r\x12\x0c\n\x04hash\x18\x04 \x01(\t\"f\n\x0eRenderedPrompt\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x33\n\x0cplaceholders\x18\x03 \x03(\x0b\x32\x1d.vllm_servicer.v1.Placeholder\"\xb0\x01\n\x17RenderCompletionRequest\x12\x0e\n\x06prompt\x18\x01 \x03(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\r\n\x05model\x18\x03 \x01(\t\x12#\n\x16truncate_prompt_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x42\x15\n\x13_add_special_tokensB\x19\n\x17_truncate_prompt_tokens\"M\n\x18RenderCompletionResponse\x12\x31\n\x07prompts\x18\x01 \x03(\x0b\x32 .vllm_servicer.v1.RenderedPrompt2\xc8\x01\n\x06Render\x12S\n\nRenderChat\x12#.vllm_servicer.v1.RenderChatRequest\x1a .vllm_servicer.v1.RenderedPrompt\x12i\n\x10RenderCompletion\x12).vllm_servicer.v1.RenderCompletionRequest\x1a*.vllm_servicer.v1.RenderCompletionResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,17 +40,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGE']._serialized_start=199
   _globals['_CHATMESSAGE']._serialized_end=373
   _globals['_TOOL']._serialized_start=375
-  _globals['_TOOL']._serialized_end=461
-  _globals['_RENDERCHATREQUEST']._serialized_start=464
-  _globals['_RENDERCHATREQUEST']._serialized_end=799
-  _globals['_PLACEHOLDER']._serialized_start=801
-  _globals['_PLACEHOLDER']._serialized_end=878
-  _globals['_RENDEREDPROMPT']._serialized_start=880
-  _globals['_RENDEREDPROMPT']._serialized_end=982
-  _globals['_RENDERCOMPLETIONREQUEST']._serialized_start=985
-  _globals['_RENDERCOMPLETIONREQUEST']._serialized_end=1161
-  _globals['_RENDERCOMPLETIONRESPONSE']._serialized_start=1163
-  _globals['_RENDERCOMPLETIONRESPONSE']._serialized_end=1240
-  _globals['_RENDER']._serialized_start=1243
-  _globals['_RENDER']._serialized_end=1443
+  _globals['_TOOL']._serialized_end=436
+  _globals['_RENDERCHATREQUEST']._serialized_start=439
+  _globals['_RENDERCHATREQUEST']._serialized_end=774
+  _globals['_PLACEHOLDER']._serialized_start=776
+  _globals['_PLACEHOLDER']._serialized_end=853
+  _globals['_RENDEREDPROMPT']._serialized_start=855
+  _globals['_RENDEREDPROMPT']._serialized_end=957
+  _globals['_RENDERCOMPLETIONREQUEST']._serialized_start=960
+  _globals['_RENDERCOMPLETIONREQUEST']._serialized_end=1136
+  _globals['_RENDERCOMPLETIONRESPONSE']._serialized_start=1138
+  _globals['_RENDERCOMPLETIONRESPONSE']._serialized_end=1215
+  _globals['_RENDER']._serialized_start=1218
+  _globals['_RENDER']._serialized_end=1418
 # @@protoc_insertion_point(module_scope)

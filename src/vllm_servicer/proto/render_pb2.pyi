@@ -48,8 +48,8 @@ class Tool(_message.Message):
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     name: str
     description: str
-    parameters: _struct_pb2.Struct
-    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., parameters: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
+    parameters: str
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., parameters: _Optional[str] = ...) -> None: ...
 
 class RenderChatRequest(_message.Message):
     __slots__ = ("messages", "tools", "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "model", "truncate_prompt_tokens")

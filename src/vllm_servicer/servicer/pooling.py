@@ -122,9 +122,7 @@ def check_model(field: str, model: str, served: str) -> None:
         NotFoundError: `model` is not the served model.
     """
     if model and model != served:
-        raise NotFoundError(
-            field, f"{model!r} is not served here; this server serves {served!r}"
-        )
+        raise NotFoundError(field, f"{model!r} is not served here; this server serves {served!r}")
 
 
 def _record(prompt_tokens: int) -> None:

@@ -18,9 +18,8 @@ from typing import TYPE_CHECKING, Any
 from ..context import kept_usage
 from ..errors import InvalidRequestError
 from ..multimodal.decoded import DecodedMedia, RequestMedia
-from ..proto import RENDER_SERVICE
+from ..proto import RENDER_SERVICE, render_pb2_grpc
 from ..proto import render_pb2 as pb
-from ..proto import render_pb2_grpc
 from ..wire import pooling as wire
 from ..wire.fields import REFUSED
 from ..wire.usage import RequestSummary
@@ -48,7 +47,9 @@ class RenderServicer(render_pb2_grpc.RenderServicer):
         self._handlers: VllmHandlers = state.handlers
         self._decoded_media: DecodedMedia = state.decoded_media
 
-    async def RenderChat(self, request: pb.RenderChatRequest, context: Context) -> pb.RenderedPrompt:
+    async def RenderChat(
+        self, request: pb.RenderChatRequest, context: Context
+    ) -> pb.RenderedPrompt:
         _summarize("render_chat")
         handlers = self._handlers
         check_model("model", request.model, handlers.served_model)
@@ -57,7 +58,9 @@ class RenderServicer(render_pb2_grpc.RenderServicer):
         account = self._decoded_media.request()
         try:
             _admit_images(request, account)
-            answer = answer_body(await render.render_chat_request(vllm_request("render_chat", body)))
+            answer = answer_body(
+                await render.render_chat_request(vllm_request("render_chat", body))
+            )
         finally:
             account.release()
         reply = self._rendered(answer)

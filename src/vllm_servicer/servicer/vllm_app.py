@@ -124,7 +124,10 @@ class VllmHandlers:
 
     def tokenizer(self) -> Any:
         """The engine's tokenizer (the renderer's own)."""
-        return self._engine.renderer.get_tokenizer()
+        renderer: Any = (
+            self._engine.renderer
+        )  # the full vLLM renderer, not just EngineClient's part
+        return renderer.get_tokenizer()
 
     async def _built(self) -> Any:
         if self._state is not None:
@@ -149,9 +152,12 @@ class VllmHandlers:
         args.chat_template = self._chat_template
         self._tasks = tuple(await self._engine.get_supported_tasks())
         state = State()
-        engine = ClaimingEngine(self._engine, self._running, "pooling")
-        await init_app_state(engine, state, args, self._tasks)
-        logger.info("vLLM's handlers for Pooling and Render built (tasks: %s)", ", ".join(self._tasks))
+        engine: Any = ClaimingEngine(self._engine, self._running, "pooling")
+        tasks: Any = self._tasks
+        await init_app_state(engine, state, args, tasks)
+        logger.info(
+            "vLLM's handlers for Pooling and Render built (tasks: %s)", ", ".join(self._tasks)
+        )
         return state
 
 

@@ -384,7 +384,6 @@ _RENDER_HONOURED = {
             "tools.name",
             "tools.description",
             "tools.parameters",
-            "tools.parameters.fields",
             "add_generation_prompt",
             "continue_final_message",
             "chat_template_kwargs",

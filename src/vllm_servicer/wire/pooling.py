@@ -12,6 +12,7 @@ Pure data: no grpc, no vLLM.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -44,7 +45,9 @@ def _truncation(field: str, value: int, max_model_len: int | None) -> int:
     if value < -1:
         raise InvalidRequestError(field, f"{value}; -1 (the model's context) or a count of tokens")
     if value == 0:
-        raise InvalidRequestError(field, "0 tokens would leave nothing; unset it to refuse longer prompts")
+        raise InvalidRequestError(
+            field, "0 tokens would leave nothing; unset it to refuse longer prompts"
+        )
     if max_model_len is not None and value > max_model_len:
         raise InvalidRequestError(
             field, f"{value} tokens, more than the model's context of {max_model_len}"
@@ -121,7 +124,9 @@ def classify_response(body: Mapping[str, Any], request_id: str) -> pool_pb.Class
         request_id=request_id,
         model=body.get("model", ""),
         results=[
-            pool_pb.ClassifyResult(index=item["index"], label=item.get("label") or "", probs=item["probs"])
+            pool_pb.ClassifyResult(
+                index=item["index"], label=item.get("label") or "", probs=item["probs"]
+            )
             for item in body["data"]
         ],
         prompt_tokens=_usage_tokens(body),
@@ -133,7 +138,9 @@ def score_response(body: Mapping[str, Any], request_id: str) -> pool_pb.ScoreRes
     return pool_pb.ScoreResponse(
         request_id=request_id,
         model=body.get("model", ""),
-        results=[pool_pb.ScoreResult(index=item["index"], score=item["score"]) for item in body["data"]],
+        results=[
+            pool_pb.ScoreResult(index=item["index"], score=item["score"]) for item in body["data"]
+        ],
         prompt_tokens=_usage_tokens(body),
     )
 
@@ -151,7 +158,9 @@ def rerank_response(
             )
         )
     return pool_pb.RerankResponse(
-        request_id=request_id, model=body.get("model", ""), results=results,
+        request_id=request_id,
+        model=body.get("model", ""),
+        results=results,
         prompt_tokens=_usage_tokens(body),
     )
 
@@ -202,8 +211,15 @@ def _tool(tool: render_pb.Tool, field: str) -> dict[str, Any]:
     function: dict[str, Any] = {"name": tool.name}
     if tool.description:
         function["description"] = tool.description
-    if tool.HasField("parameters"):
-        function["parameters"] = MessageToDict(tool.parameters)
+    if tool.parameters:
+        try:
+            # Key order kept: the template writes the schema as it was given.
+            schema = json.loads(tool.parameters)
+        except ValueError as exc:
+            raise InvalidRequestError(f"{field}.parameters", f"not JSON: {exc}") from None
+        if not isinstance(schema, dict):
+            raise InvalidRequestError(f"{field}.parameters", "must be a JSON object (a schema)")
+        function["parameters"] = schema
     return {"type": "function", "function": function}
 
 
