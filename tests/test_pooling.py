@@ -11,11 +11,11 @@ field, the budget, the in-flight limit, request ids owned by their caller.
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import sys
 import types
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -23,6 +23,7 @@ import httpx
 import pytest
 from support import bearer
 from support.launcher import ROOT, Launched, launched, launcher_env
+from support.node import run_node
 from support.vllm_protocol import shipped_modules
 
 from vllm_servicer.testing.tiny_model import tiny_engine_flags, write_tiny_classifier_model
@@ -322,20 +323,29 @@ async def test_a_render_call_on_a_pooling_model_names_what_is_missing(
     assert "'generate' task" in (err.value.details() or "")
 
 
-async def test_the_python_example_reranks(launcher: Launched) -> None:
-    example = ROOT / "examples" / "rerank.py"
-    if not example.exists():
-        pytest.skip("no examples/rerank.py")
+async def test_the_examples_rerank_the_same_in_python_and_node(
+    launcher: Launched, http: httpx.AsyncClient
+) -> None:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
-        str(example),
+        str(ROOT / "examples" / "rerank.py"),
         launcher.address,
         "--api-key",
         KEY,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
-        cwd=str(Path(ROOT)),
     )
     out, _ = await asyncio.wait_for(proc.communicate(), 120)
     assert proc.returncode == 0, out.decode()
-    assert re.search(r"^rerank: ", out.decode(), re.M), out.decode()
+    python = _lines(out.decode())
+    code, output = await run_node("rerank.js", launcher.address, KEY)
+    assert code == 0, output
+    assert _lines(output) == python
+    assert set(python) == {"classify", "score", "rerank"}
+    assert len(python["rerank"]) == 3 and all(r["document"] for r in python["rerank"])
+    scores = [r["relevance_score"] for r in python["rerank"]]
+    assert scores == sorted(scores, reverse=True)
+
+
+def _lines(output: str) -> dict[str, Any]:
+    return {m[1]: json.loads(m[2]) for m in re.finditer(r"^(\w+): (.*)$", output, re.M)}
