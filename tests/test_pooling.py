@@ -293,6 +293,38 @@ async def test_a_request_id_running_for_one_caller_is_not_anothers(
     assert reply.request_id == "shared-id" and len(reply.results) == MAX_INPUTS
 
 
+async def test_a_cancelled_rerank_leaves_the_engine_and_frees_its_ids(
+    pooling: Any, stubs: Any, http: httpx.AsyncClient
+) -> None:
+    pb = stubs[0]
+    documents = [f"cancelled {index} {LONG}" for index in range(MAX_INPUTS)]
+    call = pooling.Rerank(
+        pb.RerankRequest(request_id="dropped", query=QUERY, documents=documents), metadata=AUTH
+    )
+    await asyncio.sleep(0.1)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+
+    async def engine_busy() -> float:
+        page = (await http.get("/metrics")).text
+        found = re.findall(r"^vllm:num_requests_(?:running|waiting)\{[^}]*\} (\S+)$", page, re.M)
+        assert found, "no vllm:num_requests_* series"
+        return sum(float(v) for v in found)
+
+    for _ in range(100):
+        if await engine_busy() == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert await engine_busy() == 0
+    # Its ids are free: another tenant may run under them at once.
+    reply = await pooling.Score(
+        pb.ScoreRequest(request_id="dropped", text_1="q", text_2=["d"] * MAX_INPUTS),
+        metadata=bearer(OTHER_KEY),
+    )
+    assert len(reply.results) == MAX_INPUTS
+
+
 async def test_the_calls_are_counted_and_nothing_stays_in_flight(
     pooling: Any, stubs: Any, launcher: Launched
 ) -> None:

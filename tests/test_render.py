@@ -379,3 +379,54 @@ async def test_the_examples_render_the_same_in_python_and_node(
     tokenized = await _post(http, "/tokenize", {"model": model, "prompt": "Hello, world"})
     assert prompts[0]["token_ids"] == tokenized["tokens"]
     assert "<|tools|>" in python["render_chat"]["text"]
+
+
+async def test_the_launchers_stack_traces_and_counts_renders_on_a_mount(engine: Any) -> None:
+    """mount() with the launcher's own interceptors, in its order (tracing, metrics,
+    keys, the in-flight limit) and a chat template of the host's: renders are
+    spans with their operation and prompt size, counted, and leave nothing in flight."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from support import serving
+
+    from vllm_servicer.interceptors.tracing import TracingInterceptor
+    from vllm_servicer.serve.args import parse_args
+    from vllm_servicer.serve.stack import build_interceptors
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    args = parse_args(["serve", "--metrics-port", "0", "--api-key", KEY, "--max-inflight", "4"])
+    stack, metrics = build_interceptors(args)
+    assert metrics is not None
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    pb, stubs = shipped_modules("render")
+    async with serving(
+        engine,
+        interceptors=[TracingInterceptor.for_engine(engine, provider), *stack],
+        chat_template=template,
+    ) as running:
+        render = stubs.RenderStub(running.channel)
+        chat = await render.RenderChat(
+            pb.RenderChatRequest(messages=[pb.ChatMessage(role="user", content="hi")]),
+            metadata=AUTH,
+        )
+        assert chat.text == "[user] hi\n"
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await render.RenderChat(pb.RenderChatRequest(), metadata=AUTH)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert running.mounted.inflight.limited_everywhere == 0
+    provider.shutdown()
+    spans = [s for s in exporter.get_finished_spans() if s.name.endswith("/RenderChat")]
+    assert len(spans) == 2, [s.name for s in exporter.get_finished_spans()]
+    ok = next(s for s in spans if s.status.is_ok)
+    assert (ok.attributes or {}).get("gen_ai.operation.name") == "render_chat"
+    assert (ok.attributes or {}).get("gen_ai.usage.input_tokens") == len(chat.token_ids)
+    counted = {
+        sample.labels["grpc_code"]: sample.value
+        for family in metrics.handled.collect()
+        for sample in family.samples
+        if sample.labels.get("grpc_method") == "RenderChat" and sample.name.endswith("_total")
+    }
+    assert counted == {"OK": 1.0, "INVALID_ARGUMENT": 1.0}, counted

@@ -95,10 +95,11 @@ EMBED_METHOD: str = f"/{SERVICE_NAME}/Embed"
 GENERATION_METHODS: frozenset[str] = _with(MethodRole.GENERATION)
 """The generation calls of every protocol."""
 ENGINE_METHODS: frozenset[str] = _with(MethodRole.GENERATION, MethodRole.EMBEDDING)
-"""The calls that run on the engine (generation and embedding): what is counted in flight."""
+"""The calls that run on the engine (generation, embedding and pooling)."""
 COUNTED_METHODS: frozenset[str] = _with(
     MethodRole.GENERATION, MethodRole.EMBEDDING, MethodRole.RENDERING
 )
-"""The calls the in-flight count and its limit take: the engine calls and rendering."""
+"""The calls counted in flight (and limited), whose servicer keeps the call's record:
+the engine calls and rendering."""
 ADMIN_METHODS: frozenset[str] = _with(MethodRole.ADMIN)
 """Methods that change the server for everyone or expose its internals."""

@@ -161,15 +161,31 @@ class VllmHandlers:
         return state
 
 
-# vLLM's request model for each call, by its HTTP route's body (the same
-# module paths in every supported release).
-_REQUEST_MODELS = {
-    "classify": ("vllm.entrypoints.pooling.classify.protocol", "ClassificationCompletionRequest"),
-    "score": ("vllm.entrypoints.pooling.scoring.protocol", "ScoreTextRequest"),
-    "rerank": ("vllm.entrypoints.pooling.scoring.protocol", "RerankRequest"),
-    "render_chat": ("vllm.entrypoints.openai.chat_completion.protocol", "ChatCompletionRequest"),
-    "render_completion": ("vllm.entrypoints.openai.completion.protocol", "CompletionRequest"),
-}
+def _request_model(kind: str) -> Any:
+    """vLLM's request model for each call, by its HTTP route's body (the same
+    module paths in every supported release; imported where the checks of the
+    next release can see them)."""
+    if kind == "classify":
+        from vllm.entrypoints.pooling.classify.protocol import ClassificationCompletionRequest
+
+        return ClassificationCompletionRequest
+    if kind == "score":
+        from vllm.entrypoints.pooling.scoring.protocol import ScoreTextRequest
+
+        return ScoreTextRequest
+    if kind == "rerank":
+        from vllm.entrypoints.pooling.scoring.protocol import RerankRequest
+
+        return RerankRequest
+    if kind == "render_chat":
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+        return ChatCompletionRequest
+    if kind == "render_completion":
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+        return CompletionRequest
+    raise ValueError(f"no vLLM request model for {kind!r}")
 
 
 def vllm_request(kind: str, body: dict[str, Any]) -> Any:
@@ -179,14 +195,10 @@ def vllm_request(kind: str, body: dict[str, Any]) -> Any:
         InvalidRequestError: vLLM's validation refused it, named by the field
             (the body's keys are the wire's field names).
     """
-    import importlib
-
     import pydantic
 
-    module, name = _REQUEST_MODELS[kind]
-    model = getattr(importlib.import_module(module), name)
     try:
-        return model.model_validate(body)
+        return _request_model(kind).model_validate(body)
     except pydantic.ValidationError as exc:
         first = exc.errors()[0]
         field = ".".join(str(part) for part in first.get("loc", ())) or "request"
