@@ -13,7 +13,6 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..context import engine_trace_headers, kept_usage
-from ..errors import NotFoundError
 from ..proto import pooling_pb2 as pb
 from ..proto import pooling_pb2_grpc
 from ..wire import pooling as wire
@@ -100,7 +99,7 @@ class PoolingServicer(pooling_pb2_grpc.PoolingServicer):
         if usage is not None:
             usage.request = RequestSummary(operation, request_id)
         handlers = self._handlers
-        check_model("options.model", model, handlers.served_model)
+        handlers.check_model("options.model", model)
         body = build(handlers.served_model, handlers.max_model_len)
         handler = await handlers.handler(handler_name, "classify", what)
         token = trace_headers.set(engine_trace_headers(context))
@@ -110,19 +109,6 @@ class PoolingServicer(pooling_pb2_grpc.PoolingServicer):
             trace_headers.reset(token)
         result: Mapping[str, Any] = answer_body(answer)
         return result
-
-
-def check_model(field: str, model: str, served: str) -> None:
-    """Refuse a model name other than the served one ("" is the served one).
-
-    vLLM's pooling handlers run the base model for a name they do not know;
-    a name this server does not serve is refused instead, never ignored.
-
-    Raises:
-        NotFoundError: `model` is not the served model.
-    """
-    if model and model != served:
-        raise NotFoundError(field, f"{model!r} is not served here; this server serves {served!r}")
 
 
 def _record(prompt_tokens: int) -> None:

@@ -23,7 +23,6 @@ from ..proto import render_pb2 as pb
 from ..wire import pooling as wire
 from ..wire.fields import REFUSED
 from ..wire.usage import RequestSummary
-from .pooling import check_model
 from .state import MountState
 from .vllm_app import VllmHandlers, answer_body, vllm_request
 
@@ -52,7 +51,7 @@ class RenderServicer(render_pb2_grpc.RenderServicer):
     ) -> pb.RenderedPrompt:
         _summarize("render_chat")
         handlers = self._handlers
-        check_model("model", request.model, handlers.served_model)
+        handlers.check_model("model", request.model)
         body = wire.render_chat_body(request, handlers.served_model, handlers.max_model_len)
         render = await handlers.handler("serving_render", "generate", "render chat prompts")
         account = self._decoded_media.request()
@@ -72,7 +71,7 @@ class RenderServicer(render_pb2_grpc.RenderServicer):
     ) -> pb.RenderCompletionResponse:
         _summarize("render_completion")
         handlers = self._handlers
-        check_model("model", request.model, handlers.served_model)
+        handlers.check_model("model", request.model)
         body = wire.render_completion_body(request, handlers.served_model, handlers.max_model_len)
         render = await handlers.handler("serving_render", "generate", "render prompts")
         answers = answer_body(

@@ -122,6 +122,20 @@ class VllmHandlers:
             )
         return found
 
+    def check_model(self, field: str, model: str) -> None:
+        """Refuse a model name other than the served one ("" is the served one).
+
+        vLLM's pooling handlers run the base model for a name they do not know;
+        a name this server does not serve is refused instead, never ignored.
+
+        Raises:
+            NotFoundError: `model` is not the served model.
+        """
+        if model and model != self.served_model:
+            raise NotFoundError(
+                field, f"{model!r} is not served here; this server serves {self.served_model!r}"
+            )
+
     def tokenizer(self) -> Any:
         """The engine's tokenizer (the renderer's own)."""
         renderer: Any = (
