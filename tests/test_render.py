@@ -430,3 +430,31 @@ async def test_the_launchers_stack_traces_and_counts_renders_on_a_mount(engine: 
         if sample.labels.get("grpc_method") == "RenderChat" and sample.name.endswith("_total")
     }
     assert counted == {"OK": 1.0, "INVALID_ARGUMENT": 1.0}, counted
+
+
+async def test_an_inline_image_is_rendered_with_its_placeholder_tokens(vlm_engine: Any) -> None:
+    """The tiny LLaVA: the chat's image becomes its placeholder tokens, located and hashed."""
+    import base64
+    import io
+
+    from PIL import Image
+    from support import serving
+
+    from vllm_servicer.testing.tiny_vlm import IMAGE_TOKEN
+
+    image = io.BytesIO()
+    Image.new("RGB", (32, 32), (200, 30, 30)).save(image, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(image.getvalue()).decode()
+    pb, stubs = shipped_modules("render")
+    parts = [pb.ContentPart(text="What is this? "), pb.ContentPart(image_url=url)]
+    async with serving(vlm_engine) as running:
+        rendered = await stubs.RenderStub(running.channel).RenderChat(
+            pb.RenderChatRequest(messages=[pb.ChatMessage(role="user", parts=parts)])
+        )
+        assert running.mounted.state.decoded_media.held == 0
+    image_token = vlm_engine.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+    runs = [i for i, token in enumerate(rendered.token_ids) if token == image_token]
+    [placeholder] = rendered.placeholders
+    assert placeholder.modality == "image" and placeholder.hash
+    assert runs == list(range(placeholder.offset, placeholder.offset + placeholder.length))
+    assert placeholder.length > 1  # expanded to the image's tokens, not one marker

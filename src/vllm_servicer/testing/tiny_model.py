@@ -49,7 +49,7 @@ __all__ = [
     "write_tiny_model",
 ]
 
-TINY_MODEL_VERSION: Final = "2"
+TINY_MODEL_VERSION: Final = "3"
 """Bumped whenever the written files change; older directories are rewritten."""
 
 TINY_ENGINE_KWARGS: Final[dict[str, Any]] = {
@@ -156,7 +156,7 @@ CHAT_TEMPLATE: Final = (
     "{{- '<|' + message['role'] + '|>' }}"
     "{%- if message['content'] is string %}{{ message['content'] }}"
     "{%- elif message['content'] %}{%- for part in message['content'] %}"
-    "{%- if part['type'] == 'text' %}{{ part['text'] }}{%- else %}<|image|>{%- endif %}"
+    "{%- if part['type'] == 'text' %}{{ part['text'] }}{%- else %}<image>{%- endif %}"
     "{%- endfor %}{%- endif %}"
     "{%- for call in message.get('tool_calls') or [] %}"
     "{{- '<|call|>' + call['function']['name'] + ' ' }}"
@@ -168,7 +168,8 @@ CHAT_TEMPLATE: Final = (
     "{%- if add_generation_prompt %}{{ '<|assistant|>' }}{%- endif %}"
 )
 """The tiny models' chat template: roles, text, tool definitions and calls, a
-generation prompt; what a real model's template does, in a few lines."""
+generation prompt, an image as `<image>` (the tiny LLaVA's placeholder); what a real
+model's template does, in a few lines."""
 
 
 def apply_cpu_env_defaults() -> dict[str, str]:
