@@ -162,6 +162,31 @@ async def test_truncation_keeps_the_tokens_vllm_keeps(
 @pytest.mark.parametrize(
     ("method", "build", "code", "field"),
     [
+        (
+            "Classify",
+            lambda pb: pb.ClassifyRequest(request_id="a\nforged log line", input=["x"]),
+            "INVALID_ARGUMENT",
+            "request_id",
+        ),
+        (
+            "Classify",
+            lambda pb: pb.ClassifyRequest(request_id="r" * 1025, input=["x"]),
+            "INVALID_ARGUMENT",
+            "request_id",
+        ),
+        # Refused before any tokenization (vLLM tokenizes a query once per pair).
+        (
+            "Score",
+            lambda pb: pb.ScoreRequest(text_1="x" * 4_000_000, text_2=["d"] * 8),
+            "INVALID_ARGUMENT",
+            "text_1",
+        ),
+        (
+            "Rerank",
+            lambda pb: pb.RerankRequest(query="q", documents=["d", "x" * 4_000_000]),
+            "INVALID_ARGUMENT",
+            "documents[1]",
+        ),
         ("Classify", lambda pb: pb.ClassifyRequest(), "INVALID_ARGUMENT", "input"),
         ("Score", lambda pb: pb.ScoreRequest(text_1="q"), "INVALID_ARGUMENT", "text_2"),
         ("Rerank", lambda pb: pb.RerankRequest(query="q"), "INVALID_ARGUMENT", "documents"),
@@ -203,6 +228,10 @@ async def test_truncation_keeps_the_tokens_vllm_keeps(
         ),
     ],
     ids=[
+        "a request id with a newline",
+        "a request id too long",
+        "a query that cannot fit",
+        "a document that cannot fit",
         "no input",
         "no text_2",
         "no documents",

@@ -28,6 +28,7 @@ from support.node import run_node
 from support.vllm_protocol import shipped_modules
 
 KEY = "render-tenant-0123456789abcdef0123"
+MAX_RENDER_ITEMS = 16
 AUTH = bearer(KEY)
 WEATHER = {
     "type": "object",
@@ -47,6 +48,7 @@ def stubs() -> tuple[types.ModuleType, types.ModuleType]:
 async def launcher(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Launched]:
     cache = tmp_path_factory.mktemp("render-cache")
     flags = ("--http-port", "0", "--metrics-port", "0", "--api-key", KEY)
+    flags += ("--max-render-items", str(MAX_RENDER_ITEMS))
     async with launched(*flags, env=launcher_env(cache)) as served:
         yield served
 
@@ -228,9 +230,29 @@ async def test_rendering_runs_no_engine_step(
     assert handled and sum(float(n) for n in handled) >= 100
 
 
+def _with_kwargs(request: Any, kwargs: dict[str, Any]) -> Any:
+    request.chat_template_kwargs.update(kwargs)
+    return request
+
+
 @pytest.mark.parametrize(
     ("build", "code", "field"),
     [
+        (
+            lambda pb: pb.RenderChatRequest(
+                messages=[pb.ChatMessage(role="user", content="hi")] * (MAX_RENDER_ITEMS + 1)
+            ),
+            "INVALID_ARGUMENT",
+            "messages",
+        ),
+        (
+            lambda pb: _with_kwargs(
+                pb.RenderChatRequest(messages=[pb.ChatMessage(role="user", content="hi")]),
+                {"padding": "max_length"},
+            ),
+            "INVALID_ARGUMENT",
+            "chat_template_kwargs.padding",
+        ),
         (lambda pb: pb.RenderChatRequest(), "INVALID_ARGUMENT", "messages"),
         (
             lambda pb: pb.RenderChatRequest(messages=[pb.ChatMessage(content="hi")]),
@@ -305,6 +327,8 @@ async def test_rendering_runs_no_engine_step(
         ),
     ],
     ids=[
+        "messages past the budget",
+        "a reserved template variable",
         "no messages",
         "no role",
         "content and parts",
@@ -333,10 +357,15 @@ async def test_render_needs_a_key_and_the_completion_prompt_is_required(
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await render.RenderCompletion(pb.RenderCompletionRequest(prompt=["x"]))
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    with pytest.raises(grpc.aio.AioRpcError) as err:
-        await render.RenderCompletion(pb.RenderCompletionRequest(), metadata=AUTH)
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert (err.value.details() or "").startswith("prompt: ")
+    for request in (
+        pb.RenderCompletionRequest(),
+        pb.RenderCompletionRequest(prompt=["x"] * (MAX_RENDER_ITEMS + 1)),
+        pb.RenderCompletionRequest(prompt=["x" * 4_000_000]),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await render.RenderCompletion(request, metadata=AUTH)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert (err.value.details() or "").startswith("prompt"), err.value.details()
 
 
 async def test_a_pooling_call_on_a_generation_model_names_what_is_missing(

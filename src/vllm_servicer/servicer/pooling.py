@@ -46,7 +46,7 @@ class PoolingServicer(pooling_pb2_grpc.PoolingServicer):
             "classify",
             request.request_id,
             request.options.model,
-            lambda served, max_len: wire.classify_body(request, served, max_len),
+            lambda limits: wire.classify_body(request, limits),
             "serving_classification",
             "classify texts",
             context,
@@ -61,7 +61,7 @@ class PoolingServicer(pooling_pb2_grpc.PoolingServicer):
             "score",
             request.request_id,
             request.options.model,
-            lambda served, max_len: wire.score_body(request, served, max_len),
+            lambda limits: wire.score_body(request, limits),
             "serving_scores",
             "score text pairs",
             context,
@@ -76,7 +76,7 @@ class PoolingServicer(pooling_pb2_grpc.PoolingServicer):
             "rerank",
             request.request_id,
             request.options.model,
-            lambda served, max_len: wire.rerank_body(request, served, max_len),
+            lambda limits: wire.rerank_body(request, limits),
             "serving_scores",
             "rerank documents",
             context,
@@ -90,7 +90,7 @@ class PoolingServicer(pooling_pb2_grpc.PoolingServicer):
         operation: str,
         request_id: str,
         model: str,
-        build: Callable[[str, int | None], dict[str, Any]],
+        build: Callable[[wire.ModelLimits], dict[str, Any]],
         handler_name: str,
         what: str,
         context: Context,
@@ -100,11 +100,12 @@ class PoolingServicer(pooling_pb2_grpc.PoolingServicer):
             usage.request = RequestSummary(operation, request_id)
         handlers = self._handlers
         handlers.check_model("options.model", model)
-        body = build(handlers.served_model, handlers.max_model_len)
         handler = await handlers.handler(handler_name, "classify", what)
+        body = build(handlers.limits())
         token = trace_headers.set(engine_trace_headers(context))
         try:
-            answer = await handler(vllm_request(operation, body), None)
+            async with handlers.claiming.claims_of_call():
+                answer = await handler(vllm_request(operation, body), None)
         finally:
             trace_headers.reset(token)
         result: Mapping[str, Any] = answer_body(answer)

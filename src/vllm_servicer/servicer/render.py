@@ -45,6 +45,7 @@ class RenderServicer(render_pb2_grpc.RenderServicer):
     def __init__(self, state: MountState, options: MountOptions) -> None:
         self._handlers: VllmHandlers = state.handlers
         self._decoded_media: DecodedMedia = state.decoded_media
+        self._budgets = options.budgets
 
     async def RenderChat(
         self, request: pb.RenderChatRequest, context: Context
@@ -52,8 +53,9 @@ class RenderServicer(render_pb2_grpc.RenderServicer):
         _summarize("render_chat")
         handlers = self._handlers
         handlers.check_model("model", request.model)
-        body = wire.render_chat_body(request, handlers.served_model, handlers.max_model_len)
+        self._budgets.check_render_items("messages", _chat_items(request))
         render = await handlers.handler("serving_render", "generate", "render chat prompts")
+        body = wire.render_chat_body(request, handlers.limits())
         account = self._decoded_media.request()
         try:
             _admit_images(request, account)
@@ -72,8 +74,9 @@ class RenderServicer(render_pb2_grpc.RenderServicer):
         _summarize("render_completion")
         handlers = self._handlers
         handlers.check_model("model", request.model)
-        body = wire.render_completion_body(request, handlers.served_model, handlers.max_model_len)
+        self._budgets.check_render_items("prompt", len(request.prompt))
         render = await handlers.handler("serving_render", "generate", "render prompts")
+        body = wire.render_completion_body(request, handlers.limits())
         answers = answer_body(
             await render.render_completion_request(vllm_request("render_completion", body))
         )
@@ -84,6 +87,12 @@ class RenderServicer(render_pb2_grpc.RenderServicer):
     def _rendered(self, answer: Mapping[str, Any]) -> pb.RenderedPrompt:
         text = self._handlers.tokenizer().decode(answer["token_ids"], skip_special_tokens=False)
         return wire.rendered_prompt(answer, text)
+
+
+def _chat_items(request: pb.RenderChatRequest) -> int:
+    """What a chat asks the template to lay out: messages, parts, tool calls, tools."""
+    parts = sum(len(m.parts) + len(m.tool_calls) for m in request.messages)
+    return len(request.messages) + parts + len(request.tools)
 
 
 def _admit_images(request: pb.RenderChatRequest, account: RequestMedia) -> None:

@@ -18,19 +18,36 @@ interceptors.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import json
 import logging
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 from ..engine import EngineClient, served_model_name
 from ..errors import InvalidRequestError, NotFoundError, UnsupportedError
+from ..wire.pooling import ModelLimits
 from .tenancy import RunningRequests
 
 __all__ = ["ClaimingEngine", "VllmHandlers", "answer_body", "trace_headers", "vllm_request"]
 
 logger = logging.getLogger(__name__)
+
+
+class _Claim:
+    """One engine request's id, claimed for the caller until released (once)."""
+
+    __slots__ = ("released", "request_id")
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.released = False
+
+
+_call_claims: contextvars.ContextVar[list[_Claim] | None] = contextvars.ContextVar(
+    "vllm_servicer_handler_claims", default=None
+)
 
 trace_headers: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar(
     "vllm_servicer_handler_trace_headers", default=None
@@ -71,11 +88,40 @@ class ClaimingEngine:
         # Claimed from the first read to the end, an error or a close (a
         # cancelled call closes it; the engine aborts the request then).
         self._running.claim(request_id, self._method)
+        claim = _Claim(request_id)
+        held = _call_claims.get()
+        if held is not None:
+            held.append(claim)
         try:
             async for output in start():
                 yield output
         finally:
-            self._running.release(request_id)
+            self._release(claim)
+
+    def _release(self, claim: _Claim) -> None:
+        if not claim.released:
+            claim.released = True
+            self._running.release(claim.request_id)
+
+    @contextlib.asynccontextmanager
+    async def claims_of_call(self) -> AsyncIterator[None]:
+        """Every engine request the block starts ends with it, released and aborted.
+
+        vLLM's handler leaves the other texts' requests running when one of a
+        batch fails (its merged iterator is never closed, only collected):
+        their ids and engine work would outlive the call and its in-flight slot.
+        """
+        held: list[_Claim] = []
+        token = _call_claims.set(held)
+        try:
+            yield
+        finally:
+            _call_claims.reset(token)
+            left = [claim for claim in held if not claim.released]
+            for claim in left:
+                self._release(claim)
+            if left:
+                await self._engine.abort([claim.request_id for claim in left])
 
 
 class VllmHandlers:
@@ -97,9 +143,22 @@ class VllmHandlers:
         self._state: Any = None
         self._tasks: tuple[str, ...] = ()
         self._lock = asyncio.Lock()
+        self.claiming = ClaimingEngine(engine, running, "pooling")
         self.served_model = served_model_name(engine)
         max_len = getattr(getattr(engine, "model_config", None), "max_model_len", None)
         self.max_model_len: int | None = int(max_len) if max_len else None
+        self._limits: ModelLimits | None = None
+
+    def limits(self) -> ModelLimits:
+        """The served model's limits, read once (the longest token from its vocabulary)."""
+        if self._limits is None:
+            max_chars = None
+            if self.max_model_len is not None:
+                vocabulary = self.tokenizer().get_vocab()
+                longest = max((len(token) for token in vocabulary), default=0)
+                max_chars = self.max_model_len * longest if longest else None
+            self._limits = ModelLimits(self.served_model, self.max_model_len, max_chars)
+        return self._limits
 
     async def handler(self, name: str, needs: str, what: str) -> Any:
         """vLLM's handler `name` (`serving_scores`, ...), or refuse the call.
@@ -166,7 +225,7 @@ class VllmHandlers:
         args.chat_template = self._chat_template
         self._tasks = tuple(await self._engine.get_supported_tasks())
         state = State()
-        engine: Any = ClaimingEngine(self._engine, self._running, "pooling")
+        engine: Any = self.claiming
         tasks: Any = self._tasks
         await init_app_state(engine, state, args, tasks)
         logger.info(

@@ -12,17 +12,20 @@ Pure data: no grpc, no vLLM.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from google.protobuf.json_format import MessageToDict
 
+from ..budgets import check_request_id
 from ..errors import InvalidRequestError
 from ..proto import pooling_pb2 as pool_pb
 from ..proto import render_pb2 as render_pb
 
 __all__ = [
+    "ModelLimits",
     "classify_body",
     "classify_response",
     "render_chat_body",
@@ -33,6 +36,44 @@ __all__ = [
     "score_body",
     "score_response",
 ]
+
+
+# The request fields that carry one text (the others are repeated).
+_SINGLE_TEXTS = frozenset({"text_1", "query"})
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelLimits:
+    """What the served model takes, for the checks made before vLLM sees a request.
+
+    Attributes:
+        served_model: the served model's name ("" in a request means it).
+        max_model_len: the model's context in tokens; None: unknown.
+        max_text_chars: the longest text that can fit that context (the context
+            times the longest token's characters: a text longer than this
+            cannot be that few tokens); None: unknown.
+    """
+
+    served_model: str
+    max_model_len: int | None = None
+    max_text_chars: int | None = None
+
+    def check_fits(self, field: str, texts: Sequence[str], truncating: bool) -> None:
+        """Refuse a text that cannot fit the context, before it is tokenized.
+
+        vLLM tokenizes a Score's query once per pair and only then finds it
+        too long; a text past `max_text_chars` is refused at once instead.
+        """
+        if truncating or self.max_text_chars is None:
+            return
+        for index, text in enumerate(texts):
+            if len(text) > self.max_text_chars:
+                name = field if field in _SINGLE_TEXTS else f"{field}[{index}]"
+                raise InvalidRequestError(
+                    name,
+                    f"{len(text)} characters cannot fit the model's context of "
+                    f"{self.max_model_len} tokens; shorten it or set truncate_prompt_tokens",
+                )
 
 
 def _non_empty(field: str, texts: Sequence[str], what: str) -> list[str]:
@@ -56,61 +97,66 @@ def _truncation(field: str, value: int, max_model_len: int | None) -> int:
 
 
 def _pooling_options(
-    options: pool_pb.PoolingOptions, field: str, served_model: str, max_model_len: int | None
+    options: pool_pb.PoolingOptions, limits: ModelLimits, *texts: tuple[str, Sequence[str]]
 ) -> dict[str, Any]:
+    """The body's options, each text of `texts` ((field, texts) pairs) checked to fit."""
     body: dict[str, Any] = {
-        "model": options.model or served_model,
+        "model": options.model or limits.served_model,
         "priority": options.priority,
     }
-    if options.HasField("truncate_prompt_tokens"):
+    truncating = options.HasField("truncate_prompt_tokens")
+    if truncating:
         body["truncate_prompt_tokens"] = _truncation(
-            f"{field}.truncate_prompt_tokens", options.truncate_prompt_tokens, max_model_len
+            "options.truncate_prompt_tokens", options.truncate_prompt_tokens, limits.max_model_len
         )
+    for field, values in texts:
+        limits.check_fits(field, values, truncating)
     return body
 
 
-def _request_id(given: str, prefix: str) -> dict[str, str]:
-    # vLLM's engine ids are "<prefix>-<request_id>-<index>"; "": vLLM makes one up.
+def _request_id(given: str) -> dict[str, str]:
+    # vLLM's engine ids are "<route>-<request_id>-<index>"; "": vLLM makes one up.
+    if given:
+        check_request_id("request_id", given)
     return {"request_id": given} if given else {}
 
 
-def classify_body(
-    request: pool_pb.ClassifyRequest, served_model: str, max_model_len: int | None
-) -> dict[str, Any]:
+def classify_body(request: pool_pb.ClassifyRequest, limits: ModelLimits) -> dict[str, Any]:
     """The /classify body for `request`.
 
     Raises:
-        InvalidRequestError: no input, or a truncation out of range (named by field).
+        InvalidRequestError: no input, a text that cannot fit the context, a
+            truncation out of range, a bad request id (named by field).
     """
     return {
         "input": _non_empty("input", request.input, "text"),
-        **_pooling_options(request.options, "options", served_model, max_model_len),
-        **_request_id(request.request_id, "classify"),
+        **_pooling_options(request.options, limits, ("input", request.input)),
+        **_request_id(request.request_id),
     }
 
 
-def score_body(
-    request: pool_pb.ScoreRequest, served_model: str, max_model_len: int | None
-) -> dict[str, Any]:
+def score_body(request: pool_pb.ScoreRequest, limits: ModelLimits) -> dict[str, Any]:
     """The /score body for `request`: text_1 against each of text_2."""
     return {
         "text_1": request.text_1,
         "text_2": _non_empty("text_2", request.text_2, "text"),
-        **_pooling_options(request.options, "options", served_model, max_model_len),
-        **_request_id(request.request_id, "score"),
+        **_pooling_options(
+            request.options, limits, ("text_1", [request.text_1]), ("text_2", request.text_2)
+        ),
+        **_request_id(request.request_id),
     }
 
 
-def rerank_body(
-    request: pool_pb.RerankRequest, served_model: str, max_model_len: int | None
-) -> dict[str, Any]:
+def rerank_body(request: pool_pb.RerankRequest, limits: ModelLimits) -> dict[str, Any]:
     """The /rerank body for `request`."""
     return {
         "query": request.query,
         "documents": _non_empty("documents", request.documents, "document"),
         "top_n": request.top_n,
-        **_pooling_options(request.options, "options", served_model, max_model_len),
-        **_request_id(request.request_id, "rerank"),
+        **_pooling_options(
+            request.options, limits, ("query", [request.query]), ("documents", request.documents)
+        ),
+        **_request_id(request.request_id),
     }
 
 
@@ -166,6 +212,30 @@ def rerank_response(
 
 
 # ----- render ---------------------------------------------------------------
+
+# What the template call takes beside the template's own variables (HF's
+# apply_chat_template and vLLM's): the server's or a field's of its own, never
+# a client's template variable (padding or truncation would change the tokens,
+# `tools` would bypass the checks of the `tools` field).
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "chat_template",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "tools",
+        "documents",
+        "messages",
+        "conversation",
+        "add_generation_prompt",
+        "continue_final_message",
+    }
+)
 
 
 def _content(message: render_pb.ChatMessage, field: str) -> str | list[dict[str, Any]] | None:
@@ -223,9 +293,7 @@ def _tool(tool: render_pb.Tool, field: str) -> dict[str, Any]:
     return {"type": "function", "function": function}
 
 
-def render_chat_body(
-    request: render_pb.RenderChatRequest, served_model: str, max_model_len: int | None
-) -> dict[str, Any]:
+def render_chat_body(request: render_pb.RenderChatRequest, limits: ModelLimits) -> dict[str, Any]:
     """The /v1/chat/completions/render body for `request`.
 
     Tools are rendered into the prompt as the template lays them out; no tool
@@ -238,7 +306,7 @@ def render_chat_body(
     if not messages:
         raise InvalidRequestError("messages", "at least one message is required")
     body: dict[str, Any] = {
-        "model": request.model or served_model,
+        "model": request.model or limits.served_model,
         "messages": messages,
         "add_generation_prompt": (
             request.add_generation_prompt if request.HasField("add_generation_prompt") else True
@@ -254,28 +322,37 @@ def render_chat_body(
         body["tools"] = [_tool(tool, f"tools[{index}]") for index, tool in enumerate(request.tools)]
         body["tool_choice"] = "none"
     if request.HasField("chat_template_kwargs"):
-        body["chat_template_kwargs"] = MessageToDict(request.chat_template_kwargs)
+        kwargs = MessageToDict(request.chat_template_kwargs)
+        for name in kwargs:
+            if name in _RESERVED_TEMPLATE_KWARGS:
+                raise InvalidRequestError(
+                    f"chat_template_kwargs.{name}",
+                    "not a template variable: set by the server or by a field of its own",
+                )
+        body["chat_template_kwargs"] = kwargs
     if request.HasField("truncate_prompt_tokens"):
         body["truncate_prompt_tokens"] = _truncation(
-            "truncate_prompt_tokens", request.truncate_prompt_tokens, max_model_len
+            "truncate_prompt_tokens", request.truncate_prompt_tokens, limits.max_model_len
         )
     return body
 
 
 def render_completion_body(
-    request: render_pb.RenderCompletionRequest, served_model: str, max_model_len: int | None
+    request: render_pb.RenderCompletionRequest, limits: ModelLimits
 ) -> dict[str, Any]:
     """The /v1/completions/render body for `request`."""
+    truncating = request.HasField("truncate_prompt_tokens")
+    limits.check_fits("prompt", request.prompt, truncating)
     body: dict[str, Any] = {
-        "model": request.model or served_model,
+        "model": request.model or limits.served_model,
         "prompt": _non_empty("prompt", request.prompt, "prompt"),
         "add_special_tokens": (
             request.add_special_tokens if request.HasField("add_special_tokens") else True
         ),
     }
-    if request.HasField("truncate_prompt_tokens"):
+    if truncating:
         body["truncate_prompt_tokens"] = _truncation(
-            "truncate_prompt_tokens", request.truncate_prompt_tokens, max_model_len
+            "truncate_prompt_tokens", request.truncate_prompt_tokens, limits.max_model_len
         )
     return body
 
