@@ -354,6 +354,48 @@ async def test_a_cancelled_rerank_leaves_the_engine_and_frees_its_ids(
     assert len(reply.results) == MAX_INPUTS
 
 
+async def test_a_burst_of_mixed_calls_at_the_limit_all_answer_as_alone(
+    pooling: Any, stubs: Any
+) -> None:
+    """300 calls, Classify, Score and Rerank mixed, long texts, as many at once as
+    `--max-inflight` allows: each answers as the same call alone does (batched
+    with others, a text's numbers stay within float32 rounding)."""
+    pb = stubs[0]
+    documents = [f"{index} {LONG}"[: 40 + 13 * index] for index in range(8)]
+
+    def call(n: int) -> Any:
+        kind = n % 3
+        if kind == 0:
+            return pooling.Classify(pb.ClassifyRequest(input=documents), metadata=AUTH)
+        if kind == 1:
+            return pooling.Score(pb.ScoreRequest(text_1=QUERY, text_2=documents), metadata=AUTH)
+        return pooling.Rerank(pb.RerankRequest(query=QUERY, documents=documents), metadata=AUTH)
+
+    def numbers(reply: Any) -> list[tuple[int, float]]:
+        """Each text's index and number, whichever call answered."""
+        field = {"ClassifyResult": "probs", "ScoreResult": "score"}
+        out = []
+        for r in reply.results:
+            name = field.get(type(r).__name__, "relevance_score")
+            value = getattr(r, name)
+            out.append((r.index, value[0] if name == "probs" else value))
+        return sorted(out)
+
+    alone = [numbers(await call(kind)) for kind in range(3)]
+    gate = asyncio.Semaphore(MAX_INFLIGHT)
+
+    async def limited(n: int) -> Any:
+        async with gate:
+            return await call(n)
+
+    replies = await asyncio.gather(*(limited(n) for n in range(300)))
+    for n, reply in enumerate(replies):
+        got, expected = numbers(reply), alone[n % 3]
+        assert [i for i, _ in got] == [i for i, _ in expected]
+        assert [v for _, v in got] == pytest.approx([v for _, v in expected], rel=1e-5)
+        assert reply.prompt_tokens > 8 * 10
+
+
 async def test_the_calls_are_counted_and_nothing_stays_in_flight(
     pooling: Any, stubs: Any, launcher: Launched
 ) -> None:
