@@ -24,7 +24,7 @@ from ..wire import pooling as wire
 from ..wire.fields import REFUSED
 from ..wire.usage import RequestSummary
 from .state import MountState
-from .vllm_app import VllmHandlers, answer_body, vllm_request
+from .vllm_app import VllmHandlers, rendered, vllm_request
 
 if TYPE_CHECKING:
     import grpc.aio
@@ -59,9 +59,7 @@ class RenderServicer(render_pb2_grpc.RenderServicer):
         account = self._decoded_media.request()
         try:
             _admit_images(request, account)
-            answer = answer_body(
-                await render.render_chat_request(vllm_request("render_chat", body))
-            )
+            answer = rendered(await render.render_chat_request(vllm_request("render_chat", body)))
         finally:
             account.release()
         reply = self._rendered(answer)
@@ -77,7 +75,7 @@ class RenderServicer(render_pb2_grpc.RenderServicer):
         self._budgets.check_render_items("prompt", len(request.prompt))
         render = await handlers.handler("serving_render", "generate", "render prompts")
         body = wire.render_completion_body(request, handlers.limits())
-        answers = answer_body(
+        answers = rendered(
             await render.render_completion_request(vllm_request("render_completion", body))
         )
         reply = pb.RenderCompletionResponse(prompts=[self._rendered(item) for item in answers])
@@ -85,8 +83,7 @@ class RenderServicer(render_pb2_grpc.RenderServicer):
         return reply
 
     def _rendered(self, answer: Mapping[str, Any]) -> pb.RenderedPrompt:
-        text = self._handlers.tokenizer().decode(answer["token_ids"], skip_special_tokens=False)
-        return wire.rendered_prompt(answer, text)
+        return wire.rendered_prompt(answer, self._handlers.text_of(answer["token_ids"]))
 
 
 def _chat_items(request: pb.RenderChatRequest) -> int:

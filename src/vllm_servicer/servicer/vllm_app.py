@@ -30,7 +30,14 @@ from ..errors import InvalidRequestError, NotFoundError, UnsupportedError
 from ..wire.pooling import ModelLimits
 from .tenancy import RunningRequests
 
-__all__ = ["ClaimingEngine", "VllmHandlers", "answer_body", "trace_headers", "vllm_request"]
+__all__ = [
+    "ClaimingEngine",
+    "VllmHandlers",
+    "answer_body",
+    "rendered",
+    "trace_headers",
+    "vllm_request",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -195,6 +202,19 @@ class VllmHandlers:
                 field, f"{model!r} is not served here; this server serves {self.served_model!r}"
             )
 
+    def text_of(self, token_ids: list[int]) -> str:
+        """`token_ids` as text, special tokens included.
+
+        Through the fast tokenizer's own decoder when there is one: the same
+        text as transformers' `decode` with no clean-up of spaces, which first
+        walks the ids in Python (most of a render's decoding time).
+        """
+        tokenizer = self.tokenizer()
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+            return str(backend.decode(token_ids, skip_special_tokens=False))
+        return str(tokenizer.decode(token_ids, skip_special_tokens=False))
+
     def tokenizer(self) -> Any:
         """The engine's tokenizer (the renderer's own)."""
         renderer: Any = (
@@ -276,6 +296,24 @@ def vllm_request(kind: str, body: dict[str, Any]) -> Any:
         first = exc.errors()[0]
         field = ".".join(str(part) for part in first.get("loc", ())) or "request"
         raise InvalidRequestError(field, str(first.get("msg", exc))) from None
+
+
+def rendered(answer: Any) -> Any:
+    """What a render answer (vLLM's `GenerateRequest`) carries for a reply: its token
+    ids and multimodal features, read as they are (dumping the whole request,
+    sampling parameters and all, to JSON cost more than the render's own work);
+    a list of them as a list; an error as `answer_body` raises it."""
+    if isinstance(answer, list):
+        return [rendered(item) for item in answer]
+    if getattr(answer, "error", None) is not None or not hasattr(answer, "token_ids"):
+        return answer_body(answer)
+    features = answer.features
+    return {
+        "token_ids": answer.token_ids,
+        "features": features.model_dump(include={"mm_hashes", "mm_placeholders"})
+        if features is not None
+        else None,
+    }
 
 
 def answer_body(answer: Any) -> Any:
