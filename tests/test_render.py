@@ -410,7 +410,9 @@ async def test_the_examples_render_the_same_in_python_and_node(
     assert "<|tools|>" in python["render_chat"]["text"]
 
 
-async def test_the_launchers_stack_traces_and_counts_renders_on_a_mount(engine: Any) -> None:
+async def test_the_launchers_stack_traces_and_counts_renders_on_a_mount(
+    engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """mount() with the launcher's own interceptors, in its order (tracing, metrics,
     keys, the in-flight limit) and a chat template of the host's: renders are
     spans with their operation and prompt size, counted, and leave nothing in flight."""
@@ -423,6 +425,11 @@ async def test_the_launchers_stack_traces_and_counts_renders_on_a_mount(engine: 
     from vllm_servicer.serve.args import parse_args
     from vllm_servicer.serve.stack import build_interceptors
 
+    from prometheus_client import CollectorRegistry
+
+    # The launcher's metrics go to prometheus_client's global registry, which
+    # another test of this process may have filled: a registry of this test's own.
+    monkeypatch.setattr("vllm_servicer.interceptors.metrics.REGISTRY", CollectorRegistry())
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
