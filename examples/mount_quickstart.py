@@ -16,7 +16,7 @@ async def main(address: str, engine_args: AsyncEngineArgs) -> None:
         server = grpc.aio.server(options=server_options())
         # Your own services go here as usual, e.g.:
         # my_service_pb2_grpc.add_MyServiceServicer_to_server(MyService(), server)
-        mount(server, engine)  # VllmEngine + vllm.Inference + health + reflection
+        mount(server, engine)  # VllmEngine, vllm.Inference, Pooling, Render, health...
         server.add_insecure_port(address)  # raises if the address is taken
         await server.start()
         print("serving on", address, flush=True)

@@ -11,9 +11,10 @@ live in one process. Imports between the generated modules are made relative.
 The .proto files are copied beside them, so that the wheel carries the
 protocol for clients in other languages.
 
-ORCA's files (`xds/...`, copied from cncf/xds) keep their folders, so their
-descriptors have the names every ORCA client knows; their modules are written
-beside the others (`orca_load_report_pb2`, `orca_pb2`), imported relatively.
+ORCA's files (`xds/...`, copied from cncf/xds) and this package's own
+(`vllm_servicer/v1/...`) keep their folders, so their descriptors have the
+names their clients know; their modules are written beside the others
+(`orca_pb2`, `pooling_pb2`, ...), imported relatively.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ PROTOS = (
     # Load reports (ORCA) for balancers: gRPC's weighted_round_robin, Envoy.
     "xds/data/orca/v3/orca_load_report.proto",
     "xds/service/orca/v3/orca.proto",
+    # This package's own services (vllm_servicer.v1): pooling and rendering.
+    "vllm_servicer/v1/pooling.proto",
+    "vllm_servicer/v1/render.proto",
 )
 
 
@@ -46,9 +50,12 @@ def _rewrite(text: str) -> str:
     text = re.sub(r"^import (\w+_pb2)$", r"from . import \1", text, flags=re.M)
     # ORCA's modules, generated in their packages' folders, are written flat beside these.
     text = re.sub(
-        r"^from xds(?:\.\w+)+ import (\w+_pb2) as ", r"from . import \1 as ", text, flags=re.M
+        r"^from (?:xds|vllm_servicer)(?:\.\w+)+ import (\w+_pb2) as ",
+        r"from . import \1 as ",
+        text,
+        flags=re.M,
     )
-    text = re.sub(r"(DESCRIPTOR, )'xds(?:\.\w+)+\.(\w+_pb2)'", r"\1'\2'", text)
+    text = re.sub(r"(DESCRIPTOR, )'(?:xds|vllm_servicer)(?:\.\w+)+\.(\w+_pb2)'", r"\1'\2'", text)
     text = text.replace(
         "_descriptor_pool.Default().AddSerializedFile(",
         "_pool.POOL.AddSerializedFile(",

@@ -171,3 +171,39 @@ def test_rust_frontend_benchmark_counts_each_serving_process_alone(tmp_path: Pat
         assert figures["tokens_per_s"] > 0 and figures["serving_cpu_us_per_token"] > 0
         assert figures["itl_p90_ms"] is not None and figures["ttft_p99_ms"] is not None
     assert data["summary"]["ratios"]["serving_cpu_us_per_token"]["median"] > 0
+
+
+@pytest.mark.timeout(600)
+def test_pooling_vs_http_benchmark_measures_every_pair_on_both_protocols(tmp_path: Path) -> None:
+    import subprocess
+
+    out = tmp_path / "pooling-vs-http.json"
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "pooling_vs_http.py"), "--quick", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    data = json.loads(out.read_text())
+    pairs = ["classify-1", "classify-8", "score-8", "rerank-8", "render-chat", "render-completion"]
+    # Each pair's gRPC and HTTP answers were compared before timing, and agreed.
+    assert sorted(data["agreement"]) == sorted(pairs)
+    assert data["all_agree"] is True and data["problems"] == []
+    for name in pairs:
+        assert data["agreement"][name]["grpc"] == data["agreement"][name]["http"]
+        assert data["agreement"][name]["grpc"], name  # something was compared
+    assert set(data["summary"]) == set(pairs)
+    for name in pairs:
+        assert set(data["summary"][name]) == {"c1", "c16"}
+        for entry in data["summary"][name].values():
+            for side in ("grpc", "http"):
+                figures = entry[side]
+                assert figures["calls_per_s"]["median"] > 0
+                assert figures["launcher_cpu_us_per_call"]["median"] > 0
+                assert figures["latency_p50_ms_all"] > 0 and figures["latency_p99_ms_all"] > 0
+            for ratio in entry["ratio_grpc_over_http"].values():
+                assert ratio["median"] > 0
+    # Every burst's calls all answered: 1 round of A B B A per pair and concurrency.
+    assert len(data["bursts"]) == len(pairs) * 2 * 4
+    assert all(b["errors"] == 0 for b in data["bursts"])

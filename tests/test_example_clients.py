@@ -6,32 +6,17 @@ import asyncio
 import json
 import re
 import shutil
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 from support import bearer
-
-NODE_DIR = Path(__file__).resolve().parent.parent / "examples" / "node"
+from support.node import NODE_DIR, node_examples
 
 
 @pytest.fixture(scope="module")
 def node_client() -> Path:
-    node, npm = shutil.which("node"), shutil.which("npm")
-    if node is None or npm is None:
-        pytest.skip("node and npm are not installed")
-    if not (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").exists():
-        done = subprocess.run(
-            [npm, "install", "--no-audit", "--no-fund"],
-            cwd=NODE_DIR,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        if done.returncode != 0:
-            pytest.skip(f"npm install failed (no registry?): {done.stderr[-500:]}")
-    return NODE_DIR / "client.js"
+    return node_examples() / "client.js"
 
 
 async def test_node_client_streams_tokens(node_client: Path, server: Any) -> None:

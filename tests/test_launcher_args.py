@@ -61,11 +61,14 @@ def test_the_launcher_serves_every_protocol_unless_told(
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
     monkeypatch.delenv("VLLM_SERVICER_ADMIN_API_KEY", raising=False)
     # vllm.Control only with credentials (or when named): without them anyone could call it.
+    ours = ("vllm_servicer.v1.Pooling", "vllm_servicer.v1.Render")
     args = parse_args(["serve", "--model", "m"])
-    assert args.services == (SERVICE_NAME, "vllm.Inference")
+    assert args.services == (SERVICE_NAME, "vllm.Inference", *ours)
     assert not args.services_named
     args = parse_args(["serve", "--model", "m", "--api-key", "k"])
-    assert args.services == (SERVICE_NAME, "vllm.Inference", "vllm.Control")
+    assert args.services == (SERVICE_NAME, "vllm.Inference", "vllm.Control", *ours)
+    args = parse_args(["serve", "--model", "m", "--services", "pooling", "render"])
+    assert args.services == ours
     args = parse_args(["serve", "--model", "m", "--services", "vllm-engine", "control"])
     assert args.services == (SERVICE_NAME, "vllm.Control")
     assert args.services_named

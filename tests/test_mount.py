@@ -171,8 +171,15 @@ async def test_switches_leave_services_out(engine: Any) -> None:
         assert served.mounted.health is None
         assert served.mounted.load_reports is None
         assert served.mounted.state.load_reporter is None
-        # The inference protocols by default; vllm.Control only when asked.
-        assert served.mounted.service_names == (SERVICE_NAME, "vllm.Inference")
+        # The inference protocols, pooling and rendering by default; vllm.Control
+        # only when asked.
+        assert served.mounted.service_names == (
+            SERVICE_NAME,
+            "vllm.Inference",
+            "vllm_servicer.v1.Pooling",
+            "vllm_servicer.v1.Render",
+        )
+        assert served.mounted.pooling is not None and served.mounted.render is not None
         channel = served.channel
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())

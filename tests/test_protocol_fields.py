@@ -29,9 +29,13 @@ from support.kv_echo_connector import FINISHED_LOG
 from vllm_servicer import vllm_releases
 from vllm_servicer.proto import (
     INFERENCE_SERVICE,
+    POOLING_SERVICE,
+    RENDER_SERVICE,
     SERVICE_NAME,
     common_pb2,
     inference_pb2,
+    pooling_pb2,
+    render_pb2,
     vllm_engine_pb2,
     vllm_engine_pb2_grpc,
 )
@@ -43,11 +47,15 @@ from vllm_servicer.wire.fields import HONOURED, REFUSED
 SERVICES = {
     SERVICE_NAME: vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"],
     INFERENCE_SERVICE: inference_pb2.DESCRIPTOR.services_by_name["Inference"],
+    POOLING_SERVICE: pooling_pb2.DESCRIPTOR.services_by_name["Pooling"],
+    RENDER_SERVICE: render_pb2.DESCRIPTOR.services_by_name["Render"],
 }
 PROTOCOL_DOC = Path(__file__).resolve().parent.parent / "docs" / "protocol.md"
 # Where the page's vllm.Inference section starts: its table has no RPC column
 # (both of its methods take the same request).
 INFERENCE_HEADING = "## vllm.Inference"
+# Where the section of the package's own services starts (after vllm.Inference's).
+OWN_SERVICES_HEADING = "## vllm_servicer.v1.Pooling and Render"
 
 
 def _paths(message: Descriptor, refused: Mapping[str, Any], prefix: str = "") -> Iterator[str]:
@@ -80,12 +88,22 @@ def test_every_request_field_is_honoured_or_refused(service: str) -> None:
 def _table(service: str, method: str) -> dict[str, str]:
     """What the field table says of each field of one method: "honoured" or the code."""
     rows = {path: "honoured" for path in HONOURED[service].get(method, ())}
-    rows |= {p: r.error.status_code for p, r in REFUSED[service].get(method, {}).items()}
+    rows |= {p: r.error.status_code for p, r in REFUSED.get(service, {}).get(method, {}).items()}
     return rows
 
 
 def test_the_protocol_page_shows_the_same_tables() -> None:
     engine_part, _, inference_part = PROTOCOL_DOC.read_text().partition(INFERENCE_HEADING)
+    inference_part, _, own_part = inference_part.partition(OWN_SERVICES_HEADING)
+    assert own_part, f"no {OWN_SERVICES_HEADING!r} section"
+    rows = re.findall(r"^\| (\w+) \| `([\w.]+)` \| (honoured|refused: `(\w+)`)", own_part, re.M)
+    documented_own = {(method, path): code or "honoured" for method, path, _, code in rows}
+    assert documented_own == {
+        (method, path): handling
+        for service in (POOLING_SERVICE, RENDER_SERVICE)
+        for method in SERVICES[service].methods_by_name
+        for path, handling in _table(service, method).items()
+    }
     assert inference_part, f"no {INFERENCE_HEADING!r} section"
     rows = re.findall(r"^\| (\w+) \| `([\w.]+)` \| (honoured|refused: `(\w+)`)", engine_part, re.M)
     documented = {(method, path): code or "honoured" for method, path, _, code in rows}

@@ -34,6 +34,18 @@ DEFAULT_MAX_CONSTRAINT_BYTES = 64 * 1024
 # A router aborts the streams it drops, a few at a time; a drain, all of one
 # process's (bounded by --max-inflight, 1024 by default).
 DEFAULT_MAX_ABORT_IDS = 1024
+# The texts one Classify, Score or Rerank carries, each its own engine request
+# (a rerank's candidate documents): a router's page of candidates is tens to
+# hundreds; more belongs in several calls, which the in-flight limit counts.
+DEFAULT_MAX_POOLING_INPUTS = 256
+# What one render lays out: messages, content parts, tool calls and tools of a
+# chat, or prompts of a completion. Long agent conversations run to hundreds
+# of messages; each item costs the template and the tokenizer on the serving
+# process, with no engine step to bound it.
+DEFAULT_MAX_RENDER_ITEMS = 2048
+# Request ids: routers send UUIDs (36 characters) or a few joined; vLLM copies
+# an id per engine request (a pooling call's per text) and to the engine core.
+MAX_REQUEST_ID_CHARS = 1024
 # Pillow's own decompression-bomb threshold: one such image per request.
 DEFAULT_MAX_REQUEST_MEDIA_PIXELS = 89_478_485
 # That many pixels decoded in a one-byte mode and converted to RGB (PIL keeps
@@ -73,6 +85,10 @@ class RequestBudgets:
             holds for the requests running, all together.
         max_request_shm_bytes: most bytes one request's tensors declare
             through shared memory.
+        max_pooling_inputs: most texts one Classify, Score or Rerank carries
+            (each is an engine request).
+        max_render_items: most messages, content parts, tool calls and tools
+            one RenderChat lays out, or prompts one RenderCompletion renders.
 
     Raises:
         ValueError: a budget below 1, or a per-request media budget above the process's.
@@ -113,6 +129,21 @@ class RequestBudgets:
         metadata=_flag("most bytes one request's tensors may name in shared memory"),
     )
 
+    max_pooling_inputs: int = dataclasses.field(
+        default=DEFAULT_MAX_POOLING_INPUTS,
+        metadata=_flag(
+            "most texts one Classify, Score or Rerank may carry (inputs, text_2, documents)"
+        ),
+    )
+
+    max_render_items: int = dataclasses.field(
+        default=DEFAULT_MAX_RENDER_ITEMS,
+        metadata=_flag(
+            "most messages, content parts, tool calls and tools one RenderChat lays out "
+            "(prompts of one RenderCompletion)"
+        ),
+    )
+
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
@@ -140,6 +171,24 @@ class RequestBudgets:
                 "bytes for a structured-output constraint (--max-constraint-bytes)",
             )
 
+    def check_pooling_inputs(self, field: str, count: int) -> None:
+        """Refuse a pooling call of more texts than `max_pooling_inputs`."""
+        if count > self.max_pooling_inputs:
+            raise InvalidRequestError(
+                field,
+                f"{count} texts, more than this server's budget of {self.max_pooling_inputs} "
+                "per call (--max-pooling-inputs); send them in several calls",
+            )
+
+    def check_render_items(self, field: str, count: int) -> None:
+        """Refuse a render of more items than `max_render_items`."""
+        if count > self.max_render_items:
+            raise InvalidRequestError(
+                field,
+                f"{count} items to render, more than this server's budget of "
+                f"{self.max_render_items} per call (--max-render-items)",
+            )
+
     def check_abort_ids(self, field: str, ids: Sequence[str]) -> None:
         """Refuse an Abort of more than `max_abort_ids` ids, or of an id no request can have."""
         if len(ids) > self.max_abort_ids:
@@ -153,7 +202,14 @@ class RequestBudgets:
 
 
 def check_request_id(field: str, request_id: str) -> None:
-    """Refuse a request id with a control character (NUL, newline, ...) in it."""
+    """Refuse a request id with a control character (NUL, newline, ...) in it, or
+    longer than `MAX_REQUEST_ID_CHARS`."""
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequestError(
+            field,
+            f"{len(request_id)} characters, more than the {MAX_REQUEST_ID_CHARS} a request id "
+            "may have",
+        )
     found = _CONTROL_CHARACTERS.search(request_id)
     if found is not None:
         raise InvalidRequestError(

@@ -29,16 +29,22 @@ from .proto import (
     CONTROL_SERVICE,
     INFERENCE_SERVICE,
     ORCA_SERVICE,
+    POOLING_SERVICE,
+    RENDER_SERVICE,
     SERVICE_NAME,
     control_pb2_grpc,
     inference_pb2_grpc,
     orca_pb2_grpc,
+    pooling_pb2_grpc,
+    render_pb2_grpc,
     vllm_engine_pb2_grpc,
 )
 from .reflection import ChainedPool
 from .servicer.control import ControlServicer
 from .servicer.inference import InferenceServicer
 from .servicer.orca import OpenRcaServicer
+from .servicer.pooling import PoolingServicer
+from .servicer.render import RenderServicer
 from .servicer.service import VllmEngineServicer
 from .servicer.state import MountState
 from .status import error_layer
@@ -47,10 +53,22 @@ HEALTH_SERVICE_NAME: str = health_pb2.DESCRIPTOR.services_by_name["Health"].full
 REFLECTION_SERVICE_NAME: str = reflection.SERVICE_NAME
 
 
-SERVICES: tuple[str, ...] = (SERVICE_NAME, INFERENCE_SERVICE, CONTROL_SERVICE)
+SERVICES: tuple[str, ...] = (
+    SERVICE_NAME,
+    INFERENCE_SERVICE,
+    CONTROL_SERVICE,
+    POOLING_SERVICE,
+    RENDER_SERVICE,
+)
 """Every protocol service `mount()` can serve, by full name."""
-DEFAULT_SERVICES: tuple[str, ...] = (SERVICE_NAME, INFERENCE_SERVICE)
-"""What `mount()` serves unless told: the inference protocols, not vLLM's Control."""
+DEFAULT_SERVICES: tuple[str, ...] = (
+    SERVICE_NAME,
+    INFERENCE_SERVICE,
+    POOLING_SERVICE,
+    RENDER_SERVICE,
+)
+"""What `mount()` serves unless told: the inference protocols, pooling and
+rendering (each refuses what the model cannot do), not vLLM's Control."""
 
 
 class MountError(RuntimeError):
@@ -75,6 +93,8 @@ class MountedServices:
         servicer: the VllmEngine servicer, or None when not mounted.
         inference: the `vllm.Inference` servicer, or None when not mounted.
         control: the `vllm.Control` servicer, or None when not mounted.
+        pooling: the `vllm_servicer.v1.Pooling` servicer, or None when not mounted.
+        render: the `vllm_servicer.v1.Render` servicer, or None when not mounted.
         load_reports: the ORCA `OpenRcaService` servicer, or None when the
             mount sends no load reports.
     """
@@ -87,6 +107,8 @@ class MountedServices:
     servicer: VllmEngineServicer | None = None
     inference: InferenceServicer | None = None
     control: ControlServicer | None = None
+    pooling: PoolingServicer | None = None
+    render: RenderServicer | None = None
     load_reports: OpenRcaServicer | None = None
 
 
@@ -107,10 +129,13 @@ def mount(
     load_reports: bool = True,
     stream_interval: int = 1,
     stream_interval_min_inflight: int = 0,
+    chat_template: str | None = None,
 ) -> MountedServices:
     """Serve vLLM's gRPC protocols from `engine` on the host's `server`.
 
     `vllm.grpc.engine.VllmEngine` and vLLM's own `vllm.Inference` by default,
+    this package's `vllm_servicer.v1.Pooling` (Classify, Score, Rerank) and
+    `vllm_servicer.v1.Render` (a prompt as the engine would run it), and
     `vllm.Control` when `services` names it. Also mounts the standard health
     service (services "" and each mounted name; NOT_SERVING while the engine
     is dead), server reflection, and the engine's load for balancers (ORCA:
@@ -171,6 +196,8 @@ def mount(
         stream_interval_min_inflight: apply `stream_interval` only to streams
             that start while at least this many engine calls are in flight
             (the new one counted): a lightly loaded server streams every step.
+        chat_template: the chat template Render uses instead of the model's
+            (a file or the template itself, as vLLM's `--chat-template`).
 
     Returns:
         What was mounted: the servicers (None for a protocol not served), the
@@ -193,6 +220,7 @@ def mount(
         load_reports=load_reports,
         stream_interval=stream_interval,
         stream_interval_min_inflight=stream_interval_min_inflight,
+        chat_template=chat_template,
     )
     given = _inflight_of(interceptors)
     inflight = given if given is not None else InflightInterceptor()
@@ -241,6 +269,8 @@ def mount(
         servicer=servicers.get(SERVICE_NAME),
         inference=servicers.get(INFERENCE_SERVICE),
         control=servicers.get(CONTROL_SERVICE),
+        pooling=servicers.get(POOLING_SERVICE),
+        render=servicers.get(RENDER_SERVICE),
         load_reports=orca,
     )
 
@@ -283,6 +313,14 @@ _PROTOCOLS: dict[str, _Protocol] = {
     CONTROL_SERVICE: _Protocol(
         lambda state, options, changed: ControlServicer(state, options, on_state_change=changed),
         control_pb2_grpc.add_ControlServicer_to_server,
+    ),
+    POOLING_SERVICE: _Protocol(
+        lambda state, options, _: PoolingServicer(state, options),
+        pooling_pb2_grpc.add_PoolingServicer_to_server,
+    ),
+    RENDER_SERVICE: _Protocol(
+        lambda state, options, _: RenderServicer(state, options),
+        render_pb2_grpc.add_RenderServicer_to_server,
     ),
 }
 """Each protocol `mount()` serves, by full service name."""

@@ -45,6 +45,9 @@ class MountOptions:
         stream_interval_min_inflight: the interval applies to streams that
             start while at least this many engine calls are in flight (the
             new one counted); 0: to every stream.
+        chat_template: the chat template Render uses instead of the model's
+            (a file or the template itself, as vLLM's `--chat-template`);
+            None: the model's.
     """
 
     max_kv_subscribers: int = DEFAULT_MAX_KV_SUBSCRIBERS
@@ -55,6 +58,7 @@ class MountOptions:
     load_reports: bool = True
     stream_interval: int = 1
     stream_interval_min_inflight: int = 0
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         # Frozen all through: a copy the caller cannot change under the servicers.

@@ -22,9 +22,27 @@ REFERENCE_DIR = Path("/work/shared/protocols/vllm")
 """Where the reference `.proto` files are."""
 
 
+SHIPPED_OWN_DIR = (
+    Path(__file__).resolve().parents[2] / "src" / "vllm_servicer" / "proto" / "vllm_servicer" / "v1"
+)
+"""Where the package ships its own services' `.proto` files (vllm_servicer.v1)."""
+
+
 @functools.cache
 def reference_modules(name: str) -> tuple[types.ModuleType, types.ModuleType]:
     """`(name_pb2, name_pb2_grpc)` compiled from the reference's `name.proto` ("control"...)."""
+    return compiled_modules(REFERENCE_DIR, name)
+
+
+@functools.cache
+def shipped_modules(name: str) -> tuple[types.ModuleType, types.ModuleType]:
+    """`(name_pb2, name_pb2_grpc)` compiled from the `.proto` the package ships for its
+    own services ("pooling", "render"), as a client in any language would."""
+    return compiled_modules(SHIPPED_OWN_DIR, name)
+
+
+def compiled_modules(root: Path, name: str) -> tuple[types.ModuleType, types.ModuleType]:
+    """`(name_pb2, name_pb2_grpc)` compiled by grpc_tools from `root / f"{name}.proto"`."""
     import grpc_tools
     from grpc_tools import protoc
 
@@ -34,15 +52,15 @@ def reference_modules(name: str) -> tuple[types.ModuleType, types.ModuleType]:
     code = protoc.main(
         [
             "grpc_tools.protoc",
-            f"-I{REFERENCE_DIR}",
+            f"-I{root}",
             f"-I{well_known}",
             f"--python_out={out}",
             f"--grpc_python_out={out}",
-            str(REFERENCE_DIR / f"{name}.proto"),
+            str(root / f"{name}.proto"),
         ]
     )
     if code != 0:
-        raise RuntimeError(f"protoc failed ({code}) on {REFERENCE_DIR / f'{name}.proto'}")
+        raise RuntimeError(f"protoc failed ({code}) on {root / f'{name}.proto'}")
     # The generated grpc module imports its messages as a top-level module.
     sys.path.insert(0, str(out))
     try:

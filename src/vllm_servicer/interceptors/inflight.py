@@ -8,13 +8,14 @@ from collections import Counter
 import grpc
 
 from ..frontends import FrontendGroup
-from ..proto import ENGINE_METHODS
+from ..proto import COUNTED_METHODS
 from ._base import CallInterceptor, MethodFilter, all_methods, only_methods
 from ._call import Call
 
-ENGINE_REQUESTS: MethodFilter = only_methods(*ENGINE_METHODS)
-"""The calls that occupy the engine (`proto.ENGINE_METHODS`): VllmEngine's Generate
-and Embed, vllm.Inference's Generate and GenerateStream."""
+ENGINE_REQUESTS: MethodFilter = only_methods(*COUNTED_METHODS)
+"""The calls that occupy the engine or its renderer (`proto.COUNTED_METHODS`):
+VllmEngine's Generate and Embed, vllm.Inference's Generate and GenerateStream,
+Pooling's Classify, Score and Rerank, Render's RenderChat and RenderCompletion."""
 
 RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
 

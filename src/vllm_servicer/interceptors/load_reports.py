@@ -57,7 +57,7 @@ class LoadReportInterceptor(CallInterceptor):
     Args:
         reporter: the engine's cached load report (`MountState.load_reporter`).
         methods: the calls that carry a report and count in its rates
-            (default: the engine calls, `proto.ENGINE_METHODS`).
+            (default: the calls counted in flight, `proto.COUNTED_METHODS`).
     """
 
     def __init__(self, reporter: LoadReporter, *, methods: MethodFilter = ENGINE_REQUESTS) -> None:

@@ -34,7 +34,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 from prometheus_client.exposition import start_http_server
 
 from ..context import shared_usage
-from ..proto import ENGINE_METHODS, GENERATION_METHODS
+from ..proto import COUNTED_METHODS, GENERATION_METHODS
 from ..wire import usage as generation_usage
 from ._base import CallInterceptor, MethodFilter, all_methods
 from ._call import Call
@@ -106,7 +106,7 @@ class _MethodMetrics:
         self.sent = owner.msg_sent.labels(*self.labels)
         self.handling = owner.handling_seconds.labels(*self.labels)
         self.handled: dict[grpc.StatusCode, Any] = {}
-        self.engine = call.method in ENGINE_METHODS
+        self.engine = call.method in COUNTED_METHODS
         self.generate = call.method in GENERATION_METHODS
 
 

@@ -63,7 +63,7 @@ import grpc
 
 from ..context import shared_usage
 from ..engine import served_model_name
-from ..proto import ENGINE_METHODS, GENERATION_METHODS
+from ..proto import COUNTED_METHODS, GENERATION_METHODS
 from ..wire import usage as generation_usage
 from ._base import CallInterceptor, MethodFilter
 from ._call import Call
@@ -352,8 +352,8 @@ class TracingInterceptor(CallInterceptor):
         span = self._current_span()
         # The span object, not the context: on_finish may run after the
         # handler's context was detached.
-        if call.method in ENGINE_METHODS:
-            # Any protocol's engine call: its servicer keeps the call's record.
+        if call.method in COUNTED_METHODS:
+            # An engine call or a render, any protocol: its servicer keeps the call's record.
             generation = call.method in GENERATION_METHODS
             call.state = (span, _GenAiState(shared_usage(), generation))
         else:

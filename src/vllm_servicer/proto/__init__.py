@@ -1,5 +1,6 @@
 """Generated protocol modules (run `make proto`): `vllm.grpc.engine.VllmEngine`,
-vLLM's own `vllm.Inference` and `vllm.Control`, and ORCA's load reports
+vLLM's own `vllm.Inference` and `vllm.Control`, this package's own
+`vllm_servicer.v1.Pooling` and `Render` (`pooling_pb2`, `render_pb2`), ORCA's load reports
 (`orca_load_report_pb2`, `orca_pb2`: cncf/xds's `xds.data.orca.v3` and
 `xds.service.orca.v3`); the services' names and each method's role (`methods.py`).
 
@@ -21,12 +22,15 @@ from . import (
     inference_pb2,
     orca_load_report_pb2,
     orca_pb2,
+    pooling_pb2,
+    render_pb2,
     vllm_engine_pb2,
 )
 from ._pool import POOL
 from .methods import (
     ADMIN_METHODS,
     CONTROL_SERVICE,
+    COUNTED_METHODS,
     EMBED_METHOD,
     ENGINE_METHODS,
     GENERATE_METHOD,
@@ -34,6 +38,8 @@ from .methods import (
     INFERENCE_SERVICE,
     METHOD_ROLES,
     ORCA_SERVICE,
+    POOLING_SERVICE,
+    RENDER_SERVICE,
     SERVICE_NAME,
     MethodRole,
 )
@@ -44,12 +50,15 @@ if TYPE_CHECKING:
         control_pb2_grpc,
         inference_pb2_grpc,
         orca_pb2_grpc,
+        pooling_pb2_grpc,
+        render_pb2_grpc,
         vllm_engine_pb2_grpc,
     )
 
 __all__ = [
     "ADMIN_METHODS",
     "CONTROL_SERVICE",
+    "COUNTED_METHODS",
     "EMBED_METHOD",
     "ENGINE_METHODS",
     "GENERATE_METHOD",
@@ -58,6 +67,8 @@ __all__ = [
     "METHOD_ROLES",
     "ORCA_SERVICE",
     "POOL",
+    "POOLING_SERVICE",
+    "RENDER_SERVICE",
     "SERVICE_NAME",
     "MethodRole",
     "common_pb2",
@@ -69,6 +80,10 @@ __all__ = [
     "orca_load_report_pb2",
     "orca_pb2",
     "orca_pb2_grpc",
+    "pooling_pb2",
+    "pooling_pb2_grpc",
+    "render_pb2",
+    "render_pb2_grpc",
     "vllm_engine_pb2",
     "vllm_engine_pb2_grpc",
 ]
@@ -80,6 +95,8 @@ _GRPC_MODULES = frozenset(
         "inference_pb2_grpc",
         "control_pb2_grpc",
         "orca_pb2_grpc",
+        "pooling_pb2_grpc",
+        "render_pb2_grpc",
     )
 )
 

@@ -15,18 +15,24 @@ from types import MappingProxyType
 
 from google.protobuf.descriptor import ServiceDescriptor
 
-from . import control_pb2, inference_pb2, orca_pb2, vllm_engine_pb2
+from . import control_pb2, inference_pb2, orca_pb2, pooling_pb2, render_pb2, vllm_engine_pb2
 
 _ENGINE = vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"]
 _INFERENCE = inference_pb2.DESCRIPTOR.services_by_name["Inference"]
 _CONTROL = control_pb2.DESCRIPTOR.services_by_name["Control"]
 _ORCA = orca_pb2.DESCRIPTOR.services_by_name["OpenRcaService"]
+_POOLING = pooling_pb2.DESCRIPTOR.services_by_name["Pooling"]
+_RENDER = render_pb2.DESCRIPTOR.services_by_name["Render"]
 
 SERVICE_NAME: str = _ENGINE.full_name
 INFERENCE_SERVICE: str = _INFERENCE.full_name
 CONTROL_SERVICE: str = _CONTROL.full_name
 ORCA_SERVICE: str = _ORCA.full_name
 """ORCA's out-of-band load reports (`xds.service.orca.v3.OpenRcaService`), for balancers."""
+POOLING_SERVICE: str = _POOLING.full_name
+"""This package's Classify, Score and Rerank (`vllm_servicer.v1.Pooling`)."""
+RENDER_SERVICE: str = _RENDER.full_name
+"""This package's prompt rendering (`vllm_servicer.v1.Render`)."""
 
 
 class MethodRole(enum.Enum):
@@ -36,6 +42,9 @@ class MethodRole(enum.Enum):
     """Runs `engine.generate`; its servicer keeps the call's record (context.py)."""
     EMBEDDING = "embedding"
     """Runs `engine.encode`; its servicer keeps the call's record too."""
+    RENDERING = "rendering"
+    """Runs the engine's renderer (template, tokenizer), no engine step; counted
+    in flight as the engine calls are, its servicer keeps the call's record."""
     ADMIN = "admin"
     """Changes the server for everyone or exposes its internals: administrators only."""
 
@@ -51,6 +60,8 @@ METHOD_ROLES: Mapping[str, MethodRole] = MappingProxyType(
         **_methods(_ENGINE, MethodRole.EMBEDDING, "Embed"),
         **_methods(_ENGINE, MethodRole.ADMIN, "FlushCache", "StartProfile", "StopProfile"),
         **_methods(_INFERENCE, MethodRole.GENERATION, "Generate", "GenerateStream"),
+        **_methods(_POOLING, MethodRole.EMBEDDING, "Classify", "Score", "Rerank"),
+        **_methods(_RENDER, MethodRole.RENDERING, "RenderChat", "RenderCompletion"),
         # vLLM's Control: everything but discovery and Abort (which touches the
         # caller's own requests only) changes the engine for everyone.
         **_methods(
@@ -84,6 +95,11 @@ EMBED_METHOD: str = f"/{SERVICE_NAME}/Embed"
 GENERATION_METHODS: frozenset[str] = _with(MethodRole.GENERATION)
 """The generation calls of every protocol."""
 ENGINE_METHODS: frozenset[str] = _with(MethodRole.GENERATION, MethodRole.EMBEDDING)
-"""The calls that run on the engine (generation and embedding): what is counted in flight."""
+"""The calls that run on the engine (generation, embedding and pooling)."""
+COUNTED_METHODS: frozenset[str] = _with(
+    MethodRole.GENERATION, MethodRole.EMBEDDING, MethodRole.RENDERING
+)
+"""The calls counted in flight (and limited), whose servicer keeps the call's record:
+the engine calls and rendering."""
 ADMIN_METHODS: frozenset[str] = _with(MethodRole.ADMIN)
 """Methods that change the server for everyone or expose its internals."""

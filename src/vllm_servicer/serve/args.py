@@ -24,7 +24,13 @@ from typing import TYPE_CHECKING, Any
 from ..budgets import RequestBudgets
 from ..interceptors.keyless import KeylessLimits
 from ..options import DEFAULT_MAX_KV_SUBSCRIBERS, DEFAULT_MAX_MESSAGE_BYTES
-from ..proto import CONTROL_SERVICE, INFERENCE_SERVICE, SERVICE_NAME
+from ..proto import (
+    CONTROL_SERVICE,
+    INFERENCE_SERVICE,
+    POOLING_SERVICE,
+    RENDER_SERVICE,
+    SERVICE_NAME,
+)
 from .flags import Flag, add_flags, declared_flags, flag, flag_values, not_a_flag
 
 if TYPE_CHECKING:
@@ -43,10 +49,12 @@ _SERVICE_CHOICES = {
     "vllm-engine": SERVICE_NAME,
     "inference": INFERENCE_SERVICE,
     "control": CONTROL_SERVICE,
+    "pooling": POOLING_SERVICE,
+    "render": RENDER_SERVICE,
 }
 # Without a key or client certificates anyone who reaches the port could call
 # vllm.Control (shut down, sleep, load adapters): served only when named then.
-UNAUTHENTICATED_SERVICES = (SERVICE_NAME, INFERENCE_SERVICE)
+UNAUTHENTICATED_SERVICES = (SERVICE_NAME, INFERENCE_SERVICE, POOLING_SERVICE, RENDER_SERVICE)
 _KEYLESS_DEFAULTS = KeylessLimits()
 
 _DESCRIPTION = "Standalone launcher: `python -m vllm_servicer serve [vLLM engine flags]`."
@@ -245,10 +253,12 @@ class ServeArgs:
         UNAUTHENTICATED_SERVICES,
         group=_SERVING,
         help="the protocols to serve: vllm-engine (vllm.grpc.engine.VllmEngine), "
-        "inference (vLLM's vllm.Inference) and control (vLLM's vllm.Control: adapters, "
-        "pause, sleep, weight updates, shutdown; administrators only when keys are set); "
-        "default: all three with API keys or --tls-client-ca, else vllm-engine and inference "
-        "(naming control then serves it to anyone who reaches the port, with a warning)",
+        "inference (vLLM's vllm.Inference), pooling (vllm_servicer.v1.Pooling: classify, "
+        "score, rerank), render (vllm_servicer.v1.Render: prompts as the engine runs them) "
+        "and control (vLLM's vllm.Control: adapters, pause, sleep, weight updates, shutdown; "
+        "administrators only when keys are set); default: all of them with API keys or "
+        "--tls-client-ca, else all but control (naming control then serves it to anyone "
+        "who reaches the port, with a warning)",
         nargs="+",
         choices=tuple(_SERVICE_CHOICES),
         parsed_default=None,
@@ -282,8 +292,9 @@ class ServeArgs:
     )
     chat_template: str | None = flag(
         None,
-        group=_HTTP_API,
-        help="chat template (file or inline Jinja) for /v1/chat/completions, as vLLM's own",
+        group=_SERVING,
+        help="chat template (file or inline Jinja) instead of the model's, for Render and "
+        "the HTTP API's /v1/chat/completions, as vLLM's own",
     )
 
     drain_grace: float = flag(
@@ -399,8 +410,8 @@ class ServeArgs:
                 "--lora-modules are served through vllm.Inference (lora_name) and "
                 "vllm.Control: add one of them to --services"
             )
-        if self.http_port is None and (self.http_host or self.chat_template):
-            raise ValueError("--http-host and --chat-template need --http-port")
+        if self.http_port is None and self.http_host:
+            raise ValueError("--http-host needs --http-port")
         if self.http_port and self.http_port == self.port and self.http_address == self.host:
             raise ValueError("--http-port must differ from --port")
         if self.grpc_stream_interval < 1:

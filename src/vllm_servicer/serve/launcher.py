@@ -238,6 +238,7 @@ def _grpc_server(
         budgets=args.budgets,
         stream_interval=args.grpc_stream_interval,
         stream_interval_min_inflight=args.grpc_stream_interval_min_inflight,
+        chat_template=args.chat_template,
     )
     address = f"{args.host}:{args.port}"
     if credentials is not None:

@@ -24,6 +24,7 @@ from .engine_call import EngineCallSteps
 from .lora import LoraRegistry
 from .orca import EngineLoadReader
 from .tenancy import RunningRequests
+from .vllm_app import VllmHandlers
 
 if TYPE_CHECKING:
     from ..options import MountOptions
@@ -51,6 +52,8 @@ class MountState:
         steps: the engine call's preparation every protocol takes, over `running`.
         loras: the LoRA adapters served, by name.
         decoded_media: the decoded images the process holds for running requests.
+        handlers: vLLM's own HTTP handlers on the engine (Pooling and Render
+            call them), built at first use.
         inflight: the count of engine calls in flight; None: `running` counts them.
         frontends: the frontend processes sharing the engine (`serve
             --api-server-count`), or None.
@@ -63,6 +66,7 @@ class MountState:
     steps: EngineCallSteps
     loras: LoraRegistry
     decoded_media: DecodedMedia
+    handlers: VllmHandlers
     inflight: InflightTotal | None = None
     frontends: FrontendGroup | None = None
     load_reporter: LoadReporter | None = None
@@ -108,6 +112,7 @@ class MountState:
             steps,
             loras,
             DecodedMedia(options.budgets),
+            VllmHandlers(engine, running, options.chat_template),
             inflight,
             frontends,
             reporter,

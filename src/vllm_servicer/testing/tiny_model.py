@@ -32,20 +32,24 @@ from pathlib import Path
 from typing import Any, Final, Literal
 
 __all__ = [
+    "TINY_CLASSIFY_ENGINE_KWARGS",
     "TINY_EMBED_ENGINE_KWARGS",
     "TINY_ENGINE_KWARGS",
     "tiny_engine_flags",
     "TINY_MODEL_VERSION",
     "apply_cpu_env_defaults",
+    "default_classifier_model_dir",
     "default_embedding_model_dir",
     "default_model_dir",
+    "ensure_tiny_classifier_model",
     "ensure_tiny_embedding_model",
     "ensure_tiny_model",
+    "write_tiny_classifier_model",
     "write_tiny_embedding_model",
     "write_tiny_model",
 ]
 
-TINY_MODEL_VERSION: Final = "1"
+TINY_MODEL_VERSION: Final = "3"
 """Bumped whenever the written files change; older directories are rewritten."""
 
 TINY_ENGINE_KWARGS: Final[dict[str, Any]] = {
@@ -98,6 +102,15 @@ TINY_EMBED_ENGINE_KWARGS: Final[dict[str, Any]] = {
 }
 """``AsyncEngineArgs`` keyword arguments that serve the tiny model as an embedding model."""
 
+TINY_CLASSIFY_ENGINE_KWARGS: Final[dict[str, Any]] = {
+    **TINY_ENGINE_KWARGS,
+    # LlamaForSequenceClassification is vLLM's causal LM with a score head
+    # (pooling the last token); one label makes it a cross-encoder too.
+    "runner": "pooling",
+}
+"""``AsyncEngineArgs`` keyword arguments that serve :func:`write_tiny_classifier_model`'s
+directory: classification, scoring and reranking."""
+
 _CPU_ENV_DEFAULTS: Final[dict[str, str]] = {
     # The tokenizer is used both before and after vLLM forks/spawns workers.
     "TOKENIZERS_PARALLELISM": "false",
@@ -106,7 +119,7 @@ _CPU_ENV_DEFAULTS: Final[dict[str, str]] = {
 _MARKER_NAME: Final = ".vllm_servicer_tiny_model.json"
 _CACHE_ENV: Final = "VLLM_SERVICER_CACHE"
 
-_Kind = Literal["generate", "embed", "vision", "weighted"]
+_Kind = Literal["generate", "embed", "classify", "vision", "weighted"]
 
 _PAD, _BOS, _EOS = "<pad>", "<s>", "</s>"
 _VOCAB_TARGET: Final = 320
@@ -136,6 +149,29 @@ _CORPUS: Final[tuple[str, ...]] = (
 )
 
 
+CHAT_TEMPLATE: Final = (
+    "{{- bos_token }}"
+    "{%- if tools %}{{ '<|tools|>' + (tools | tojson) + '\\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{{- '<|' + message['role'] + '|>' }}"
+    "{%- if message['content'] is string %}{{ message['content'] }}"
+    "{%- elif message['content'] %}{%- for part in message['content'] %}"
+    "{%- if part['type'] == 'text' %}{{ part['text'] }}{%- else %}<image>{%- endif %}"
+    "{%- endfor %}{%- endif %}"
+    "{%- for call in message.get('tool_calls') or [] %}"
+    "{{- '<|call|>' + call['function']['name'] + ' ' }}"
+    "{%- if call['function']['arguments'] is string %}{{ call['function']['arguments'] }}"
+    "{%- else %}{{ call['function']['arguments'] | tojson }}{%- endif %}"
+    "{%- endfor %}"
+    "{{- eos_token + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|assistant|>' }}{%- endif %}"
+)
+"""The tiny models' chat template: roles, text, tool definitions and calls, a
+generation prompt, an image as `<image>` (the tiny LLaVA's placeholder); what a real
+model's template does, in a few lines."""
+
+
 def apply_cpu_env_defaults() -> dict[str, str]:
     """Sets the environment variables vLLM's CPU backend needs, unless already set.
 
@@ -160,6 +196,11 @@ def default_model_dir() -> Path:
 def default_embedding_model_dir() -> Path:
     """Returns where :func:`ensure_tiny_embedding_model` keeps the tiny embedding model."""
     return _cache_root() / "tiny-llama-embed"
+
+
+def default_classifier_model_dir() -> Path:
+    """Returns where :func:`ensure_tiny_classifier_model` keeps the tiny cross-encoder."""
+    return _cache_root() / "tiny-llama-classify"
 
 
 def build_tiny_engine(model_dir: str | os.PathLike[str] | None = None, **overrides: Any) -> Any:
@@ -199,6 +240,15 @@ def ensure_tiny_embedding_model() -> Path:
         The model directory, to serve with :data:`TINY_EMBED_ENGINE_KWARGS`.
     """
     return write_tiny_embedding_model(default_embedding_model_dir())
+
+
+def ensure_tiny_classifier_model() -> Path:
+    """Writes the tiny cross-encoder to :func:`default_classifier_model_dir` if missing.
+
+    Returns:
+        The model directory, to serve with :data:`TINY_CLASSIFY_ENGINE_KWARGS`.
+    """
+    return write_tiny_classifier_model(default_classifier_model_dir())
 
 
 def write_tiny_model(path: str | os.PathLike[str]) -> Path:
@@ -251,6 +301,29 @@ def write_tiny_embedding_model(path: str | os.PathLike[str]) -> Path:
             this module.
     """
     return _write(Path(path), "embed")
+
+
+def write_tiny_classifier_model(path: str | os.PathLike[str]) -> Path:
+    """Writes a tiny sequence classifier with one label: a cross-encoder.
+
+    The tokenizer and body are :func:`write_tiny_model`'s; ``config.json``
+    names ``LlamaForSequenceClassification`` with one label, ``relevant``.
+    vLLM serves it (:data:`TINY_CLASSIFY_ENGINE_KWARGS`) for classification
+    (one probability per text) and, having one label, for scoring and
+    reranking text pairs (the tokenizer joins a pair as ``<s> A <s> B``).
+    Its weights are seeded random numbers, as the other tiny models'.
+
+    Args:
+        path: The model directory to create. Its parent is created if needed.
+
+    Returns:
+        ``path`` as an absolute :class:`~pathlib.Path`.
+
+    Raises:
+        FileExistsError: ``path`` exists, is not empty and was not written by
+            this module.
+    """
+    return _write(Path(path), "classify")
 
 
 def _cache_root() -> Path:
@@ -320,6 +393,11 @@ def _populate(directory: Path, kind: _Kind) -> None:
     hf_tokenizer = _hf_tokenizer()
     hf_tokenizer.save_pretrained(str(directory))
     config = _text_config(hf_tokenizer)
+    if kind == "classify":
+        config["architectures"] = ["LlamaForSequenceClassification"]
+        config["num_labels"] = 1
+        config["id2label"] = {"0": "relevant"}
+        config["label2id"] = {"relevant": 0}
     _write_json(directory / "config.json", config)
     _write_json(directory / "generation_config.json", _generation_config(config))
     _finish(directory, kind)
@@ -338,6 +416,7 @@ def _hf_tokenizer() -> Any:
         pad_token=_PAD,
         model_max_length=_MAX_LEN,
         clean_up_tokenization_spaces=False,
+        chat_template=CHAT_TEMPLATE,
     )
 
 

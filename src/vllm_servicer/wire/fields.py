@@ -28,7 +28,7 @@ from ..errors import (
     UnimplementedFieldError,
     UnsupportedError,
 )
-from ..proto import INFERENCE_SERVICE, SERVICE_NAME
+from ..proto import INFERENCE_SERVICE, POOLING_SERVICE, RENDER_SERVICE, SERVICE_NAME
 
 
 class RefusedField(NamedTuple):
@@ -354,15 +354,71 @@ _INFERENCE_REFUSED: Mapping[str, RefusedField] = {
     ),
 }
 
+# vllm_servicer.v1.Pooling and Render (wire/pooling.py reads each of these):
+# a model name other than the served one is NOT_FOUND, a truncation past the
+# context or texts past --max-pooling-inputs INVALID_ARGUMENT, naming the field.
+_POOLING_OPTIONS = frozenset(
+    {"options", "options.truncate_prompt_tokens", "options.model", "options.priority"}
+)
+_POOLING_HONOURED = {
+    "Classify": frozenset({"request_id", "input"}) | _POOLING_OPTIONS,
+    "Score": frozenset({"request_id", "text_1", "text_2"}) | _POOLING_OPTIONS,
+    "Rerank": frozenset({"request_id", "query", "documents", "top_n", "return_documents"})
+    | _POOLING_OPTIONS,
+}
+_RENDER_HONOURED = {
+    "RenderChat": frozenset(
+        {
+            "messages",
+            "messages.role",
+            "messages.content",
+            "messages.parts",
+            "messages.parts.text",
+            "messages.name",
+            "messages.tool_calls",
+            "messages.tool_calls.id",
+            "messages.tool_calls.name",
+            "messages.tool_calls.arguments",
+            "messages.tool_call_id",
+            "tools",
+            "tools.name",
+            "tools.description",
+            "tools.parameters",
+            "add_generation_prompt",
+            "continue_final_message",
+            "chat_template_kwargs",
+            "chat_template_kwargs.fields",
+            "model",
+            "truncate_prompt_tokens",
+        }
+    ),
+    "RenderCompletion": frozenset(
+        {"prompt", "add_special_tokens", "model", "truncate_prompt_tokens"}
+    ),
+}
+_RENDER_REFUSED = {
+    "RenderChat": {
+        # Honoured as a data: URL (counted against the media budgets from its header).
+        "messages.parts.image_url": RefusedField(
+            UnimplementedFieldError,
+            "a URL other than data:",
+            "Render takes images inline (data: URLs) only; it fetches nothing",
+        ),
+    },
+}
+
 HONOURED: Mapping[str, Mapping[str, frozenset[str]]] = {
     SERVICE_NAME: _ENGINE_HONOURED,
     INFERENCE_SERVICE: {"Generate": _INFERENCE_REQUEST, "GenerateStream": _INFERENCE_REQUEST},
+    POOLING_SERVICE: _POOLING_HONOURED,
+    RENDER_SERVICE: _RENDER_HONOURED,
 }
 """The fields each method honours, by service full name, then method name."""
 
 REFUSED: Mapping[str, Mapping[str, Mapping[str, RefusedField]]] = {
     SERVICE_NAME: _ENGINE_REFUSED,
     INFERENCE_SERVICE: {"Generate": _INFERENCE_REFUSED, "GenerateStream": _INFERENCE_REFUSED},
+    RENDER_SERVICE: _RENDER_REFUSED,
 }
 """The fields each method refuses and how, by service full name, then method name."""
 

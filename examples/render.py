@@ -1,0 +1,84 @@
+"""Render a chat and two completion prompts through vllm_servicer.v1.Render: the token ids
+the engine would run, with no generation.
+
+    python examples/render.py 127.0.0.1:50051
+    python examples/render.py HOST:PORT --api-key KEY   # default: $VLLM_API_KEY
+
+The chat goes through the model's chat template (which must exist), with one
+tool whose parameters are a JSON schema. Prints one line per call, the call's
+name and its result as JSON:
+
+    render_chat: {"token_ids":[1,523,...],"text":"<|system|>..."}
+    render_completion: [{"token_ids":[1,...],"text":"..."},{"token_ids":[1,...],"text":"..."}]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any
+
+import grpc
+
+from vllm_servicer.proto import render_pb2, render_pb2_grpc
+
+WEATHER_PARAMETERS = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "description": "The city's name"}},
+    "required": ["city"],
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("address", nargs="?", default="127.0.0.1:50051", help="HOST:PORT")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("VLLM_API_KEY"),
+        help="for a server with authentication (default: $VLLM_API_KEY)",
+    )
+    return parser.parse_args(argv)
+
+
+def as_json(prompt: render_pb2.RenderedPrompt) -> dict[str, Any]:
+    return {"token_ids": list(prompt.token_ids), "text": prompt.text}
+
+
+def show(name: str, value: Any) -> None:
+    print(f"{name}:", json.dumps(value, separators=(",", ":")), flush=True)
+
+
+def main(args: argparse.Namespace) -> None:
+    metadata = (("authorization", f"Bearer {args.api_key}"),) if args.api_key else None
+    with grpc.insecure_channel(args.address) as channel:
+        stub = render_pb2_grpc.RenderStub(channel)
+
+        request = render_pb2.RenderChatRequest(
+            messages=[
+                render_pb2.ChatMessage(role="system", content="You are a helpful assistant."),
+                render_pb2.ChatMessage(role="user", content="What is the weather in Paris?"),
+            ],
+            tools=[
+                render_pb2.Tool(
+                    name="get_weather",
+                    description="The current weather in a city",
+                    parameters=json.dumps(WEATHER_PARAMETERS),
+                )
+            ],
+        )
+        chat = stub.RenderChat(request, timeout=60, metadata=metadata)
+        show("render_chat", as_json(chat))
+
+        request = render_pb2.RenderCompletionRequest(
+            prompt=["Hello, world", "The capital of France is"]
+        )
+        completion = stub.RenderCompletion(request, timeout=60, metadata=metadata)
+        show("render_completion", [as_json(p) for p in completion.prompts])
+
+
+if __name__ == "__main__":
+    try:
+        main(parse_args())
+    except grpc.RpcError as err:
+        raise SystemExit(f"{err.code().name}: {err.details()}") from None

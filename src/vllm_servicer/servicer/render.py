@@ -1,0 +1,134 @@
+"""`RenderServicer`: vllm_servicer.v1.Render (RenderChat, RenderCompletion).
+
+A prompt as the engine would run it, from vLLM's own render handler (the one
+behind /v1/chat/completions/render and /v1/completions/render) on the mount's
+engine: the engine's renderer, tokenizer and chat template, no engine step.
+Images come inline only (`data:` URLs), counted against the media budgets
+from their headers before vLLM decodes them: this service fetches nothing.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from ..context import kept_usage
+from ..errors import InvalidRequestError
+from ..multimodal.decoded import DecodedMedia, RequestMedia
+from ..proto import RENDER_SERVICE, render_pb2_grpc
+from ..proto import render_pb2 as pb
+from ..wire import pooling as wire
+from ..wire.fields import REFUSED
+from ..wire.usage import RequestSummary
+from .state import MountState
+from .vllm_app import VllmHandlers, rendered, vllm_request
+
+if TYPE_CHECKING:
+    import grpc.aio
+
+    from ..options import MountOptions
+
+    Context = grpc.aio.ServicerContext[Any, Any]
+
+
+class RenderServicer(render_pb2_grpc.RenderServicer):
+    """Serves vllm_servicer.v1.Render with vLLM's own render handler.
+
+    Args:
+        state: the mount's shared state (its engine, vLLM's handlers, decoded media).
+        options: the mount's options (the budgets).
+    """
+
+    def __init__(self, state: MountState, options: MountOptions) -> None:
+        self._handlers: VllmHandlers = state.handlers
+        self._decoded_media: DecodedMedia = state.decoded_media
+        self._budgets = options.budgets
+
+    async def RenderChat(
+        self, request: pb.RenderChatRequest, context: Context
+    ) -> pb.RenderedPrompt:
+        _summarize("render_chat")
+        handlers = self._handlers
+        handlers.check_model("model", request.model)
+        self._budgets.check_render_items("messages", _chat_items(request))
+        render = await handlers.handler("serving_render", "generate", "render chat prompts")
+        body = wire.render_chat_body(request, handlers.limits())
+        account = self._decoded_media.request()
+        try:
+            _admit_images(request, account)
+            answer = rendered(await render.render_chat_request(vllm_request("render_chat", body)))
+        finally:
+            account.release()
+        reply = self._rendered(answer)
+        _record(len(reply.token_ids))
+        return reply
+
+    async def RenderCompletion(
+        self, request: pb.RenderCompletionRequest, context: Context
+    ) -> pb.RenderCompletionResponse:
+        _summarize("render_completion")
+        handlers = self._handlers
+        handlers.check_model("model", request.model)
+        self._budgets.check_render_items("prompt", len(request.prompt))
+        render = await handlers.handler("serving_render", "generate", "render prompts")
+        body = wire.render_completion_body(request, handlers.limits())
+        answers = rendered(
+            await render.render_completion_request(vllm_request("render_completion", body))
+        )
+        reply = pb.RenderCompletionResponse(prompts=[self._rendered(item) for item in answers])
+        _record(sum(len(prompt.token_ids) for prompt in reply.prompts))
+        return reply
+
+    def _rendered(self, answer: Mapping[str, Any]) -> pb.RenderedPrompt:
+        return wire.rendered_prompt(answer, self._handlers.text_of(answer["token_ids"]))
+
+
+def _chat_items(request: pb.RenderChatRequest) -> int:
+    """What a chat asks the template to lay out: messages, parts, tool calls, tools."""
+    parts = sum(len(m.parts) + len(m.tool_calls) for m in request.messages)
+    return len(request.messages) + parts + len(request.tools)
+
+
+def _admit_images(request: pb.RenderChatRequest, account: RequestMedia) -> None:
+    """Count the request's inline images against the budgets from their headers.
+
+    Raises:
+        UnimplementedFieldError: an image named by a URL other than `data:`.
+        InvalidRequestError: an image that is not one, or past a budget.
+        BudgetFullError: the process holds as many decoded images as it may.
+    """
+    from PIL import Image
+
+    for m, message in enumerate(request.messages):
+        for p, part in enumerate(message.parts):
+            if part.WhichOneof("part") != "image_url":
+                continue
+            field = f"messages[{m}].parts[{p}].image_url"
+            url = part.image_url
+            if not url.startswith("data:"):
+                refusal = REFUSED[RENDER_SERVICE]["RenderChat"]["messages.parts.image_url"]
+                raise refusal.error(field=field, reason=refusal.reason)
+            header, _, payload = url.partition(",")
+            if not header.endswith(";base64"):
+                raise InvalidRequestError(field, "a data: URL of an image must be base64")
+            try:
+                data = base64.b64decode(payload, validate=True)
+                image = Image.open(io.BytesIO(data))
+            except (binascii.Error, OSError, ValueError, Image.DecompressionBombError) as exc:
+                raise InvalidRequestError(field, f"not a decodable image: {exc}") from None
+            account.admit(field, image)
+
+
+def _summarize(operation: str) -> None:
+    usage = kept_usage()
+    if usage is not None:
+        usage.request = RequestSummary(operation)
+
+
+def _record(prompt_tokens: int) -> None:
+    usage = kept_usage()
+    if usage is not None:
+        usage.prompt_tokens = prompt_tokens

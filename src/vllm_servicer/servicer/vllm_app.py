@@ -1,0 +1,356 @@
+"""vLLM's own HTTP handlers on the mount's engine, for the Pooling and Render services.
+
+Classify, Score, Rerank and rendering are what vLLM's HTTP server answers at
+/classify, /score, /rerank and /v1/.../render. Rather than a second copy of
+that logic, the services call vLLM's own handler objects, built once per
+mount by vLLM's own `init_app_state` with its frontend defaults: the same
+renderer (one tokenizer and chat template, the engine's), the same
+tokenization of pairs, the same activation, so the numbers and tokens are
+vLLM's on every release.
+
+The handlers get `ClaimingEngine` instead of the engine: each engine request
+they start (one per text of a batch) is claimed for the gRPC caller in the
+mount's registry of running ids, as every other protocol's requests are, and
+released however it ends. The call itself took its in-flight slot in the
+interceptors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import json
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import Any
+
+from ..engine import EngineClient, served_model_name
+from ..errors import InvalidRequestError, NotFoundError, UnsupportedError
+from ..wire.pooling import ModelLimits
+from .tenancy import RunningRequests
+
+__all__ = [
+    "ClaimingEngine",
+    "VllmHandlers",
+    "answer_body",
+    "rendered",
+    "trace_headers",
+    "vllm_request",
+]
+
+logger = logging.getLogger(__name__)
+
+
+class _Claim:
+    """One engine request's id, claimed for the caller until released (once)."""
+
+    __slots__ = ("released", "request_id")
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.released = False
+
+
+_call_claims: contextvars.ContextVar[list[_Claim] | None] = contextvars.ContextVar(
+    "vllm_servicer_handler_claims", default=None
+)
+
+trace_headers: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar(
+    "vllm_servicer_handler_trace_headers", default=None
+)
+"""The W3C trace headers of the call being served, handed to the engine with
+each request vLLM's handlers start (they read none from a gRPC call)."""
+
+
+class ClaimingEngine:
+    """The engine as vLLM's handlers see it: every `encode` claimed for the caller.
+
+    Everything else is the engine's own.
+
+    Args:
+        engine: the mount's engine.
+        running: the mount's registry of running request ids.
+        method: what the log names as running the request.
+    """
+
+    def __init__(self, engine: EngineClient, running: RunningRequests, method: str) -> None:
+        self._engine = engine
+        self._running = running
+        self._method = method
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    def encode(self, *args: Any, **kwargs: Any) -> AsyncGenerator[Any, None]:
+        # vLLM's handlers pass every argument by name; the id is the third positionally.
+        request_id = kwargs["request_id"] if "request_id" in kwargs else args[2]
+        if kwargs.get("trace_headers") is None:
+            kwargs["trace_headers"] = trace_headers.get()
+        return self._claimed(request_id, lambda: self._engine.encode(*args, **kwargs))
+
+    async def _claimed(
+        self, request_id: str, start: Callable[[], AsyncGenerator[Any, None]]
+    ) -> AsyncGenerator[Any, None]:
+        # Claimed from the first read to the end, an error or a close (a
+        # cancelled call closes it; the engine aborts the request then).
+        self._running.claim(request_id, self._method)
+        claim = _Claim(request_id)
+        held = _call_claims.get()
+        if held is not None:
+            held.append(claim)
+        try:
+            async for output in start():
+                yield output
+        finally:
+            self._release(claim)
+
+    def _release(self, claim: _Claim) -> None:
+        if not claim.released:
+            claim.released = True
+            self._running.release(claim.request_id)
+
+    @contextlib.asynccontextmanager
+    async def claims_of_call(self) -> AsyncIterator[None]:
+        """Every engine request the block starts ends with it, released and aborted.
+
+        vLLM's handler leaves the other texts' requests running when one of a
+        batch fails (its merged iterator is never closed, only collected):
+        their ids and engine work would outlive the call and its in-flight slot.
+        """
+        held: list[_Claim] = []
+        token = _call_claims.set(held)
+        try:
+            yield
+        finally:
+            _call_claims.reset(token)
+            left = [claim for claim in held if not claim.released]
+            for claim in left:
+                self._release(claim)
+            if left:
+                await self._engine.abort([claim.request_id for claim in left])
+
+
+class VllmHandlers:
+    """vLLM's HTTP handler objects on one engine, built at first use.
+
+    Args:
+        engine: the mount's engine.
+        running: the mount's registry of running request ids.
+        chat_template: a chat template (a file or the template itself) to use
+            instead of the model's, as vLLM's `--chat-template`.
+    """
+
+    def __init__(
+        self, engine: EngineClient, running: RunningRequests, chat_template: str | None = None
+    ) -> None:
+        self._engine = engine
+        self._running = running
+        self._chat_template = chat_template
+        self._state: Any = None
+        self._tasks: tuple[str, ...] = ()
+        self._lock = asyncio.Lock()
+        self.claiming = ClaimingEngine(engine, running, "pooling")
+        self.served_model = served_model_name(engine)
+        max_len = getattr(getattr(engine, "model_config", None), "max_model_len", None)
+        self.max_model_len: int | None = int(max_len) if max_len else None
+        self._limits: ModelLimits | None = None
+
+    def limits(self) -> ModelLimits:
+        """The served model's limits, read once (the longest token from its vocabulary)."""
+        if self._limits is None:
+            max_chars = None
+            if self.max_model_len is not None:
+                vocabulary = self.tokenizer().get_vocab()
+                longest = max((len(token) for token in vocabulary), default=0)
+                max_chars = self.max_model_len * longest if longest else None
+            self._limits = ModelLimits(self.served_model, self.max_model_len, max_chars)
+        return self._limits
+
+    async def handler(self, name: str, needs: str, what: str) -> Any:
+        """vLLM's handler `name` (`serving_scores`, ...), or refuse the call.
+
+        Args:
+            name: the attribute of vLLM's app state.
+            needs: the engine task it needs ("classify", "generate", ...), for the refusal.
+            what: what the call asked for, for the refusal.
+
+        Raises:
+            UnsupportedError: the engine's model does not do it (FAILED_PRECONDITION).
+        """
+        state = await self._built()
+        found = getattr(state, name, None)
+        if found is None:
+            raise UnsupportedError(
+                f"this server's model does not {what} (its tasks: {', '.join(self._tasks)}); "
+                f"serve a model with the {needs!r} task"
+                + (" (vLLM: --runner pooling)" if needs != "generate" else "")
+            )
+        return found
+
+    def check_model(self, field: str, model: str) -> None:
+        """Refuse a model name other than the served one ("" is the served one).
+
+        vLLM's pooling handlers run the base model for a name they do not know;
+        a name this server does not serve is refused instead, never ignored.
+
+        Raises:
+            NotFoundError: `model` is not the served model.
+        """
+        if model and model != self.served_model:
+            raise NotFoundError(
+                field, f"{model!r} is not served here; this server serves {self.served_model!r}"
+            )
+
+    def text_of(self, token_ids: list[int]) -> str:
+        """`token_ids` as text, special tokens included.
+
+        Through the fast tokenizer's own decoder when there is one: the same
+        text as transformers' `decode` with no clean-up of spaces, which first
+        walks the ids in Python (most of a render's decoding time).
+        """
+        tokenizer = self.tokenizer()
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+            return str(backend.decode(token_ids, skip_special_tokens=False))
+        return str(tokenizer.decode(token_ids, skip_special_tokens=False))
+
+    def tokenizer(self) -> Any:
+        """The engine's tokenizer (the renderer's own)."""
+        renderer: Any = (
+            self._engine.renderer
+        )  # the full vLLM renderer, not just EngineClient's part
+        return renderer.get_tokenizer()
+
+    async def _built(self) -> Any:
+        if self._state is not None:
+            return self._state
+        async with self._lock:
+            if self._state is None:
+                self._state = await self._build()
+        return self._state
+
+    async def _build(self) -> Any:
+        from starlette.datastructures import State
+        from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+        from ..vllm_releases import make_arg_parser
+
+        parser_class: Any = FlexibleArgumentParser  # untyped in vLLM
+        args = make_arg_parser(parser_class()).parse_args([])
+        config = self._engine.model_config
+        args.model = config.model
+        args.served_model_name = [self.served_model]
+        args.chat_template = self._chat_template
+        self._tasks = tuple(await self._engine.get_supported_tasks())
+        state = State()
+        engine: Any = self.claiming
+        tasks: Any = self._tasks
+        await init_app_state(engine, state, args, tasks)
+        logger.info(
+            "vLLM's handlers for Pooling and Render built (tasks: %s)", ", ".join(self._tasks)
+        )
+        return state
+
+
+def _request_model(kind: str) -> Any:
+    """vLLM's request model for each call, by its HTTP route's body (the same
+    module paths in every supported release; imported where the checks of the
+    next release can see them)."""
+    if kind == "classify":
+        from vllm.entrypoints.pooling.classify.protocol import ClassificationCompletionRequest
+
+        return ClassificationCompletionRequest
+    if kind == "score":
+        from vllm.entrypoints.pooling.scoring.protocol import ScoreTextRequest
+
+        return ScoreTextRequest
+    if kind == "rerank":
+        from vllm.entrypoints.pooling.scoring.protocol import RerankRequest
+
+        return RerankRequest
+    if kind == "render_chat":
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+        return ChatCompletionRequest
+    if kind == "render_completion":
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+        return CompletionRequest
+    raise ValueError(f"no vLLM request model for {kind!r}")
+
+
+def vllm_request(kind: str, body: dict[str, Any]) -> Any:
+    """vLLM's request model of `kind` for the HTTP body `body`.
+
+    Raises:
+        InvalidRequestError: vLLM's validation refused it, named by the field
+            (the body's keys are the wire's field names).
+    """
+    import pydantic
+
+    try:
+        return _request_model(kind).model_validate(body)
+    except pydantic.ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(part) for part in first.get("loc", ())) or "request"
+        raise InvalidRequestError(field, str(first.get("msg", exc))) from None
+
+
+def rendered(answer: Any) -> Any:
+    """What a render answer (vLLM's `GenerateRequest`) carries for a reply: its token
+    ids and multimodal features, read as they are (dumping the whole request,
+    sampling parameters and all, to JSON cost more than the render's own work);
+    a list of them as a list; an error as `answer_body` raises it."""
+    if isinstance(answer, list):
+        return [rendered(item) for item in answer]
+    if getattr(answer, "error", None) is not None or not hasattr(answer, "token_ids"):
+        return answer_body(answer)
+    features = answer.features
+    return {
+        "token_ids": answer.token_ids,
+        "features": features.model_dump(include={"mm_hashes", "mm_placeholders"})
+        if features is not None
+        else None,
+    }
+
+
+def answer_body(answer: Any) -> Any:
+    """The JSON body of a vLLM handler's answer; its error as this package's exception.
+
+    vLLM's handlers answer with a `JSONResponse`, a pydantic model, a list of
+    them, or an `ErrorResponse` (whose HTTP code picks the exception: 400 a
+    request fault, 404 an unknown model, 501 a feature the model lacks).
+
+    Raises:
+        ValueError: vLLM refused the request (INVALID_ARGUMENT).
+        NotFoundError: the model named is not served.
+        UnsupportedError: the model cannot do it.
+        RuntimeError: any other failure (INTERNAL).
+    """
+    if isinstance(answer, list):
+        return [answer_body(item) for item in answer]
+    error = getattr(answer, "error", None)
+    if error is not None and hasattr(error, "code"):
+        _raise(int(error.code), str(error.message))
+    body = getattr(answer, "body", None)
+    if isinstance(body, bytes):
+        data = json.loads(body)
+        status = int(getattr(answer, "status_code", 200))
+        if status >= 400:
+            failure = data.get("error") if isinstance(data, dict) else None
+            message = failure.get("message") if isinstance(failure, dict) else str(data)
+            _raise(status, str(message))
+        return data
+    return answer.model_dump(mode="json")
+
+
+def _raise(code: int, message: str) -> None:
+    if code == 404:
+        raise NotFoundError("model", message)
+    if code == 501:
+        raise UnsupportedError(message)
+    if 400 <= code < 500:
+        raise ValueError(message)
+    raise RuntimeError(f"vLLM's handler failed ({code}): {message}")

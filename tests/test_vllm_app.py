@@ -1,0 +1,86 @@
+"""ClaimingEngine: the engine vLLM's pooling handlers are handed, on a stand-in engine.
+
+The stand-in (an engine whose `encode` yields when told) stands for a fault a
+real engine does not produce on demand: vLLM's handler failing one text of a
+batch while the others still run, its merged iterator left unclosed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import pytest
+
+from vllm_servicer.errors import RequestIdInUseError
+from vllm_servicer.servicer.tenancy import RunningRequests
+from vllm_servicer.servicer.vllm_app import ClaimingEngine
+
+
+class StandInEngine:
+    """Yields one output per `encode` once `go` is set; records aborts."""
+
+    def __init__(self) -> None:
+        self.go = asyncio.Event()
+        self.aborted: list[str] = []
+
+    async def encode(self, *, request_id: str, **_: Any) -> AsyncGenerator[str, None]:
+        await self.go.wait()
+        yield request_id
+
+    async def abort(self, request_ids: list[str]) -> None:
+        self.aborted.extend(request_ids)
+
+
+async def test_each_encode_is_claimed_while_it_runs_and_released_at_its_end() -> None:
+    running = RunningRequests()
+    engine = StandInEngine()
+    claiming = ClaimingEngine(engine, running, "pooling")  # type: ignore[arg-type]
+    engine.go.set()
+    async with claiming.claims_of_call():
+        outputs = [o async for o in claiming.encode(request_id="score-a-0", prompt="x")]
+    assert outputs == ["score-a-0"]
+    assert running.ids == [] and engine.aborted == []
+
+
+async def test_a_call_that_fails_mid_batch_releases_and_aborts_what_still_runs() -> None:
+    running = RunningRequests()
+    engine = StandInEngine()
+    claiming = ClaimingEngine(engine, running, "pooling")  # type: ignore[arg-type]
+    left_running: list[Any] = []
+    with pytest.raises(RuntimeError, match="one text failed"):
+        async with claiming.claims_of_call():
+            stuck = claiming.encode(request_id="score-b-1", prompt="x")
+            task = asyncio.ensure_future(stuck.__anext__())  # as vLLM's merge task reads it
+            left_running.append((stuck, task))
+            await asyncio.sleep(0)
+            assert running.ids == ["score-b-1"]
+            raise RuntimeError("one text failed")
+    assert running.ids == []
+    assert engine.aborted == ["score-b-1"]
+    # Another caller may take the id at once; the orphan, closed late, frees nothing twice.
+    running.claim("score-b-1", "Score")
+    stuck, task = left_running[0]
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await stuck.aclose()
+    assert running.ids == ["score-b-1"]
+
+
+async def test_an_id_running_for_another_caller_is_refused_before_the_engine_starts() -> None:
+    from vllm_servicer.context import Identity, current_identity
+
+    running = RunningRequests()
+    engine = StandInEngine()
+    claiming = ClaimingEngine(engine, running, "pooling")  # type: ignore[arg-type]
+    token = current_identity.set(Identity(name="tenant-a", kind="key"))
+    try:
+        running.claim("score-c-0", "Rerank")
+    finally:
+        current_identity.reset(token)
+    with pytest.raises(RequestIdInUseError):
+        async with claiming.claims_of_call():
+            await claiming.encode(request_id="score-c-0", prompt="x").__anext__()
+    assert engine.aborted == [] and running.ids == ["score-c-0"]
