@@ -53,6 +53,8 @@ def test_the_wheel_carries_the_protocol(wheel: zipfile.ZipFile) -> None:
         # ORCA's, in the folders their imports name.
         "xds/data/orca/v3/orca_load_report.proto",
         "xds/service/orca/v3/orca.proto",
+        "vllm_servicer/v1/pooling.proto",
+        "vllm_servicer/v1/render.proto",
     ):
         shipped = wheel.read(f"vllm_servicer/proto/{name}").decode()
         assert shipped == (ROOT / "protos" / name).read_text(), f"{name} differs from protos/"
