@@ -419,13 +419,12 @@ async def test_the_launchers_stack_traces_and_counts_renders_on_a_mount(
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from prometheus_client import CollectorRegistry
     from support import serving
 
     from vllm_servicer.interceptors.tracing import TracingInterceptor
     from vllm_servicer.serve.args import parse_args
     from vllm_servicer.serve.stack import build_interceptors
-
-    from prometheus_client import CollectorRegistry
 
     # The launcher's metrics go to prometheus_client's global registry, which
     # another test of this process may have filled: a registry of this test's own.
