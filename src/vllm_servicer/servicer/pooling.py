@@ -10,15 +10,21 @@ carry are bounded by `--max-pooling-inputs`.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
-from ..context import engine_trace_headers, kept_usage
+from ..context import engine_trace_headers
 from ..proto import pooling_pb2 as pb
 from ..proto import pooling_pb2_grpc
 from ..wire import pooling as wire
-from ..wire.usage import RequestSummary
 from .state import MountState
-from .vllm_app import VllmHandlers, answer_body, trace_headers, vllm_request
+from .vllm_app import (
+    VllmHandlers,
+    answer_body,
+    note_prompt_tokens,
+    note_request,
+    trace_headers,
+    vllm_request,
+)
 
 if TYPE_CHECKING:
     import grpc.aio
@@ -41,78 +47,54 @@ class PoolingServicer(pooling_pb2_grpc.PoolingServicer):
         self._budgets = options.budgets
 
     async def Classify(self, request: pb.ClassifyRequest, context: Context) -> pb.ClassifyResponse:
-        self._budgets.check_pooling_inputs("input", len(request.input))
-        body = await self._answer(
-            "classify",
-            request.request_id,
-            request.options.model,
-            lambda limits: wire.classify_body(request, limits),
-            "serving_classification",
-            "classify texts",
-            context,
-        )
-        reply = wire.classify_response(body, request.request_id)
-        _record(reply.prompt_tokens)
-        return reply
+        body = await self._answer(_CLASSIFY, request, context)
+        return _noted(wire.classify_response(body, request.request_id))
 
     async def Score(self, request: pb.ScoreRequest, context: Context) -> pb.ScoreResponse:
-        self._budgets.check_pooling_inputs("text_2", len(request.text_2))
-        body = await self._answer(
-            "score",
-            request.request_id,
-            request.options.model,
-            lambda limits: wire.score_body(request, limits),
-            "serving_scores",
-            "score text pairs",
-            context,
-        )
-        reply = wire.score_response(body, request.request_id)
-        _record(reply.prompt_tokens)
-        return reply
+        body = await self._answer(_SCORE, request, context)
+        return _noted(wire.score_response(body, request.request_id))
 
     async def Rerank(self, request: pb.RerankRequest, context: Context) -> pb.RerankResponse:
-        self._budgets.check_pooling_inputs("documents", len(request.documents))
-        body = await self._answer(
-            "rerank",
-            request.request_id,
-            request.options.model,
-            lambda limits: wire.rerank_body(request, limits),
-            "serving_scores",
-            "rerank documents",
-            context,
-        )
-        reply = wire.rerank_response(body, request.request_id, request.return_documents)
-        _record(reply.prompt_tokens)
-        return reply
+        body = await self._answer(_RERANK, request, context)
+        return _noted(wire.rerank_response(body, request.request_id, request.return_documents))
 
-    async def _answer(
-        self,
-        operation: str,
-        request_id: str,
-        model: str,
-        build: Callable[[wire.ModelLimits], dict[str, Any]],
-        handler_name: str,
-        what: str,
-        context: Context,
-    ) -> Mapping[str, Any]:
-        usage = kept_usage()
-        if usage is not None:
-            usage.request = RequestSummary(operation, request_id)
+    async def _answer(self, route: _Route, request: Any, context: Context) -> Mapping[str, Any]:
+        """vLLM's answer to `request` on `route`, its engine requests claimed for the caller."""
+        note_request(route.operation, request.request_id)
+        self._budgets.check_pooling_inputs(route.texts, len(getattr(request, route.texts)))
         handlers = self._handlers
-        handlers.check_model("options.model", model)
-        handler = await handlers.handler(handler_name, "classify", what)
-        body = build(handlers.limits())
+        handlers.check_model("options.model", request.options.model)
+        handler = await handlers.handler(route.handler, "classify", route.what)
+        body = route.body(request, handlers.limits())
         token = trace_headers.set(engine_trace_headers(context))
         try:
             async with handlers.claiming.claims_of_call():
-                answer = await handler(vllm_request(operation, body), None)
+                answer = await handler(vllm_request(route.operation, body), None)
         finally:
             trace_headers.reset(token)
         result: Mapping[str, Any] = answer_body(answer)
         return result
 
 
-def _record(prompt_tokens: int) -> None:
-    usage = kept_usage()
-    if usage is not None:
-        usage.prompt_tokens = prompt_tokens
+class _Route(NamedTuple):
+    """One RPC as vLLM's HTTP route it maps to."""
+
+    operation: str  # the call record's operation, and vLLM's request model
+    texts: str  # the repeated field whose texts are each an engine request
+    handler: str  # vLLM's handler object (its app state's attribute)
+    what: str  # what the call asks for, in a refusal
+    body: Callable[[Any, wire.ModelLimits], dict[str, Any]]
+
+
+_CLASSIFY = _Route(
+    "classify", "input", "serving_classification", "classify texts", wire.classify_body
+)
+_SCORE = _Route("score", "text_2", "serving_scores", "score text pairs", wire.score_body)
+_RERANK = _Route("rerank", "documents", "serving_scores", "rerank documents", wire.rerank_body)
+
+_Reply = TypeVar("_Reply", pb.ClassifyResponse, pb.ScoreResponse, pb.RerankResponse)
+
+
+def _noted(reply: _Reply) -> _Reply:
+    note_prompt_tokens(reply.prompt_tokens)
+    return reply

@@ -15,16 +15,14 @@ import io
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from ..context import kept_usage
 from ..errors import InvalidRequestError
 from ..multimodal.decoded import DecodedMedia, RequestMedia
 from ..proto import RENDER_SERVICE, render_pb2_grpc
 from ..proto import render_pb2 as pb
 from ..wire import pooling as wire
 from ..wire.fields import REFUSED
-from ..wire.usage import RequestSummary
 from .state import MountState
-from .vllm_app import VllmHandlers, rendered, vllm_request
+from .vllm_app import VllmHandlers, note_prompt_tokens, note_request, rendered, vllm_request
 
 if TYPE_CHECKING:
     import grpc.aio
@@ -50,7 +48,7 @@ class RenderServicer(render_pb2_grpc.RenderServicer):
     async def RenderChat(
         self, request: pb.RenderChatRequest, context: Context
     ) -> pb.RenderedPrompt:
-        _summarize("render_chat")
+        note_request("render_chat")
         handlers = self._handlers
         handlers.check_model("model", request.model)
         self._budgets.check_render_items("messages", _chat_items(request))
@@ -63,13 +61,13 @@ class RenderServicer(render_pb2_grpc.RenderServicer):
         finally:
             account.release()
         reply = self._rendered(answer)
-        _record(len(reply.token_ids))
+        note_prompt_tokens(len(reply.token_ids))
         return reply
 
     async def RenderCompletion(
         self, request: pb.RenderCompletionRequest, context: Context
     ) -> pb.RenderCompletionResponse:
-        _summarize("render_completion")
+        note_request("render_completion")
         handlers = self._handlers
         handlers.check_model("model", request.model)
         self._budgets.check_render_items("prompt", len(request.prompt))
@@ -79,7 +77,7 @@ class RenderServicer(render_pb2_grpc.RenderServicer):
             await render.render_completion_request(vllm_request("render_completion", body))
         )
         reply = pb.RenderCompletionResponse(prompts=[self._rendered(item) for item in answers])
-        _record(sum(len(prompt.token_ids) for prompt in reply.prompts))
+        note_prompt_tokens(sum(len(prompt.token_ids) for prompt in reply.prompts))
         return reply
 
     def _rendered(self, answer: Mapping[str, Any]) -> pb.RenderedPrompt:
@@ -120,15 +118,3 @@ def _admit_images(request: pb.RenderChatRequest, account: RequestMedia) -> None:
             except (binascii.Error, OSError, ValueError, Image.DecompressionBombError) as exc:
                 raise InvalidRequestError(field, f"not a decodable image: {exc}") from None
             account.admit(field, image)
-
-
-def _summarize(operation: str) -> None:
-    usage = kept_usage()
-    if usage is not None:
-        usage.request = RequestSummary(operation)
-
-
-def _record(prompt_tokens: int) -> None:
-    usage = kept_usage()
-    if usage is not None:
-        usage.prompt_tokens = prompt_tokens

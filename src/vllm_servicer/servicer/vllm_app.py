@@ -25,15 +25,19 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
+from ..context import kept_usage
 from ..engine import EngineClient, served_model_name
 from ..errors import InvalidRequestError, NotFoundError, UnsupportedError
 from ..wire.pooling import ModelLimits
+from ..wire.usage import RequestSummary
 from .tenancy import RunningRequests
 
 __all__ = [
     "ClaimingEngine",
     "VllmHandlers",
     "answer_body",
+    "note_prompt_tokens",
+    "note_request",
     "rendered",
     "trace_headers",
     "vllm_request",
@@ -152,19 +156,19 @@ class VllmHandlers:
         self._lock = asyncio.Lock()
         self.claiming = ClaimingEngine(engine, running, "pooling")
         self.served_model = served_model_name(engine)
-        max_len = getattr(getattr(engine, "model_config", None), "max_model_len", None)
-        self.max_model_len: int | None = int(max_len) if max_len else None
         self._limits: ModelLimits | None = None
 
     def limits(self) -> ModelLimits:
         """The served model's limits, read once (the longest token from its vocabulary)."""
         if self._limits is None:
+            config = getattr(self._engine, "model_config", None)
+            max_len = int(getattr(config, "max_model_len", 0) or 0) or None
             max_chars = None
-            if self.max_model_len is not None:
+            if max_len is not None:
                 vocabulary = self.tokenizer().get_vocab()
                 longest = max((len(token) for token in vocabulary), default=0)
-                max_chars = self.max_model_len * longest if longest else None
-            self._limits = ModelLimits(self.served_model, self.max_model_len, max_chars)
+                max_chars = max_len * longest if longest else None
+            self._limits = ModelLimits(self.served_model, max_len, max_chars)
         return self._limits
 
     async def handler(self, name: str, needs: str, what: str) -> Any:
@@ -217,9 +221,8 @@ class VllmHandlers:
 
     def tokenizer(self) -> Any:
         """The engine's tokenizer (the renderer's own)."""
-        renderer: Any = (
-            self._engine.renderer
-        )  # the full vLLM renderer, not just EngineClient's part
+        # vLLM's whole renderer, not only the part `EngineClient` declares.
+        renderer: Any = self._engine.renderer
         return renderer.get_tokenizer()
 
     async def _built(self) -> Any:
@@ -319,9 +322,9 @@ def rendered(answer: Any) -> Any:
 def answer_body(answer: Any) -> Any:
     """The JSON body of a vLLM handler's answer; its error as this package's exception.
 
-    vLLM's handlers answer with a `JSONResponse`, a pydantic model, a list of
-    them, or an `ErrorResponse` (whose HTTP code picks the exception: 400 a
-    request fault, 404 an unknown model, 501 a feature the model lacks).
+    vLLM's handlers answer with a `JSONResponse` or an `ErrorResponse` (whose
+    HTTP code picks the exception: 400 a request fault, 404 an unknown model,
+    501 a feature the model lacks).
 
     Raises:
         ValueError: vLLM refused the request (INVALID_ARGUMENT).
@@ -329,21 +332,30 @@ def answer_body(answer: Any) -> Any:
         UnsupportedError: the model cannot do it.
         RuntimeError: any other failure (INTERNAL).
     """
-    if isinstance(answer, list):
-        return [answer_body(item) for item in answer]
     error = getattr(answer, "error", None)
     if error is not None and hasattr(error, "code"):
         _raise(int(error.code), str(error.message))
-    body = getattr(answer, "body", None)
-    if isinstance(body, bytes):
-        data = json.loads(body)
-        status = int(getattr(answer, "status_code", 200))
-        if status >= 400:
-            failure = data.get("error") if isinstance(data, dict) else None
-            message = failure.get("message") if isinstance(failure, dict) else str(data)
-            _raise(status, str(message))
-        return data
-    return answer.model_dump(mode="json")
+    data = json.loads(answer.body)
+    status = int(getattr(answer, "status_code", 200))
+    if status >= 400:
+        failure = data.get("error") if isinstance(data, dict) else None
+        message = failure.get("message") if isinstance(failure, dict) else str(data)
+        _raise(status, str(message))
+    return data
+
+
+def note_request(operation: str, request_id: str = "") -> None:
+    """State the call's request in its record, for tracing and metrics."""
+    usage = kept_usage()
+    if usage is not None:
+        usage.request = RequestSummary(operation, request_id)
+
+
+def note_prompt_tokens(prompt_tokens: int) -> None:
+    """State the call's prompt tokens (all its texts') in its record."""
+    usage = kept_usage()
+    if usage is not None:
+        usage.prompt_tokens = prompt_tokens
 
 
 def _raise(code: int, message: str) -> None:
