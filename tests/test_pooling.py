@@ -401,17 +401,34 @@ async def test_the_calls_are_counted_and_nothing_stays_in_flight(
 ) -> None:
     pb = stubs[0]
     await pooling.Classify(pb.ClassifyRequest(input=["x"]), metadata=AUTH)
+    await pooling.Score(pb.ScoreRequest(text_1="q", text_2=["d"]), metadata=AUTH)
+    await pooling.Rerank(pb.RerankRequest(query="q", documents=["d"]), metadata=AUTH)
+
+    def counted(page: str) -> bool:
+        """Each method's OK calls counted, and none in flight."""
+        ok: dict[str, float] = {}
+        for labels, value in re.findall(
+            r"^grpc_server_handled_total\{([^}]*)\} (\S+)$", page, re.M
+        ):
+            found = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+            if found.get("grpc_service") == "vllm_servicer.v1.Pooling" and (
+                found.get("grpc_code") == "OK"
+            ):
+                ok[found["grpc_method"]] = ok.get(found["grpc_method"], 0.0) + float(value)
+        if any(ok.get(method, 0.0) < 1 for method in ("Classify", "Score", "Rerank")):
+            return False
+        in_flight = re.findall(r"^vllm_servicer_requests_in_flight\S* (\S+)$", page, re.M)
+        return bool(in_flight) and all(float(v) == 0 for v in in_flight)
+
+    # A call is counted just after its status left: the page is read until it tells.
+    page = ""
     async with httpx.AsyncClient(timeout=30) as client:
-        page = (await client.get(launcher.metrics_url)).text
-    for method in ("Classify", "Score", "Rerank"):
-        pattern = (
-            rf'grpc_server_handled_total\{{[^}}]*grpc_method="{method}"[^}}]*'
-            r'grpc_service="vllm_servicer.v1.Pooling"[^}]*\} (\d+)'
-        )
-        counts = [float(n) for n in re.findall(pattern, page)]
-        assert counts and sum(counts) >= 1, method
-    in_flight = re.findall(r"^vllm_servicer_requests_in_flight\S* (\S+)$", page, re.M)
-    assert in_flight and all(float(v) == 0 for v in in_flight), in_flight
+        for _ in range(50):
+            page = (await client.get(launcher.metrics_url)).text
+            if counted(page):
+                break
+            await asyncio.sleep(0.1)
+    assert counted(page), page[-3000:]
 
 
 async def test_a_render_call_on_a_pooling_model_names_what_is_missing(

@@ -222,12 +222,20 @@ async def test_rendering_runs_no_engine_step(
     replies = await asyncio.gather(*(render.RenderChat(request, metadata=AUTH) for _ in range(100)))
     assert {tuple(r.token_ids) for r in replies} == {tuple(replies[0].token_ids)}
     assert await engine_prompt_tokens() == before
+
+    def handled(page: str) -> float:
+        pattern = r'grpc_server_handled_total\{[^}]*grpc_method="RenderChat"[^}]*\} (\S+)'
+        return sum(float(n) for n in re.findall(pattern, page))
+
+    # A call is counted just after its status left: the page is read until it tells.
+    page = ""
     async with httpx.AsyncClient(timeout=30) as client:
-        page = (await client.get(launcher.metrics_url)).text
-    handled = re.findall(
-        r'grpc_server_handled_total\{[^}]*grpc_method="RenderChat"[^}]*\} (\S+)', page
-    )
-    assert handled and sum(float(n) for n in handled) >= 100
+        for _ in range(50):
+            page = (await client.get(launcher.metrics_url)).text
+            if handled(page) >= 100:
+                break
+            await asyncio.sleep(0.1)
+    assert handled(page) >= 100
 
 
 def _with_kwargs(request: Any, kwargs: dict[str, Any]) -> Any:

@@ -4,8 +4,8 @@ Each request becomes the JSON body vLLM's HTTP server would take for the same
 call (/classify, /score, /rerank, /v1/chat/completions/render,
 /v1/completions/render), and each answer is read from the body vLLM would
 send: the numbers and tokens are vLLM's own, and only this mapping is ours.
-Every field of the request messages is read here (`FIELDS` lists them), the
-checks vLLM would report without naming the wire's field made first.
+Every field of the request messages is read here (`wire/fields.py` lists
+them), the checks vLLM would report without naming the wire's field made first.
 
 Pure data: no grpc, no vLLM.
 """
@@ -197,7 +197,7 @@ def rerank_response(
     """RerankResponse from vLLM's /rerank answer (documents echoed when asked)."""
     results = []
     for item in body["results"]:
-        document = (item.get("document") or {}).get("text") or "" if return_documents else ""
+        document = ((item.get("document") or {}).get("text") or "") if return_documents else ""
         results.append(
             pool_pb.RerankResult(
                 index=item["index"], relevance_score=item["relevance_score"], document=document
