@@ -389,9 +389,19 @@ async def test_load_reports_at_either_process_are_the_whole_engines(
     )
     try:
         await _first(long)
-        for _ in range(30):
-            await collect(connections.engine(0).Generate(request(max_tokens=2), metadata=a))
-        after = streams()  # each stream's first report is made as it opens
+        # The long stream ends at the tiny model's context (512 tokens, a second or
+        # two): the 30 calls go five at a time (the long one holds a sixth slot of
+        # --max-inflight) so that the reports are read while it still runs.
+
+        async def six_calls() -> None:
+            for _ in range(6):
+                await collect(connections.engine(0).Generate(request(max_tokens=2), metadata=a))
+
+        await asyncio.gather(*(six_calls() for _ in range(5)))
+        # Past the 250 ms a report is kept: each new stream's first report is
+        # then made as it opens, counting these calls.
+        await asyncio.sleep(0.3)
+        after = streams()
         reports = [await asyncio.wait_for(stream.read(), 10) for stream in after]
     finally:
         long.cancel()
