@@ -101,7 +101,8 @@ def _pooling_options(
 ) -> dict[str, Any]:
     """The body's options, each text of `texts` ((field, texts) pairs) checked to fit."""
     body: dict[str, Any] = {
-        "model": options.model or limits.served_model,
+        # The served model's name: an adapter named goes to the engine by itself.
+        "model": limits.served_model,
         "priority": options.priority,
     }
     truncating = options.HasField("truncate_prompt_tokens")
@@ -306,7 +307,7 @@ def render_chat_body(request: render_pb.RenderChatRequest, limits: ModelLimits) 
     if not messages:
         raise InvalidRequestError("messages", "at least one message is required")
     body: dict[str, Any] = {
-        "model": request.model or limits.served_model,
+        "model": limits.served_model,
         "messages": messages,
         "add_generation_prompt": (
             request.add_generation_prompt if request.HasField("add_generation_prompt") else True
@@ -344,7 +345,7 @@ def render_completion_body(
     truncating = request.HasField("truncate_prompt_tokens")
     limits.check_fits("prompt", request.prompt, truncating)
     body: dict[str, Any] = {
-        "model": request.model or limits.served_model,
+        "model": limits.served_model,
         "prompt": _non_empty("prompt", request.prompt, "prompt"),
         "add_special_tokens": (
             request.add_special_tokens if request.HasField("add_special_tokens") else True
