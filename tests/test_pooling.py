@@ -159,6 +159,61 @@ async def test_truncation_keeps_the_tokens_vllm_keeps(
     assert full.prompt_tokens == untruncated.prompt_tokens > reply.prompt_tokens
 
 
+# Far past the context (about 200 times the tiny model's 512 tokens).
+HUGE = LONG * 200
+
+
+async def test_a_text_far_past_the_context_is_truncated_as_vllm_truncates_it(
+    pooling: Any, stubs: Any, http: httpx.AsyncClient
+) -> None:
+    """Cut to the context's bound of characters before it is tokenized, the
+    text keeps the tokens vLLM keeps of it whole."""
+    pb = stubs[0]
+    for keep in (-1, 16):
+        options = pb.PoolingOptions(truncate_prompt_tokens=keep)
+        texts = [HUGE, TEXTS[0], "Paris " + HUGE]
+        reply = await pooling.Classify(
+            pb.ClassifyRequest(input=texts, options=options), metadata=AUTH
+        )
+        body = await _post(http, "/classify", {"input": texts, "truncate_prompt_tokens": keep})
+        assert [list(r.probs) for r in reply.results] == [
+            [_f32(p) for p in d["probs"]] for d in body["data"]
+        ]
+        assert reply.prompt_tokens == body["usage"]["prompt_tokens"]
+    options = pb.PoolingOptions(truncate_prompt_tokens=-1)
+    score = await pooling.Score(
+        pb.ScoreRequest(text_1=HUGE, text_2=DOCUMENTS, options=options), metadata=AUTH
+    )
+    body = await _post(
+        http, "/score", {"text_1": HUGE, "text_2": DOCUMENTS, "truncate_prompt_tokens": -1}
+    )
+    assert [r.score for r in score.results] == [_f32(d["score"]) for d in body["data"]]
+    documents = [*DOCUMENTS, HUGE]
+    rerank = await pooling.Rerank(
+        pb.RerankRequest(query=QUERY, documents=documents, options=options), metadata=AUTH
+    )
+    body = await _post(
+        http, "/rerank", {"query": QUERY, "documents": documents, "truncate_prompt_tokens": -1}
+    )
+    assert [(r.index, r.relevance_score) for r in rerank.results] == [
+        (d["index"], _f32(d["relevance_score"])) for d in body["results"]
+    ]
+
+
+async def test_a_huge_query_with_truncation_is_cut_before_it_is_tokenized(
+    pooling: Any, stubs: Any
+) -> None:
+    """vLLM tokenizes a query whole once per pair before it truncates it (and
+    on one thread, for every caller): a 4 MB query against the budget's 64
+    documents was minutes of tokenizing; cut first, it answers at once."""
+    pb = stubs[0]
+    options = pb.PoolingOptions(truncate_prompt_tokens=-1)
+    request = pb.ScoreRequest(text_1="x" * 4_000_000, text_2=["d"] * MAX_INPUTS, options=options)
+    reply = await pooling.Score(request, metadata=AUTH, timeout=60)
+    assert len(reply.results) == MAX_INPUTS
+    assert 0 < reply.prompt_tokens <= 512 * MAX_INPUTS
+
+
 @pytest.mark.parametrize(
     ("method", "build", "code", "field"),
     [

@@ -190,7 +190,8 @@ class VllmHandlers:
                 vocabulary = self.tokenizer().get_vocab()
                 longest = max((len(token) for token in vocabulary), default=0)
                 max_chars = max_len * longest if longest else None
-            self._limits = ModelLimits(self.served_model, max_len, max_chars)
+            side = str(getattr(self.tokenizer(), "truncation_side", "right"))
+            self._limits = ModelLimits(self.served_model, max_len, max_chars, side)
         return self._limits
 
     async def handler(self, name: str, needs: str, what: str) -> Any:
