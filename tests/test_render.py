@@ -201,7 +201,7 @@ async def test_render_completion_gives_what_the_completion_path_runs(
     assert len(cut.prompts[0].token_ids) == 3
     # Far past the context (cut before it is tokenized): the tokens vLLM keeps of it whole.
     huge = "The quick brown fox jumps over the lazy dog. " * 2_000 + prompts[1]
-    for keep in (16, 500):
+    for keep in (16, 400):
         cut = await render.RenderCompletion(
             pb.RenderCompletionRequest(prompt=[huge], truncate_prompt_tokens=keep), metadata=AUTH
         )
