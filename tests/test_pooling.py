@@ -32,6 +32,9 @@ KEY = "pooling-tenant-a-0123456789abcdef01"
 OTHER_KEY = "pooling-tenant-b-0123456789abcdef01"
 MAX_INPUTS = 64
 MAX_INFLIGHT = 8
+# Above what the huge-query test gives the tokenizer once cut (its 64 texts
+# and the tiny model's 2,560 characters of query for each).
+MAX_CHARS = 200_000
 TEXTS = ["The cat sat on the mat.", "Paris is the capital of France.", "red green blue"]
 QUERY = "What is the capital of France?"
 DOCUMENTS = [
@@ -58,6 +61,7 @@ async def launcher(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[La
         *("--model", str(model), *tiny_engine_flags(), "--runner", "pooling"),
         *("--http-port", "0", "--metrics-port", "0", "--api-key", KEY, "--api-key", OTHER_KEY),
         *("--max-pooling-inputs", str(MAX_INPUTS), "--max-inflight", str(MAX_INFLIGHT)),
+        *("--max-pooling-chars", str(MAX_CHARS)),
     )
     async with launched(*flags, env=launcher_env(cache)) as served:
         yield served
@@ -281,6 +285,13 @@ async def test_a_huge_query_with_truncation_is_cut_before_it_is_tokenized(
             "INVALID_ARGUMENT",
             "input",
         ),
+        # Each text fits; the query once per document is past --max-pooling-chars.
+        (
+            "Rerank",
+            lambda pb: pb.RerankRequest(query="q" * 2_500, documents=["d" * 1_000] * MAX_INPUTS),
+            "INVALID_ARGUMENT",
+            "documents",
+        ),
     ],
     ids=[
         "a request id with a newline",
@@ -295,6 +306,7 @@ async def test_a_huge_query_with_truncation_is_cut_before_it_is_tokenized(
         "a model not served",
         "documents past the budget",
         "inputs past the budget",
+        "characters past the budget",
     ],
 )
 async def test_bad_input_is_refused_naming_the_field(

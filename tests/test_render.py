@@ -318,6 +318,22 @@ DEEP_JSON = '{"a":' + "[" * 1_100 + "]" * 1_100 + "}"
         ),
         (
             lambda pb: pb.RenderChatRequest(
+                messages=[pb.ChatMessage(role="r" * 4_000, content="hi")],
+                truncate_prompt_tokens=-1,
+            ),
+            "INVALID_ARGUMENT",
+            "messages",
+        ),
+        (
+            lambda pb: pb.RenderChatRequest(
+                messages=[pb.ChatMessage(role="user", content="hi")],
+                tools=[pb.Tool(name="f", parameters='{"a":' * 65 + "1" + "}" * 65)],
+            ),
+            "INVALID_ARGUMENT",
+            "tools[0].parameters",
+        ),
+        (
+            lambda pb: pb.RenderChatRequest(
                 messages=[pb.ChatMessage(role="user", content="hi")] * (MAX_RENDER_ITEMS + 1)
             ),
             "INVALID_ARGUMENT",
@@ -411,6 +427,8 @@ DEEP_JSON = '{"a":' + "[" * 1_100 + "]" * 1_100 + "}"
             "parameters nested too deeply",
             "arguments nested too deeply",
             "arguments not JSON",
+            "a role past the context",
+            "parameters nested past the depth",
         ),
         "messages past the budget",
         "a reserved template variable",

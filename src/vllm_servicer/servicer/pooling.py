@@ -67,6 +67,7 @@ class PoolingServicer(pooling_pb2_grpc.PoolingServicer):
         adapter = handlers.adapter("options.model", request.options.model)
         handler = await handlers.handler(route.handler, "classify", route.what)
         body = route.body(request, handlers.limits())
+        self._budgets.check_pooling_chars(route.texts, _tokenized_chars(route, body))
         token = trace_headers.set(engine_trace_headers(context))
         try:
             async with handlers.claiming.claims_of_call(adapter):
@@ -82,16 +83,27 @@ class _Route(NamedTuple):
 
     operation: str  # the call record's operation, and vLLM's request model
     texts: str  # the repeated field whose texts are each an engine request
+    pair: str | None  # the text paired with each of them (a query), if any
     handler: str  # vLLM's handler object (its app state's attribute)
     what: str  # what the call asks for, in a refusal
     body: Callable[[Any, wire.ModelLimits], dict[str, Any]]
 
 
 _CLASSIFY = _Route(
-    "classify", "input", "serving_classification", "classify texts", wire.classify_body
+    "classify", "input", None, "serving_classification", "classify texts", wire.classify_body
 )
-_SCORE = _Route("score", "text_2", "serving_scores", "score text pairs", wire.score_body)
-_RERANK = _Route("rerank", "documents", "serving_scores", "rerank documents", wire.rerank_body)
+_SCORE = _Route("score", "text_2", "text_1", "serving_scores", "score text pairs", wire.score_body)
+_RERANK = _Route(
+    "rerank", "documents", "query", "serving_scores", "rerank documents", wire.rerank_body
+)
+
+
+def _tokenized_chars(route: _Route, body: Mapping[str, Any]) -> int:
+    """What vLLM tokenizes for the body: each text, and the query once per text."""
+    texts = body[route.texts]
+    paired = len(body[route.pair]) * len(texts) if route.pair else 0
+    return paired + sum(len(text) for text in texts)
+
 
 _Reply = TypeVar("_Reply", pb.ClassifyResponse, pb.ScoreResponse, pb.RerankResponse)
 

@@ -51,7 +51,7 @@ class RenderServicer(render_pb2_grpc.RenderServicer):
         note_request("render_chat")
         handlers = self._handlers
         # An adapter renders as the served model: vLLM's renderer is the engine's one.
-        handlers.adapter("model", request.model)
+        handlers.check_model("model", request.model)
         self._budgets.check_render_items("messages", _chat_items(request))
         render = await handlers.handler("serving_render", "generate", "render chat prompts")
         body = wire.render_chat_body(request, handlers.limits())
@@ -70,7 +70,7 @@ class RenderServicer(render_pb2_grpc.RenderServicer):
     ) -> pb.RenderCompletionResponse:
         note_request("render_completion")
         handlers = self._handlers
-        handlers.adapter("model", request.model)
+        handlers.check_model("model", request.model)
         self._budgets.check_render_items("prompt", len(request.prompt))
         render = await handlers.handler("serving_render", "generate", "render prompts")
         body = wire.render_completion_body(request, handlers.limits())

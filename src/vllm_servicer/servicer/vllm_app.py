@@ -215,26 +215,34 @@ class VllmHandlers:
             )
         return found
 
-    def adapter(self, field: str, model: str) -> LoRARequest | None:
-        """The LoRA adapter a request's model name names; None: the served model.
+    def check_model(self, field: str, model: str) -> None:
+        """Refuse a model name that is neither the served model's ("" is) nor an adapter's.
 
-        A name is the served model's ("" too) or an adapter's of the mount's
-        registry (`--lora-modules`, or loaded through vllm.Control), the names
-        Generate takes. vLLM's handlers run the base model for a name they do
-        not know; a name this server does not serve is refused instead.
+        An adapter is one of the mount's registry (`--lora-modules`, or loaded
+        through vllm.Control), as Generate's `lora_name` takes. vLLM's handlers
+        run the base model for a name they do not know; a name this server
+        does not serve is refused instead, never ignored.
 
         Raises:
             NotFoundError: `model` is neither the served model nor an adapter.
         """
-        if not model or model == self.served_model:
-            return None
-        if model not in self._loras:
+        if model and model != self.served_model and model not in self._loras:
             adapters = ", ".join(repr(adapter.name) for adapter in self._loras.list())
             raise NotFoundError(
                 field,
                 f"{model!r} is not served here; this server serves {self.served_model!r}"
                 + (f" and the LoRA adapters {adapters}" if adapters else ""),
             )
+
+    def adapter(self, field: str, model: str) -> LoRARequest | None:
+        """The LoRA adapter a request's model name names; None: the served model.
+
+        Raises:
+            NotFoundError: `model` is neither the served model nor an adapter.
+        """
+        self.check_model(field, model)
+        if not model or model == self.served_model:
+            return None
         return self._loras.request_for(model)
 
     def text_of(self, token_ids: list[int]) -> str:

@@ -329,6 +329,12 @@ def _tool(tool: render_pb.Tool, field: str) -> dict[str, Any]:
     return {"type": "function", "function": function}
 
 
+# JSON schemas and arguments nest a few levels; a template that writes them
+# indented (`tojson(indent=4)`) turns each level of a deep one into a line
+# indented by it: quadratic in the depth.
+MAX_JSON_DEPTH = 64
+
+
 def _json_object(field: str, text: str, what: str) -> dict[str, Any]:
     """`text` parsed as a JSON object, or refused naming `field`."""
     try:
@@ -338,20 +344,37 @@ def _json_object(field: str, text: str, what: str) -> dict[str, Any]:
         raise InvalidRequestError(field, f"not JSON: {reason}") from None
     if not isinstance(value, dict):
         raise InvalidRequestError(field, f"must be a JSON object ({what})")
+    if _depth(value) > MAX_JSON_DEPTH:
+        raise InvalidRequestError(field, f"nested more than {MAX_JSON_DEPTH} levels deep")
     return value
 
 
+def _depth(value: Any) -> int:
+    """How deep objects and lists nest in a parsed JSON value (a scalar: 0)."""
+    depth, level = 0, [value]
+    while level:
+        depth += 1
+        children: list[Any] = []
+        for item in level:
+            if isinstance(item, dict):
+                children.extend(item.values())
+            elif isinstance(item, list):
+                children.extend(item)
+        level = [child for child in children if isinstance(child, (dict, list))]
+    return depth
+
+
 def _chat_characters(request: render_pb.RenderChatRequest) -> int:
-    """The characters a chat gives the template (its images' URLs aside: they
-    are counted as images), counted before anything parses them."""
-    count = request.chat_template_kwargs.ByteSize()
-    for message in request.messages:
-        count += len(message.content) + len(message.name)
-        count += sum(len(part.text) for part in message.parts)
-        count += sum(len(call.name) + len(call.arguments) for call in message.tool_calls)
-    for tool in request.tools:
-        count += len(tool.name) + len(tool.description) + len(tool.parameters)
-    return count
+    """What a chat gives the template, in bytes (at least its characters):
+    every field of the request, so a field added later counts too, but its
+    images' URLs (counted as images)."""
+    images = sum(
+        len(part.image_url)
+        for message in request.messages
+        for part in message.parts
+        if part.WhichOneof("part") == "image_url"
+    )
+    return request.ByteSize() - images
 
 
 def render_chat_body(request: render_pb.RenderChatRequest, limits: ModelLimits) -> dict[str, Any]:
