@@ -32,6 +32,9 @@ KEY = "pooling-tenant-a-0123456789abcdef01"
 OTHER_KEY = "pooling-tenant-b-0123456789abcdef01"
 MAX_INPUTS = 64
 MAX_INFLIGHT = 8
+# Above what the huge-query test gives the tokenizer once cut (its 64 texts
+# and the tiny model's 2,560 characters of query for each).
+MAX_CHARS = 200_000
 TEXTS = ["The cat sat on the mat.", "Paris is the capital of France.", "red green blue"]
 QUERY = "What is the capital of France?"
 DOCUMENTS = [
@@ -58,6 +61,7 @@ async def launcher(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[La
         *("--model", str(model), *tiny_engine_flags(), "--runner", "pooling"),
         *("--http-port", "0", "--metrics-port", "0", "--api-key", KEY, "--api-key", OTHER_KEY),
         *("--max-pooling-inputs", str(MAX_INPUTS), "--max-inflight", str(MAX_INFLIGHT)),
+        *("--max-pooling-chars", str(MAX_CHARS)),
     )
     async with launched(*flags, env=launcher_env(cache)) as served:
         yield served
@@ -159,6 +163,61 @@ async def test_truncation_keeps_the_tokens_vllm_keeps(
     assert full.prompt_tokens == untruncated.prompt_tokens > reply.prompt_tokens
 
 
+# Far past the context (about 200 times the tiny model's 512 tokens).
+HUGE = LONG * 200
+
+
+async def test_a_text_far_past_the_context_is_truncated_as_vllm_truncates_it(
+    pooling: Any, stubs: Any, http: httpx.AsyncClient
+) -> None:
+    """Cut to the context's bound of characters before it is tokenized, the
+    text keeps the tokens vLLM keeps of it whole."""
+    pb = stubs[0]
+    for keep in (-1, 16):
+        options = pb.PoolingOptions(truncate_prompt_tokens=keep)
+        texts = [HUGE, TEXTS[0], "Paris " + HUGE]
+        reply = await pooling.Classify(
+            pb.ClassifyRequest(input=texts, options=options), metadata=AUTH
+        )
+        body = await _post(http, "/classify", {"input": texts, "truncate_prompt_tokens": keep})
+        assert [list(r.probs) for r in reply.results] == [
+            [_f32(p) for p in d["probs"]] for d in body["data"]
+        ]
+        assert reply.prompt_tokens == body["usage"]["prompt_tokens"]
+    options = pb.PoolingOptions(truncate_prompt_tokens=-1)
+    score = await pooling.Score(
+        pb.ScoreRequest(text_1=HUGE, text_2=DOCUMENTS, options=options), metadata=AUTH
+    )
+    body = await _post(
+        http, "/score", {"text_1": HUGE, "text_2": DOCUMENTS, "truncate_prompt_tokens": -1}
+    )
+    assert [r.score for r in score.results] == [_f32(d["score"]) for d in body["data"]]
+    documents = [*DOCUMENTS, HUGE]
+    rerank = await pooling.Rerank(
+        pb.RerankRequest(query=QUERY, documents=documents, options=options), metadata=AUTH
+    )
+    body = await _post(
+        http, "/rerank", {"query": QUERY, "documents": documents, "truncate_prompt_tokens": -1}
+    )
+    assert [(r.index, r.relevance_score) for r in rerank.results] == [
+        (d["index"], _f32(d["relevance_score"])) for d in body["results"]
+    ]
+
+
+async def test_a_huge_query_with_truncation_is_cut_before_it_is_tokenized(
+    pooling: Any, stubs: Any
+) -> None:
+    """vLLM tokenizes a query whole once per pair before it truncates it (and
+    on one thread, for every caller): a 4 MB query against the budget's 64
+    documents was minutes of tokenizing; cut first, it answers at once."""
+    pb = stubs[0]
+    options = pb.PoolingOptions(truncate_prompt_tokens=-1)
+    request = pb.ScoreRequest(text_1="x" * 4_000_000, text_2=["d"] * MAX_INPUTS, options=options)
+    reply = await pooling.Score(request, metadata=AUTH, timeout=60)
+    assert len(reply.results) == MAX_INPUTS
+    assert 0 < reply.prompt_tokens <= 512 * MAX_INPUTS
+
+
 @pytest.mark.parametrize(
     ("method", "build", "code", "field"),
     [
@@ -226,6 +285,13 @@ async def test_truncation_keeps_the_tokens_vllm_keeps(
             "INVALID_ARGUMENT",
             "input",
         ),
+        # Each text fits; the query once per document is past --max-pooling-chars.
+        (
+            "Rerank",
+            lambda pb: pb.RerankRequest(query="q" * 2_500, documents=["d" * 1_000] * MAX_INPUTS),
+            "INVALID_ARGUMENT",
+            "documents",
+        ),
     ],
     ids=[
         "a request id with a newline",
@@ -240,6 +306,7 @@ async def test_truncation_keeps_the_tokens_vllm_keeps(
         "a model not served",
         "documents past the budget",
         "inputs past the budget",
+        "characters past the budget",
     ],
 )
 async def test_bad_input_is_refused_naming_the_field(

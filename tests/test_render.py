@@ -199,6 +199,25 @@ async def test_render_completion_gives_what_the_completion_path_runs(
     # vLLM keeps the last tokens of the text, then adds its special ones.
     assert list(cut.prompts[0].token_ids) == truncated["choices"][0]["prompt_token_ids"]
     assert len(cut.prompts[0].token_ids) == 3
+    # Far past the context (cut before it is tokenized): the tokens vLLM keeps of it whole.
+    huge = "The quick brown fox jumps over the lazy dog. " * 2_000 + prompts[1]
+    for keep in (16, 400):
+        cut = await render.RenderCompletion(
+            pb.RenderCompletionRequest(prompt=[huge], truncate_prompt_tokens=keep), metadata=AUTH
+        )
+        truncated = await _post(
+            http,
+            "/v1/completions",
+            {
+                "model": model,
+                "prompt": huge,
+                "max_tokens": 1,
+                "return_token_ids": True,
+                "truncate_prompt_tokens": keep,
+            },
+        )
+        assert list(cut.prompts[0].token_ids) == truncated["choices"][0]["prompt_token_ids"]
+        assert len(cut.prompts[0].token_ids) == keep
 
 
 def _counter(page: str, name: str) -> float:
@@ -243,9 +262,76 @@ def _with_kwargs(request: Any, kwargs: dict[str, Any]) -> Any:
     return request
 
 
+# An object nesting lists 1,100 deep (past what Python's JSON parser recurses
+# into), short enough to fit the tiny model's context.
+DEEP_JSON = '{"a":' + "[" * 1_100 + "]" * 1_100 + "}"
+
+
 @pytest.mark.parametrize(
     ("build", "code", "field"),
     [
+        (
+            lambda pb: pb.RenderChatRequest(
+                messages=[pb.ChatMessage(role="user", content="x" * 4_000_000)],
+                truncate_prompt_tokens=-1,
+            ),
+            "INVALID_ARGUMENT",
+            "messages",
+        ),
+        (
+            lambda pb: _with_kwargs(
+                pb.RenderChatRequest(messages=[pb.ChatMessage(role="user", content="hi")]),
+                {"unused": list(range(500_000))},
+            ),
+            "INVALID_ARGUMENT",
+            "messages",
+        ),
+        (
+            lambda pb: pb.RenderChatRequest(
+                messages=[pb.ChatMessage(role="user", content="hi")],
+                tools=[pb.Tool(name="f", parameters=DEEP_JSON)],
+            ),
+            "INVALID_ARGUMENT",
+            "tools[0].parameters",
+        ),
+        (
+            lambda pb: pb.RenderChatRequest(
+                messages=[
+                    pb.ChatMessage(
+                        role="assistant", tool_calls=[pb.ToolCall(name="f", arguments=DEEP_JSON)]
+                    )
+                ]
+            ),
+            "INVALID_ARGUMENT",
+            "messages[0].tool_calls[0].arguments",
+        ),
+        (
+            lambda pb: pb.RenderChatRequest(
+                messages=[
+                    pb.ChatMessage(
+                        role="assistant", tool_calls=[pb.ToolCall(name="f", arguments="{oops")]
+                    )
+                ]
+            ),
+            "INVALID_ARGUMENT",
+            "messages[0].tool_calls[0].arguments",
+        ),
+        (
+            lambda pb: pb.RenderChatRequest(
+                messages=[pb.ChatMessage(role="r" * 4_000, content="hi")],
+                truncate_prompt_tokens=-1,
+            ),
+            "INVALID_ARGUMENT",
+            "messages",
+        ),
+        (
+            lambda pb: pb.RenderChatRequest(
+                messages=[pb.ChatMessage(role="user", content="hi")],
+                tools=[pb.Tool(name="f", parameters='{"a":' * 65 + "1" + "}" * 65)],
+            ),
+            "INVALID_ARGUMENT",
+            "tools[0].parameters",
+        ),
         (
             lambda pb: pb.RenderChatRequest(
                 messages=[pb.ChatMessage(role="user", content="hi")] * (MAX_RENDER_ITEMS + 1)
@@ -335,6 +421,15 @@ def _with_kwargs(request: Any, kwargs: dict[str, Any]) -> Any:
         ),
     ],
     ids=[
+        *(
+            "a chat past the context, truncated",
+            "template variables past the context",
+            "parameters nested too deeply",
+            "arguments nested too deeply",
+            "arguments not JSON",
+            "a role past the context",
+            "parameters nested past the depth",
+        ),
         "messages past the budget",
         "a reserved template variable",
         "no messages",

@@ -7,6 +7,9 @@ API and the gRPC registry number their adapters apart: an adapter loaded
 over HTTP never takes the id of one loaded over gRPC, which would make the
 engine run one adapter's weights for the other's requests.
 
+Render takes a gRPC adapter's name and renders as vLLM does for the same
+adapter loaded over HTTP.
+
 One launcher: the tiny Llama with real weights (an adapter changes its
 tokens), LoRA on, both protocols, a tenant key and an admin key.
 """
@@ -25,19 +28,20 @@ import httpx
 import pytest
 from support import bearer
 from support.launcher import START_TIMEOUT, launched
-from support.vllm_protocol import reference_modules
+from support.vllm_protocol import reference_modules, shipped_modules
 
 from vllm_servicer.testing.tiny_lora import (
     TINY_LORA_ENGINE_KWARGS,
     write_tiny_lora_adapter,
     write_tiny_weighted_model,
 )
-from vllm_servicer.testing.tiny_model import apply_cpu_env_defaults
+from vllm_servicer.testing.tiny_model import apply_cpu_env_defaults, tiny_engine_flags
 
 pytestmark = pytest.mark.timeout(START_TIMEOUT + 180)
 
 ctl, ctl_grpc = reference_modules("control")
 inf, inf_grpc = reference_modules("inference")
+render_pb, render_grpc = shipped_modules("render")
 
 TENANT = "lora-tenant-0123456789abcdefABCDEF"
 ADMIN = "lora-admin-0123456789abcdefABCDEF"
@@ -53,18 +57,6 @@ class Launcher:
     output: collections.deque[str]
 
 
-def _flags(settings: dict[str, Any]) -> list[str]:
-    """Engine keyword arguments as vLLM's command-line flags."""
-    flags = []
-    for key, value in settings.items():
-        flag = key.replace("_", "-")
-        if isinstance(value, bool):
-            flags.append(f"--{flag}" if value else f"--no-{flag}")
-        else:
-            flags.append(f"--{flag}={value}")
-    return flags
-
-
 @pytest.fixture(scope="module")
 async def launcher(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Launcher]:
     root = tmp_path_factory.mktemp("runtime-lora")
@@ -76,8 +68,8 @@ async def launcher(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[La
     env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
     env["VLLM_SERVICER_CACHE"] = str(root / "cache")
     flags = (
-        "--model", str(model), *_flags(TINY_LORA_ENGINE_KWARGS), "--http-port", "0",
-        "--services", "vllm-engine", "inference", "control",
+        "--model", str(model), *tiny_engine_flags(TINY_LORA_ENGINE_KWARGS), "--http-port", "0",
+        "--services", "vllm-engine", "inference", "control", "render",
         "--api-key", TENANT, "--admin-api-key", ADMIN,
     )  # fmt: skip
     async with launched(*flags, env=env) as served:
@@ -139,3 +131,42 @@ async def test_adapters_loaded_over_http_and_grpc_never_share_an_id(launcher: La
     assert completion.status_code == 200, completion.text
     tokens_a = completion.json()["choices"][0]["token_ids"]
     assert len(tokens_a) == 8 and tokens_a != tokens_b
+
+
+async def test_render_takes_an_adapters_name_and_renders_as_vllm_does_for_it(
+    launcher: Launcher,
+) -> None:
+    """An adapter shares the engine's tokenizer and chat template: a render
+    naming one gives the ids vLLM's /tokenize and chat path give for the same
+    adapter loaded over HTTP."""
+    body = {"lora_name": "render-http", "lora_path": str(launcher.adapters["a"])}
+    assert (await _post(launcher, "/v1/load_lora_adapter", ADMIN, body)).status_code == 200
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    async with grpc.aio.insecure_channel(launcher.grpc_address) as channel:
+        load = ctl.LoadLoraRequest(lora_name="render-grpc", source_path=str(body["lora_path"]))
+        await ctl_grpc.ControlStub(channel).LoadLora(load, metadata=bearer(ADMIN), timeout=120)
+        render = render_grpc.RenderStub(channel)
+        rendered = {}
+        for model in ("render-grpc", ""):
+            request = render_pb.RenderChatRequest(model=model)
+            request.messages.add(role="user", content=messages[0]["content"])
+            rendered[model] = await render.RenderChat(request, metadata=bearer(TENANT))
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            request = render_pb.RenderCompletionRequest(model="render-http", prompt=["Hello"])
+            await render.RenderCompletion(request, metadata=bearer(TENANT))
+    assert refused.value.code() == grpc.StatusCode.NOT_FOUND  # HTTP's adapter is HTTP's
+    ids = list(rendered["render-grpc"].token_ids)
+    assert ids == list(rendered[""].token_ids)
+    tokenized = await _post(
+        launcher, "/tokenize", TENANT, {"model": "render-http", "messages": messages}
+    )
+    assert tokenized.status_code == 200, tokenized.text
+    assert ids == tokenized.json()["tokens"]
+    chat = await _post(
+        launcher,
+        "/v1/chat/completions",
+        TENANT,
+        {"model": "render-http", "messages": messages, "max_tokens": 1, "return_token_ids": True},
+    )
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["prompt_token_ids"] == ids

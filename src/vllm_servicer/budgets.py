@@ -38,6 +38,11 @@ DEFAULT_MAX_ABORT_IDS = 1024
 # (a rerank's candidate documents): a router's page of candidates is tens to
 # hundreds; more belongs in several calls, which the in-flight limit counts.
 DEFAULT_MAX_POOLING_INPUTS = 256
+# The characters one pooling call gives the tokenizer, a Score's or Rerank's
+# query once per text it is paired with (vLLM tokenizes each pair whole, on
+# one thread every caller shares, at about a second per few MB): a page of 256
+# candidates of 8,000 characters with its query, with room to spare.
+DEFAULT_MAX_POOLING_CHARS = 4 * 1024 * 1024
 # What one render lays out: messages, content parts, tool calls and tools of a
 # chat, or prompts of a completion. Long agent conversations run to hundreds
 # of messages; each item costs the template and the tokenizer on the serving
@@ -87,6 +92,8 @@ class RequestBudgets:
             through shared memory.
         max_pooling_inputs: most texts one Classify, Score or Rerank carries
             (each is an engine request).
+        max_pooling_chars: most characters one Classify, Score or Rerank gives
+            the tokenizer, a query counted once per text it is paired with.
         max_render_items: most messages, content parts, tool calls and tools
             one RenderChat lays out, or prompts one RenderCompletion renders.
 
@@ -136,6 +143,14 @@ class RequestBudgets:
         ),
     )
 
+    max_pooling_chars: int = dataclasses.field(
+        default=DEFAULT_MAX_POOLING_CHARS,
+        metadata=_flag(
+            "most characters one Classify, Score or Rerank gives the tokenizer, a query "
+            "counted once per text it is paired with"
+        ),
+    )
+
     max_render_items: int = dataclasses.field(
         default=DEFAULT_MAX_RENDER_ITEMS,
         metadata=_flag(
@@ -178,6 +193,16 @@ class RequestBudgets:
                 field,
                 f"{count} texts, more than this server's budget of {self.max_pooling_inputs} "
                 "per call (--max-pooling-inputs); send them in several calls",
+            )
+
+    def check_pooling_chars(self, field: str, count: int) -> None:
+        """Refuse a pooling call that gives the tokenizer more than `max_pooling_chars`."""
+        if count > self.max_pooling_chars:
+            raise InvalidRequestError(
+                field,
+                f"{count} characters to tokenize (a query once per text), more than this "
+                f"server's budget of {self.max_pooling_chars} per call (--max-pooling-chars); "
+                "send fewer or shorter texts, or truncate them",
             )
 
     def check_render_items(self, field: str, count: int) -> None:

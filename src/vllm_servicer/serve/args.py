@@ -405,10 +405,10 @@ class ServeArgs:
                 "--admin-tls-subject is for client certificates without API keys; "
                 "with keys, give admins an admin key"
             )
-        if self.lora_modules and not {INFERENCE_SERVICE, CONTROL_SERVICE} & set(self.services):
+        if self.lora_modules and set(self.services) <= {SERVICE_NAME}:
             raise ValueError(
-                "--lora-modules are served through vllm.Inference (lora_name) and "
-                "vllm.Control: add one of them to --services"
+                "--lora-modules are served through vllm.Inference (lora_name), vllm.Control "
+                "and Pooling and Render (model), not VllmEngine: add one of them to --services"
             )
         if self.http_port is None and self.http_host:
             raise ValueError("--http-host needs --http-port")

@@ -126,6 +126,10 @@ class LoraRegistry:
         """Every adapter served, preloaded ones included, sorted by name."""
         return [self._adapters[name] for name in sorted(self._adapters)]
 
+    def __contains__(self, name: object) -> bool:
+        """Whether an adapter of this name is served."""
+        return name in self._adapters
+
     def request_for(self, name: str) -> LoRARequest | None:
         """The `LoRARequest` for a generation call naming adapter `name`.
 

@@ -48,27 +48,29 @@ class PoolingServicer(pooling_pb2_grpc.PoolingServicer):
 
     async def Classify(self, request: pb.ClassifyRequest, context: Context) -> pb.ClassifyResponse:
         body = await self._answer(_CLASSIFY, request, context)
-        return _noted(wire.classify_response(body, request.request_id))
+        return _noted(wire.classify_response(body, request.request_id), request)
 
     async def Score(self, request: pb.ScoreRequest, context: Context) -> pb.ScoreResponse:
         body = await self._answer(_SCORE, request, context)
-        return _noted(wire.score_response(body, request.request_id))
+        return _noted(wire.score_response(body, request.request_id), request)
 
     async def Rerank(self, request: pb.RerankRequest, context: Context) -> pb.RerankResponse:
         body = await self._answer(_RERANK, request, context)
-        return _noted(wire.rerank_response(body, request.request_id, request.return_documents))
+        reply = wire.rerank_response(body, request.request_id, request.return_documents)
+        return _noted(reply, request)
 
     async def _answer(self, route: _Route, request: Any, context: Context) -> Mapping[str, Any]:
         """vLLM's answer to `request` on `route`, its engine requests claimed for the caller."""
         note_request(route.operation, request.request_id)
         self._budgets.check_pooling_inputs(route.texts, len(getattr(request, route.texts)))
         handlers = self._handlers
-        handlers.check_model("options.model", request.options.model)
+        adapter = handlers.adapter("options.model", request.options.model)
         handler = await handlers.handler(route.handler, "classify", route.what)
         body = route.body(request, handlers.limits())
+        self._budgets.check_pooling_chars(route.texts, _tokenized_chars(route, body))
         token = trace_headers.set(engine_trace_headers(context))
         try:
-            async with handlers.claiming.claims_of_call():
+            async with handlers.claiming.claims_of_call(adapter):
                 answer = await handler(vllm_request(route.operation, body), None)
         finally:
             trace_headers.reset(token)
@@ -81,20 +83,35 @@ class _Route(NamedTuple):
 
     operation: str  # the call record's operation, and vLLM's request model
     texts: str  # the repeated field whose texts are each an engine request
+    pair: str | None  # the text paired with each of them (a query), if any
     handler: str  # vLLM's handler object (its app state's attribute)
     what: str  # what the call asks for, in a refusal
     body: Callable[[Any, wire.ModelLimits], dict[str, Any]]
 
 
 _CLASSIFY = _Route(
-    "classify", "input", "serving_classification", "classify texts", wire.classify_body
+    "classify", "input", None, "serving_classification", "classify texts", wire.classify_body
 )
-_SCORE = _Route("score", "text_2", "serving_scores", "score text pairs", wire.score_body)
-_RERANK = _Route("rerank", "documents", "serving_scores", "rerank documents", wire.rerank_body)
+_SCORE = _Route("score", "text_2", "text_1", "serving_scores", "score text pairs", wire.score_body)
+_RERANK = _Route(
+    "rerank", "documents", "query", "serving_scores", "rerank documents", wire.rerank_body
+)
+
+
+def _tokenized_chars(route: _Route, body: Mapping[str, Any]) -> int:
+    """What vLLM tokenizes for the body: each text, and the query once per text."""
+    texts = body[route.texts]
+    paired = len(body[route.pair]) * len(texts) if route.pair else 0
+    return paired + sum(len(text) for text in texts)
+
 
 _Reply = TypeVar("_Reply", pb.ClassifyResponse, pb.ScoreResponse, pb.RerankResponse)
 
 
-def _noted(reply: _Reply) -> _Reply:
+def _noted(reply: _Reply, request: Any) -> _Reply:
+    """`reply`, its tokens in the call record and the model named as the request named it
+    (vLLM's handler ran the served model's name; an adapter went to the engine apart)."""
     note_prompt_tokens(reply.prompt_tokens)
+    if request.options.model:
+        reply.model = request.options.model
     return reply

@@ -50,6 +50,7 @@ class RenderServicer(render_pb2_grpc.RenderServicer):
     ) -> pb.RenderedPrompt:
         note_request("render_chat")
         handlers = self._handlers
+        # An adapter renders as the served model: vLLM's renderer is the engine's one.
         handlers.check_model("model", request.model)
         self._budgets.check_render_items("messages", _chat_items(request))
         render = await handlers.handler("serving_render", "generate", "render chat prompts")

@@ -112,7 +112,7 @@ class MountState:
             steps,
             loras,
             DecodedMedia(options.budgets),
-            VllmHandlers(engine, running, options.chat_template),
+            VllmHandlers(engine, running, loras, options.chat_template),
             inflight,
             frontends,
             reporter,

@@ -23,7 +23,7 @@ import contextvars
 import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..context import kept_usage
 from ..engine import EngineClient, served_model_name
@@ -31,6 +31,11 @@ from ..errors import InvalidRequestError, NotFoundError, UnsupportedError
 from ..wire.pooling import ModelLimits
 from ..wire.usage import RequestSummary
 from .tenancy import RunningRequests
+
+if TYPE_CHECKING:
+    from vllm.lora.request import LoRARequest
+
+    from .lora import LoraRegistry
 
 __all__ = [
     "ClaimingEngine",
@@ -58,6 +63,10 @@ class _Claim:
 
 _call_claims: contextvars.ContextVar[list[_Claim] | None] = contextvars.ContextVar(
     "vllm_servicer_handler_claims", default=None
+)
+
+_call_adapter: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "vllm_servicer_handler_adapter", default=None
 )
 
 trace_headers: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar(
@@ -91,6 +100,10 @@ class ClaimingEngine:
         request_id = kwargs["request_id"] if "request_id" in kwargs else args[2]
         if kwargs.get("trace_headers") is None:
             kwargs["trace_headers"] = trace_headers.get()
+        adapter = _call_adapter.get()
+        if adapter is not None:
+            # vLLM's handlers know only the adapters of their own registry.
+            kwargs["lora_request"] = adapter
         return self._claimed(request_id, lambda: self._engine.encode(*args, **kwargs))
 
     async def _claimed(
@@ -115,8 +128,9 @@ class ClaimingEngine:
             self._running.release(claim.request_id)
 
     @contextlib.asynccontextmanager
-    async def claims_of_call(self) -> AsyncIterator[None]:
-        """Every engine request the block starts ends with it, released and aborted.
+    async def claims_of_call(self, adapter: LoRARequest | None = None) -> AsyncIterator[None]:
+        """Every engine request the block starts ends with it, released and aborted,
+        and runs on `adapter` (a LoRA adapter of the mount's registry) when given.
 
         vLLM's handler leaves the other texts' requests running when one of a
         batch fails (its merged iterator is never closed, only collected):
@@ -124,9 +138,11 @@ class ClaimingEngine:
         """
         held: list[_Claim] = []
         token = _call_claims.set(held)
+        adapter_token = _call_adapter.set(adapter)
         try:
             yield
         finally:
+            _call_adapter.reset(adapter_token)
             _call_claims.reset(token)
             left = [claim for claim in held if not claim.released]
             for claim in left:
@@ -141,15 +157,21 @@ class VllmHandlers:
     Args:
         engine: the mount's engine.
         running: the mount's registry of running request ids.
+        loras: the mount's LoRA adapters, which a request names as its model.
         chat_template: a chat template (a file or the template itself) to use
             instead of the model's, as vLLM's `--chat-template`.
     """
 
     def __init__(
-        self, engine: EngineClient, running: RunningRequests, chat_template: str | None = None
+        self,
+        engine: EngineClient,
+        running: RunningRequests,
+        loras: LoraRegistry,
+        chat_template: str | None = None,
     ) -> None:
         self._engine = engine
         self._running = running
+        self._loras = loras
         self._chat_template = chat_template
         self._state: Any = None
         self._tasks: tuple[str, ...] = ()
@@ -168,7 +190,8 @@ class VllmHandlers:
                 vocabulary = self.tokenizer().get_vocab()
                 longest = max((len(token) for token in vocabulary), default=0)
                 max_chars = max_len * longest if longest else None
-            self._limits = ModelLimits(self.served_model, max_len, max_chars)
+            side = str(getattr(self.tokenizer(), "truncation_side", "right"))
+            self._limits = ModelLimits(self.served_model, max_len, max_chars, side)
         return self._limits
 
     async def handler(self, name: str, needs: str, what: str) -> Any:
@@ -193,18 +216,34 @@ class VllmHandlers:
         return found
 
     def check_model(self, field: str, model: str) -> None:
-        """Refuse a model name other than the served one ("" is the served one).
+        """Refuse a model name that is neither the served model's ("" is) nor an adapter's.
 
-        vLLM's pooling handlers run the base model for a name they do not know;
-        a name this server does not serve is refused instead, never ignored.
+        An adapter is one of the mount's registry (`--lora-modules`, or loaded
+        through vllm.Control), as Generate's `lora_name` takes. vLLM's handlers
+        run the base model for a name they do not know; a name this server
+        does not serve is refused instead, never ignored.
 
         Raises:
-            NotFoundError: `model` is not the served model.
+            NotFoundError: `model` is neither the served model nor an adapter.
         """
-        if model and model != self.served_model:
+        if model and model != self.served_model and model not in self._loras:
+            adapters = ", ".join(repr(adapter.name) for adapter in self._loras.list())
             raise NotFoundError(
-                field, f"{model!r} is not served here; this server serves {self.served_model!r}"
+                field,
+                f"{model!r} is not served here; this server serves {self.served_model!r}"
+                + (f" and the LoRA adapters {adapters}" if adapters else ""),
             )
+
+    def adapter(self, field: str, model: str) -> LoRARequest | None:
+        """The LoRA adapter a request's model name names; None: the served model.
+
+        Raises:
+            NotFoundError: `model` is neither the served model nor an adapter.
+        """
+        self.check_model(field, model)
+        if not model or model == self.served_model:
+            return None
+        return self._loras.request_for(model)
 
     def text_of(self, token_ids: list[int]) -> str:
         """`token_ids` as text, special tokens included.

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from .tiny_model import (
+    _CLASSIFIER_CONFIG,
     TINY_ENGINE_KWARGS,
     _finish,
     _generation_config,
@@ -40,6 +41,7 @@ __all__ = [
     "LORA_RANK",
     "TINY_LORA_ENGINE_KWARGS",
     "write_tiny_lora_adapter",
+    "write_tiny_weighted_classifier_model",
     "write_tiny_weighted_model",
 ]
 
@@ -79,6 +81,21 @@ def write_tiny_weighted_model(path: str | os.PathLike[str]) -> Path:
             this package.
     """
     return _write(Path(path), "weighted", _populate)
+
+
+def write_tiny_weighted_classifier_model(path: str | os.PathLike[str]) -> Path:
+    """Writes the tiny cross-encoder with seeded random weights saved as safetensors.
+
+    :func:`vllm_servicer.testing.tiny_model.write_tiny_classifier_model`'s model
+    (``LlamaForSequenceClassification``, one label) with the weights of
+    :func:`write_tiny_weighted_model`'s layers and a seeded score head, so that an
+    adapter written by :func:`write_tiny_lora_adapter` changes its scores. Serve
+    it with :data:`TINY_LORA_ENGINE_KWARGS` and ``runner="pooling"``.
+
+    Returns:
+        ``path`` as an absolute :class:`~pathlib.Path`.
+    """
+    return _write(Path(path), "weighted-classify", _populate)
 
 
 def write_tiny_lora_adapter(
@@ -150,14 +167,18 @@ def _adapter_config(rank: int) -> dict[str, Any]:
 def _populate(directory: Path, kind: _Kind) -> None:
     import torch
     from safetensors.torch import save_file
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
     tokenizer = _hf_tokenizer()
     tokenizer.save_pretrained(str(directory))
     config = _text_config(tokenizer)
+    if kind == "weighted-classify":
+        config.update(_CLASSIFIER_CONFIG)
     torch.manual_seed(0)
-    # Typed as Any: transformers' constructor is untyped in some versions.
-    model_cls: Any = LlamaForCausalLM
+    # Typed as Any: transformers' constructors are untyped in some versions.
+    model_cls: Any = (
+        LlamaForSequenceClassification if kind == "weighted-classify" else LlamaForCausalLM
+    )
     model = model_cls(LlamaConfig(**config))
     weights = {key: value.contiguous() for key, value in model.state_dict().items()}
     save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})

@@ -27,7 +27,7 @@ import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Final, Literal
 
@@ -82,10 +82,11 @@ engine is built: ``AsyncEngineArgs(model=str(ensure_tiny_model()), **TINY_ENGINE
 """
 
 
-def tiny_engine_flags() -> list[str]:
-    """TINY_ENGINE_KWARGS as the launcher's (vLLM's) command-line flags."""
+def tiny_engine_flags(settings: Mapping[str, Any] = TINY_ENGINE_KWARGS) -> list[str]:
+    """Engine keyword arguments (TINY_ENGINE_KWARGS unless given) as the launcher's
+    (vLLM's) command-line flags."""
     flags = []
-    for key, value in TINY_ENGINE_KWARGS.items():
+    for key, value in settings.items():
         flag = key.replace("_", "-")
         if isinstance(value, bool):
             flags.append(f"--{flag}" if value else f"--no-{flag}")
@@ -119,7 +120,7 @@ _CPU_ENV_DEFAULTS: Final[dict[str, str]] = {
 _MARKER_NAME: Final = ".vllm_servicer_tiny_model.json"
 _CACHE_ENV: Final = "VLLM_SERVICER_CACHE"
 
-_Kind = Literal["generate", "embed", "classify", "vision", "weighted"]
+_Kind = Literal["generate", "embed", "classify", "vision", "weighted", "weighted-classify"]
 
 _PAD, _BOS, _EOS = "<pad>", "<s>", "</s>"
 _VOCAB_TARGET: Final = 320
@@ -389,15 +390,22 @@ def _write(path: Path, kind: _Kind, populate: Callable[[Path, _Kind], None] | No
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+# The config's changes for the tiny cross-encoder: vLLM's causal LM with a
+# one-label score head.
+_CLASSIFIER_CONFIG: Final[dict[str, Any]] = {
+    "architectures": ["LlamaForSequenceClassification"],
+    "num_labels": 1,
+    "id2label": {"0": "relevant"},
+    "label2id": {"relevant": 0},
+}
+
+
 def _populate(directory: Path, kind: _Kind) -> None:
     hf_tokenizer = _hf_tokenizer()
     hf_tokenizer.save_pretrained(str(directory))
     config = _text_config(hf_tokenizer)
     if kind == "classify":
-        config["architectures"] = ["LlamaForSequenceClassification"]
-        config["num_labels"] = 1
-        config["id2label"] = {"0": "relevant"}
-        config["label2id"] = {"relevant": 0}
+        config.update(_CLASSIFIER_CONFIG)
     _write_json(directory / "config.json", config)
     _write_json(directory / "generation_config.json", _generation_config(config))
     _finish(directory, kind)

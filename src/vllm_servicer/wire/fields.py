@@ -355,8 +355,9 @@ _INFERENCE_REFUSED: Mapping[str, RefusedField] = {
 }
 
 # vllm_servicer.v1.Pooling and Render (wire/pooling.py reads each of these):
-# a model name other than the served one is NOT_FOUND, a truncation past the
-# context or texts past --max-pooling-inputs INVALID_ARGUMENT, naming the field.
+# a model name that is neither the served one nor a LoRA adapter's is NOT_FOUND,
+# a truncation past the context or texts past --max-pooling-inputs
+# INVALID_ARGUMENT, naming the field.
 _POOLING_OPTIONS = frozenset(
     {"options", "options.truncate_prompt_tokens", "options.model", "options.priority"}
 )

@@ -52,28 +52,59 @@ class ModelLimits:
         max_text_chars: the longest text that can fit that context (the context
             times the longest token's characters: a text longer than this
             cannot be that few tokens); None: unknown.
+        truncation_side: the side the tokenizer truncates a text from ("left"
+            keeps the last tokens, "right" the first).
     """
 
     served_model: str
     max_model_len: int | None = None
     max_text_chars: int | None = None
+    truncation_side: str = "right"
 
-    def check_fits(self, field: str, texts: Sequence[str], truncating: bool) -> None:
-        """Refuse a text that cannot fit the context, before it is tokenized.
+    def fitted(self, field: str, texts: Sequence[str], truncating: bool) -> list[str]:
+        """`texts` bounded by the context, before anything tokenizes them.
 
-        vLLM tokenizes a Score's query once per pair and only then finds it
-        too long; a text past `max_text_chars` is refused at once instead.
+        vLLM tokenizes a text whole before it truncates, and a Score's query
+        once per pair: a text past `max_text_chars` is refused at once, or,
+        with truncation, cut to that many characters on the tokenizer's
+        truncation side (what vLLM itself does when a request names the side).
+        What is cut lies past the tokens truncation keeps: `max_text_chars`
+        characters are at least the context's count of tokens.
+
+        Raises:
+            InvalidRequestError: a text cannot fit and nothing truncates it.
         """
-        if truncating or self.max_text_chars is None:
-            return
+        bound = self.max_text_chars
+        if bound is None:
+            return list(texts)
+        if truncating:
+            left = self.truncation_side == "left"
+            return [text[-bound:] if left else text[:bound] for text in texts]
         for index, text in enumerate(texts):
-            if len(text) > self.max_text_chars:
+            if len(text) > bound:
                 name = field if field in _SINGLE_TEXTS else f"{field}[{index}]"
                 raise InvalidRequestError(
                     name,
                     f"{len(text)} characters cannot fit the model's context of "
                     f"{self.max_model_len} tokens; shorten it or set truncate_prompt_tokens",
                 )
+        return list(texts)
+
+    def check_chat_fits(self, field: str, characters: int) -> None:
+        """Refuse a chat whose text cannot fit the context, truncated or not.
+
+        A chat is rendered whole before its tokens are truncated, and the
+        rendered prompt holds at least the chat's own characters.
+
+        Raises:
+            InvalidRequestError: more characters than `max_text_chars`.
+        """
+        if self.max_text_chars is not None and characters > self.max_text_chars:
+            raise InvalidRequestError(
+                field,
+                f"{characters} characters of messages, tools and template variables cannot "
+                f"fit the model's context of {self.max_model_len} tokens; shorten the chat",
+            )
 
 
 def _non_empty(field: str, texts: Sequence[str], what: str) -> list[str]:
@@ -96,22 +127,29 @@ def _truncation(field: str, value: int, max_model_len: int | None) -> int:
     return value
 
 
-def _pooling_options(
-    options: pool_pb.PoolingOptions, limits: ModelLimits, *texts: tuple[str, Sequence[str]]
-) -> dict[str, Any]:
-    """The body's options, each text of `texts` ((field, texts) pairs) checked to fit."""
+def _pooling_options(options: pool_pb.PoolingOptions, limits: ModelLimits) -> dict[str, Any]:
     body: dict[str, Any] = {
-        "model": options.model or limits.served_model,
+        # The served model's name: an adapter named goes to the engine by itself.
+        "model": limits.served_model,
         "priority": options.priority,
     }
-    truncating = options.HasField("truncate_prompt_tokens")
-    if truncating:
+    if options.HasField("truncate_prompt_tokens"):
         body["truncate_prompt_tokens"] = _truncation(
             "options.truncate_prompt_tokens", options.truncate_prompt_tokens, limits.max_model_len
         )
-    for field, values in texts:
-        limits.check_fits(field, values, truncating)
     return body
+
+
+def _texts(
+    request: Any, field: str, limits: ModelLimits, what: str | None = None
+) -> dict[str, Any]:
+    """The body's `field`, its texts bounded by the context (`ModelLimits.fitted`);
+    a repeated field must hold one (`what`) at least."""
+    truncating = request.options.HasField("truncate_prompt_tokens")
+    if what is None:
+        return {field: limits.fitted(field, [getattr(request, field)], truncating)[0]}
+    texts = _non_empty(field, getattr(request, field), what)
+    return {field: limits.fitted(field, texts, truncating)}
 
 
 def _request_id(given: str) -> dict[str, str]:
@@ -129,8 +167,8 @@ def classify_body(request: pool_pb.ClassifyRequest, limits: ModelLimits) -> dict
             truncation out of range, a bad request id (named by field).
     """
     return {
-        "input": _non_empty("input", request.input, "text"),
-        **_pooling_options(request.options, limits, ("input", request.input)),
+        **_texts(request, "input", limits, "text"),
+        **_pooling_options(request.options, limits),
         **_request_id(request.request_id),
     }
 
@@ -138,11 +176,9 @@ def classify_body(request: pool_pb.ClassifyRequest, limits: ModelLimits) -> dict
 def score_body(request: pool_pb.ScoreRequest, limits: ModelLimits) -> dict[str, Any]:
     """The /score body for `request`: text_1 against each of text_2."""
     return {
-        "text_1": request.text_1,
-        "text_2": _non_empty("text_2", request.text_2, "text"),
-        **_pooling_options(
-            request.options, limits, ("text_1", [request.text_1]), ("text_2", request.text_2)
-        ),
+        **_texts(request, "text_1", limits),
+        **_texts(request, "text_2", limits, "text"),
+        **_pooling_options(request.options, limits),
         **_request_id(request.request_id),
     }
 
@@ -150,12 +186,10 @@ def score_body(request: pool_pb.ScoreRequest, limits: ModelLimits) -> dict[str, 
 def rerank_body(request: pool_pb.RerankRequest, limits: ModelLimits) -> dict[str, Any]:
     """The /rerank body for `request`."""
     return {
-        "query": request.query,
-        "documents": _non_empty("documents", request.documents, "document"),
+        **_texts(request, "query", limits),
+        **_texts(request, "documents", limits, "document"),
         "top_n": request.top_n,
-        **_pooling_options(
-            request.options, limits, ("query", [request.query]), ("documents", request.documents)
-        ),
+        **_pooling_options(request.options, limits),
         **_request_id(request.request_id),
     }
 
@@ -265,14 +299,21 @@ def _message(message: render_pb.ChatMessage, field: str) -> dict[str, Any]:
         out["tool_call_id"] = message.tool_call_id
     if message.tool_calls:
         out["tool_calls"] = [
-            {
-                "id": call.id,
-                "type": "function",
-                "function": {"name": call.name, "arguments": call.arguments},
-            }
-            for call in message.tool_calls
+            _tool_call(call, f"{field}.tool_calls[{index}]")
+            for index, call in enumerate(message.tool_calls)
         ]
     return out
+
+
+def _tool_call(call: render_pb.ToolCall, field: str) -> dict[str, Any]:
+    # vLLM parses the arguments for the template: checked here, named by field.
+    if call.arguments:
+        _json_object(f"{field}.arguments", call.arguments, "the arguments by name")
+    return {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
 
 
 def _tool(tool: render_pb.Tool, field: str) -> dict[str, Any]:
@@ -282,15 +323,58 @@ def _tool(tool: render_pb.Tool, field: str) -> dict[str, Any]:
     if tool.description:
         function["description"] = tool.description
     if tool.parameters:
-        try:
-            # Key order kept: the template writes the schema as it was given.
-            schema = json.loads(tool.parameters)
-        except ValueError as exc:
-            raise InvalidRequestError(f"{field}.parameters", f"not JSON: {exc}") from None
-        if not isinstance(schema, dict):
-            raise InvalidRequestError(f"{field}.parameters", "must be a JSON object (a schema)")
+        # Key order kept: the template writes the schema as it was given.
+        schema = _json_object(f"{field}.parameters", tool.parameters, "a schema")
         function["parameters"] = schema
     return {"type": "function", "function": function}
+
+
+# JSON schemas and arguments nest a few levels; a template that writes them
+# indented (`tojson(indent=4)`) turns each level of a deep one into a line
+# indented by it: quadratic in the depth.
+MAX_JSON_DEPTH = 64
+
+
+def _json_object(field: str, text: str, what: str) -> dict[str, Any]:
+    """`text` parsed as a JSON object, or refused naming `field`."""
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise InvalidRequestError(field, f"not JSON: {reason}") from None
+    if not isinstance(value, dict):
+        raise InvalidRequestError(field, f"must be a JSON object ({what})")
+    if _depth(value) > MAX_JSON_DEPTH:
+        raise InvalidRequestError(field, f"nested more than {MAX_JSON_DEPTH} levels deep")
+    return value
+
+
+def _depth(value: Any) -> int:
+    """How deep objects and lists nest in a parsed JSON value (a scalar: 0)."""
+    depth, level = 0, [value]
+    while level:
+        depth += 1
+        children: list[Any] = []
+        for item in level:
+            if isinstance(item, dict):
+                children.extend(item.values())
+            elif isinstance(item, list):
+                children.extend(item)
+        level = [child for child in children if isinstance(child, (dict, list))]
+    return depth
+
+
+def _chat_characters(request: render_pb.RenderChatRequest) -> int:
+    """What a chat gives the template, in bytes (at least its characters):
+    every field of the request, so a field added later counts too, but its
+    images' URLs (counted as images)."""
+    images = sum(
+        len(part.image_url)
+        for message in request.messages
+        for part in message.parts
+        if part.WhichOneof("part") == "image_url"
+    )
+    return request.ByteSize() - images
 
 
 def render_chat_body(request: render_pb.RenderChatRequest, limits: ModelLimits) -> dict[str, Any]:
@@ -300,13 +384,14 @@ def render_chat_body(request: render_pb.RenderChatRequest, limits: ModelLimits) 
     is chosen ("tool_choice": "none" keeps them in the prompt: rendering
     parses no output, so it needs no tool parser).
     """
+    if not request.messages:
+        raise InvalidRequestError("messages", "at least one message is required")
+    limits.check_chat_fits("messages", _chat_characters(request))
     messages = [
         _message(message, f"messages[{index}]") for index, message in enumerate(request.messages)
     ]
-    if not messages:
-        raise InvalidRequestError("messages", "at least one message is required")
     body: dict[str, Any] = {
-        "model": request.model or limits.served_model,
+        "model": limits.served_model,
         "messages": messages,
         "add_generation_prompt": (
             request.add_generation_prompt if request.HasField("add_generation_prompt") else True
@@ -342,10 +427,10 @@ def render_completion_body(
 ) -> dict[str, Any]:
     """The /v1/completions/render body for `request`."""
     truncating = request.HasField("truncate_prompt_tokens")
-    limits.check_fits("prompt", request.prompt, truncating)
+    prompts = _non_empty("prompt", request.prompt, "prompt")
     body: dict[str, Any] = {
-        "model": request.model or limits.served_model,
-        "prompt": _non_empty("prompt", request.prompt, "prompt"),
+        "model": limits.served_model,
+        "prompt": limits.fitted("prompt", prompts, truncating),
         "add_special_tokens": (
             request.add_special_tokens if request.HasField("add_special_tokens") else True
         ),
