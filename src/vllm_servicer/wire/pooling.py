@@ -69,7 +69,10 @@ class ModelLimits:
         with truncation, cut to that many characters on the tokenizer's
         truncation side (what vLLM itself does when a request names the side).
         What is cut lies past the tokens truncation keeps: `max_text_chars`
-        characters are at least the context's count of tokens.
+        characters are at least the context's count of tokens, unless the
+        tokenizer drops characters (a WordPiece one drops runs of spaces), in
+        which case a text made mostly of them keeps fewer: only its own
+        result changes.
 
         Raises:
             InvalidRequestError: a text cannot fit and nothing truncates it.
@@ -90,20 +93,21 @@ class ModelLimits:
                 )
         return list(texts)
 
-    def check_chat_fits(self, field: str, characters: int) -> None:
-        """Refuse a chat whose text cannot fit the context, truncated or not.
+    def check_chat_fits(self, field: str, size: int) -> None:
+        """Refuse a chat that cannot fit the context, truncated or not.
 
         A chat is rendered whole before its tokens are truncated, and the
-        rendered prompt holds at least the chat's own characters.
+        rendered prompt holds at least the chat's own characters; `size` is
+        its bytes (at least its characters), counted before anything parses it.
 
         Raises:
-            InvalidRequestError: more characters than `max_text_chars`.
+            InvalidRequestError: `size` past `max_text_chars`.
         """
-        if self.max_text_chars is not None and characters > self.max_text_chars:
+        if self.max_text_chars is not None and size > self.max_text_chars:
             raise InvalidRequestError(
                 field,
-                f"{characters} characters of messages, tools and template variables cannot "
-                f"fit the model's context of {self.max_model_len} tokens; shorten the chat",
+                f"{size} bytes of messages, tools and template variables cannot fit the "
+                f"model's context of {self.max_model_len} tokens; shorten the chat",
             )
 
 
@@ -364,7 +368,7 @@ def _depth(value: Any) -> int:
     return depth
 
 
-def _chat_characters(request: render_pb.RenderChatRequest) -> int:
+def _chat_size(request: render_pb.RenderChatRequest) -> int:
     """What a chat gives the template, in bytes (at least its characters):
     every field of the request, so a field added later counts too, but its
     images' URLs (counted as images)."""
@@ -386,7 +390,7 @@ def render_chat_body(request: render_pb.RenderChatRequest, limits: ModelLimits) 
     """
     if not request.messages:
         raise InvalidRequestError("messages", "at least one message is required")
-    limits.check_chat_fits("messages", _chat_characters(request))
+    limits.check_chat_fits("messages", _chat_size(request))
     messages = [
         _message(message, f"messages[{index}]") for index, message in enumerate(request.messages)
     ]
