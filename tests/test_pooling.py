@@ -24,6 +24,7 @@ import pytest
 from support import bearer
 from support.launcher import ROOT, Launched, launched, launcher_env
 from support.node import run_node
+from support.vllm_http import float32, post_json
 from support.vllm_protocol import shipped_modules
 
 from vllm_servicer.testing.tiny_model import tiny_engine_flags, write_tiny_classifier_model
@@ -83,29 +84,16 @@ async def http(launcher: Launched) -> AsyncIterator[httpx.AsyncClient]:
 AUTH = bearer(KEY)
 
 
-async def _post(http: httpx.AsyncClient, path: str, body: dict[str, Any]) -> Any:
-    reply = await http.post(path, json=body)
-    assert reply.status_code == 200, reply.text
-    return reply.json()
-
-
-def _f32(value: float) -> float:
-    """A float as the wire's `float` carries it (vLLM computes in float32)."""
-    import struct
-
-    return float(struct.unpack("f", struct.pack("f", value))[0])
-
-
 async def test_classify_gives_vllms_numbers_for_each_text(
     pooling: Any, stubs: Any, http: httpx.AsyncClient
 ) -> None:
     pb = stubs[0]
     reply = await pooling.Classify(pb.ClassifyRequest(input=TEXTS), metadata=AUTH)
-    body = await _post(http, "/classify", {"input": TEXTS})
+    body = await post_json(http, "/classify", {"input": TEXTS})
     assert [r.index for r in reply.results] == [d["index"] for d in body["data"]] == [0, 1, 2]
     assert [r.label for r in reply.results] == [d["label"] for d in body["data"]]
     assert [list(r.probs) for r in reply.results] == [
-        [_f32(p) for p in d["probs"]] for d in body["data"]
+        [float32(p) for p in d["probs"]] for d in body["data"]
     ]
     assert reply.prompt_tokens == body["usage"]["prompt_tokens"] > 0
     assert reply.model == body["model"]
@@ -117,9 +105,9 @@ async def test_score_gives_vllms_score_for_each_pair(
 ) -> None:
     pb = stubs[0]
     reply = await pooling.Score(pb.ScoreRequest(text_1=QUERY, text_2=DOCUMENTS), metadata=AUTH)
-    body = await _post(http, "/score", {"text_1": QUERY, "text_2": DOCUMENTS})
+    body = await post_json(http, "/score", {"text_1": QUERY, "text_2": DOCUMENTS})
     assert [(r.index, r.score) for r in reply.results] == [
-        (d["index"], _f32(d["score"])) for d in body["data"]
+        (d["index"], float32(d["score"])) for d in body["data"]
     ]
     assert reply.prompt_tokens == body["usage"]["prompt_tokens"]
     # Each pair scored on its own: a different document, a different score.
@@ -132,9 +120,9 @@ async def test_rerank_orders_as_vllm_does_and_keeps_top_n(
     pb = stubs[0]
     request = pb.RerankRequest(query=QUERY, documents=DOCUMENTS, top_n=3, return_documents=True)
     reply = await pooling.Rerank(request, metadata=AUTH)
-    body = await _post(http, "/rerank", {"query": QUERY, "documents": DOCUMENTS, "top_n": 3})
+    body = await post_json(http, "/rerank", {"query": QUERY, "documents": DOCUMENTS, "top_n": 3})
     assert [(r.index, r.relevance_score, r.document) for r in reply.results] == [
-        (d["index"], _f32(d["relevance_score"]), d["document"]["text"]) for d in body["results"]
+        (d["index"], float32(d["relevance_score"]), d["document"]["text"]) for d in body["results"]
     ]
     scores = [r.relevance_score for r in reply.results]
     assert len(scores) == 3 and scores == sorted(scores, reverse=True)
@@ -151,10 +139,10 @@ async def test_truncation_keeps_the_tokens_vllm_keeps(
     pb = stubs[0]
     options = pb.PoolingOptions(truncate_prompt_tokens=4)
     reply = await pooling.Classify(pb.ClassifyRequest(input=TEXTS, options=options), metadata=AUTH)
-    body = await _post(http, "/classify", {"input": TEXTS, "truncate_prompt_tokens": 4})
+    body = await post_json(http, "/classify", {"input": TEXTS, "truncate_prompt_tokens": 4})
     assert reply.prompt_tokens == body["usage"]["prompt_tokens"] == 4 * len(TEXTS)
     assert [list(r.probs) for r in reply.results] == [
-        [_f32(p) for p in d["probs"]] for d in body["data"]
+        [float32(p) for p in d["probs"]] for d in body["data"]
     ]
     # -1: the model's whole context, which these texts fit in.
     whole = pb.PoolingOptions(truncate_prompt_tokens=-1)
@@ -179,28 +167,28 @@ async def test_a_text_far_past_the_context_is_truncated_as_vllm_truncates_it(
         reply = await pooling.Classify(
             pb.ClassifyRequest(input=texts, options=options), metadata=AUTH
         )
-        body = await _post(http, "/classify", {"input": texts, "truncate_prompt_tokens": keep})
+        body = await post_json(http, "/classify", {"input": texts, "truncate_prompt_tokens": keep})
         assert [list(r.probs) for r in reply.results] == [
-            [_f32(p) for p in d["probs"]] for d in body["data"]
+            [float32(p) for p in d["probs"]] for d in body["data"]
         ]
         assert reply.prompt_tokens == body["usage"]["prompt_tokens"]
     options = pb.PoolingOptions(truncate_prompt_tokens=-1)
     score = await pooling.Score(
         pb.ScoreRequest(text_1=HUGE, text_2=DOCUMENTS, options=options), metadata=AUTH
     )
-    body = await _post(
+    body = await post_json(
         http, "/score", {"text_1": HUGE, "text_2": DOCUMENTS, "truncate_prompt_tokens": -1}
     )
-    assert [r.score for r in score.results] == [_f32(d["score"]) for d in body["data"]]
+    assert [r.score for r in score.results] == [float32(d["score"]) for d in body["data"]]
     documents = [*DOCUMENTS, HUGE]
     rerank = await pooling.Rerank(
         pb.RerankRequest(query=QUERY, documents=documents, options=options), metadata=AUTH
     )
-    body = await _post(
+    body = await post_json(
         http, "/rerank", {"query": QUERY, "documents": documents, "truncate_prompt_tokens": -1}
     )
     assert [(r.index, r.relevance_score) for r in rerank.results] == [
-        (d["index"], _f32(d["relevance_score"])) for d in body["results"]
+        (d["index"], float32(d["relevance_score"])) for d in body["results"]
     ]
 
 

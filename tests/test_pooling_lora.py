@@ -21,6 +21,7 @@ import httpx
 import pytest
 from support import bearer
 from support.launcher import START_TIMEOUT, launched, launcher_env
+from support.vllm_http import float32, post_json
 from support.vllm_protocol import reference_modules, shipped_modules
 
 from vllm_servicer.testing.tiny_lora import (
@@ -96,19 +97,6 @@ def _bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
-async def _post(http: httpx.AsyncClient, path: str, body: dict[str, Any]) -> Any:
-    reply = await http.post(path, json=body)
-    assert reply.status_code == 200, reply.text
-    return reply.json()
-
-
-def _f32(value: float) -> float:
-    """A float as the wire's `float` carries it (vLLM computes in float32)."""
-    import struct
-
-    return float(struct.unpack("f", struct.pack("f", value))[0])
-
-
 async def _classify(served: Served, pb: Any, model: str) -> list[list[float]]:
     request = pb.ClassifyRequest(input=TEXTS, options=pb.PoolingOptions(model=model))
     reply = await served.pooling.Classify(request, metadata=bearer(TENANT), timeout=60)
@@ -117,8 +105,8 @@ async def _classify(served: Served, pb: Any, model: str) -> list[list[float]]:
 
 
 async def _http_classify(served: Served, model: str) -> list[list[float]]:
-    body = await _post(served.http, "/classify", {"model": model, "input": TEXTS})
-    return [[_f32(p) for p in item["probs"]] for item in body["data"]]
+    body = await post_json(served.http, "/classify", {"model": model, "input": TEXTS})
+    return [[float32(p) for p in item["probs"]] for item in body["data"]]
 
 
 async def test_an_adapter_given_at_start_gives_vllms_numbers_for_that_adapter(
@@ -133,23 +121,23 @@ async def test_an_adapter_given_at_start_gives_vllms_numbers_for_that_adapter(
     score = await served.pooling.Score(
         pb.ScoreRequest(text_1=QUERY, text_2=DOCUMENTS, options=options), metadata=bearer(TENANT)
     )
-    body = await _post(
+    body = await post_json(
         served.http, "/score", {"model": "http-a", "text_1": QUERY, "text_2": DOCUMENTS}
     )
     assert score.model == "start-a"
     assert [(r.index, r.score) for r in score.results] == [
-        (d["index"], _f32(d["score"])) for d in body["data"]
+        (d["index"], float32(d["score"])) for d in body["data"]
     ]
     rerank = await served.pooling.Rerank(
         pb.RerankRequest(query=QUERY, documents=DOCUMENTS, options=options),
         metadata=bearer(TENANT),
     )
-    body = await _post(
+    body = await post_json(
         served.http, "/rerank", {"model": "http-a", "query": QUERY, "documents": DOCUMENTS}
     )
     assert rerank.model == "start-a"
     assert [(r.index, r.relevance_score) for r in rerank.results] == [
-        (d["index"], _f32(d["relevance_score"])) for d in body["results"]
+        (d["index"], float32(d["relevance_score"])) for d in body["results"]
     ]
 
 

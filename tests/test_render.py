@@ -25,6 +25,7 @@ import pytest
 from support import bearer
 from support.launcher import ROOT, Launched, launched, launcher_env
 from support.node import run_node
+from support.vllm_http import post_json
 from support.vllm_protocol import shipped_modules
 
 KEY = "render-tenant-0123456789abcdef0123"
@@ -69,12 +70,6 @@ async def http(launcher: Launched) -> AsyncIterator[httpx.AsyncClient]:
 @pytest.fixture(scope="module")
 async def model(http: httpx.AsyncClient) -> str:
     return str((await http.get("/v1/models")).json()["data"][0]["id"])
-
-
-async def _post(http: httpx.AsyncClient, path: str, body: dict[str, Any]) -> Any:
-    reply = await http.post(path, json=body)
-    assert reply.status_code == 200, reply.text
-    return reply.json()
 
 
 def _tool(pb: Any) -> Any:
@@ -145,13 +140,13 @@ async def test_render_chat_gives_the_token_ids_vllm_tokenizes_and_runs(
         request.chat_template_kwargs.update(switches["chat_template_kwargs"])
         body["chat_template_kwargs"] = switches["chat_template_kwargs"]
     rendered = await render.RenderChat(request, metadata=AUTH)
-    tokenized = await _post(http, "/tokenize", body)
+    tokenized = await post_json(http, "/tokenize", body)
     assert list(rendered.token_ids) == tokenized["tokens"]
     # The text is those tokens' (special ones included), as the template wrote them.
     assert rendered.text.startswith("<s>") and "weather in Paris" in rendered.text
     assert rendered.text.endswith("<|assistant|>") == body.get("add_generation_prompt", True)
     # What the chat path runs: the prompt of a one-token completion of the same chat.
-    chat = await _post(
+    chat = await post_json(
         http,
         "/v1/chat/completions",
         {**body, "max_tokens": 1, "return_token_ids": True, "tool_choice": "none"}
@@ -169,10 +164,10 @@ async def test_render_completion_gives_what_the_completion_path_runs(
     reply = await render.RenderCompletion(pb.RenderCompletionRequest(prompt=prompts), metadata=AUTH)
     assert len(reply.prompts) == 2
     for prompt, rendered in zip(prompts, reply.prompts, strict=True):
-        tokenized = await _post(http, "/tokenize", {"model": model, "prompt": prompt})
+        tokenized = await post_json(http, "/tokenize", {"model": model, "prompt": prompt})
         assert list(rendered.token_ids) == tokenized["tokens"]
         assert rendered.text == "<s>" + prompt
-        completion = await _post(
+        completion = await post_json(
             http,
             "/v1/completions",
             {"model": model, "prompt": prompt, "max_tokens": 1, "return_token_ids": True},
@@ -185,7 +180,7 @@ async def test_render_completion_gives_what_the_completion_path_runs(
     cut = await render.RenderCompletion(
         pb.RenderCompletionRequest(prompt=prompts[1:], truncate_prompt_tokens=3), metadata=AUTH
     )
-    truncated = await _post(
+    truncated = await post_json(
         http,
         "/v1/completions",
         {
@@ -205,7 +200,7 @@ async def test_render_completion_gives_what_the_completion_path_runs(
         cut = await render.RenderCompletion(
             pb.RenderCompletionRequest(prompt=[huge], truncate_prompt_tokens=keep), metadata=AUTH
         )
-        truncated = await _post(
+        truncated = await post_json(
             http,
             "/v1/completions",
             {
@@ -508,7 +503,7 @@ async def test_the_examples_render_the_same_in_python_and_node(
     node = _lines(output)
     assert python == node and set(python) == {"render_chat", "render_completion"}
     prompts = python["render_completion"]
-    tokenized = await _post(http, "/tokenize", {"model": model, "prompt": "Hello, world"})
+    tokenized = await post_json(http, "/tokenize", {"model": model, "prompt": "Hello, world"})
     assert prompts[0]["token_ids"] == tokenized["tokens"]
     assert "<|tools|>" in python["render_chat"]["text"]
 

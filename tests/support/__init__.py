@@ -12,6 +12,7 @@ The everyday names are importable from the package itself
   (the `recipe_launcher` session fixture, offered by conftest.py).
 - `certs`: CAs and certificates made on the fly.
 - `router_side`: image input as a router preprocesses it.
+- `vllm_http`: vLLM's own HTTP API as an oracle (a JSON body posted, float32 numbers).
 - `kv_echo_connector`: a KV connector that hands its params back (loaded by the engine).
 
 `tests/` has no `__init__.py`, so pytest's default import mode ("prepend") puts
