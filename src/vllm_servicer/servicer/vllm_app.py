@@ -65,7 +65,7 @@ _call_claims: contextvars.ContextVar[list[_Claim] | None] = contextvars.ContextV
     "vllm_servicer_handler_claims", default=None
 )
 
-_call_adapter: contextvars.ContextVar[Any] = contextvars.ContextVar(
+_call_adapter: contextvars.ContextVar[LoRARequest | None] = contextvars.ContextVar(
     "vllm_servicer_handler_adapter", default=None
 )
 
@@ -185,12 +185,13 @@ class VllmHandlers:
         if self._limits is None:
             config = getattr(self._engine, "model_config", None)
             max_len = int(getattr(config, "max_model_len", 0) or 0) or None
+            tokenizer = self.tokenizer()
             max_chars = None
             if max_len is not None:
-                vocabulary = self.tokenizer().get_vocab()
+                vocabulary = tokenizer.get_vocab()
                 longest = max((len(token) for token in vocabulary), default=0)
                 max_chars = max_len * longest if longest else None
-            side = str(getattr(self.tokenizer(), "truncation_side", "right"))
+            side = str(getattr(tokenizer, "truncation_side", "right"))
             self._limits = ModelLimits(self.served_model, max_len, max_chars, side)
         return self._limits
 
