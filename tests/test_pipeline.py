@@ -10,6 +10,7 @@ raised, and the error layer turns what a handler raises into the status.
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from collections.abc import AsyncIterator
 from typing import Any
@@ -63,6 +64,7 @@ class Recording(CallInterceptor):
         self.name = name
         self.journal = journal
         self.refuse = refuse
+        self.finished = asyncio.Event()
 
     async def on_admit(self, method: str, metadata: Any, context: Any) -> None:
         self.journal.append(f"admit {self.name}")
@@ -81,6 +83,13 @@ class Recording(CallInterceptor):
     def on_finish(self, call: Call) -> None:
         assert call.code is not None
         self.journal.append(f"finish {self.name} {call.code.name}")
+        self.finished.set()
+
+
+async def _finished(interceptor: Recording) -> None:
+    """Waits for `interceptor`'s on_finish: an aborted call's status reaches the
+    client before the handler's task resumes from sending it and finishes."""
+    await asyncio.wait_for(interceptor.finished.wait(), timeout=10)
 
 
 async def _mapped(context: Any, exc: Exception, method: str) -> None:
@@ -157,6 +166,7 @@ async def test_a_refusal_ends_the_call_for_the_interceptors_inside_it(placement:
             call = channel.unary_stream(STREAM)(b"go", metadata=(("refuse", "yes"),))
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 _ = [m async for m in call]
+        await _finished(stack[0])
     finally:
         await server.stop(None)
     assert refused.value.code() is grpc.StatusCode.PERMISSION_DENIED
@@ -172,11 +182,13 @@ async def test_a_refusal_ends_the_call_for_the_interceptors_inside_it(placement:
 
 async def test_the_error_layer_maps_what_a_handler_raises() -> None:
     journal: list[str] = []
-    server, address = await _serve("mounted", [Recording("only", journal)])
+    only = Recording("only", journal)
+    server, address = await _serve("mounted", [only])
     try:
         async with grpc.aio.insecure_channel(address) as channel:
             with pytest.raises(grpc.aio.AioRpcError) as failed:
                 _ = [m async for m in channel.unary_stream(STREAM)(b"raise")]
+        await _finished(only)
     finally:
         await server.stop(None)
     assert failed.value.code() is grpc.StatusCode.NOT_FOUND
