@@ -16,6 +16,7 @@ own `generate(..., lora_request=...)`.
 from __future__ import annotations
 
 import asyncio
+import shutil
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -26,7 +27,7 @@ import grpc
 import pytest
 import vllm
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from support import bearer, request, serving, wait_until_idle
+from support import bearer, request, serving, settle, wait_until_idle
 from support.vllm_protocol import reference_modules
 from vllm import SamplingParams
 from vllm.config.kv_events import KVEventsConfig
@@ -36,7 +37,7 @@ from vllm_servicer.errors import NotFoundError, UnsupportedError
 from vllm_servicer.frontends import FrontendGroup
 from vllm_servicer.interceptors.auth import ApiKeyVerifier, AuthInterceptor
 from vllm_servicer.proto import CONTROL_SERVICE, INFERENCE_SERVICE, vllm_engine_pb2_grpc
-from vllm_servicer.servicer.lora import LoraRegistry
+from vllm_servicer.servicer.lora import BASE_MODEL, AdapterHold, LoraRegistry
 from vllm_servicer.testing.stand_in import StandInEngine
 from vllm_servicer.testing.tiny_lora import (
     TINY_LORA_ENGINE_KWARGS,
@@ -105,15 +106,18 @@ def stub(served: Any) -> Any:
     return ctl_grpc.ControlStub(served.channel)
 
 
-async def greedy(engine: Any, lora: Any = None, prompt: list[int] = PROMPT) -> list[int]:
-    """The engine's greedy tokens for `prompt`, with the adapter `lora` (a LoRARequest) or none."""
+async def greedy(
+    engine: Any, adapter: AdapterHold = BASE_MODEL, prompt: list[int] = PROMPT
+) -> list[int]:
+    """The engine's greedy tokens for `prompt`, with the adapter held (the registry's `hold`)."""
     final = None
     params = SamplingParams(temperature=0.0, max_tokens=8)
     rid = f"greedy-{time.monotonic_ns()}"
-    async for output in engine.generate(
-        {"prompt_token_ids": prompt}, params, rid, lora_request=lora
-    ):
-        final = output
+    with adapter as lora:
+        async for output in engine.generate(
+            {"prompt_token_ids": prompt}, params, rid, lora_request=lora
+        ):
+            final = output
     assert final is not None
     return list(final.outputs[0].token_ids)
 
@@ -159,11 +163,11 @@ async def test_a_loaded_adapter_is_listed_and_changes_the_greedy_tokens(
 
     registry = served.mounted.control.loras
     base = await greedy(engine)
-    with_alpha = await greedy(engine, registry.request_for("alpha"))
-    with_preloaded = await greedy(engine, registry.request_for("preloaded"))  # loaded at first use
+    with_alpha = await greedy(engine, registry.hold("alpha"))
+    with_preloaded = await greedy(engine, registry.hold("preloaded"))  # loaded at first use
     assert len({tuple(base), tuple(with_alpha), tuple(with_preloaded)}) == 3
-    assert await greedy(engine, registry.request_for("alpha")) == with_alpha  # deterministic
-    assert registry.request_for("") is None  # the base model
+    assert await greedy(engine, registry.hold("alpha")) == with_alpha  # deterministic
+    assert registry.hold("") is BASE_MODEL  # the base model
 
     unloaded = await stub.UnloadLora(ctl.UnloadLoraRequest(lora_name="alpha"), timeout=60)
     assert unloaded.adapter == loaded.adapter
@@ -171,7 +175,7 @@ async def test_a_loaded_adapter_is_listed_and_changes_the_greedy_tokens(
     err = await refused(stub.UnloadLora(ctl.UnloadLoraRequest(lora_name="alpha"), timeout=10))
     assert err.code() == grpc.StatusCode.NOT_FOUND
     with pytest.raises(NotFoundError):
-        registry.request_for("alpha")
+        registry.hold("alpha")
     listed = (await stub.ListLoras(ctl.ListLorasRequest(), timeout=10)).adapters
     assert [a.lora_name for a in listed] == ["preloaded"]
 
@@ -199,7 +203,7 @@ async def test_an_adapter_control_loads_is_one_inference_requests_name(
         base = await inference_greedy(served)
         with_beta = await inference_greedy(served, "beta")
         assert base == await greedy(engine)
-        assert with_beta == await greedy(engine, registry.request_for("beta"))
+        assert with_beta == await greedy(engine, registry.hold("beta"))
         assert with_beta != base
         # --lora-modules serve Inference too, loaded into the engine at first use.
         assert await inference_greedy(served, "preloaded") not in (base, with_beta)
@@ -212,6 +216,102 @@ async def test_an_adapter_control_loads_is_one_inference_requests_name(
     )
     assert err.code() == grpc.StatusCode.NOT_FOUND
     assert "beta" in (err.details() or "")
+
+
+def inference_stream(served: Any, lora_name: str, max_tokens: int) -> Any:
+    """A vllm.Inference GenerateStream of PROMPT on adapter `lora_name`."""
+    message = inf.GenerateRequest(lora_name=lora_name)
+    message.token_ids.ids.extend(PROMPT)
+    message.stopping.max_new_tokens = max_tokens
+    message.stopping.ignore_eos = True
+    message.response.output_token_ids = True
+    return inf_grpc.InferenceStub(served.channel).GenerateStream(message, timeout=120)
+
+
+async def read_rest(call: Any) -> list[Any]:
+    """The messages of a stream from where it stands to its end."""
+    messages = []
+    while (message := await call.read()) is not grpc.aio.EOF:
+        messages.append(message)
+    return messages
+
+
+async def test_an_adapter_is_dropped_only_once_the_calls_using_it_end(
+    stub: Any, served: Any, engine: Any, files: SimpleNamespace
+) -> None:
+    """A call that named an adapter keeps it until its request ends, though the
+    adapter is unloaded and its directory deleted before the engine runs it.
+
+    Two long calls on two other adapters fill the engine's two adapter slots,
+    so the third call waits in the engine's queue. The engine would load an
+    adapter it had dropped from its directory when it schedules the call: with
+    the directory gone, that kills the engine for every caller.
+    """
+    doomed = files.root / "doomed"
+    shutil.copytree(files.alpha, doomed)
+    names = ("slot-1", "slot-2", "doomed")
+    for name in names:
+        source = str(doomed if name == "doomed" else files.alpha)
+        await stub.LoadLora(ctl.LoadLoraRequest(lora_name=name, source_path=source), timeout=60)
+    registry = served.mounted.control.loras
+    long_calls = [inference_stream(served, name, LONG) for name in names[:2]]
+    try:
+        for call in long_calls:
+            await call.read()  # running: both adapter slots taken
+        waiting = inference_stream(served, "doomed", 8)
+        assert await settle(lambda: registry.holders("doomed") == 1)
+        unload = asyncio.ensure_future(
+            stub.UnloadLora(ctl.UnloadLoraRequest(lora_name="doomed"), timeout=120)
+        )
+        assert await settle(lambda: "doomed" not in registry)
+        # No new call may name it; the unload waits for the one that did.
+        err = await refused(inference_greedy(served, "doomed"))
+        assert err.code() == grpc.StatusCode.NOT_FOUND
+        listed = (await stub.ListLoras(ctl.ListLorasRequest(), timeout=10)).adapters
+        assert "doomed" not in [a.lora_name for a in listed]
+        assert not unload.done()
+        messages = await read_rest(waiting)
+        assert messages[-1].outputs.HasField("finish_info")
+        assert sum(len(m.outputs.token_ids) for m in messages) == 8
+        unloaded = (await unload).adapter
+        assert unloaded.lora_name == "doomed"
+        assert unloaded.lora_id not in await engine.list_loras()
+        shutil.rmtree(doomed)  # an administrator's clean-up once the unload answered
+        for call in long_calls:
+            assert (await read_rest(call))[-1].outputs.HasField("finish_info")
+        # The engine lives, and loads from disk only what is still served.
+        assert await inference_greedy(served, "slot-1") == await greedy(
+            engine, registry.hold("slot-1")
+        )
+        assert await inference_greedy(served) == await greedy(engine)
+    finally:
+        for call in long_calls:
+            call.cancel()
+        for name in names[:2]:
+            await stub.UnloadLora(ctl.UnloadLoraRequest(lora_name=name), timeout=60)
+
+
+async def test_an_unload_whose_caller_leaves_still_drops_the_adapter(
+    stub: Any, served: Any, engine: Any, files: SimpleNamespace
+) -> None:
+    loaded = await stub.LoadLora(
+        ctl.LoadLoraRequest(lora_name="left", source_path=str(files.alpha)), timeout=60
+    )
+    registry = served.mounted.control.loras
+    call = inference_stream(served, "left", LONG)
+    await call.read()
+    assert registry.holders("left") == 1
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.UnloadLora(ctl.UnloadLoraRequest(lora_name="left"), timeout=0.5)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "left" not in registry  # the unload took effect for new calls
+    assert loaded.adapter.lora_id in await engine.list_loras()  # still under the call
+    call.cancel()
+    assert await settle(lambda: registry.holders("left") == 0)
+    deadline = time.monotonic() + 30
+    while loaded.adapter.lora_id in await engine.list_loras():
+        assert time.monotonic() < deadline, "the adapter was never dropped"
+        await asyncio.sleep(0.05)
 
 
 @pytest.mark.parametrize(
@@ -310,9 +410,9 @@ async def test_lora_needs_an_engine_started_with_it_on_a_stand_in() -> None:
             assert "--enable-lora" in (err.details() or "")
         assert not (await stub.ListLoras(ctl.ListLorasRequest(), timeout=10)).adapters
         registry = running.mounted.control.loras
-        assert registry.request_for("") is None
+        assert registry.hold("") is BASE_MODEL
         with pytest.raises(UnsupportedError, match="--enable-lora"):
-            registry.request_for("a")
+            registry.hold("a")
         info = await stub.GetModelInfo(ctl.GetModelInfoRequest(), timeout=10)
         assert not info.supports_lora
 
@@ -349,7 +449,7 @@ async def test_with_several_frontend_processes_adapters_are_fixed_at_start(
             assert [a.lora_name for a in listed] == ["preloaded"]
             registry = running.mounted.control.loras
             assert await inference_greedy(running, "preloaded") == await greedy(
-                engine, registry.request_for("preloaded")
+                engine, registry.hold("preloaded")
             )
             assert await inference_greedy(running, "preloaded") != await greedy(engine)
     finally:

@@ -22,7 +22,7 @@ import pytest
 from google.protobuf import json_format
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
-from support import bearer, request, serving, settle, wait_until_idle
+from support import bearer, request, serving, settle, unfinished, wait_until_idle
 from support.kv_echo_connector import FINISHED_LOG
 
 from vllm_servicer import SERVICE_NAME
@@ -523,6 +523,50 @@ async def test_a_dropped_stream_leaves_nothing_in_the_engine(
     call.cancel()
     assert await wait_until_idle(engine) == 0
     assert await settle(lambda: not served.mounted.servicer.running_request_ids)
+
+
+@pytest.mark.parametrize("protocol", ["inference", "vllm-engine"])
+async def test_a_stream_dropped_while_its_writes_wait_leaves_the_engine_before_its_id_is_free(
+    served: Any,
+    ref: types.ModuleType,
+    ref_grpc: types.ModuleType,
+    engine: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    protocol: str,
+) -> None:
+    """A stream dropped while its writes wait for the client's flow-control window
+    is out of the engine when its id is let go (another call may take the id
+    then, an unload drop its adapter): grpc closes the handler at its yield,
+    where the engine's own stream would otherwise wait to be collected."""
+    running = served.mounted.state.running
+    released: list[tuple[str, int]] = []
+    release = running.release
+
+    def noting(request_id: str) -> None:
+        released.append((request_id, unfinished(engine)))
+        release(request_id)
+
+    monkeypatch.setattr(running, "release", noting)
+    rid = f"blocked-{protocol}"
+    # A small window the client never widens: the server's writes soon wait.
+    options = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{served.port}", options=options) as channel:
+        if protocol == "inference":
+            message = generate_request(ref, PROMPT, 500, request_id=rid)
+            message.response.output_token_ids = True
+            message.response.output_logprobs = True
+            message.response.output_candidates.top_n = 20
+            call = ref_grpc.InferenceStub(channel).GenerateStream(message, timeout=60)
+        else:
+            generate = request(PROMPT, stream=True, request_id=rid, max_tokens=500, logprobs=20)
+            generate.sampling_params.ignore_eos = True
+            call = vllm_engine_pb2_grpc.VllmEngineStub(channel).Generate(generate, timeout=60)
+        await call.read()
+        await asyncio.sleep(0.5)  # the server's writes wait; the engine generates on
+        assert unfinished(engine) == 1, "the request ended before the test could drop it"
+        call.cancel()
+        assert await settle(lambda: any(request_id == rid for request_id, _ in released))
+    assert [left for request_id, left in released if request_id == rid] == [0]
 
 
 # ----- every refused field, over the wire ------------------------------------------------

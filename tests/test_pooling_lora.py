@@ -10,6 +10,8 @@ numbers of a gRPC call naming the adapter.
 
 from __future__ import annotations
 
+import asyncio
+import shutil
 import types
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -97,15 +99,17 @@ def _bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
-async def _classify(served: Served, pb: Any, model: str) -> list[list[float]]:
-    request = pb.ClassifyRequest(input=TEXTS, options=pb.PoolingOptions(model=model))
+async def _classify(
+    served: Served, pb: Any, model: str, texts: list[str] = TEXTS
+) -> list[list[float]]:
+    request = pb.ClassifyRequest(input=texts, options=pb.PoolingOptions(model=model))
     reply = await served.pooling.Classify(request, metadata=bearer(TENANT), timeout=60)
     assert reply.model == (model or reply.model)
     return [list(result.probs) for result in reply.results]
 
 
-async def _http_classify(served: Served, model: str) -> list[list[float]]:
-    body = await post_json(served.http, "/classify", {"model": model, "input": TEXTS})
+async def _http_classify(served: Served, model: str, texts: list[str] = TEXTS) -> list[list[float]]:
+    body = await post_json(served.http, "/classify", {"model": model, "input": texts})
     return [[float32(p) for p in item["probs"]] for item in body["data"]]
 
 
@@ -156,6 +160,36 @@ async def test_an_adapter_control_loads_is_named_until_it_is_unloaded(
         await _classify(served, pb, "grpc-b")
     assert refused.value.code() == grpc.StatusCode.NOT_FOUND
     assert "options.model" in str(refused.value.details())
+
+
+async def test_an_adapter_unloaded_amid_a_burst_stays_until_its_calls_end(
+    served: Served, pb: Any, tmp_path: Path
+) -> None:
+    """UnloadLora amid a burst of calls on the adapter, its directory deleted as
+    soon as the unload answers: each call is answered with the adapter's numbers
+    or refused as NOT_FOUND, and the engine lives (a call whose engine requests
+    were still queued once the engine had dropped the adapter would make it
+    load the adapter again from the deleted directory, and die)."""
+    doomed = shutil.copytree(served.adapters["b"], tmp_path / "doomed")
+    load = ctl.LoadLoraRequest(lora_name="grpc-doomed", source_path=str(doomed))
+    await served.control.LoadLora(load, metadata=bearer(ADMIN), timeout=120)
+    texts = [" ".join(TEXTS * 12)] * 16  # long enough to keep the engine busy for a while
+    expected = await _http_classify(served, "http-b", texts)
+    calls = [asyncio.ensure_future(_classify(served, pb, "grpc-doomed", texts)) for _ in range(128)]
+    await asyncio.wait(calls, return_when=asyncio.FIRST_COMPLETED)
+    unload = ctl.UnloadLoraRequest(lora_name="grpc-doomed")
+    await served.control.UnloadLora(unload, metadata=bearer(ADMIN), timeout=120)
+    shutil.rmtree(doomed)
+    outcomes = await asyncio.gather(*calls, return_exceptions=True)
+    answered = [o for o in outcomes if not isinstance(o, BaseException)]
+    refused = [o for o in outcomes if isinstance(o, BaseException)]
+    assert answered and all(numbers == expected for numbers in answered)
+    for error in refused:
+        assert isinstance(error, grpc.aio.AioRpcError), error
+        assert error.code() == grpc.StatusCode.NOT_FOUND, error
+        assert "options.model" in str(error.details())
+    # The engine lives.
+    assert await _classify(served, pb, "start-a") == await _http_classify(served, "http-a")
 
 
 async def test_a_name_neither_served_nor_an_adapter_is_not_found_naming_both(

@@ -10,10 +10,11 @@ these requests too. A dropped stream cancels the handler inside
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 # Before vLLM is imported below: an untested vLLM release fails here, naming both versions.
 from .. import _vllm_version  # noqa: F401
@@ -37,11 +38,11 @@ from ..proto import inference_pb2 as pb
 from ..wire import fields
 from ..wire import inference as wire
 from ..wire.usage import RequestSummary
+from .lora import AdapterHold, LoraRegistry
 from .state import MountState
 
 if TYPE_CHECKING:
     import grpc.aio
-    from vllm.lora.request import LoRARequest
     from vllm.sampling_params import SamplingParams
 
     from ..options import MountOptions
@@ -56,19 +57,6 @@ _U32 = re.compile(r"\+?\d{1,10}")
 _U32_MAX = 2**32 - 1
 
 
-class AdapterLookup(Protocol):
-    """Resolves a request's `lora_name` (vllm.Control's `LoraRegistry` is one)."""
-
-    def request_for(self, name: str) -> LoRARequest | None:
-        """The adapter's `LoRARequest`; None for the base model ("").
-
-        Raises:
-            NotFoundError: no adapter of that name is loaded.
-            UnsupportedError: LoRA is not enabled on the engine.
-        """
-        ...
-
-
 class EngineCall(NamedTuple):
     """One request as the `engine.generate` call it asks for, and its response builder."""
 
@@ -77,6 +65,7 @@ class EngineCall(NamedTuple):
     kwargs: dict[str, Any]
     builder: wire.ResponseBuilder
     kv_transfer: dict[str, Any] | None
+    adapter: AdapterHold  # released when the call's engine request ends
 
 
 def data_parallel_rank(context: Context) -> int | None:
@@ -113,7 +102,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self._budgets = options.budgets
         self._decoded_media = state.decoded_media
         self._steps = state.steps
-        self.loras: AdapterLookup = state.loras
+        self.loras: LoraRegistry = state.loras
         self._media = (
             MediaResolver(options.media_refs, engine.model_config)
             if options.media_refs is not None
@@ -158,6 +147,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 raise failure from exc
             raise
         finally:
+            if call is not None:
+                call.adapter.release()
             media.release()
             self._steps.release(request_id)
 
@@ -175,28 +166,32 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         try:
             call = await self._engine_call(request, context, media, stream=True)
             delta = call.builder.delta
-            async for output in self._engine.generate(
-                call.prompt, call.sampling, request_id, **call.kwargs
-            ):
-                if not started:
-                    started = True
+            outputs = self._engine.generate(call.prompt, call.sampling, request_id, **call.kwargs)
+            # Closed here when the client goes (at our yield), not when collected:
+            # the engine aborts the request before its id and adapter are let go.
+            async with contextlib.aclosing(outputs):
+                async for output in outputs:
+                    if not started:
+                        started = True
+                        if usage is not None:
+                            usage.prompt_tokens = len(output.prompt_token_ids or ())
+                        yield call.builder.first(output)
+                    completion = output.outputs[0]  # one sequence: num_sequences > 1 is refused
+                    message = delta(output, completion)
                     if usage is not None:
-                        usage.prompt_tokens = len(output.prompt_token_ids or ())
-                    yield call.builder.first(output)
-                completion = output.outputs[0]  # one sequence: num_sequences > 1 is refused
-                message = delta(output, completion)
-                if usage is not None:
-                    usage.chunk_sent(len(completion.token_ids))
-                    if completion.finish_reason is not None:
-                        # Finished in this very message: no separate one to count.
-                        usage.finish_reasons[0] = completion.finish_reason
-                yield message
+                        usage.chunk_sent(len(completion.token_ids))
+                        if completion.finish_reason is not None:
+                            # Finished in this very message: no separate one to count.
+                            usage.finish_reasons[0] = completion.finish_reason
+                    yield message
         except Exception as exc:
             failure = await self._failure(exc, request, request_id, call, started)
             if failure is not exc:
                 raise failure from exc
             raise
         finally:
+            if call is not None:
+                call.adapter.release()
             media.release()
             self._steps.release(request_id)
 
@@ -224,9 +219,6 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         rank = data_parallel_rank(context)
         if rank is not None:
             kwargs["data_parallel_rank"] = rank
-        lora = self._lora(request.lora_name)
-        if lora is not None:
-            kwargs["lora_request"] = lora
         extra_args, kv_transfer = self._transfer_params(request.kv)
         sampling = wire.sampling_params_from_request(
             request, stream=stream, defaults=self._defaults, extra_args=extra_args
@@ -252,7 +244,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         if trace is not None:
             kwargs["trace_headers"] = trace
         builder = wire.ResponseBuilder(request.response)
-        return EngineCall(prompt, sampling, kwargs, builder, kv_transfer)
+        # Last, with nothing after it to fail: the handler releases it when the request ends.
+        adapter = self.loras.hold(request.lora_name)
+        if adapter.request is not None:
+            kwargs["lora_request"] = adapter.request
+        return EngineCall(prompt, sampling, kwargs, builder, kv_transfer, adapter)
 
     def _check_model(self, model: str) -> None:
         if model and model != self._model_name:
@@ -261,9 +257,6 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 f"model {model!r} is not served here (this server serves "
                 f"{self._model_name!r}; empty means the served model)",
             )
-
-    def _lora(self, name: str) -> LoRARequest | None:
-        return self.loras.request_for(name) if name else None
 
     def _transfer_params(
         self, kv: pb.KVCacheParameters

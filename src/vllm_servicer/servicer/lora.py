@@ -12,10 +12,17 @@ adapter has been checked: loaded ones by the engine itself (`add_lora`),
 adapters given at start (`--lora-modules`) by vLLM's own validation of the
 adapter's config when the registry is built; those the engine then loads at
 first use, or all at once on `start()`.
+
+The same holds for an adapter the engine no longer has: a call that named it
+before an UnloadLora would load it again from its directory, or, with the
+directory deleted, kill the engine. So every call holds its adapter until its
+engine requests end (`hold`), and `unload` stops handing the name out at once
+but drops the adapter from the engine only once no call holds it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
 import logging
@@ -70,6 +77,37 @@ class Adapter:
         return LoRARequest(self.name, self.lora_id, _engine_path(self.path))
 
 
+class AdapterHold:
+    """One call's hold on the adapter it names, from its lookup to its end.
+
+    Attributes:
+        request: the `LoRARequest` the call's engine requests pass; None for
+            the base model.
+    """
+
+    __slots__ = ("_registry", "request")
+
+    def __init__(self, registry: LoraRegistry | None, request: LoRARequest | None) -> None:
+        self._registry = registry
+        self.request = request
+
+    def release(self) -> None:
+        """Let go of the adapter (once; again is nothing): the call's engine requests ended."""
+        registry, self._registry = self._registry, None
+        if registry is not None and self.request is not None:
+            registry._release(self.request.lora_int_id)
+
+    def __enter__(self) -> LoRARequest | None:
+        return self.request
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+
+BASE_MODEL = AdapterHold(None, None)
+"""The hold of a call on the base model: nothing is held."""
+
+
 def _engine_path(path: str) -> str:
     # vLLM treats a path that is not a local directory as a hub id to download.
     return os.path.abspath(os.path.expanduser(path))
@@ -109,6 +147,11 @@ class LoraRegistry:
         self._loading: set[str] = set()
         # Preloaded names the engine has not been asked to load yet.
         self._pending: set[str] = set()
+        # Calls holding each adapter (by id), and what waits for the last to end.
+        self._holders: dict[int, int] = {}
+        self._released: dict[int, asyncio.Event] = {}
+        # Unloads waiting for an adapter's last call: they go on if their caller goes.
+        self._removals: set[asyncio.Task[None]] = set()
         for name, path in preloaded.items():
             self._preload(name, path)
 
@@ -130,28 +173,34 @@ class LoraRegistry:
         """Whether an adapter of this name is served."""
         return name in self._adapters
 
-    def request_for(self, name: str) -> LoRARequest | None:
-        """The `LoRARequest` for a generation call naming adapter `name`.
+    def hold(self, name: str) -> AdapterHold:
+        """The adapter `name`, held for one call until `release()` (its engine requests ended).
 
         Args:
             name: the request's `lora_name`; "" means the base model.
 
         Returns:
-            None for the base model, else the adapter's request.
+            The hold; for the base model, `BASE_MODEL` (nothing held).
 
         Raises:
             UnsupportedError: a name is given and LoRA is not enabled.
             NotFoundError: no adapter of that name is loaded.
         """
         if not name:
-            return None
+            return BASE_MODEL
         self._require_enabled()
         adapter = self._adapters.get(name)
         if adapter is None:
             raise NotFoundError("lora_name", f"no LoRA adapter named {name!r} is loaded")
         # A preloaded adapter is loaded by the engine with this, its first request.
         self._pending.discard(name)
-        return adapter.request()
+        self._holders[adapter.lora_id] = self._holders.get(adapter.lora_id, 0) + 1
+        return AdapterHold(self, adapter.request())
+
+    def holders(self, name: str) -> int:
+        """How many calls hold adapter `name` now (0 for a name not served)."""
+        adapter = self._adapters.get(name)
+        return self._holders.get(adapter.lora_id, 0) if adapter is not None else 0
 
     async def start(self) -> None:
         """Load every preloaded adapter into the engine now, rather than at first use.
@@ -205,6 +254,10 @@ class LoraRegistry:
     async def unload(self, name: str) -> Adapter:
         """Stop serving adapter `name` and drop it from the engine.
 
+        No call can name it from the start of the unload; the engine drops it
+        when the last call holding it ends, which the unload waits for. If the
+        unload's caller goes first, the adapter is dropped all the same.
+
         Raises:
             UnsupportedError: LoRA is not enabled on the engine.
             InvalidRequestError: `name` is empty.
@@ -218,12 +271,38 @@ class LoraRegistry:
         if adapter is None:
             raise NotFoundError("lora_name", f"no LoRA adapter named {name!r} is loaded")
         self._pending.discard(name)
-        # False when the engine never loaded it (preloaded, unused): nothing to drop.
-        await self._engine.remove_lora(adapter.lora_id)
-        logger.info("LoRA adapter %r (id %d) unloaded", name, adapter.lora_id)
+        removal = asyncio.ensure_future(self._remove(adapter))
+        self._removals.add(removal)
+        removal.add_done_callback(self._removals.discard)
+        await asyncio.shield(removal)
         return adapter
 
     # ----- helpers ----------------------------------------------------------
+
+    def _release(self, lora_id: int) -> None:
+        left = self._holders.get(lora_id, 0) - 1
+        if left > 0:
+            self._holders[lora_id] = left
+            return
+        self._holders.pop(lora_id, None)
+        released = self._released.pop(lora_id, None)
+        if released is not None:
+            released.set()
+
+    async def _remove(self, adapter: Adapter) -> None:
+        """Drop `adapter` from the engine once no call holds it."""
+        holders = self._holders.get(adapter.lora_id, 0)
+        if holders:
+            logger.info(
+                "LoRA adapter %r unloading: waiting for the %d call(s) using it",
+                adapter.name,
+                holders,
+            )
+            released = self._released.setdefault(adapter.lora_id, asyncio.Event())
+            await released.wait()
+        # False when the engine never loaded it (preloaded, unused): nothing to drop.
+        await self._engine.remove_lora(adapter.lora_id)
+        logger.info("LoRA adapter %r (id %d) unloaded", adapter.name, adapter.lora_id)
 
     def _require_enabled(self) -> None:
         if self._config is None:

@@ -64,14 +64,16 @@ class PoolingServicer(pooling_pb2_grpc.PoolingServicer):
         note_request(route.operation, request.request_id)
         self._budgets.check_pooling_inputs(route.texts, len(getattr(request, route.texts)))
         handlers = self._handlers
-        adapter = handlers.adapter("options.model", request.options.model)
+        handlers.check_model("options.model", request.options.model)
         handler = await handlers.handler(route.handler, "classify", route.what)
         body = route.body(request, handlers.limits())
         self._budgets.check_pooling_chars(route.texts, _tokenized_chars(route, body))
         token = trace_headers.set(engine_trace_headers(context))
         try:
-            async with handlers.claiming.claims_of_call(adapter):
-                answer = await handler(vllm_request(route.operation, body), None)
+            # Held until the engine requests end: no unload drops it from under them.
+            with handlers.adapter("options.model", request.options.model) as adapter:
+                async with handlers.claiming.claims_of_call(adapter):
+                    answer = await handler(vllm_request(route.operation, body), None)
         finally:
             trace_headers.reset(token)
         result: Mapping[str, Any] = answer_body(answer)

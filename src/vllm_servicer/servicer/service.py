@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -149,32 +150,38 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             stream = request.stream
             build = convert.ResponseBuilder(params)
             chunk, complete = build.chunk, build.complete
-            async for output in self._engine.generate(prompt, sampling, request_id, **kwargs):
-                if usage is not None and not started:
-                    usage.prompt_tokens = len(output.prompt_token_ids or ())
-                started = True
-                # Recorded once built: the time a message leaves includes building it.
-                if stream:
-                    for completion in output.outputs:
-                        message = chunk(output, completion)
-                        if usage is not None:
-                            usage.chunk_sent(len(completion.token_ids))
-                        yield message
-                        if completion.finish_reason is not None:
+            outputs = self._engine.generate(prompt, sampling, request_id, **kwargs)
+            # Closed here when the client goes (at our yield), not when collected:
+            # the engine aborts the request before its id is let go.
+            async with contextlib.aclosing(outputs):
+                async for output in outputs:
+                    if usage is not None and not started:
+                        usage.prompt_tokens = len(output.prompt_token_ids or ())
+                    started = True
+                    # Recorded once built: the time a message leaves includes building it.
+                    if stream:
+                        for completion in output.outputs:
+                            message = chunk(output, completion)
+                            if usage is not None:
+                                usage.chunk_sent(len(completion.token_ids))
+                            yield message
+                            if completion.finish_reason is not None:
+                                message = complete(output, completion)
+                                if usage is not None:
+                                    usage.choice_finished(
+                                        completion.index, completion.finish_reason, 0
+                                    )
+                                yield message
+                    elif output.finished:
+                        for completion in output.outputs:
                             message = complete(output, completion)
                             if usage is not None:
-                                usage.choice_finished(completion.index, completion.finish_reason, 0)
+                                usage.choice_finished(
+                                    completion.index,
+                                    completion.finish_reason or "stop",
+                                    len(completion.token_ids),
+                                )
                             yield message
-                elif output.finished:
-                    for completion in output.outputs:
-                        message = complete(output, completion)
-                        if usage is not None:
-                            usage.choice_finished(
-                                completion.index,
-                                completion.finish_reason or "stop",
-                                len(completion.token_ids),
-                            )
-                        yield message
         except Exception as exc:
             # The error layer around every method turns what is raised into a status.
             if kv_transfer is not None and not started:

@@ -30,12 +30,11 @@ from ..engine import EngineClient, served_model_name
 from ..errors import InvalidRequestError, NotFoundError, UnsupportedError
 from ..wire.pooling import ModelLimits
 from ..wire.usage import RequestSummary
+from .lora import BASE_MODEL, AdapterHold, LoraRegistry
 from .tenancy import RunningRequests
 
 if TYPE_CHECKING:
     from vllm.lora.request import LoRARequest
-
-    from .lora import LoraRegistry
 
 __all__ = [
     "ClaimingEngine",
@@ -235,16 +234,17 @@ class VllmHandlers:
                 + (f" and the LoRA adapters {adapters}" if adapters else ""),
             )
 
-    def adapter(self, field: str, model: str) -> LoRARequest | None:
-        """The LoRA adapter a request's model name names; None: the served model.
+    def adapter(self, field: str, model: str) -> AdapterHold:
+        """The LoRA adapter a request's model name names, held until released
+        (`with handlers.adapter(...) as lora_request:`); `BASE_MODEL` for the served model.
 
         Raises:
             NotFoundError: `model` is neither the served model nor an adapter.
         """
         self.check_model(field, model)
         if not model or model == self.served_model:
-            return None
-        return self._loras.request_for(model)
+            return BASE_MODEL
+        return self._loras.hold(model)
 
     def text_of(self, token_ids: list[int]) -> str:
         """`token_ids` as text, special tokens included.
