@@ -294,24 +294,58 @@ async def test_an_adapter_is_dropped_only_once_the_calls_using_it_end(
 async def test_an_unload_whose_caller_leaves_still_drops_the_adapter(
     stub: Any, served: Any, engine: Any, files: SimpleNamespace
 ) -> None:
+    """The engine is paused ("keep": new requests wait in its queue), so the call
+    naming the adapter waits there as long as the test wants."""
     loaded = await stub.LoadLora(
         ctl.LoadLoraRequest(lora_name="left", source_path=str(files.alpha)), timeout=60
     )
     registry = served.mounted.control.loras
-    call = inference_stream(served, "left", LONG)
-    await call.read()
-    assert registry.holders("left") == 1
-    with pytest.raises(grpc.aio.AioRpcError) as err:
-        await stub.UnloadLora(ctl.UnloadLoraRequest(lora_name="left"), timeout=0.5)
-    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert "left" not in registry  # the unload took effect for new calls
-    assert loaded.adapter.lora_id in await engine.list_loras()  # still under the call
-    call.cancel()
-    assert await settle(lambda: registry.holders("left") == 0)
-    deadline = time.monotonic() + 30
-    while loaded.adapter.lora_id in await engine.list_loras():
-        assert time.monotonic() < deadline, "the adapter was never dropped"
-        await asyncio.sleep(0.05)
+    unload = ctl.UnloadLoraRequest(lora_name="left")
+    await stub.PauseGeneration(ctl.PauseGenerationRequest(mode=ctl.PAUSE_MODE_KEEP), timeout=60)
+    try:
+        call = inference_stream(served, "left", 8)
+        assert await settle(lambda: registry.holders("left") == 1)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.UnloadLora(unload, timeout=0.5)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "left" not in registry  # the unload took effect for new calls
+        assert loaded.adapter.lora_id in await engine.list_loras()  # still under the call
+        # Unloading it again waits for the same end, rather than NOT_FOUND.
+        again = asyncio.ensure_future(stub.UnloadLora(unload, timeout=60))
+        await asyncio.sleep(0.5)
+        assert not again.done()
+    finally:
+        await stub.ResumeGeneration(ctl.ResumeGenerationRequest(), timeout=60)
+    assert (await read_rest(call))[-1].outputs.HasField("finish_info")
+    assert (await again).adapter == loaded.adapter
+    assert loaded.adapter.lora_id not in await engine.list_loras()
+    err = await refused(stub.UnloadLora(unload, timeout=10))
+    assert err.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_a_client_slow_to_read_a_finished_stream_holds_up_no_unload(
+    stub: Any, served: Any, engine: Any, files: SimpleNamespace
+) -> None:
+    await stub.LoadLora(
+        ctl.LoadLoraRequest(lora_name="slow", source_path=str(files.alpha)), timeout=60
+    )
+    message = inf.GenerateRequest(lora_name="slow")
+    message.token_ids.ids.extend(PROMPT)
+    message.stopping.max_new_tokens = 64
+    message.stopping.ignore_eos = True
+    message.response.output_candidates.top_n = 20  # large messages: the writes soon wait
+    # A small window the client never widens, and it stops reading.
+    options = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
+    address = f"127.0.0.1:{served.port}"
+    async with grpc.aio.insecure_channel(address, options=options) as channel:
+        call = inf_grpc.InferenceStub(channel).GenerateStream(message, timeout=120)
+        await call.read()
+        assert await wait_until_idle(engine) == 0  # the engine is done; the server waits to write
+        assert served.mounted.control.loras.holders("slow") == 1
+        unloaded = await stub.UnloadLora(ctl.UnloadLoraRequest(lora_name="slow"), timeout=10)
+        assert unloaded.adapter.lora_id not in await engine.list_loras()
+        # The stream is whole all the same.
+        assert (await read_rest(call))[-1].outputs.HasField("finish_info")
 
 
 @pytest.mark.parametrize(

@@ -341,3 +341,19 @@ def engine_core_died(engine: Any) -> None:
     if not core.resources.engine_dead:
         core.resources.engine_dead = True
         core.shutdown()
+
+
+def runs_adapter(engine: Any, lora_id: int) -> bool | None:
+    """Whether the engine still has a request on LoRA adapter `lora_id`, from its
+    frontend's records of unfinished requests (`OutputProcessor.request_states`,
+    alike in 0.31 to 0.34; a request leaves them when the engine core has
+    finished it or it is aborted); None where they cannot be read.
+    """
+    states = getattr(getattr(engine, "output_processor", None), "request_states", None)
+    if not isinstance(states, dict):
+        return None
+    for state in list(states.values()):
+        lora = getattr(state, "lora_request", None)
+        if lora is not None and lora.lora_int_id == lora_id:
+            return True
+    return False

@@ -173,6 +173,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 async for output in outputs:
                     if not started:
                         started = True
+                        call.adapter.in_engine()
                         if usage is not None:
                             usage.prompt_tokens = len(output.prompt_token_ids or ())
                         yield call.builder.first(output)

@@ -17,12 +17,15 @@ The same holds for an adapter the engine no longer has: a call that named it
 before an UnloadLora would load it again from its directory, or, with the
 directory deleted, kill the engine. So every call holds its adapter until its
 engine requests end (`hold`), and `unload` stops handing the name out at once
-but drops the adapter from the engine only once no call holds it.
+but drops the adapter from the engine only once no call holds it, or every
+call holding it has its request in the engine and the engine has finished
+them all (a stream's client slow to read holds nothing then).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -38,6 +41,7 @@ from vllm.lora.peft_helper import PEFTHelper
 from vllm.lora.request import LoRARequest
 from vllm.v1.engine.exceptions import EngineDeadError
 
+from .. import vllm_releases
 from ..engine import EngineClient, served_model_name
 from ..errors import AlreadyExistsError, InvalidRequestError, NotFoundError, UnsupportedError
 
@@ -56,6 +60,9 @@ FIRST_LORA_ID = 1 << 30
 # One sequence for the process: an engine loads nothing under an id it already
 # holds, so two registries on one engine must never hand out the same id.
 _ids = itertools.count(FIRST_LORA_ID)
+
+# How often an unload waiting for an adapter's calls asks whether the engine is done with them.
+_DONE_POLL_S = 0.25
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,17 +92,27 @@ class AdapterHold:
             the base model.
     """
 
-    __slots__ = ("_registry", "request")
+    __slots__ = ("_entering", "_registry", "request")
 
     def __init__(self, registry: LoraRegistry | None, request: LoRARequest | None) -> None:
         self._registry = registry
         self.request = request
+        self._entering = registry is not None
+
+    def in_engine(self) -> None:
+        """The call's request is in the engine (its first output came): from now
+        the engine's own records tell whether it still runs on the adapter, so
+        a client slow to read a stream the engine has finished holds up no unload."""
+        if self._entering:
+            self._entering = False
+            assert self._registry is not None and self.request is not None
+            self._registry._entered(self.request.lora_int_id)
 
     def release(self) -> None:
         """Let go of the adapter (once; again is nothing): the call's engine requests ended."""
         registry, self._registry = self._registry, None
         if registry is not None and self.request is not None:
-            registry._release(self.request.lora_int_id)
+            registry._release(self.request.lora_int_id, entering=self._entering)
 
     def __enter__(self) -> LoRARequest | None:
         return self.request
@@ -147,11 +164,13 @@ class LoraRegistry:
         self._loading: set[str] = set()
         # Preloaded names the engine has not been asked to load yet.
         self._pending: set[str] = set()
-        # Calls holding each adapter (by id), and what waits for the last to end.
+        # Calls holding each adapter (by id), those of them whose request is not
+        # in the engine yet, and what waits for the last to end.
         self._holders: dict[int, int] = {}
+        self._entering: dict[int, int] = {}
         self._released: dict[int, asyncio.Event] = {}
-        # Unloads waiting for an adapter's last call: they go on if their caller goes.
-        self._removals: set[asyncio.Task[None]] = set()
+        # Unloads waiting for an adapter's calls, by name: they go on if their caller goes.
+        self._unloading: dict[str, tuple[Adapter, asyncio.Task[None]]] = {}
         for name, path in preloaded.items():
             self._preload(name, path)
 
@@ -194,7 +213,9 @@ class LoraRegistry:
             raise NotFoundError("lora_name", f"no LoRA adapter named {name!r} is loaded")
         # A preloaded adapter is loaded by the engine with this, its first request.
         self._pending.discard(name)
-        self._holders[adapter.lora_id] = self._holders.get(adapter.lora_id, 0) + 1
+        lora_id = adapter.lora_id
+        self._holders[lora_id] = self._holders.get(lora_id, 0) + 1
+        self._entering[lora_id] = self._entering.get(lora_id, 0) + 1
         return AdapterHold(self, adapter.request())
 
     def holders(self, name: str) -> int:
@@ -211,12 +232,14 @@ class LoraRegistry:
         """
         failures: list[InvalidRequestError] = []
         for name in sorted(self._pending):
-            adapter = self._adapters[name]
+            adapter = self._adapters.get(name)
+            if adapter is None or name not in self._pending:
+                continue  # unloaded while an earlier one loaded
             self._pending.discard(name)
             try:
                 await self._add_to_engine(adapter)
             except InvalidRequestError as exc:
-                del self._adapters[name]
+                self._adapters.pop(name, None)
                 logger.error("preloaded LoRA adapter %r not served: %s", name, exc.reason)
                 failures.append(exc)
         if failures:
@@ -255,8 +278,10 @@ class LoraRegistry:
         """Stop serving adapter `name` and drop it from the engine.
 
         No call can name it from the start of the unload; the engine drops it
-        when the last call holding it ends, which the unload waits for. If the
-        unload's caller goes first, the adapter is dropped all the same.
+        when the last call holding it ends, or once the engine has finished the
+        requests of all of them (a stream's client may still be reading), which
+        the unload waits for. If the unload's caller goes first, the adapter is
+        dropped all the same; an unload of it meanwhile waits for the same.
 
         Raises:
             UnsupportedError: LoRA is not enabled on the engine.
@@ -269,17 +294,29 @@ class LoraRegistry:
             raise InvalidRequestError("lora_name", "required: the adapter to unload")
         adapter = self._adapters.pop(name, None)  # before the await: one unload wins
         if adapter is None:
-            raise NotFoundError("lora_name", f"no LoRA adapter named {name!r} is loaded")
-        self._pending.discard(name)
-        removal = asyncio.ensure_future(self._remove(adapter))
-        self._removals.add(removal)
-        removal.add_done_callback(self._removals.discard)
+            unloading = self._unloading.get(name)
+            if unloading is None:
+                raise NotFoundError("lora_name", f"no LoRA adapter named {name!r} is loaded")
+            # Unloaded already, still waiting for its calls: this caller waits too.
+            adapter, removal = unloading
+        else:
+            self._pending.discard(name)
+            removal = asyncio.ensure_future(self._remove(adapter))
+            self._unloading[name] = (adapter, removal)
+            removal.add_done_callback(lambda done: self._unloaded(name, done))
         await asyncio.shield(removal)
         return adapter
 
     # ----- helpers ----------------------------------------------------------
 
-    def _release(self, lora_id: int) -> None:
+    def _entered(self, lora_id: int) -> None:
+        self._entering[lora_id] = left = self._entering.get(lora_id, 0) - 1
+        if left <= 0:
+            self._entering.pop(lora_id, None)
+
+    def _release(self, lora_id: int, *, entering: bool) -> None:
+        if entering:
+            self._entered(lora_id)
         left = self._holders.get(lora_id, 0) - 1
         if left > 0:
             self._holders[lora_id] = left
@@ -289,20 +326,38 @@ class LoraRegistry:
         if released is not None:
             released.set()
 
+    def _engine_done_with(self, lora_id: int) -> bool:
+        """Whether every call holding the adapter has its request in the engine
+        and the engine has finished them all (their clients may still be reading)."""
+        if self._entering.get(lora_id):
+            return False
+        return vllm_releases.runs_adapter(self._engine, lora_id) is False
+
     async def _remove(self, adapter: Adapter) -> None:
-        """Drop `adapter` from the engine once no call holds it."""
-        holders = self._holders.get(adapter.lora_id, 0)
+        """Drop `adapter` from the engine once no call holds it or the engine is done with it."""
+        lora_id = adapter.lora_id
+        holders = self._holders.get(lora_id, 0)
         if holders:
             logger.info(
                 "LoRA adapter %r unloading: waiting for the %d call(s) using it",
                 adapter.name,
                 holders,
             )
-            released = self._released.setdefault(adapter.lora_id, asyncio.Event())
-            await released.wait()
+            released = self._released.setdefault(lora_id, asyncio.Event())
+            while not released.is_set() and not self._engine_done_with(lora_id):
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(released.wait(), _DONE_POLL_S)
+            self._released.pop(lora_id, None)
         # False when the engine never loaded it (preloaded, unused): nothing to drop.
-        await self._engine.remove_lora(adapter.lora_id)
-        logger.info("LoRA adapter %r (id %d) unloaded", adapter.name, adapter.lora_id)
+        await self._engine.remove_lora(lora_id)
+        logger.info("LoRA adapter %r (id %d) unloaded", adapter.name, lora_id)
+
+    def _unloaded(self, name: str, removal: asyncio.Task[None]) -> None:
+        if self._unloading.get(name, (None, None))[1] is removal:
+            del self._unloading[name]
+        if not removal.cancelled() and removal.exception() is not None:
+            # Its caller may be gone: said here, or nowhere.
+            logger.error("LoRA adapter %r not dropped: %s", name, removal.exception())
 
     def _require_enabled(self) -> None:
         if self._config is None:
