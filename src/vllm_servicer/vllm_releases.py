@@ -353,7 +353,9 @@ def runs_adapter(engine: Any, lora_id: int) -> bool | None:
     if not isinstance(states, dict):
         return None
     for state in list(states.values()):
-        lora = getattr(state, "lora_request", None)
+        if not hasattr(state, "lora_request"):
+            return None  # a release that keeps it elsewhere: unknown, not "none"
+        lora = state.lora_request
         if lora is not None and lora.lora_int_id == lora_id:
             return True
     return False

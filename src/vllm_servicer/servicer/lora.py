@@ -326,12 +326,23 @@ class LoraRegistry:
         if released is not None:
             released.set()
 
-    def _engine_done_with(self, lora_id: int) -> bool:
+    async def _engine_done_with(self, lora_id: int) -> bool:
         """Whether every call holding the adapter has its request in the engine
-        and the engine has finished them all (their clients may still be reading)."""
-        if self._entering.get(lora_id):
-            return False
-        return vllm_releases.runs_adapter(self._engine, lora_id) is False
+        and the engine has finished them all (their clients may still be reading).
+
+        Asked twice, a loop turn apart: vLLM's frontend forgets a request it
+        stopped itself (a stop string) a turn before it tells the engine core
+        to abort it, and the drop must not reach the core first.
+        """
+        for turn in range(2):
+            if turn:
+                await asyncio.sleep(0)
+                await asyncio.sleep(0)
+            if self._entering.get(lora_id):
+                return False
+            if vllm_releases.runs_adapter(self._engine, lora_id) is not False:
+                return False
+        return True
 
     async def _remove(self, adapter: Adapter) -> None:
         """Drop `adapter` from the engine once no call holds it or the engine is done with it."""
@@ -344,7 +355,7 @@ class LoraRegistry:
                 holders,
             )
             released = self._released.setdefault(lora_id, asyncio.Event())
-            while not released.is_set() and not self._engine_done_with(lora_id):
+            while not released.is_set() and not await self._engine_done_with(lora_id):
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(released.wait(), _DONE_POLL_S)
             self._released.pop(lora_id, None)
