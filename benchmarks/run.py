@@ -467,6 +467,7 @@ class Bench:
         targets = {name: f"127.0.0.1:{m.port}" for name, m in servers.items()}
         self.log("warming up")
         self.warm_up(loadgen, targets)
+        time.sleep(self.args.pause)
         total = len(rounds) * len(self.cells)
         done = 0
         for rnd in rounds:
@@ -797,7 +798,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="core the load generator is pinned to, and engine processes kept off (-1: none)",
     )
-    p.add_argument("--pause", type=float, default=0.2, help="seconds between bursts")
+    p.add_argument(
+        "--pause",
+        type=float,
+        default=1.5,
+        help="seconds between bursts: past the second an engine core spins after its last "
+        "step, which would otherwise take a core from the other server's burst",
+    )
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument(
         "--against-src",

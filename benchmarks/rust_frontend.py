@@ -584,6 +584,7 @@ class Driver:
         self.log("warming up (one burst each, not counted)")
         for name in (OURS, RUST):
             self.burst(name, -1, 0)
+            time.sleep(self.args.pause)
         for rnd in range(self.args.rounds):
             line = []
             for pos, name in enumerate(round_order(rnd)):
@@ -787,7 +788,13 @@ def build_parser() -> argparse.ArgumentParser:
         "same shape (benchmarks/ceiling.py), its CPU per token",
     )
     p.add_argument("--loadgen-cpu", type=int, default=1, help="its core; -1: unpinned")
-    p.add_argument("--pause", type=float, default=0.2, help="seconds between bursts")
+    p.add_argument(
+        "--pause",
+        type=float,
+        default=1.5,
+        help="seconds between bursts: past the second an engine core spins after its last "
+        "step, which would otherwise take a core from the other server's burst",
+    )
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument("--json", type=Path, help="default: benchmarks/results/rust-frontend-<time>")
     return p
