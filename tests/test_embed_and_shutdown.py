@@ -15,7 +15,8 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from support import serving
+from support import serving, settle, wait_until_idle
+from support.vllm_protocol import shipped_modules
 
 from vllm_servicer import SERVICE_NAME
 from vllm_servicer.proto import vllm_engine_pb2 as pb
@@ -26,7 +27,7 @@ from vllm_servicer.testing.tiny_model import TINY_EMBED_ENGINE_KWARGS, build_tin
 @pytest.fixture(scope="module")
 async def pooling(embedding_engine: Any) -> AsyncIterator[Any]:
     async with serving(embedding_engine) as served:
-        yield embedding_engine, served.channel
+        yield embedding_engine, served.channel, served.mounted.state
 
 
 @pytest.fixture
@@ -41,7 +42,7 @@ async def dying(embedding_model_dir: Path) -> AsyncIterator[Any]:
 
 
 async def test_embed_returns_a_hidden_size_vector(pooling: Any) -> None:
-    engine, channel = pooling
+    engine, channel, _ = pooling
     stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
     reply = await stub.Embed(
         pb.EmbedRequest(request_id="e1", tokenized=pb.TokenizedInput(input_ids=[5, 6, 7, 8]))
@@ -56,7 +57,7 @@ async def test_embed_returns_a_hidden_size_vector(pooling: Any) -> None:
 
 
 async def test_embed_rejects_an_empty_prompt(pooling: Any) -> None:
-    _, channel = pooling
+    _, channel, _ = pooling
     stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stub.Embed(pb.EmbedRequest(request_id="e3"))
@@ -69,6 +70,72 @@ async def test_embed_on_a_generation_engine_is_failed_precondition(stub: Any) ->
         await stub.Embed(pb.EmbedRequest(tokenized=pb.TokenizedInput(input_ids=[1, 2])))
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "pooling" in err.value.details()
+
+
+@pytest.mark.parametrize("method", ["embed", "score"])
+async def test_a_call_cancelled_while_its_requests_enter_the_engine_leaves_them(
+    pooling: Any, monkeypatch: pytest.MonkeyPatch, method: str
+) -> None:
+    """A cancel landing while vLLM hands a pooling call's requests to its engine
+    core (its `encode` has no output stream yet, so it aborts nothing) still takes
+    each out of the engine before its id is let go (another call may take the
+    id then): VllmEngine's Embed, and the Pooling service's Score, whose texts
+    vLLM's handler encodes side by side."""
+    engine, channel, state = pooling
+    rid = f"entering-{method}"
+    core = engine.engine_core
+    hand_over = core.add_request_async
+    handed: list[str] = []
+
+    async def slow_hand_over(engine_request: Any) -> None:
+        await hand_over(engine_request)
+        if rid in engine_request.request_id:
+            handed.append(engine_request.request_id)
+            await asyncio.sleep(30)  # the cancel lands here
+
+    monkeypatch.setattr(core, "add_request_async", slow_hand_over)
+    running = state.running
+    released: list[tuple[str, int]] = []
+    release = running.release
+
+    def noting(request_id: str) -> None:
+        # The engine's own count of unfinished requests under this id.
+        released.append((request_id, _unfinished_under(engine, request_id)))
+        release(request_id)
+
+    monkeypatch.setattr(running, "release", noting)
+    texts = 1
+    if method == "embed":
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+        tokens = pb.TokenizedInput(input_ids=[5, 6, 7, 8])
+        call = stub.Embed(pb.EmbedRequest(request_id=rid, tokenized=tokens), timeout=60)
+    else:
+        pooling_pb, pooling_grpc = shipped_modules("pooling")
+        texts = 4  # the query and three documents, each its own engine request
+        message = pooling_pb.ScoreRequest(request_id=rid, text_1="a query", text_2=["x", "y", "z"])
+        call = pooling_grpc.PoolingStub(channel).Score(message, timeout=60)
+    # Paused ("keep"), the engine queues the requests: a pooling step would
+    # otherwise end them before the cancel could tell.
+    await engine.pause_generation(mode="keep")
+    try:
+        task = asyncio.ensure_future(call)
+        assert await settle(lambda: len(handed) == texts, timeout=30), handed
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert await settle(lambda: len([1 for i, _ in released if rid in i]) == texts)
+    finally:
+        await engine.resume_generation()
+    assert [left for request_id, left in released if rid in request_id] == [0] * texts
+    assert await wait_until_idle(engine) == 0
+
+
+def _unfinished_under(engine: Any, request_id: str) -> int:
+    return sum(
+        1
+        for state in engine.output_processor.request_states.values()
+        if request_id in (state.request_id, getattr(state, "external_req_id", None))
+    )
 
 
 async def test_health_after_engine_shutdown(dying: Any) -> None:

@@ -10,6 +10,7 @@ of the field table is shown over the wire, for both methods.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import types
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx
 import pytest
 from google.protobuf import json_format
 from google.rpc import error_details_pb2
@@ -28,6 +30,8 @@ from support.kv_echo_connector import FINISHED_LOG
 from vllm_servicer import SERVICE_NAME
 from vllm_servicer.interceptors.auth import ApiKeyVerifier, AuthInterceptor
 from vllm_servicer.proto import INFERENCE_SERVICE, vllm_engine_pb2_grpc
+from vllm_servicer.serve.args import parse_args
+from vllm_servicer.serve.http_api import HttpApi
 from vllm_servicer.proto import vllm_engine_pb2 as engine_pb
 from vllm_servicer.wire.fields import REFUSED
 
@@ -567,6 +571,83 @@ async def test_a_stream_dropped_while_its_writes_wait_leaves_the_engine_before_i
         call.cancel()
         assert await settle(lambda: any(request_id == rid for request_id, _ in released))
     assert [left for request_id, left in released if request_id == rid] == [0]
+
+
+@pytest.mark.parametrize("protocol", ["inference", "vllm-engine", "http"])
+async def test_a_call_cancelled_while_its_request_enters_the_engine_leaves_it(
+    served: Any,
+    ref: types.ModuleType,
+    ref_grpc: types.ModuleType,
+    engine: Any,
+    tiny_model_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    protocol: str,
+) -> None:
+    """A cancel landing while vLLM hands the request to its engine core (its
+    `generate` has no output stream yet, so it aborts nothing) still takes the
+    request out of the engine before the call's id is let go: otherwise the
+    engine runs it to its end for no one, past the call's in-flight slot and
+    adapter hold. Both gRPC protocols, and the HTTP API beside them (vLLM's own
+    handlers, through the mount's guard)."""
+    assert await wait_until_idle(engine, 30) == 0  # what an earlier test left has ended
+    rid = f"entering-{protocol}"
+    core = engine.engine_core
+    hand_over = core.add_request_async
+    handed = asyncio.Event()
+
+    async def slow_hand_over(engine_request: Any) -> None:
+        await hand_over(engine_request)
+        if rid in engine_request.request_id:
+            handed.set()
+            await asyncio.sleep(30)  # the cancel lands here
+
+    monkeypatch.setattr(core, "add_request_async", slow_hand_over)
+    running = served.mounted.state.running
+    released: list[tuple[str, int]] = []
+    release = running.release
+
+    def noting(request_id: str) -> None:
+        released.append((request_id, unfinished(engine)))
+        release(request_id)
+
+    monkeypatch.setattr(running, "release", noting)
+    async with contextlib.AsyncExitStack() as stack:
+        if protocol == "http":
+            args = parse_args(["serve", "--model", str(tiny_model_dir), "--http-port", "0"])
+            api = await HttpApi.build(
+                engine, args, host="127.0.0.1", port=0, guard=served.mounted.guard
+            )
+            await api.start()
+            stack.push_async_callback(api.stop, 0)
+            client = await stack.enter_async_context(httpx.AsyncClient(timeout=60))
+            body = {"prompt": PROMPT, "max_tokens": 500, "ignore_eos": True, "stream": True}
+            headers = {"X-Request-Id": rid}
+            url = f"http://127.0.0.1:{api.port}/v1/completions"
+
+            async def read_http() -> None:
+                async with client.stream("POST", url, json=body, headers=headers) as reply:
+                    async for _ in reply.aiter_bytes():
+                        pass
+
+            call: Any = asyncio.ensure_future(read_http())
+        else:
+            channel = await stack.enter_async_context(
+                grpc.aio.insecure_channel(f"127.0.0.1:{served.port}")
+            )
+            if protocol == "inference":
+                message = generate_request(ref, PROMPT, 500, request_id=rid)
+                call = ref_grpc.InferenceStub(channel).Generate(message, timeout=60)
+            else:
+                generate = request(
+                    PROMPT, stream=True, request_id=rid, max_tokens=500, ignore_eos=True
+                )
+                call = vllm_engine_pb2_grpc.VllmEngineStub(channel).Generate(generate, timeout=60)
+        await asyncio.wait_for(handed.wait(), 30)
+        assert unfinished(engine) == 1
+        call.cancel()
+        assert await settle(lambda: any(rid in request_id for request_id, _ in released))
+    assert [left for request_id, left in released if rid in request_id] == [0]
+    assert await wait_until_idle(engine) == 0
 
 
 # ----- every refused field, over the wire ------------------------------------------------

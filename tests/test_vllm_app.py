@@ -19,11 +19,14 @@ from vllm_servicer.servicer.vllm_app import ClaimingEngine
 
 
 class StandInEngine:
-    """Yields one output per `encode` once `go` is set; records aborts."""
+    """Yields one output per `encode` once `go` is set; records aborts, and the
+    ids `running` counted at each."""
 
-    def __init__(self) -> None:
+    def __init__(self, running: RunningRequests | None = None) -> None:
         self.go = asyncio.Event()
         self.aborted: list[str] = []
+        self.running = running
+        self.running_at_abort: list[list[str]] = []
 
     async def encode(self, *, request_id: str, **_: Any) -> AsyncGenerator[str, None]:
         await self.go.wait()
@@ -31,6 +34,8 @@ class StandInEngine:
 
     async def abort(self, request_ids: list[str]) -> None:
         self.aborted.extend(request_ids)
+        if self.running is not None:
+            self.running_at_abort.append(self.running.ids)
 
 
 async def test_each_encode_is_claimed_while_it_runs_and_released_at_its_end() -> None:
@@ -46,7 +51,7 @@ async def test_each_encode_is_claimed_while_it_runs_and_released_at_its_end() ->
 
 async def test_a_call_that_fails_mid_batch_releases_and_aborts_what_still_runs() -> None:
     running = RunningRequests()
-    engine = StandInEngine()
+    engine = StandInEngine(running)
     claiming = ClaimingEngine(engine, running, "pooling")  # type: ignore[arg-type]
     left_running: list[Any] = []
     with pytest.raises(RuntimeError, match="one text failed"):
@@ -59,6 +64,8 @@ async def test_a_call_that_fails_mid_batch_releases_and_aborts_what_still_runs()
             raise RuntimeError("one text failed")
     assert running.ids == []
     assert engine.aborted == ["score-b-1"]
+    # Aborted while still claimed: no other call could take the id before the engine let it go.
+    assert engine.running_at_abort == [["score-b-1"]]
     # Another caller may take the id at once; the orphan, closed late, frees nothing twice.
     running.claim("score-b-1", "Score")
     stuck, task = left_running[0]
@@ -84,3 +91,29 @@ async def test_an_id_running_for_another_caller_is_refused_before_the_engine_sta
         async with claiming.claims_of_call():
             await claiming.encode(request_id="score-c-0", prompt="x").__anext__()
     assert engine.aborted == [] and running.ids == ["score-c-0"]
+
+
+async def test_a_cancelled_encode_is_aborted_before_its_id_is_free_unless_shared() -> None:
+    """vLLM's `encode` aborts nothing when a cancel lands as it hands its request
+    to the engine core: the claim aborts it, while the id is still claimed. vLLM
+    aborts by id every request under it, so an id the caller also runs in
+    another call is left to that call."""
+    running = RunningRequests()
+    engine = StandInEngine(running)
+    claiming = ClaimingEngine(engine, running, "pooling")  # type: ignore[arg-type]
+
+    async def cancelled(request_id: str) -> None:
+        read = asyncio.ensure_future(claiming.encode(request_id=request_id).__anext__())
+        await asyncio.sleep(0)  # waiting in the engine
+        read.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await read
+
+    await cancelled("embed-alone")
+    assert engine.aborted == ["embed-alone"]
+    assert engine.running_at_abort == [["embed-alone"]]
+    assert running.ids == []
+    running.claim("embed-shared", "Embed")  # the same caller's other call on the id
+    await cancelled("embed-shared")
+    assert engine.aborted == ["embed-alone"]
+    assert running.ids == ["embed-shared"]

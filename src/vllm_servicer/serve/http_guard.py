@@ -17,6 +17,7 @@ a race between the check and the claim ends its stream with vLLM's error event.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 from collections.abc import AsyncGenerator, Callable, Iterator
@@ -117,9 +118,15 @@ class GuardedEngine:
     ) -> AsyncGenerator[Any, None]:
         # Held from the first read (a generator never read holds nothing)
         # until it ends, fails or is closed (vLLM's handler closes it when
-        # the client goes; the engine aborts the request then).
+        # the client goes). The engine's stream is closed here, so that the
+        # engine aborts the request before the id and slot are let go.
         with contextlib.ExitStack() as held:
             with _as_http_errors():
                 held.enter_context(self._guard.hold(request_id, method))
-            async for output in start():
-                yield output
+            try:
+                async with contextlib.aclosing(start()) as outputs:
+                    async for output in outputs:
+                        yield output
+            except asyncio.CancelledError:
+                await self._guard.running.abort_cancelled(self._engine, request_id)
+                raise

@@ -118,6 +118,11 @@ class EngineCallSteps:
         """One run of `request_id`, claimed by `claim`, ended."""
         self.running.release(request_id)
 
+    async def cancelled(self, request_id: str) -> None:
+        """The call running `request_id` was cancelled: its request leaves the
+        engine, wherever vLLM was in starting it (before `release`)."""
+        await self.running.abort_cancelled(self._engine, request_id)
+
     # ----- the checks -------------------------------------------------------
 
     def check_kv_connector(self, field: str) -> None:

@@ -10,6 +10,7 @@ these requests too. A dropped stream cancels the handler inside
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import re
@@ -140,6 +141,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 reason = completion.finish_reason or "stop"
                 usage.choice_finished(0, reason, len(completion.token_ids))
             return response
+        except asyncio.CancelledError:
+            await self._steps.cancelled(request_id)
+            raise
         except Exception as exc:
             # The error layer around every method turns what is raised into a status.
             failure = await self._failure(exc, request, request_id, call, started=False)
@@ -185,6 +189,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                             # Finished in this very message: no separate one to count.
                             usage.finish_reasons[0] = completion.finish_reason
                     yield message
+        except asyncio.CancelledError:
+            await self._steps.cancelled(request_id)
+            raise
         except Exception as exc:
             failure = await self._failure(exc, request, request_id, call, started)
             if failure is not exc:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -182,6 +183,9 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                                     len(completion.token_ids),
                                 )
                             yield message
+        except asyncio.CancelledError:
+            await self._steps.cancelled(request_id)
+            raise
         except Exception as exc:
             # The error layer around every method turns what is raised into a status.
             if kv_transfer is not None and not started:
@@ -224,6 +228,9 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             return pb.EmbedResponse(
                 embedding=vector, prompt_tokens=prompt_tokens, embedding_dim=len(vector)
             )
+        except asyncio.CancelledError:
+            await self._steps.cancelled(request_id)
+            raise
         finally:
             self._steps.release(request_id)
 

@@ -112,6 +112,18 @@ class RunningRequests:
             if self._group is not None:
                 self._group.release(request_id)
 
+    async def abort_cancelled(self, engine: Any, request_id: str) -> None:
+        """Take a cancelled call's request out of `engine`; before its `release`.
+
+        vLLM's `generate` and `encode` abort on a cancel only once the request
+        is handed to the engine core: a cancel landing during the hand-over
+        would leave it running to its end for no one, past the call's in-flight
+        slot and adapter hold. vLLM aborts every request under an id, so an id
+        another run of the same caller shares is left to that run.
+        """
+        if self._counts.get(request_id) == 1:
+            await engine.abort([request_id])
+
     def abortable(self, request_ids: Iterable[str]) -> list[str]:
         """Of `request_ids`, those the current caller may abort.
 

@@ -118,6 +118,9 @@ class ClaimingEngine:
         try:
             async for output in start():
                 yield output
+        except asyncio.CancelledError:
+            await self._running.abort_cancelled(self._engine, request_id)
+            raise
         finally:
             self._release(claim)
 
@@ -144,10 +147,12 @@ class ClaimingEngine:
             _call_adapter.reset(adapter_token)
             _call_claims.reset(token)
             left = [claim for claim in held if not claim.released]
-            for claim in left:
-                self._release(claim)
-            if left:
-                await self._engine.abort([claim.request_id for claim in left])
+            try:
+                if left:  # out of the engine before their ids are free to reuse
+                    await self._engine.abort([claim.request_id for claim in left])
+            finally:
+                for claim in left:
+                    self._release(claim)
 
 
 class VllmHandlers:
