@@ -30,9 +30,9 @@ from support.kv_echo_connector import FINISHED_LOG
 from vllm_servicer import SERVICE_NAME
 from vllm_servicer.interceptors.auth import ApiKeyVerifier, AuthInterceptor
 from vllm_servicer.proto import INFERENCE_SERVICE, vllm_engine_pb2_grpc
+from vllm_servicer.proto import vllm_engine_pb2 as engine_pb
 from vllm_servicer.serve.args import parse_args
 from vllm_servicer.serve.http_api import HttpApi
-from vllm_servicer.proto import vllm_engine_pb2 as engine_pb
 from vllm_servicer.wire.fields import REFUSED
 
 PROMPT = [5, 17, 42, 99, 7, 63, 21, 88]

@@ -27,6 +27,7 @@ class StandInEngine:
         self.aborted: list[str] = []
         self.running = running
         self.running_at_abort: list[list[str]] = []
+        self.dead = False
 
     async def encode(self, *, request_id: str, **_: Any) -> AsyncGenerator[str, None]:
         await self.go.wait()
@@ -36,6 +37,8 @@ class StandInEngine:
         self.aborted.extend(request_ids)
         if self.running is not None:
             self.running_at_abort.append(self.running.ids)
+        if self.dead:
+            raise RuntimeError("engine is dead")
 
 
 async def test_each_encode_is_claimed_while_it_runs_and_released_at_its_end() -> None:
@@ -66,7 +69,8 @@ async def test_a_call_that_fails_mid_batch_releases_and_aborts_what_still_runs()
     assert engine.aborted == ["score-b-1"]
     # Aborted while still claimed: no other call could take the id before the engine let it go.
     assert engine.running_at_abort == [["score-b-1"]]
-    # Another caller may take the id at once; the orphan, closed late, frees nothing twice.
+    # Another caller may take the id at once; the orphan, cancelled and closed
+    # late (as vLLM's merge does), frees nothing twice and aborts nothing of theirs.
     running.claim("score-b-1", "Score")
     stuck, task = left_running[0]
     task.cancel()
@@ -74,6 +78,7 @@ async def test_a_call_that_fails_mid_batch_releases_and_aborts_what_still_runs()
         await task
     await stuck.aclose()
     assert running.ids == ["score-b-1"]
+    assert engine.aborted == ["score-b-1"]
 
 
 async def test_an_id_running_for_another_caller_is_refused_before_the_engine_starts() -> None:
@@ -117,3 +122,16 @@ async def test_a_cancelled_encode_is_aborted_before_its_id_is_free_unless_shared
     await cancelled("embed-shared")
     assert engine.aborted == ["embed-alone"]
     assert running.ids == ["embed-shared"]
+
+
+async def test_a_cancel_stays_a_cancel_when_the_abort_fails() -> None:
+    running = RunningRequests()
+    engine = StandInEngine(running)
+    engine.dead = True
+    claiming = ClaimingEngine(engine, running, "pooling")  # type: ignore[arg-type]
+    read = asyncio.ensure_future(claiming.encode(request_id="embed-dead").__anext__())
+    await asyncio.sleep(0)
+    read.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await read
+    assert engine.aborted == ["embed-dead"] and running.ids == []

@@ -119,10 +119,14 @@ class RunningRequests:
         is handed to the engine core: a cancel landing during the hand-over
         would leave it running to its end for no one, past the call's in-flight
         slot and adapter hold. vLLM aborts every request under an id, so an id
-        another run of the same caller shares is left to that run.
+        the same caller also runs in another call is not aborted: that call's
+        request would go too (its own request may then run on to its end).
         """
         if self._counts.get(request_id) == 1:
-            await engine.abort([request_id])
+            try:
+                await engine.abort([request_id])
+            except Exception:  # a cancel stays a cancel (the engine died, say)
+                logger.debug("abort of cancelled request %r failed", request_id, exc_info=True)
 
     def abortable(self, request_ids: Iterable[str]) -> list[str]:
         """Of `request_ids`, those the current caller may abort.

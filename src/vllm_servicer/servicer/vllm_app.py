@@ -119,7 +119,10 @@ class ClaimingEngine:
             async for output in start():
                 yield output
         except asyncio.CancelledError:
-            await self._running.abort_cancelled(self._engine, request_id)
+            # Released already: the call ended (it aborted its claims) and the
+            # id may be another caller's now; vLLM's merge cancels its reads late.
+            if not claim.released:
+                await self._running.abort_cancelled(self._engine, request_id)
             raise
         finally:
             self._release(claim)
