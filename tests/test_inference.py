@@ -822,7 +822,7 @@ async def test_kv_transfer_params_reach_the_connector_and_come_back(
     handoff: Any, ref: types.ModuleType, method: str, kv_echo_storage: Path
 ) -> None:
     sent = {"do_remote_decode": True, "remote_host": "10.0.0.2", "remote_port": 7000, "ids": [1]}
-    rid = f"handoff-{method}"
+    rid = f"handoff-{method}-call"  # neither method's id a prefix of the other's
     message = generate_request(ref, PROMPT, 3, request_id=rid)
     message.kv.kv_transfer_params.update(sent)
     replies = await _call(handoff, method, message)
