@@ -43,6 +43,7 @@ from support.launcher import (
     launch,
     launched,
     launcher_env,
+    named,
 )
 from support.vllm_protocol import reference_modules
 from test_tracing_otlp import Collector, _received
@@ -768,7 +769,8 @@ async def test_a_burst_then_one_sigterm_to_the_group_drains_every_process(
             finished = asyncio.gather(*(_finish_reason(c) for c in calls))
             assert await asyncio.wait_for(finished, 120) == ["length", "length"]
             assert await asyncio.wait_for(exit_code(proc), 120) == 0, "".join(output)
-            assert not await gone(processes, 30)
+            left = await gone(processes, 30)
+            assert not left, named(left)
         finally:
             await opened.close()
             await probes.close()
@@ -818,4 +820,5 @@ async def test_the_engines_death_ends_every_process_with_exit_code_1(
             await asyncio.wait_for(_finish_reason(running), 30)
         assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
         assert await asyncio.wait_for(exit_code(proc), 120) == 1, "".join(output)
-        assert not await gone(processes, 30)
+        left = await gone(processes, 30)
+        assert not left, named(left)

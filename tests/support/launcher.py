@@ -269,6 +269,17 @@ def is_alive(pid: int) -> bool:
     return stat.exists() and stat.read_text().split()[2] != "Z"
 
 
+def named(pids: set[int]) -> dict[int, str]:
+    """Each of `pids` with its command line, to say which process a test found alive."""
+    names = {}
+    for pid in pids:
+        try:
+            names[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            names[pid] = "(gone)"
+    return names
+
+
 async def gone(pids: set[int], timeout: float) -> set[int]:
     """The processes of `pids` still alive after up to `timeout` seconds."""
     deadline = time.monotonic() + timeout
