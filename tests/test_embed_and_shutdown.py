@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from support import serving, settle, wait_until_idle
+from support import note_releases, serving, settle, wait_until_idle
 from support.vllm_protocol import shipped_modules
 
 from vllm_servicer import SERVICE_NAME
@@ -94,16 +95,8 @@ async def test_a_call_cancelled_while_its_requests_enter_the_engine_leaves_them(
             await asyncio.sleep(30)  # the cancel lands here
 
     monkeypatch.setattr(core, "add_request_async", slow_hand_over)
-    running = state.running
-    released: list[tuple[str, int]] = []
-    release = running.release
-
-    def noting(request_id: str) -> None:
-        # The engine's own count of unfinished requests under this id.
-        released.append((request_id, _unfinished_under(engine, request_id)))
-        release(request_id)
-
-    monkeypatch.setattr(running, "release", noting)
+    # With the engine's own count of unfinished requests under each id.
+    released = note_releases(state.running, partial(_unfinished_under, engine), monkeypatch)
     texts = 1
     if method == "embed":
         stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)

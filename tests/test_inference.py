@@ -24,7 +24,15 @@ import pytest
 from google.protobuf import json_format
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
-from support import bearer, request, serving, settle, unfinished, wait_until_idle
+from support import (
+    bearer,
+    note_releases,
+    request,
+    serving,
+    settle,
+    unfinished,
+    wait_until_idle,
+)
 from support.kv_echo_connector import FINISHED_LOG
 
 from vllm_servicer import SERVICE_NAME
@@ -542,15 +550,9 @@ async def test_a_stream_dropped_while_its_writes_wait_leaves_the_engine_before_i
     is out of the engine when its id is let go (another call may take the id
     then, an unload drop its adapter): grpc closes the handler at its yield,
     where the engine's own stream would otherwise wait to be collected."""
-    running = served.mounted.state.running
-    released: list[tuple[str, int]] = []
-    release = running.release
-
-    def noting(request_id: str) -> None:
-        released.append((request_id, unfinished(engine)))
-        release(request_id)
-
-    monkeypatch.setattr(running, "release", noting)
+    released = note_releases(
+        served.mounted.state.running, lambda _: unfinished(engine), monkeypatch
+    )
     rid = f"blocked-{protocol}"
     # A small window the client never widens: the server's writes soon wait.
     options = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
@@ -602,15 +604,9 @@ async def test_a_call_cancelled_while_its_request_enters_the_engine_leaves_it(
             await asyncio.sleep(30)  # the cancel lands here
 
     monkeypatch.setattr(core, "add_request_async", slow_hand_over)
-    running = served.mounted.state.running
-    released: list[tuple[str, int]] = []
-    release = running.release
-
-    def noting(request_id: str) -> None:
-        released.append((request_id, unfinished(engine)))
-        release(request_id)
-
-    monkeypatch.setattr(running, "release", noting)
+    released = note_releases(
+        served.mounted.state.running, lambda _: unfinished(engine), monkeypatch
+    )
     async with contextlib.AsyncExitStack() as stack:
         if protocol == "http":
             args = parse_args(["serve", "--model", str(tiny_model_dir), "--http-port", "0"])

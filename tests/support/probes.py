@@ -19,6 +19,22 @@ async def settle(predicate: Callable[[], object], timeout: float = 10.0) -> bool
     return bool(predicate())
 
 
+def note_releases(
+    running: Any, seen: Callable[[str], int], monkeypatch: Any
+) -> list[tuple[str, int]]:
+    """Each id `running` (a `RunningRequests`) releases from now on, with what
+    `seen(id)` read at that moment (the engine's unfinished requests, say)."""
+    released: list[tuple[str, int]] = []
+    release = running.release
+
+    def noting(request_id: str) -> None:
+        released.append((request_id, seen(request_id)))
+        release(request_id)
+
+    monkeypatch.setattr(running, "release", noting)
+    return released
+
+
 def unfinished(engine: Any) -> int:
     """Requests the engine still holds (vLLM 0.32: the output processor's count)."""
     return int(engine.output_processor.get_num_unfinished_requests())
