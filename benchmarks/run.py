@@ -738,6 +738,17 @@ def plot(summary: dict[str, Any], path: Path, title: str) -> None:
 # ----- entry point ------------------------------------------------------------------
 
 
+def add_pause_argument(p: argparse.ArgumentParser) -> None:
+    """`--pause`, for a benchmark that alternates bursts of two servers on one machine."""
+    p.add_argument(
+        "--pause",
+        type=float,
+        default=1.5,
+        help="seconds between bursts: past the second an engine core spins after its last "
+        "step, which would otherwise take a core from the other server's burst",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
@@ -798,13 +809,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="core the load generator is pinned to, and engine processes kept off (-1: none)",
     )
-    p.add_argument(
-        "--pause",
-        type=float,
-        default=1.5,
-        help="seconds between bursts: past the second an engine core spins after its last "
-        "step, which would otherwise take a core from the other server's burst",
-    )
+    add_pause_argument(p)
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument(
         "--against-src",

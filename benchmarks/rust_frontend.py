@@ -788,13 +788,7 @@ def build_parser() -> argparse.ArgumentParser:
         "same shape (benchmarks/ceiling.py), its CPU per token",
     )
     p.add_argument("--loadgen-cpu", type=int, default=1, help="its core; -1: unpinned")
-    p.add_argument(
-        "--pause",
-        type=float,
-        default=1.5,
-        help="seconds between bursts: past the second an engine core spins after its last "
-        "step, which would otherwise take a core from the other server's burst",
-    )
+    run.add_pause_argument(p)
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument("--json", type=Path, help="default: benchmarks/results/rust-frontend-<time>")
     return p

@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from support import note_releases, serving, settle, wait_until_idle
+from support import hold_hand_over, note_releases, serving, settle, wait_until_idle
 from support.vllm_protocol import shipped_modules
 
 from vllm_servicer import SERVICE_NAME
@@ -84,17 +84,7 @@ async def test_a_call_cancelled_while_its_requests_enter_the_engine_leaves_them(
     vLLM's handler encodes side by side."""
     engine, channel, state = pooling
     rid = f"entering-{method}"
-    core = engine.engine_core
-    hand_over = core.add_request_async
-    handed: list[str] = []
-
-    async def slow_hand_over(engine_request: Any) -> None:
-        await hand_over(engine_request)
-        if rid in engine_request.request_id:
-            handed.append(engine_request.request_id)
-            await asyncio.sleep(30)  # the cancel lands here
-
-    monkeypatch.setattr(core, "add_request_async", slow_hand_over)
+    handed = hold_hand_over(engine, rid, monkeypatch)
     # With the engine's own count of unfinished requests under each id.
     released = note_releases(state.running, partial(_unfinished_under, engine), monkeypatch)
     texts = 1

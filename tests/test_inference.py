@@ -26,6 +26,7 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from support import (
     bearer,
+    hold_hand_over,
     note_releases,
     request,
     serving,
@@ -593,17 +594,7 @@ async def test_a_call_cancelled_while_its_request_enters_the_engine_leaves_it(
     handlers, through the mount's guard)."""
     assert await wait_until_idle(engine, 30) == 0  # what an earlier test left has ended
     rid = f"entering-{protocol}"
-    core = engine.engine_core
-    hand_over = core.add_request_async
-    handed = asyncio.Event()
-
-    async def slow_hand_over(engine_request: Any) -> None:
-        await hand_over(engine_request)
-        if rid in engine_request.request_id:
-            handed.set()
-            await asyncio.sleep(30)  # the cancel lands here
-
-    monkeypatch.setattr(core, "add_request_async", slow_hand_over)
+    handed = hold_hand_over(engine, rid, monkeypatch)
     released = note_releases(
         served.mounted.state.running, lambda _: unfinished(engine), monkeypatch
     )
@@ -638,7 +629,7 @@ async def test_a_call_cancelled_while_its_request_enters_the_engine_leaves_it(
                     PROMPT, stream=True, request_id=rid, max_tokens=500, ignore_eos=True
                 )
                 call = vllm_engine_pb2_grpc.VllmEngineStub(channel).Generate(generate, timeout=60)
-        await asyncio.wait_for(handed.wait(), 30)
+        assert await settle(lambda: bool(handed), 30)
         assert unfinished(engine) == 1
         call.cancel()
         assert await settle(lambda: any(rid in request_id for request_id, _ in released))

@@ -21,7 +21,7 @@ spawns inherit that path, so they can load `support.kv_echo_connector`.
 """
 
 from .calls import collect, completes, next_kv_event, request, streamed_tokens
-from .probes import note_releases, rss_kb, settle, unfinished, wait_until_idle
+from .probes import hold_hand_over, note_releases, rss_kb, settle, unfinished, wait_until_idle
 from .servers import PLACEMENTS, Serving, bearer, free_port, placed, serving
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "completes",
     "next_kv_event",
     "free_port",
+    "hold_hand_over",
     "placed",
     "note_releases",
     "request",

@@ -35,6 +35,24 @@ def note_releases(
     return released
 
 
+def hold_hand_over(engine: Any, marker: str, monkeypatch: Any) -> list[str]:
+    """Each request whose engine id holds `marker` is handed to the engine core,
+    then its hand-over is held open (30 s): the one await where a cancel finds
+    vLLM's `generate` and `encode` with nothing to abort. The ids handed so far."""
+    core = engine.engine_core
+    hand_over = core.add_request_async
+    handed: list[str] = []
+
+    async def held(engine_request: Any) -> None:
+        await hand_over(engine_request)
+        if marker in engine_request.request_id:
+            handed.append(engine_request.request_id)
+            await asyncio.sleep(30)  # a cancel lands here
+
+    monkeypatch.setattr(core, "add_request_async", held)
+    return handed
+
+
 def unfinished(engine: Any) -> int:
     """Requests the engine still holds (vLLM 0.32: the output processor's count)."""
     return int(engine.output_processor.get_num_unfinished_requests())
