@@ -225,6 +225,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "frontends",
         "budgets",
         "load_report",
+        "shares",
     ),
     ("multimodal", "status", "health", "reflection"),
     # Side by side: they share `context`, never import one another.

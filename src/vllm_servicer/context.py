@@ -20,6 +20,10 @@ from .wire.usage import GenerationUsage
 ADMIN_ROLE = "admin"
 """The role of identities that administer the server (any request may be aborted)."""
 
+ROUTER_ROLE = "router"
+"""The role of a router's identity: it reads what routing needs and no tenant may
+see (KV events carry every tenant's token ids) and sets KV transfer parameters."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Identity:
@@ -32,7 +36,10 @@ class Identity:
         attributes: extra non-secret facts (certificate SANs, JWT claims).
         parts: for `AllOf`, the identity each verifier returned.
         roles: roles granted to the identity (`ADMIN_ROLE`: may abort any
-            request, not only its own); permissions may use them too.
+            request, not only its own; `ROUTER_ROLE`: routing data); permissions
+            may use them too.
+        weight: its weight in the fair shares of pooled slots (`shares.py`):
+            an identity of weight 2 is due twice the share of one of weight 1.
     """
 
     name: str
@@ -40,11 +47,17 @@ class Identity:
     attributes: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     parts: tuple[Identity, ...] = ()
     roles: frozenset[str] = frozenset()
+    weight: float = 1.0
 
     @property
     def is_admin(self) -> bool:
         """Whether the identity administers the server."""
         return ADMIN_ROLE in self.roles
+
+    @property
+    def is_router(self) -> bool:
+        """Whether the identity may read routing data (a router's or an admin's)."""
+        return ROUTER_ROLE in self.roles or ADMIN_ROLE in self.roles
 
 
 current_identity: contextvars.ContextVar[Identity | None] = contextvars.ContextVar(
