@@ -28,6 +28,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from support import bearer, request, serving
 from support.h2_grpc import RawReply, raw_call
 
+from vllm_servicer.context import blame_caller
 from vllm_servicer.frontends import FrontendGroup
 from vllm_servicer.interceptors import (
     AuthInterceptor,
@@ -188,6 +189,10 @@ async def stand_in() -> AsyncIterator[tuple[str, LoadReporter]]:
     reporter = LoadReporter(lambda: EngineLoad(3, 1, 16, 0.2), CallRates(), refresh=0)
 
     async def generate(request: bytes, context: Any) -> AsyncIterator[bytes]:
+        if request.startswith(b"CALLERS:"):
+            # A refusal for the caller's own doing (past its share), as the pools mark it.
+            blame_caller()
+            request = request.removeprefix(b"CALLERS:")
         if request != b"OK":
             await context.abort(grpc.StatusCode[request.decode()], "as asked")
         context.set_trailing_metadata((("x-handler", "kept"),))
@@ -231,10 +236,18 @@ async def test_engine_calls_ending_ok_carry_the_report_and_server_faults_count_a
     health = await raw_call(address, HEALTH_CHECK, b"")
     assert health.status == 0 and TRAILER_KEY not in health.trailers
     failed = ("UNAVAILABLE", "RESOURCE_EXHAUSTED", "INTERNAL", "DEADLINE_EXCEEDED")
-    clients = ("INVALID_ARGUMENT", "NOT_FOUND", "ALREADY_EXISTS", "PERMISSION_DENIED")
+    clients = (
+        "INVALID_ARGUMENT",
+        "NOT_FOUND",
+        "ALREADY_EXISTS",
+        "PERMISSION_DENIED",
+        "UNIMPLEMENTED",  # a field this server does not serve
+        "CALLERS:RESOURCE_EXHAUSTED",  # a tenant past its own share
+        "CALLERS:DEADLINE_EXCEEDED",  # a request message never sent
+    )
     for code in failed + clients:
         reply = await raw_call(address, GENERATE, code.encode())
-        assert reply.status == grpc.StatusCode[code].value[0]
+        assert reply.status == grpc.StatusCode[code.removeprefix("CALLERS:")].value[0]
         assert TRAILER_KEY not in reply.trailers  # the status left before the hook ran
     # Every engine call counts; only the server's own faults count as errors.
     # (A refused call's end is counted just after its status has left.)

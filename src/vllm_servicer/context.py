@@ -82,6 +82,24 @@ def caller_name() -> str | None:
     return None if identity is None else identity.name
 
 
+_caller_at_fault: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "vllm_servicer_caller_at_fault", default=False
+)
+
+
+def blame_caller() -> None:
+    """Mark the current call as refused for its caller's own doing (past its own
+    share, a request never sent): not a failure of the server's, so load reports
+    leave it out of their error rate (a tenant's refusals must not steer
+    balancers away from a healthy replica)."""
+    _caller_at_fault.set(True)
+
+
+def caller_at_fault() -> bool:
+    """Whether `blame_caller` marked the current call."""
+    return _caller_at_fault.get()
+
+
 current_request_id: contextvars.ContextVar[str] = contextvars.ContextVar(
     "vllm_servicer_request_id", default=""
 )

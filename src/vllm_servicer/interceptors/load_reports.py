@@ -8,7 +8,7 @@ endpoint by what it says, so that new calls go to the less-loaded replica.
 `xds.data.orca.v3.OrcaLoadReport`, `load_report.LoadReporter`'s cached one) to
 every engine call (Generate and Embed, vllm.Inference's Generate and
 GenerateStream) that ends OK, and counts each engine call's end, and whether it
-failed, for the report's `rps_fractional` and `eps`. Only an engine call's end
+failed by the server's fault, for the report's `rps_fractional` and `eps`. Only an engine call's end
 does any work: nothing per streamed message.
 
 A call that fails is aborted with its status at once, before this hook runs:
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import grpc
 
+from ..context import caller_at_fault
 from ..load_report import LoadReporter
 from ._base import CallInterceptor, MethodFilter
 from ._call import Call
@@ -39,15 +40,17 @@ FAILED_CODES: frozenset[grpc.StatusCode] = frozenset(
         grpc.StatusCode.DATA_LOSS,
         grpc.StatusCode.RESOURCE_EXHAUSTED,
         grpc.StatusCode.DEADLINE_EXCEEDED,
-        grpc.StatusCode.UNIMPLEMENTED,
     }
 )
 """The ends that count as the server's errors in `eps`: it failed, was full or too slow.
 
 A balancer's penalty for errors keeps a replica that fails fast from drawing
 calls for its short answers. A client's mistakes (INVALID_ARGUMENT,
-NOT_FOUND, ALREADY_EXISTS, PERMISSION_DENIED, ...) and its cancels are not the
-replica's fault.
+NOT_FOUND, ALREADY_EXISTS, PERMISSION_DENIED, UNIMPLEMENTED for a field this
+server does not serve, ...) and its cancels are not the replica's fault, nor
+is a refusal marked as the caller's own (`context.blame_caller`: a tenant
+past its share, a request message never sent): one tenant's refused calls
+would otherwise steer every tenant's traffic away from a healthy replica.
 """
 
 
@@ -67,7 +70,7 @@ class LoadReportInterceptor(CallInterceptor):
     def on_finish(self, call: Call) -> None:
         reporter = self.reporter
         code = call.code
-        reporter.call_ended(code in FAILED_CODES)
+        reporter.call_ended(code in FAILED_CODES and not caller_at_fault())
         if code is not _OK:
             return  # aborted: the status and its trailers are sent already
         context = call.context
