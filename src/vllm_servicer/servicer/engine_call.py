@@ -212,9 +212,13 @@ class EngineCallSteps:
         them; without this they stay pinned until the connector's lease expires.
         A cancelled call is not reported: once the engine holds the request, its
         abort runs the connector's hook itself. A request without
-        `do_remote_prefill` holds nothing; a failure to tell is logged.
+        `do_remote_prefill` holds nothing; a failure to tell is logged. Nor
+        are the parameters of a caller who may not send them (refused as
+        such): the connector would act on what that caller wrote.
         """
         if not self.kv_connector or not kv_transfer.get("do_remote_prefill"):
+            return
+        if not may_route(self._routing_for_every_key):
             return
         try:
             await self._engine.notify_kv_transfer_request_rejected(
