@@ -18,6 +18,7 @@ from support import bearer, collect, completes, placed, request, serving, unfini
 from vllm_servicer import SERVICE_NAME, server_options
 from vllm_servicer.interceptors._base import methods_of
 from vllm_servicer.interceptors.auth import (
+    AllOf,
     ApiKeyVerifier,
     AuthInterceptor,
     CallableVerifier,
@@ -353,6 +354,9 @@ async def test_a_key_files_lines_give_roles_and_weights(tmp_path: Path) -> None:
     ops = await verifier(bearer("key-ops"), {})
     assert (ops.roles, ops.weight) == ({"router", "admin", "extra"}, 3.0)
     assert (await verifier(bearer("key-both"), {})).roles == {"router", "admin", "extra"}
+    # Composed, the identity keeps its weight and roles.
+    composed = await AllOf(verifier, CallableVerifier(lambda md, ac: "any"))(bearer("key-ops"), {})
+    assert (composed.name, composed.roles, composed.weight) == ("ops", ops.roles, 3.0)
 
 
 @pytest.mark.parametrize(

@@ -593,6 +593,7 @@ class AllOf:
             attributes=first.attributes,
             parts=tuple(parts),
             roles=first.roles,
+            weight=first.weight,
         )
 
 
