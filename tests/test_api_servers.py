@@ -59,8 +59,11 @@ pytestmark = pytest.mark.timeout(START_TIMEOUT + 300)
 TENANT_A = "tenant-a-0123456789abcdefABCDEF"
 TENANT_B = "tenant-b-0123456789abcdefABCDEF"
 ADMIN = "admin-0123456789abcdefABCDEF"
+# KV events are a router's: two routers, to see one's cap leave the other its share.
+ROUTER_A = "router-a-0123456789abcdefABCDEF"
+ROUTER_B = "router-b-0123456789abcdefABCDEF"
 MAX_INFLIGHT = 6
-MAX_KV_SUBSCRIBERS = 4  # 2 per tenant
+MAX_KV_SUBSCRIBERS = 4  # 2 per router
 LONG = 2000  # tokens: a request that is still running when the test acts on it
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -100,6 +103,10 @@ async def launcher(
         TENANT_B,
         "--admin-api-key",
         ADMIN,
+        "--router-api-key",
+        ROUTER_A,
+        "--router-api-key",
+        ROUTER_B,
         "--max-inflight",
         str(MAX_INFLIGHT),
         "--max-kv-subscribers",
@@ -565,9 +572,15 @@ async def test_a_socket_planted_in_a_peers_place_is_not_believed(
 
 
 async def test_the_kv_event_caps_hold_across_processes(connections: Connections) -> None:
-    a, b = bearer(TENANT_A), bearer(TENANT_B)
+    a, b = bearer(ROUTER_A), bearer(ROUTER_B)
     subscribe = common_pb2.SubscribeKvEventsRequest()
-    # Tenant A's share is 2 (half of 4): one in each process, then none in either.
+    for i in (0, 1):  # a tenant's key reads no KV events in either process
+        with pytest.raises(grpc.aio.AioRpcError) as denied:
+            await (
+                connections.engine(i).SubscribeKvEvents(subscribe, metadata=bearer(TENANT_A)).read()
+            )
+        assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    # Router A's share is 2 (half of 4): one in each process, then none in either.
     held = [connections.engine(i).SubscribeKvEvents(subscribe, metadata=a) for i in (0, 1)]
     try:
         await asyncio.sleep(1.0)  # both streams opened
@@ -576,7 +589,7 @@ async def test_the_kv_event_caps_hold_across_processes(connections: Connections)
                 await connections.engine(i).SubscribeKvEvents(subscribe, metadata=a).read()
             assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "per-caller limit is 2" in (refused.value.details() or "")
-        # Tenant B still gets its own share.
+        # Router B still gets its own share.
         other = connections.engine(1).SubscribeKvEvents(subscribe, metadata=b)
         await asyncio.sleep(0.5)
         assert not other.done()

@@ -18,6 +18,7 @@ from support import bearer, collect, completes, placed, request, serving, unfini
 from vllm_servicer import SERVICE_NAME, server_options
 from vllm_servicer.interceptors._base import methods_of
 from vllm_servicer.interceptors.auth import (
+    AllOf,
     ApiKeyVerifier,
     AuthInterceptor,
     CallableVerifier,
@@ -329,6 +330,58 @@ async def test_key_file_reloads_on_change(tmp_path: Path) -> None:
     with pytest.raises(Exception, match="invalid API key"):
         await verifier(bearer("key-one"), {})
     assert (await verifier(bearer("key-three"), {})).name == "second"
+
+
+async def test_a_key_files_lines_give_roles_and_weights(tmp_path: Path) -> None:
+    path = tmp_path / "keys"
+    path.write_text(
+        "tenant-a: key-a\n"
+        "big: key-big weight=2.5\n"
+        "router: key-router role=router   # the cache-aware router\n"
+        "router: key-router-next role=router\n"
+        "ops: key-ops role=router,admin weight=3\n"
+        "both: key-both role=router role=admin\n"
+    )
+    verifier = ApiKeyVerifier.from_file(path, roles={"extra"})
+    found = {key: await verifier(bearer(key), {}) for key in ("key-a", "key-big", "key-router")}
+    assert (found["key-a"].roles, found["key-a"].weight) == ({"extra"}, 1.0)
+    assert not found["key-a"].is_router
+    assert found["key-big"].weight == 2.5
+    router = found["key-router"]
+    # A file's roles add to the verifier's.
+    assert router.roles == {"router", "extra"} and router.is_router and not router.is_admin
+    assert await verifier(bearer("key-router-next"), {}) == router  # one identity
+    ops = await verifier(bearer("key-ops"), {})
+    assert (ops.roles, ops.weight) == ({"router", "admin", "extra"}, 3.0)
+    assert (await verifier(bearer("key-both"), {})).roles == {"router", "admin", "extra"}
+    # Composed, the identity keeps its weight and roles.
+    composed = await AllOf(verifier, CallableVerifier(lambda md, ac: "any"))(bearer("key-ops"), {})
+    assert (composed.name, composed.roles, composed.weight) == ("ops", ops.roles, 3.0)
+
+
+@pytest.mark.parametrize(
+    ("lines", "words"),
+    [
+        ("a: key-a\nb: key-b role=owner\n", ["keys:2", "unknown role 'owner'"]),
+        ("a: key-a role=router,\n", ["keys:1", "unknown role ''"]),
+        ("a: key-a weight=0\n", ["keys:1", "positive number", "'0'"]),
+        ("a: key-a weight=-1\n", ["keys:1", "positive number"]),
+        ("a: key-a weight=nan\n", ["keys:1", "positive number"]),
+        ("a: key-a weight=inf\n", ["keys:1", "positive number"]),
+        ("a: key-a weight=heavy\n", ["keys:1", "positive number"]),
+        ("a: key-a weight=1 weight=2\n", ["keys:1", "weight given twice"]),
+        ("a: key-a colour=red\n", ["keys:1", "unknown setting 'colour'"]),
+        ("a: key-a router\n", ["keys:1", "'router'", "name=value"]),
+        ("\n# c\nr: k1 role=router\nr: k2\n", ["keys:4", "'r'", "line 3"]),
+        ("r: k1 weight=2\nr: k2 weight=3\n", ["keys:2", "'r'", "line 1"]),
+    ],
+)
+def test_a_bad_key_file_line_is_named(tmp_path: Path, lines: str, words: list[str]) -> None:
+    path = tmp_path / "keys"
+    path.write_text(lines)
+    with pytest.raises(ValueError) as err:
+        ApiKeyVerifier.from_file(path)
+    assert all(word in str(err.value) for word in words), str(err.value)
 
 
 def _empty(path: Path) -> None:

@@ -2,9 +2,9 @@
 and client certificates.
 
 The interceptor stack is the one `python -m vllm_servicer serve` builds, on a
-real server with the real engine: an inference key serves and routes (loads,
-KV events, Abort of its own requests), only the admin key flushes the cache,
-profiles, and aborts anyone's requests. A running request's id is its
+real server with the real engine: an inference key serves (loads, Abort of its
+own requests), only a router or admin key reads KV events, only the admin key
+flushes the cache, profiles, and aborts anyone's requests. A running request's id is its
 caller's: another caller cannot start a request under it. With client
 certificates and no keys, only the subjects named admin administer.
 """
@@ -33,6 +33,7 @@ from vllm_servicer.tls import server_credentials, warn_if_exposed
 TENANT_A = "tenant-a-0123456789abcdefABCDEF"
 TENANT_B = "tenant-b-0123456789abcdefABCDEF"
 ADMIN = "admin-0123456789abcdefABCDEF"
+ROUTER = "router-0123456789abcdefABCDEF"
 
 
 @pytest.fixture(autouse=True)
@@ -57,7 +58,7 @@ async def stub(
     admin_file = tmp_path_factory.mktemp("admin") / "admin-keys"
     admin_file.write_text(f"ops: {ADMIN}\n")
     argv = ["--api-key", TENANT_A, "--api-key", TENANT_B, "--admin-api-key-file", str(admin_file)]
-    server, mounted, address = await _serve(engine, argv)
+    server, mounted, address = await _serve(engine, [*argv, "--router-api-key", ROUTER])
     async with grpc.aio.insecure_channel(address) as channel:
         yield vllm_engine_pb2_grpc.VllmEngineStub(channel)
     await mounted.health.close()
@@ -87,18 +88,26 @@ def _admin_calls(stub: Any, metadata: Any) -> dict[str, Any]:
     }
 
 
-async def test_inference_key_serves_and_routes_but_cannot_administer(
+async def test_inference_key_serves_but_neither_routes_nor_administers(
     stub: vllm_engine_pb2_grpc.VllmEngineStub,
 ) -> None:
     tenant = bearer(TENANT_A)
     assert (await stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=tenant)).model_path
-    # What a router in front needs, with the key it is given.
     assert await _code(stub.GetLoads(pb.GetLoadsRequest(), metadata=tenant)) == grpc.StatusCode.OK
-    kv = stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(), metadata=tenant)
-    assert await _code(kv) not in (
-        grpc.StatusCode.PERMISSION_DENIED,
-        grpc.StatusCode.UNAUTHENTICATED,
-    )
+    # KV events carry every tenant's token ids: a router's (and an admin's), not a tenant's.
+    with pytest.raises(grpc.aio.AioRpcError) as denied:
+        await stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(), metadata=tenant).read()
+    assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    details = denied.value.details() or ""
+    assert "router role" in details and "--router-api-key" in details, details
+    assert "--routing-data-for-every-key" in details, details
+    for key in (ROUTER, ADMIN):
+        kv = stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(), metadata=bearer(key))
+        # Allowed (this engine publishes no events: UNIMPLEMENTED).
+        assert await _code(kv) == grpc.StatusCode.UNIMPLEMENTED, key
+        assert (await stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=bearer(key))).model_path
+    for name, call in _admin_calls(stub, bearer(ROUTER)).items():
+        assert await _code(call()) == grpc.StatusCode.PERMISSION_DENIED, name
     for name, call in _admin_calls(stub, tenant).items():
         assert await _code(call()) == grpc.StatusCode.PERMISSION_DENIED, name
     for name, call in _admin_calls(stub, bearer(ADMIN)).items():
@@ -241,6 +250,7 @@ def test_server_only_tls_does_not_silence_the_exposure_warning(
     [
         ["--api-key", "a", "--api-key-file", "f"],
         ["--admin-api-key", "a", "--admin-api-key-file", "f"],
+        ["--router-api-key", "a", "--router-api-key-file", "f"],
     ],
 )
 def test_one_source_per_role(argv: list[str]) -> None:
@@ -318,12 +328,41 @@ async def test_client_certificates_alone_administer_only_as_named_subjects(
             *("--tls-cert", "c.pem", "--tls-key", "k.pem", "--tls-client-ca", "ca.pem"),
             *("--api-key", TENANT_A, "--admin-tls-subject", "ops"),
         ],
+        ["--router-tls-subject", "router"],
+        [
+            *("--tls-cert", "c.pem", "--tls-key", "k.pem", "--tls-client-ca", "ca.pem"),
+            *("--router-api-key", ROUTER, "--router-tls-subject", "router"),
+        ],
     ],
-    ids=["without-client-ca", "with-keys"],
+    ids=["without-client-ca", "with-keys", "router-without-client-ca", "router-with-keys"],
 )
 def test_admin_tls_subject_is_for_certificates_alone(argv: list[str]) -> None:
     with pytest.raises(SystemExit):
         parse_args(["serve", "--model", "m", *argv])
+
+
+async def test_client_certificates_read_kv_events_only_as_router_or_admin_subjects(
+    engine: Any, ca: CertificateAuthority, tmp_path: Path
+) -> None:
+    argv = ["--router-tls-subject", "router", "--admin-tls-subject", "ops"]
+    server, mounted, address = await _serve_mtls(engine, ca, tmp_path, argv)
+    try:
+        for name, expected in (
+            ("router", grpc.StatusCode.UNIMPLEMENTED),  # allowed: this engine publishes none
+            ("ops", grpc.StatusCode.UNIMPLEMENTED),
+            ("tenant", grpc.StatusCode.PERMISSION_DENIED),
+        ):
+            client = ca.client(name)
+            credentials = grpc.ssl_channel_credentials(ca.pem, client.key, client.cert)
+            async with grpc.aio.secure_channel(address, credentials) as channel:
+                stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+                call = stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(), timeout=60)
+                assert await _code(call) == expected, name
+                flush = await _code(stub.FlushCache(common_pb2.FlushCacheRequest(), timeout=60))
+                assert (flush == grpc.StatusCode.PERMISSION_DENIED) == (name != "ops"), name
+    finally:
+        await mounted.health.close()
+        await server.stop(None)
 
 
 async def test_http_api_gives_client_certificates_alone_no_admin_role() -> None:

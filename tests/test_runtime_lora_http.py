@@ -10,13 +10,22 @@ engine run one adapter's weights for the other's requests.
 Render takes a gRPC adapter's name and renders as vLLM does for the same
 adapter loaded over HTTP.
 
+vLLM switches that reach past those routes: with a LoRA resolver plugin
+(`VLLM_LORA_RESOLVER_CACHE_DIR`), a request naming an unknown model makes
+vLLM load the adapter of that name for everyone, so only an admin key's
+request does; with the Responses store (`VLLM_ENABLE_RESPONSES_API_STORE`),
+stored responses are anyone's who names their id, so the Responses API is
+an admin key's.
+
 One launcher: the tiny Llama with real weights (an adapter changes its
-tokens), LoRA on, both protocols, a tenant key and an admin key.
+tokens), LoRA on, both protocols, a tenant key and an admin key, vLLM's
+filesystem LoRA resolver and its Responses store on.
 """
 
 from __future__ import annotations
 
 import collections
+import json
 import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -26,7 +35,7 @@ from typing import Any
 import grpc
 import httpx
 import pytest
-from support import bearer
+from support import bearer, settle
 from support.launcher import START_TIMEOUT, launched
 from support.vllm_protocol import reference_modules, shipped_modules
 
@@ -47,6 +56,7 @@ TENANT = "lora-tenant-0123456789abcdefABCDEF"
 ADMIN = "lora-admin-0123456789abcdefABCDEF"
 PROMPT = [5, 17, 42, 99, 7, 63, 21, 88]
 ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+RESOLVABLE = "resolvable-c"  # an adapter vLLM's filesystem resolver finds by name
 
 
 @dataclass
@@ -66,6 +76,12 @@ async def launcher(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[La
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_API_KEY")}
     env.update(apply_cpu_env_defaults())
     env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
+    resolvable = write_tiny_lora_adapter(root / "resolver" / RESOLVABLE, seed=2)
+    config = json.loads((resolvable / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = str(model)  # the resolver matches the base model
+    (resolvable / "adapter_config.json").write_text(json.dumps(config))
+    env["VLLM_LORA_RESOLVER_CACHE_DIR"] = str(root / "resolver")
+    env["VLLM_ENABLE_RESPONSES_API_STORE"] = "1"
     env["VLLM_SERVICER_CACHE"] = str(root / "cache")
     flags = (
         "--model", str(model), *tiny_engine_flags(TINY_LORA_ENGINE_KWARGS), "--http-port", "0",
@@ -170,3 +186,50 @@ async def test_render_takes_an_adapters_name_and_renders_as_vllm_does_for_it(
     )
     assert chat.status_code == 200, chat.text
     assert chat.json()["prompt_token_ids"] == ids
+
+
+async def _model_ids(launcher: Launcher) -> set[str]:
+    async with httpx.AsyncClient(base_url=launcher.http_url, timeout=120) as client:
+        reply = await client.get("/v1/models", headers=dict(bearer(ADMIN)))
+    return {model["id"] for model in reply.json()["data"]}
+
+
+async def test_a_tenant_naming_an_unknown_model_makes_vllm_load_no_adapter(
+    launcher: Launcher,
+) -> None:
+    """vLLM's resolver would load the adapter the name finds, for every tenant; only
+    an administrator's request may."""
+    body = {"model": RESOLVABLE, "prompt": PROMPT, "max_tokens": 2, "temperature": 0}
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        if path.endswith("chat/completions"):
+            body = {**body, "messages": [{"role": "user", "content": "Hi"}]}
+            del body["prompt"]
+        reply = await _post(launcher, path, TENANT, body)
+        assert reply.status_code in (400, 404), reply.text
+        assert RESOLVABLE not in await _model_ids(launcher)
+    # vLLM logs why the adapter its resolver found did not load.
+    assert await settle(
+        lambda: any("only an admin key loads adapters" in line for line in launcher.output), 30
+    )
+    reply = await _post(launcher, "/v1/chat/completions", ADMIN, body)
+    assert reply.status_code == 200, reply.text
+    assert RESOLVABLE in await _model_ids(launcher)
+
+
+async def test_the_responses_store_is_an_admin_keys(launcher: Launcher) -> None:
+    """Stored responses are read, cancelled and continued by id, whoever stored them."""
+    async with httpx.AsyncClient(base_url=launcher.http_url, timeout=120) as client:
+        for key, expected in ((TENANT, 403), (ADMIN, 404)):
+            headers = dict(bearer(key))
+            for reply in (
+                await client.get("/v1/responses/resp_someone-elses", headers=headers),
+                await client.post("/v1/responses/resp_someone-elses/cancel", headers=headers),
+            ):
+                assert reply.status_code == expected, (key, reply.text)
+            body = {"input": "Hi", "previous_response_id": "resp_someone-elses"}
+            reply = await client.post("/v1/responses", json=body, headers=headers)
+            if key == TENANT:
+                assert reply.status_code == 403, reply.text
+                assert "VLLM_ENABLE_RESPONSES_API_STORE" in reply.text
+            else:
+                assert reply.status_code != 403, reply.text

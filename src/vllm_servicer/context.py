@@ -76,6 +76,16 @@ def tenant() -> str | None:
     return None if identity is None or identity.is_admin else identity.name
 
 
+def may_route(open_to_every_key: bool = False) -> bool:
+    """Whether the current caller may send or read routing data (KV transfer
+    parameters, KV events): a router or an administrator, any caller when
+    `open_to_every_key` (the operator's opt-in), and a call without
+    credentials (a server without authentication has no tenants to keep apart).
+    """
+    identity = current_identity.get()
+    return open_to_every_key or identity is None or identity.is_router
+
+
 def caller_name() -> str | None:
     """The current caller's identity name; None for a call without credentials."""
     identity = current_identity.get()

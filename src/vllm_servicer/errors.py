@@ -49,6 +49,32 @@ class InvalidRequestError(FieldError, ValueError):
     status_reason: ClassVar[str] = "INVALID_ARGUMENT"
 
 
+ROUTER_ROLE_HINT = (
+    "it needs the router role: a router key (--router-api-key, or role=router on its line "
+    "of the key file), a --router-tls-subject certificate or an admin key; or serve with "
+    "--routing-data-for-every-key (mount(routing_data_for_every_key=True))"
+)
+"""How a caller gets routing data: the message every refusal of it carries."""
+
+
+class RoutingDataError(FieldError, RuntimeError):
+    """A request field only a router may set (KV transfer parameters: they make a
+    prefill engine hold blocks, a decode engine connect where the caller says),
+    sent by a caller without the router or admin role.
+
+    Args:
+        field: the request field.
+        reason: why it is refused; by default, the role it needs and how to get it.
+    """
+
+    status_code: ClassVar[str] = "PERMISSION_DENIED"
+    status_reason: ClassVar[str] = "ROUTER_ROLE_REQUIRED"
+
+    def __init__(self, field: str, reason: str = "") -> None:
+        reason = reason or f"KV transfer parameters are a router's; {ROUTER_ROLE_HINT}"
+        super().__init__(field, reason)
+
+
 class MediaUnavailableError(FieldError, RuntimeError):
     """An image could not be fetched for a reason on the far side (no answer in
     time, connection refused, a 5xx): the same request may succeed later.

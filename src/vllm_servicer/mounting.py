@@ -130,6 +130,7 @@ def mount(
     stream_interval: int = 1,
     stream_interval_min_inflight: int = 0,
     chat_template: str | None = None,
+    routing_data_for_every_key: bool = False,
 ) -> MountedServices:
     """Serve vLLM's gRPC protocols from `engine` on the host's `server`.
 
@@ -198,6 +199,13 @@ def mount(
             (the new one counted): a lightly loaded server streams every step.
         chat_template: the chat template Render uses instead of the model's
             (a file or the template itself, as vLLM's `--chat-template`).
+        routing_data_for_every_key: take KV transfer parameters (which make a
+            prefill engine hold blocks, a decode engine connect where the
+            caller says) from every authenticated caller. Off, the default,
+            only identities with the router or admin role may send them
+            (PERMISSION_DENIED for others); calls without credentials always
+            may. KV events are kept to routers by the interceptors'
+            permissions (`role_permissions`), not by this option.
 
     Returns:
         What was mounted: the servicers (None for a protocol not served), the
@@ -221,6 +229,7 @@ def mount(
         stream_interval=stream_interval,
         stream_interval_min_inflight=stream_interval_min_inflight,
         chat_template=chat_template,
+        routing_data_for_every_key=routing_data_for_every_key,
     )
     given = _inflight_of(interceptors)
     inflight = given if given is not None else InflightInterceptor()

@@ -48,6 +48,11 @@ class MountOptions:
         chat_template: the chat template Render uses instead of the model's
             (a file or the template itself, as vLLM's `--chat-template`);
             None: the model's.
+        routing_data_for_every_key: take KV transfer parameters from every
+            caller, not only from identities with the router or admin role.
+            KV events follow the authentication's permissions instead
+            (`role_permissions` keeps them to routers; the launcher's
+            `--routing-data-for-every-key` opens both).
     """
 
     max_kv_subscribers: int = DEFAULT_MAX_KV_SUBSCRIBERS
@@ -59,6 +64,7 @@ class MountOptions:
     stream_interval: int = 1
     stream_interval_min_inflight: int = 0
     chat_template: str | None = None
+    routing_data_for_every_key: bool = False
 
     def __post_init__(self) -> None:
         # Frozen all through: a copy the caller cannot change under the servicers.

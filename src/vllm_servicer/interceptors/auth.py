@@ -38,10 +38,12 @@ Secrets are never logged: keys are named by a label.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import inspect
 import logging
+import math
 import os
 import re
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
@@ -50,9 +52,9 @@ from typing import Any, Protocol
 
 import grpc
 
-from ..context import ADMIN_ROLE, Identity, current_identity
-from ..errors import AuthError, PermissionDenied, Unauthenticated
-from ..proto import ADMIN_METHODS, ORCA_SERVICE
+from ..context import ADMIN_ROLE, ROUTER_ROLE, Identity, current_identity
+from ..errors import ROUTER_ROLE_HINT, AuthError, PermissionDenied, Unauthenticated
+from ..proto import ADMIN_METHODS, ORCA_SERVICE, ROUTING_METHODS
 from ._base import CallInterceptor, MethodFilter
 from ._call import Call, Refusal
 
@@ -60,6 +62,8 @@ __all__ = [
     "DEFAULT_MAX_TOKEN_LENGTH",
     "ADMIN_METHODS",
     "ADMIN_ROLE",
+    "ROUTER_ROLE",
+    "ROUTING_METHODS",
     "AllOf",
     "AnyOf",
     "ApiKeyVerifier",
@@ -75,6 +79,7 @@ __all__ = [
     "key_label",
     "requires_auth_by_default",
     "role_permissions",
+    "routing_for_every_key",
 ]
 
 logger = logging.getLogger(__name__)
@@ -109,11 +114,32 @@ class Verifier(Protocol):
 
 
 def role_permissions(identity: Identity, method: str) -> bool:
-    """Permissions by role: `ADMIN_METHODS` need `ADMIN_ROLE`, the rest any identity.
+    """Permissions by role: `ADMIN_METHODS` need `ADMIN_ROLE`, `ROUTING_METHODS`
+    (KV events, which carry every tenant's token ids) `ROUTER_ROLE` or
+    `ADMIN_ROLE`, the rest any identity.
 
     Pass as `AuthInterceptor(..., permissions=role_permissions)`; the launcher does.
     """
-    return method not in ADMIN_METHODS or ADMIN_ROLE in identity.roles
+    if method in ADMIN_METHODS:
+        return identity.is_admin
+    return method not in ROUTING_METHODS or identity.is_router
+
+
+def routing_for_every_key(identity: Identity, method: str) -> bool:
+    """`role_permissions` with the routing methods open to every identity: for a
+    server whose keys are all trusted with each other's traffic (the launcher's
+    `--routing-data-for-every-key`)."""
+    return method not in ADMIN_METHODS or identity.is_admin
+
+
+def _denial(identity: Identity, method: str) -> str:
+    """The refusal's message: the method, and the role it needs when the caller lacks it."""
+    message = f"{identity.name!r} may not call {method}"
+    if method in ADMIN_METHODS and not identity.is_admin:
+        return f"{message}: it needs the admin role (an admin key, or role=admin in a key file)"
+    if method in ROUTING_METHODS and not identity.is_router:
+        return f"{message}: KV events carry every tenant's token ids; {ROUTER_ROLE_HINT}"
+    return message
 
 
 def requires_auth_by_default(method: str) -> bool:
@@ -171,7 +197,7 @@ class AuthInterceptor(CallInterceptor):
         if not isinstance(identity, Identity):
             raise TypeError(f"verifier returned {type(identity).__name__}, not Identity")
         if self._allowed is not None and not self._allowed(identity, method):
-            raise PermissionDenied(f"{identity.name!r} may not call {method}")
+            raise PermissionDenied(_denial(identity, method))
         return identity
 
     async def on_admit(self, method: str, metadata: Any, context: Any) -> None:
@@ -253,22 +279,78 @@ def _check_key(key: str, max_length: int, where: str) -> str:
     return key
 
 
-def _parse_keys(text: str, where: str, max_length: int) -> dict[str, str]:
-    """Keys of a key file: one per line, `label: key` or `key`; '#' comments."""
-    keys: dict[str, str] = {}
+_KEY_ROLES = frozenset({ROUTER_ROLE, ADMIN_ROLE})
+
+
+@dataclasses.dataclass(frozen=True)
+class _KeyEntry:
+    """What one key establishes: its identity's label, the roles its line adds, its weight."""
+
+    label: str
+    roles: frozenset[str] = frozenset()
+    weight: float = 1.0
+
+
+def _parse_settings(settings: list[str], where: str) -> tuple[frozenset[str], float]:
+    """A key's `name=value` settings: `role=` (repeatable, or a comma list) and `weight=`."""
+    roles: set[str] = set()
+    weight: float | None = None
+    for setting in settings:
+        name, sep, value = setting.partition("=")
+        if not sep or not value:
+            raise ValueError(f"{where}: {setting!r} after the key is no name=value setting")
+        if name == "role":
+            for role in value.split(","):
+                if role not in _KEY_ROLES:
+                    known = ", ".join(sorted(_KEY_ROLES))
+                    raise ValueError(f"{where}: unknown role {role!r} (known: {known})")
+                roles.add(role)
+        elif name == "weight":
+            if weight is not None:
+                raise ValueError(f"{where}: weight given twice")
+            try:
+                weight = float(value)
+            except ValueError:
+                weight = math.nan
+            if not (math.isfinite(weight) and weight > 0):
+                raise ValueError(f"{where}: weight must be a positive number, got {value!r}")
+        else:
+            raise ValueError(f"{where}: unknown setting {name!r} (known: role, weight)")
+    return frozenset(roles), 1.0 if weight is None else weight
+
+
+def _parse_keys(text: str, where: str, max_length: int) -> dict[str, _KeyEntry]:
+    """Keys of a key file: one per line, `label: key` or `key`, then optional
+    `name=value` settings (`role=router`, `weight=2`); '#' comments.
+
+    Keys are RFC 6750 tokens, never whitespace, so what follows the key on its
+    line is its settings. Two keys under one label are one identity: their
+    settings must agree.
+    """
+    keys: dict[str, _KeyEntry] = {}
+    first_line: dict[str, tuple[int, _KeyEntry]] = {}
     for number, raw in enumerate(text.splitlines(), 1):
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
-        label, sep, key = line.partition(":")
+        label, sep, rest = line.partition(":")
         if sep:
-            label, key = label.strip(), key.strip()
+            label = label.strip()
             if not label:
                 raise ValueError(f"{where}:{number}: empty label before ':'")
         else:
-            label, key = "", line
+            label, rest = "", line
+        key, *settings = rest.split() or [""]
         key = _check_key(key, max_length, f"{where}:{number}")
-        keys[key] = label or key_label(key)
+        roles, weight = _parse_settings(settings, f"{where}:{number}")
+        entry = _KeyEntry(label or key_label(key), roles, weight)
+        seen = first_line.setdefault(entry.label, (number, entry))
+        if (seen[1].roles, seen[1].weight) != (roles, weight):
+            raise ValueError(
+                f"{where}:{number}: label {entry.label!r} has other roles or another weight "
+                f"than on line {seen[0]}: the keys of one identity must agree"
+            )
+        keys[key] = entry
     return keys
 
 
@@ -308,9 +390,12 @@ class ApiKeyVerifier:
         self._max = max_token_length
         self._roles = frozenset(roles)
         if isinstance(keys, Mapping):
-            pairs = {_check_key(k, self._max, f"key {label!r}"): label for label, k in keys.items()}
+            pairs = {
+                _check_key(k, self._max, f"key {label!r}"): _KeyEntry(label)
+                for label, k in keys.items()
+            }
         else:
-            pairs = {_check_key(k, self._max, "key"): key_label(k) for k in keys}
+            pairs = {_check_key(k, self._max, "key"): _KeyEntry(key_label(k)) for k in keys}
         self._set_keys(pairs, "keys")
         self._path: Path | None = None
         self._signature: tuple[int, ...] | None = None
@@ -325,7 +410,11 @@ class ApiKeyVerifier:
     ) -> ApiKeyVerifier:
         """Keys from a file, re-read whenever it changes (no restart to rotate).
 
-        One key per line, optionally labelled `label: key`; blank lines and
+        One key per line, optionally labelled `label: key`, then optionally
+        whitespace-separated settings: `role=router` (repeatable, or a comma
+        list; `router` and `admin`), added to `roles`, and `weight=2` (the
+        identity's weight in fair shares, 1 by default). Keys under one label
+        are one identity and must carry the same settings. Blank lines and
         `#` comments are ignored. The file fails closed: once it is removed,
         unreadable, empty, comments only or holds a malformed line, no key is
         valid (every call UNAUTHENTICATED) until a good file is back, so
@@ -335,7 +424,8 @@ class ApiKeyVerifier:
 
         Raises:
             OSError: the file cannot be read at start.
-            ValueError: it holds a malformed key or no key at all at start.
+            ValueError: it holds a malformed key or setting, keys of one label
+                that disagree, or no key at all at start (the line is named).
         """
         file = Path(path)
         verifier = cls.__new__(cls)
@@ -370,12 +460,12 @@ class ApiKeyVerifier:
     def labels(self) -> tuple[str, ...]:
         """The labels of the keys in force."""
         self._maybe_reload()
-        return tuple(label for _, label in self._keys)
+        return tuple(entry.label for _, entry in self._keys)
 
-    def _set_keys(self, pairs: Mapping[str, str], where: object) -> None:
+    def _set_keys(self, pairs: Mapping[str, _KeyEntry], where: object) -> None:
         if not pairs:
             raise ValueError(f"{where}: no API key given")
-        self._keys = [(_digest(key), label) for key, label in pairs.items()]
+        self._keys = [(_digest(key), entry) for key, entry in pairs.items()]
 
     def _maybe_reload(self) -> None:
         if self._path is None:
@@ -401,14 +491,19 @@ class ApiKeyVerifier:
         self._maybe_reload()
         token = self._token(metadata)
         presented = _digest(token)
-        label = None
-        for digest, name in self._keys:
+        found = None
+        for digest, entry in self._keys:
             # No early exit: every key is compared whichever one matches.
             if hmac.compare_digest(presented, digest):
-                label = name
-        if label is None:
+                found = entry
+        if found is None:
             raise Unauthenticated("invalid API key")
-        return Identity(name=label, kind="api_key", roles=self._roles)
+        return Identity(
+            name=found.label,
+            kind="api_key",
+            roles=self._roles | found.roles,
+            weight=found.weight,
+        )
 
     def _token(self, metadata: Metadata) -> str:
         values = [value for key, value in metadata if key == "authorization"]
@@ -498,6 +593,7 @@ class AllOf:
             attributes=first.attributes,
             parts=tuple(parts),
             roles=first.roles,
+            weight=first.weight,
         )
 
 

@@ -40,6 +40,7 @@ from .methods import (
     ORCA_SERVICE,
     POOLING_SERVICE,
     RENDER_SERVICE,
+    ROUTING_METHODS,
     SERVICE_NAME,
     MethodRole,
 )
@@ -69,6 +70,7 @@ __all__ = [
     "POOL",
     "POOLING_SERVICE",
     "RENDER_SERVICE",
+    "ROUTING_METHODS",
     "SERVICE_NAME",
     "MethodRole",
     "common_pb2",

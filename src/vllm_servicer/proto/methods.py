@@ -3,7 +3,8 @@
 One table (`METHOD_ROLES`), read from the proto descriptors: the in-flight
 count and limit, the metrics and tracing (which calls run on the engine,
 which generate) and authorization (which methods are an administrator's)
-all ask it, so none of them names a protocol's methods itself. A method of a
+all ask it, and so do the roles (which methods are an administrator's, which
+a router's), so none of them names a protocol's methods itself. A method of a
 new protocol gets its role here, or has none.
 """
 
@@ -47,6 +48,9 @@ class MethodRole(enum.Enum):
     in flight as the engine calls are, its servicer keeps the call's record."""
     ADMIN = "admin"
     """Changes the server for everyone or exposes its internals: administrators only."""
+    ROUTING = "routing"
+    """Hands out what a router needs and no tenant may see (KV events carry every
+    tenant's token ids): routers and administrators only."""
 
 
 def _methods(service: ServiceDescriptor, role: MethodRole, *names: str) -> dict[str, MethodRole]:
@@ -59,6 +63,8 @@ METHOD_ROLES: Mapping[str, MethodRole] = MappingProxyType(
         **_methods(_ENGINE, MethodRole.GENERATION, "Generate"),
         **_methods(_ENGINE, MethodRole.EMBEDDING, "Embed"),
         **_methods(_ENGINE, MethodRole.ADMIN, "FlushCache", "StartProfile", "StopProfile"),
+        **_methods(_ENGINE, MethodRole.ROUTING, "SubscribeKvEvents"),
+        **_methods(_CONTROL, MethodRole.ROUTING, "GetKvEventSources"),
         **_methods(_INFERENCE, MethodRole.GENERATION, "Generate", "GenerateStream"),
         **_methods(_POOLING, MethodRole.EMBEDDING, "Classify", "Score", "Rerank"),
         **_methods(_RENDER, MethodRole.RENDERING, "RenderChat", "RenderCompletion"),
@@ -103,3 +109,5 @@ COUNTED_METHODS: frozenset[str] = _with(
 the engine calls and rendering."""
 ADMIN_METHODS: frozenset[str] = _with(MethodRole.ADMIN)
 """Methods that change the server for everyone or expose its internals."""
+ROUTING_METHODS: frozenset[str] = _with(MethodRole.ROUTING)
+"""Methods that hand out routing data (KV events and where they are published)."""

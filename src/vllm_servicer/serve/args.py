@@ -36,13 +36,22 @@ from .flags import Flag, add_flags, declared_flags, flag, flag_values, not_a_fla
 if TYPE_CHECKING:
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-__all__ = ["ADMIN_KEY_ENV", "API_KEY_ENV", "ServeArgs", "build_parser", "parse_args"]
+__all__ = [
+    "ADMIN_KEY_ENV",
+    "API_KEY_ENV",
+    "ROUTER_KEY_ENV",
+    "ServeArgs",
+    "build_parser",
+    "parse_args",
+]
 
 logger = logging.getLogger("vllm_servicer.serve")
 
 # Keys from the environment stay out of the process list. The first is vLLM's own.
 API_KEY_ENV = "VLLM_API_KEY"
 ADMIN_KEY_ENV = "VLLM_SERVICER_ADMIN_API_KEY"
+ROUTER_KEY_ENV = "VLLM_SERVICER_ROUTER_API_KEY"
+_KEY_ENVS = (API_KEY_ENV, ADMIN_KEY_ENV, ROUTER_KEY_ENV)
 
 # The protocols by launcher name: what `mount(services=...)` takes.
 _SERVICE_CHOICES = {
@@ -341,6 +350,30 @@ class ServeArgs:
         group=_SECURITY,
         help="file of admin keys, one per line (re-read when it changes)",
     )
+    router_api_key: tuple[str, ...] = flag(
+        (),
+        group=_SECURITY,
+        help="router key: an inference key that also reads KV events (SubscribeKvEvents, "
+        "GetKvEventSources: every tenant's token ids) and sends kv_transfer_params "
+        f"(default ${ROUTER_KEY_ENV}); repeat for several; prefer --router-api-key-file, "
+        "or role=router on a key's line in --api-key-file",
+        action="append",
+        parsed_default=[],
+        convert=tuple,
+    )
+    router_api_key_file: str | None = flag(
+        None,
+        group=_SECURITY,
+        help="file of router keys, one per line (re-read when it changes)",
+    )
+    routing_data_for_every_key: bool = flag(
+        False,
+        group=_SECURITY,
+        help="let every key read KV events and send kv_transfer_params, not only router and "
+        "admin keys: only where no tenant may be kept from another's prompts (KV events "
+        "carry every tenant's token ids) and every caller may make the engine hold KV blocks "
+        "or connect to a host it names. Without keys everyone may anyway",
+    )
     # vLLM's own server names the same two files --ssl-certfile/--ssl-keyfile.
     tls_cert: str | None = flag(
         None,
@@ -378,6 +411,18 @@ class ServeArgs:
         convert=tuple,
     )
 
+    router_tls_subject: tuple[str, ...] = flag(
+        (),
+        group=_SECURITY,
+        help="with --tls-client-ca and no API keys: a client certificate subject with the "
+        "router role (KV events, kv_transfer_params), as --admin-tls-subject; repeat for "
+        "several",
+        action="append",
+        metavar="SUBJECT",
+        parsed_default=[],
+        convert=tuple,
+    )
+
     budgets: RequestBudgets = not_a_flag(RequestBudgets())
     """What one request may cost (`--max-n`, `--max-request-media-pixels`...): `mount(budgets=)`.
 
@@ -392,19 +437,24 @@ class ServeArgs:
             raise ValueError("give --api-key or --api-key-file, not both")
         if self.admin_api_key and self.admin_api_key_file:
             raise ValueError("give --admin-api-key or --admin-api-key-file, not both")
+        if self.router_api_key and self.router_api_key_file:
+            raise ValueError("give --router-api-key or --router-api-key-file, not both")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("--tls-cert and --tls-key go together")
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
         if self.health_port is not None and not self.tls_cert:
             raise ValueError("--health-port is for a TLS server (without TLS, probes use --port)")
-        if self.admin_tls_subject and not self.tls_client_ca:
-            raise ValueError("--admin-tls-subject needs --tls-client-ca")
-        if self.admin_tls_subject and self.has_keys():
-            raise ValueError(
-                "--admin-tls-subject is for client certificates without API keys; "
-                "with keys, give admins an admin key"
-            )
+        for option, subjects, role in (
+            ("--admin-tls-subject", self.admin_tls_subject, "admins an admin key"),
+            ("--router-tls-subject", self.router_tls_subject, "routers a router key"),
+        ):
+            if subjects and not self.tls_client_ca:
+                raise ValueError(f"{option} needs --tls-client-ca")
+            if subjects and self.has_keys():
+                raise ValueError(
+                    f"{option} is for client certificates without API keys; with keys, give {role}"
+                )
         if self.lora_modules and set(self.services) <= {SERVICE_NAME}:
             raise ValueError(
                 "--lora-modules are served through vllm.Inference (lora_name), vllm.Control "
@@ -489,8 +539,9 @@ class ServeArgs:
             or self.api_key_file
             or self.admin_api_key
             or self.admin_api_key_file
-            or os.environ.get(API_KEY_ENV, "").strip()
-            or os.environ.get(ADMIN_KEY_ENV, "").strip()
+            or self.router_api_key
+            or self.router_api_key_file
+            or any(os.environ.get(env, "").strip() for env in _KEY_ENVS)
         )
 
     def authenticates(self) -> bool:

@@ -12,8 +12,14 @@ the probes (`/health`, `/ping`, `/metrics`). Any valid key reaches the
 inference paths (`/v1/...`, `/tokenize`, ...); every other path (vLLM's
 `/pause`, `/abort_requests`, `/start_profile`, ...) and the runtime LoRA routes
 (`/v1/load_lora_adapter`, `/v1/unload_lora_adapter`) need an admin key, as the
-gRPC admin methods do. vLLM's own `--api-key` middleware is not used: it takes
-a fixed key list and guards `/v1` alone.
+gRPC admin methods do. With vLLM's Responses store on
+(`VLLM_ENABLE_RESPONSES_API_STORE=1`), the Responses API (`/v1/responses...`)
+needs an admin key too: the store keeps each response under its id (which
+the client may choose) for whoever asks, to read, cancel or continue. vLLM's
+own `--api-key` middleware is not used: it takes a fixed key list and guards
+`/v1` alone. What each request asks of the engine is checked by the engine
+client the app is handed (`http_guard.py`): KV transfer parameters a router's,
+runtime adapter loads an administrator's.
 
 Media: vLLM's chat API fetches http(s) image, audio and video URLs only from
 the domains of `--allowed-media-domains`, and follows no redirect
@@ -38,7 +44,7 @@ import uvicorn
 
 from ..context import Identity, current_identity
 from ..guard import EngineGuard
-from ..interceptors.auth import ADMIN_ROLE, AuthError, Unauthenticated
+from ..interceptors.auth import AuthError, Unauthenticated
 from .args import ServeArgs
 from .http_guard import HTTP_CALLER, GuardedEngine
 
@@ -69,6 +75,10 @@ _INFERENCE_PATHS = frozenset(
 # /v1/ but change the engine for every tenant, as vllm.Control's LoadLora does:
 # admin keys only.
 _ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
+# vLLM's Responses store (VLLM_ENABLE_RESPONSES_API_STORE=1) keeps every
+# response for whoever names its id (GET, cancel, previous_response_id), with
+# no owner: admin keys only while it is on.
+_RESPONSES_PREFIX = "/v1/responses"
 
 
 # The launcher's own flags that vLLM's app reads. The app's host and port are
@@ -148,9 +158,12 @@ class _Front:
     """Pure ASGI wrapper in front of vLLM's app: drain state of /health, then keys."""
 
     def __init__(self, app: Any, verifier: Any) -> None:
+        from vllm import envs
+
         self.app = app
         self.verifier = verifier
         self.draining = False
+        self.responses_stored = bool(envs.VLLM_ENABLE_RESPONSES_API_STORE)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] not in ("http", "websocket") or scope.get("method") == "OPTIONS":
@@ -186,8 +199,16 @@ class _Front:
             return (401, "Unauthorized"), None
         except AuthError:
             return (403, "Forbidden"), None
-        if not _inference(path) and ADMIN_ROLE not in identity.roles:
+        if identity.is_admin:
+            return None, identity
+        if not _inference(path):
             return (403, "Forbidden: this path needs an admin key"), None
+        if self.responses_stored and path.startswith(_RESPONSES_PREFIX):
+            return (
+                403,
+                "Forbidden: with VLLM_ENABLE_RESPONSES_API_STORE on, the Responses API needs "
+                "an admin key (stored responses are anyone's who names their id)",
+            ), None
         return None, identity
 
     @staticmethod
@@ -286,7 +307,16 @@ class HttpApi:
                 gRPC protocols' requests do.
         """
         gate_media_fetching()
-        client = engine if guard is None else GuardedEngine(engine, guard)
+        client = (
+            engine
+            if guard is None
+            else GuardedEngine(
+                engine,
+                guard,
+                authenticated=verifier is not None,
+                routing_for_every_key=args.routing_data_for_every_key,
+            )
+        )
         app = await _build_app(client, frontend_args(args, host, port))
         front = _Front(app, verifier)
         return cls(_Server(uvicorn_config(front, host, port, tls)), front)

@@ -7,6 +7,13 @@ launcher's `AsyncLLM`: each request's id (`cmpl-<X-Request-Id>-0` and the
 like) is claimed for the HTTP caller in the registry the gRPC protocols use,
 and counted against `--max-inflight`, from the engine call to its end.
 
+With keys, it also keeps what is a router's or an administrator's there, for
+every route that reaches the engine: `kv_transfer_params` (vLLM puts a body's
+into the sampling parameters' `extra_args`, whichever route took it) only
+from a router or admin key, else 403, and the connector is not told of a
+tenant's refused request; an adapter vLLM's runtime LoRA resolvers would load
+for a request naming an unknown model (`add_lora`) only for an admin key.
+
 Refusals take vLLM's own error mapping: an id another caller runs is a
 `GracefulHTTPError` with 409 Conflict (gRPC's ALREADY_EXISTS), the in-flight
 limit a 503, as vLLM answers its own queue limit (`QueueOverflowError`, whose
@@ -26,8 +33,8 @@ from typing import Any
 
 from vllm.exceptions import GracefulHTTPError
 
-from ..context import Identity
-from ..errors import RequestIdInUseError
+from ..context import Identity, current_identity, may_route
+from ..errors import ROUTER_ROLE_HINT, RequestIdInUseError
 from ..guard import EngineGuard, ServerBusyError
 
 __all__ = ["HTTP_CALLER", "GuardedEngine"]
@@ -42,6 +49,16 @@ class RequestIdConflictError(GracefulHTTPError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, HTTPStatus.CONFLICT)
+
+
+class RoutingDataForbiddenError(GracefulHTTPError):
+    """`kv_transfer_params` from a caller who is no router: 403, as gRPC's PERMISSION_DENIED."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            f"kv_transfer_params: KV transfer parameters are a router's; {ROUTER_ROLE_HINT}",
+            HTTPStatus.FORBIDDEN,
+        )
 
 
 class InflightLimitError(GracefulHTTPError):
@@ -64,16 +81,31 @@ def _as_http_errors() -> Iterator[None]:
 class GuardedEngine:
     """The engine client handed to vLLM's HTTP app: the engine, every request guarded.
 
-    Everything but `generate`, `encode` and `check_admission` is the engine's own.
+    Everything but `generate`, `encode`, `check_admission`,
+    `notify_kv_transfer_request_rejected` and `add_lora` is the engine's own.
 
     Args:
         engine: the launcher's `AsyncLLM`.
         guard: the mount's `EngineGuard`.
+        authenticated: the HTTP API checks keys: KV transfer parameters are then
+            a router's and runtime adapter loads an administrator's. Without
+            keys there are no tenants to keep apart, and both stay open.
+        routing_for_every_key: take KV transfer parameters from every key
+            (`--routing-data-for-every-key`).
     """
 
-    def __init__(self, engine: Any, guard: EngineGuard) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        guard: EngineGuard,
+        *,
+        authenticated: bool = False,
+        routing_for_every_key: bool = False,
+    ) -> None:
         self._engine = engine
         self._guard = guard
+        self._authenticated = authenticated
+        self._routing_open = routing_for_every_key or not authenticated
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
@@ -91,6 +123,11 @@ class GuardedEngine:
     def generate(
         self, prompt: Any, sampling_params: Any, request_id: str, *args: Any, **kwargs: Any
     ) -> AsyncGenerator[Any, None]:
+        # Every route that takes `kv_transfer_params` (completions, chat, responses,
+        # Anthropic's messages, token generation) hands them on here.
+        extra = getattr(sampling_params, "extra_args", None) or {}
+        if extra.get("kv_transfer_params") is not None and not may_route(self._routing_open):
+            raise RoutingDataForbiddenError()
         start = functools.partial(
             self._engine.generate, prompt, sampling_params, request_id, *args, **kwargs
         )
@@ -103,6 +140,34 @@ class GuardedEngine:
             self._engine.encode, prompt, pooling_params, request_id, *args, **kwargs
         )
         return self._guarded("HTTP encode", request_id, start)
+
+    async def notify_kv_transfer_request_rejected(
+        self, request_id: str, kv_transfer_params: dict[str, Any], *args: Any, **kwargs: Any
+    ) -> None:
+        """vLLM tells the connector of a request refused before the engine ran it;
+        a tenant's parameters were refused here, so there is nothing to tell (the
+        connector would act on what the tenant wrote)."""
+        if may_route(self._routing_open):
+            await self._engine.notify_kv_transfer_request_rejected(
+                request_id, kv_transfer_params, *args, **kwargs
+            )
+
+    async def add_lora(self, lora_request: Any) -> Any:
+        """An adapter into the engine: with keys, for an administrator only.
+
+        vLLM's admin route (`/v1/load_lora_adapter`, already an admin key's)
+        and its runtime LoRA resolvers, which load an adapter for any request
+        naming an unknown model (`VLLM_ALLOW_RUNTIME_LORA_UPDATING` with a
+        resolver plugin), come here: an adapter is the engine's, every
+        tenant's. vLLM answers the request 400 when no resolver's adapter loads.
+        """
+        identity = current_identity.get()
+        if self._authenticated and identity is not None and not identity.is_admin:
+            raise PermissionError(
+                f"{identity.name!r} may not load adapter {lora_request.lora_name!r}: "
+                "only an admin key loads adapters"
+            )
+        return await self._engine.add_lora(lora_request)
 
     def _guarded(
         self, method: str, request_id: str, start: Callable[[], AsyncGenerator[Any, None]]

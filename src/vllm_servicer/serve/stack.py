@@ -1,7 +1,8 @@
 """The launcher's interceptor stack and its callers' verifiers, built from `ServeArgs`.
 
-Callers are known by an admin or inference key (from flags, key files or the
-environment), else, with client certificates required, by their certificate.
+Callers are known by an admin, router or inference key (from flags, key files
+or the environment), else, with client certificates required, by their
+certificate.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from ..interceptors import (
 )
 from ..interceptors.auth import (
     ADMIN_ROLE,
+    ROUTER_ROLE,
     AnyOf,
     ApiKeyVerifier,
     CallableVerifier,
@@ -26,8 +28,9 @@ from ..interceptors.auth import (
     MtlsVerifier,
     Verifier,
     role_permissions,
+    routing_for_every_key,
 )
-from .args import ADMIN_KEY_ENV, API_KEY_ENV, ServeArgs
+from .args import ADMIN_KEY_ENV, API_KEY_ENV, ROUTER_KEY_ENV, ServeArgs
 
 __all__ = ["authenticates", "build_interceptors", "http_verifier", "key_verifier"]
 
@@ -48,7 +51,8 @@ def build_interceptors(
         args: the launcher's arguments.
         verifier: the key verifier to use (default: `key_verifier(args)`). Without
             keys but with client certificates required, the certificate names the
-            caller, and only the `--admin-tls-subject` ones have the admin role.
+            caller, and only the `--admin-tls-subject` ones have the admin role
+            (the `--router-tls-subject` ones the router role).
         group: with `--api-server-count` above 1, the frontends' shared state:
             the in-flight count and its limit are theirs together.
     """
@@ -69,14 +73,17 @@ def build_interceptors(
     if verifier is None and args.tls_client_ca:
         verifier = _certificate_verifier(args)
     if verifier is not None:
-        stack.append(AuthInterceptor(verifier, permissions=role_permissions))
+        # KV events are a router's unless the operator opens them to every key.
+        permissions = routing_for_every_key if args.routing_data_for_every_key else role_permissions
+        stack.append(AuthInterceptor(verifier, permissions=permissions))
     if args.max_inflight or group is not None:
         stack.append(InflightInterceptor(args.max_inflight or None, group=group))
     return stack, metrics
 
 
 def key_verifier(args: ServeArgs) -> Verifier | None:
-    """Admin keys, then inference keys (flags, else the environment); None: no keys."""
+    """Admin keys, then router keys, then inference keys (flags, else the
+    environment); None: no keys. A key file's lines may add roles of their own."""
 
     def keys(
         flag: tuple[str, ...], file: str | None, env: str, roles: tuple[str, ...]
@@ -91,6 +98,7 @@ def key_verifier(args: ServeArgs) -> Verifier | None:
 
     found = [
         keys(args.admin_api_key, args.admin_api_key_file, ADMIN_KEY_ENV, (ADMIN_ROLE,)),
+        keys(args.router_api_key, args.router_api_key_file, ROUTER_KEY_ENV, (ROUTER_ROLE,)),
         keys(args.api_key, args.api_key_file, API_KEY_ENV, ()),
     ]
     verifiers: list[Verifier] = [v for v in found if v is not None]
@@ -100,15 +108,21 @@ def key_verifier(args: ServeArgs) -> Verifier | None:
 
 
 def _certificate_verifier(args: ServeArgs) -> Verifier:
-    """Client certificates as identities: the admin subjects first, then any certificate.
+    """Client certificates as identities: the admin subjects first, then the router
+    subjects, then any certificate.
 
     The handshake already verified the certificate against --tls-client-ca;
-    without an admin subject no certificate has the admin role.
+    without an admin (router) subject no certificate has the admin (router) role.
     """
-    if not args.admin_tls_subject:
-        return MtlsVerifier()
-    admins = MtlsVerifier(allowed_subjects=args.admin_tls_subject, roles=(ADMIN_ROLE,))
-    return AnyOf(admins, MtlsVerifier())
+    verifiers: list[Verifier] = [
+        MtlsVerifier(allowed_subjects=subjects, roles=(role,))
+        for subjects, role in (
+            (args.admin_tls_subject, ADMIN_ROLE),
+            (args.router_tls_subject, ROUTER_ROLE),
+        )
+        if subjects
+    ]
+    return AnyOf(*verifiers, MtlsVerifier()) if verifiers else MtlsVerifier()
 
 
 def http_verifier(args: ServeArgs, keys: Verifier | None) -> Verifier | None:

@@ -3,8 +3,8 @@
 VllmEngine's Generate and vllm.Inference's Generate and GenerateStream read
 different messages but make the same engine call, and the engine asks the
 same of each: an id claimed for its caller, no seeded sampling an engine set
-up so cannot survive, a token prompt within the model's context, a KV
-connector for KV transfer parameters, token prompts rendered here and images
+up so cannot survive, a token prompt within the model's context, KV transfer
+parameters from a router only and for a KV connector, token prompts rendered here and images
 that fit their placeholders. `EngineCallSteps` takes each step once; a
 protocol's own code only turns its messages into vLLM's objects and back,
 naming its own fields in the refusals.
@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any
 
 from .. import vllm_releases
 from ..budgets import check_request_id
-from ..context import current_request_id
+from ..context import current_request_id, may_route
 from ..engine import EngineClient, require_engine
-from ..errors import InvalidRequestError, UnsupportedError
+from ..errors import InvalidRequestError, RoutingDataError, UnsupportedError
 from ..wire import fields
 from .tenancy import RunningRequests
 
@@ -50,6 +50,9 @@ class EngineCallSteps:
         stream_interval: the tokens a streamed generation's message gathers
             (`MountOptions.stream_interval`), from `min_inflight` engine calls
             in flight on, as `in_flight` counts them.
+        routing_for_every_key: take KV transfer parameters from every caller,
+            not only routers and administrators
+            (`MountOptions.routing_data_for_every_key`).
 
     Raises:
         TypeError: `engine` lacks a member of `EngineClient` (the message names it).
@@ -64,6 +67,7 @@ class EngineCallSteps:
         stream_interval: int = 1,
         min_inflight: int = 0,
         in_flight: Callable[[], int] | None = None,
+        routing_for_every_key: bool = False,
     ) -> None:
         require_engine(engine)  # a TypeError naming what it lacks, not an AttributeError
         self._engine = engine
@@ -76,6 +80,7 @@ class EngineCallSteps:
         self._stream_interval = stream_interval
         self._min_inflight = min_inflight
         self._in_flight = in_flight if in_flight is not None else running.__len__
+        self._routing_for_every_key = routing_for_every_key
         # A token prompt past the model's context is refused by its length alone.
         max_len = getattr(engine.model_config, "max_model_len", None)
         self.max_prompt_tokens: int | None = int(max_len) if max_len else None
@@ -125,8 +130,20 @@ class EngineCallSteps:
 
     # ----- the checks -------------------------------------------------------
 
-    def check_kv_connector(self, field: str) -> None:
-        """Refuse KV transfer parameters (in `field`) the engine has no connector for."""
+    def check_kv_transfer(self, field: str) -> None:
+        """Refuse KV transfer parameters (in `field`) from a caller who is no router,
+        or that the engine has no connector for.
+
+        The role comes first: a tenant's parameters would make a prefill engine
+        hold blocks, or a decode engine connect to a host the tenant names.
+
+        Raises:
+            RoutingDataError: the caller has neither the router nor the admin role
+                (PERMISSION_DENIED), and the mount does not open them to every key.
+            UnsupportedError: the engine runs no KV connector.
+        """
+        if not may_route(self._routing_for_every_key):
+            raise RoutingDataError(field)
         if not self.kv_connector:
             raise UnsupportedError(fields.KV_CONNECTOR_HINT, field=field)
 
@@ -195,9 +212,13 @@ class EngineCallSteps:
         them; without this they stay pinned until the connector's lease expires.
         A cancelled call is not reported: once the engine holds the request, its
         abort runs the connector's hook itself. A request without
-        `do_remote_prefill` holds nothing; a failure to tell is logged.
+        `do_remote_prefill` holds nothing; a failure to tell is logged. Nor
+        are the parameters of a caller who may not send them (refused as
+        such): the connector would act on what that caller wrote.
         """
         if not self.kv_connector or not kv_transfer.get("do_remote_prefill"):
+            return
+        if not may_route(self._routing_for_every_key):
             return
         try:
             await self._engine.notify_kv_transfer_request_rejected(

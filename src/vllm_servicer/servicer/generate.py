@@ -70,6 +70,7 @@ class Generation:
             UnsupportedError, InvalidRequestError, UnimplementedFieldError: the
                 request asks for what this engine cannot do, is malformed, or
                 passes a budget.
+            RoutingDataError: KV transfer parameters from a caller who is no router.
             BudgetFullError: the process's decoded-media budget is full.
         """
         steps = self._steps
@@ -77,7 +78,7 @@ class Generation:
         if kv_transfer is not None:
             json_set = request.HasField("kv_transfer_params_json")
             field = "kv_transfer_params_json" if json_set else "kv_transfer_params"
-            steps.check_kv_connector(field)
+            steps.check_kv_transfer(field)
         params = request.sampling_params
         sampling = convert.sampling_params_from_proto(
             params, stream=request.stream, kv_transfer=kv_transfer

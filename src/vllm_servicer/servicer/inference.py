@@ -273,11 +273,12 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
         Raises:
             UnsupportedError: params for a connector the engine does not run.
+            RoutingDataError: KV transfer params from a caller who is no router.
         """
         extra: dict[str, Any] = {}
         kv_transfer = None
         if kv.HasField("kv_transfer_params"):
-            self._steps.check_kv_connector("kv.kv_transfer_params")
+            self._steps.check_kv_transfer("kv.kv_transfer_params")
             kv_transfer = extra["kv_transfer_params"] = wire.struct_to_dict(kv.kv_transfer_params)
         if kv.HasField("ec_transfer_params"):
             if not self._steps.ec_connector:

@@ -97,6 +97,7 @@ class MountState:
             stream_interval=options.stream_interval,
             min_inflight=options.stream_interval_min_inflight,
             in_flight=in_flight,
+            routing_for_every_key=options.routing_data_for_every_key,
         )
         several = frontends is not None and frontends.count > 1
         loras = LoraRegistry(engine, options.lora_modules, fixed=several)
