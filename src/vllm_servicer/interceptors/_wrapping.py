@@ -22,7 +22,10 @@ The order of a call, in every wrapper:
    each response message goes to `on_response`. A unary request is read by
    that wrapper, not by grpc (it is registered as a request stream of one
    message, the same on the wire): a refused call's request is never
-   received, inflated nor parsed, whatever sits between the wrappers.
+   received, inflated nor parsed, whatever sits between the wrappers. The
+   read has the shortest deadline any interceptor of the stack asks for
+   (`read_deadline`): a call whose message does not come in time ends
+   DEADLINE_EXCEEDED, and its slots come back.
 4. The handler's exception, if any, goes through the error layer (an
    `ErrorLayer` turning it into a status) before anything sees the outcome.
 5. `on_finish` of each started interceptor, innermost first, with the code.
@@ -30,6 +33,7 @@ The order of a call, in every wrapper:
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -37,7 +41,8 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from ._call import Call, Refusal, ended_code
+from ..errors import RequestNotSentError
+from ._call import Call, ReadDeadline, Refusal, ended_code, pending_read_of_this_call
 
 if TYPE_CHECKING:
     from ._base import CallInterceptor
@@ -161,6 +166,38 @@ async def _read_one(requests: Any) -> Any:
         return _MISSING
 
 
+async def _read_one_within(requests: Any, deadline: ReadDeadline) -> Any:
+    """`_read_one` within `deadline` (or sooner, when an interceptor cuts the wait short).
+
+    Raises:
+        RequestNotSentError: the message did not come in time.
+    """
+    pending = pending_read_of_this_call()
+    try:
+        async with asyncio.timeout(deadline.seconds) as timer:
+            if pending is not None:
+                pending.timer = timer
+                if pending.cut:
+                    timer.reschedule(asyncio.get_running_loop().time())
+            return await _read_one(requests)
+    except TimeoutError:
+        if pending is not None and pending.cut:
+            raise RequestNotSentError(pending.reason) from None
+        raise RequestNotSentError(deadline.message()) from None
+
+
+def _read_deadline(segments: Sequence[Segment], method: str) -> ReadDeadline | None:
+    """The shortest read deadline any interceptor of `segments` asks for `method`."""
+    found = [
+        deadline
+        for segment in segments
+        if isinstance(segment, Layers)
+        for interceptor in segment.interceptors
+        if (deadline := interceptor.read_deadline(method)) is not None
+    ]
+    return min(found, key=lambda d: d.seconds) if found else None
+
+
 class Layers:
     """The `CallInterceptor`s of one run that apply to one method, and their hooks."""
 
@@ -194,10 +231,11 @@ def wrap(
     if not segments or not isinstance(segments[-1], Layers):
         # The innermost wrapper reads the request and maps errors: a fused one.
         segments = [*segments, Layers(())]
-    wrapped = _fused(handler, method, kind, segments[-1], errors)  # type: ignore[arg-type]
+    deadline = _read_deadline(segments, method)
+    wrapped = _fused(handler, method, kind, segments[-1], errors, deadline)  # type: ignore[arg-type]
     for segment in reversed(segments[:-1]):
         if isinstance(segment, Layers):
-            wrapped = _fused(wrapped, method, kind, segment, None)
+            wrapped = _fused(wrapped, method, kind, segment, None, None)
         else:
             wrapped = _relay(segment, wrapped, method, kind)
     return wrapped
@@ -270,13 +308,20 @@ async def _admit(
     return len(layers), None
 
 
-def _fused(handler: Any, method: str, kind: str, layers: Layers, errors: ErrorLayer | None) -> Any:
+def _fused(
+    handler: Any,
+    method: str,
+    kind: str,
+    layers: Layers,
+    errors: ErrorLayer | None,
+    deadline: ReadDeadline | None,
+) -> Any:
     """`handler` wrapped by every hook of `layers` and the error layer.
 
     `kind` is the method's kind as its clients see it. When `handler` takes a
-    unary request, this wrapper reads it, after admission and every `on_start`;
-    around a wrapper that reads, a request is a stream of one message, hooked
-    as it is read.
+    unary request, this wrapper reads it, after admission and every `on_start`,
+    within `deadline` when there is one; around a wrapper that reads, a
+    request is a stream of one message, hooked as it is read.
     """
     physical = kind_of(handler)
     behaviour = behaviour_of(handler)
@@ -308,7 +353,13 @@ def _fused(handler: Any, method: str, kind: str, layers: Layers, errors: ErrorLa
     ) -> tuple[Any, Any]:
         """The request and the context the handler gets."""
         if reads_request:
-            request = await _read_one(request)
+            if deadline is None:
+                request = await _read_one(request)
+            else:
+                try:
+                    request = await _read_one_within(request, deadline)
+                except RequestNotSentError as error:
+                    await _reject_unsent(context, error, method, errors)
             if request is _MISSING:
                 request = UndecodableRequest(method, ValueError("no request message was sent"))
             if type(request) is UndecodableRequest:
@@ -519,6 +570,14 @@ async def _reject_undecodable(
 
         await errors(context, InvalidRequestError("request", reason), method)
     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: {reason}")
+
+
+async def _reject_unsent(
+    context: Any, error: RequestNotSentError, method: str, errors: ErrorLayer | None
+) -> None:
+    if errors is not None:
+        await errors(context, error, method)
+    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(error))
 
 
 def _sync_handler(handler: Any, method: str, segments: Sequence[Segment]) -> Any:

@@ -27,6 +27,7 @@ from ..interceptors.auth import (
     Verifier,
     role_permissions,
 )
+from ..interceptors.call_slots import CallSlotsInterceptor
 from .args import ADMIN_KEY_ENV, API_KEY_ENV, ServeArgs
 
 __all__ = ["authenticates", "build_interceptors", "http_verifier", "key_verifier"]
@@ -38,8 +39,10 @@ def build_interceptors(
     """The launcher's interceptor stack, outermost first, and its metrics interceptor.
 
     Tracing outermost (its span covers everything), then metrics (rejected calls
-    are counted too), then authentication, then the in-flight limit (only
-    authenticated calls take a slot), each when there is one; `mount` counts
+    are counted too), then authentication, then the keyed calls' slots (only
+    authenticated calls take one; each tenant its fair share of
+    `--max-concurrent-rpcs`, and the read deadline), then the in-flight limit,
+    each when there is one; `mount` counts
     the calls in flight either way, and runs the stack from one wrapper per call.
     Tracing is on when the OTEL_* variables ask for it; metrics are on with a
     metrics port or the HTTP API (whose `/metrics` shows them).
@@ -70,6 +73,11 @@ def build_interceptors(
         verifier = _certificate_verifier(args)
     if verifier is not None:
         stack.append(AuthInterceptor(verifier, permissions=role_permissions))
+    stack.append(
+        CallSlotsInterceptor(
+            args.max_concurrent_rpcs or None, read_timeout=args.request_read_timeout
+        )
+    )
     if args.max_inflight or group is not None:
         stack.append(InflightInterceptor(args.max_inflight or None, group=group))
     return stack, metrics
