@@ -116,7 +116,8 @@ class HalfOpen:
     message (nor end their stream), held open until the server ends them or `close`.
 
     `async with HalfOpen(address) as conn: ids = await conn.start(path, metadata, n)`;
-    `conn.ended[id]` is each call's answer once the server ended it.
+    `conn.ended[id]` is each call's answer once the server ended it (poll it
+    with `support.settle`).
     """
 
     def __init__(self, address: str) -> None:
@@ -128,7 +129,6 @@ class HalfOpen:
         )
         self._writer: asyncio.StreamWriter | None = None
         self._reading: asyncio.Task[None] | None = None
-        self._changed = asyncio.Event()
 
     async def __aenter__(self) -> HalfOpen:
         host, port = self.address.rsplit(":", 1)
@@ -169,21 +169,6 @@ class HalfOpen:
         """The calls the server has not ended."""
         return [s for s in self._replies if s not in self.ended]
 
-    async def wait_ended(self, ids: Sequence[int], timeout: float) -> bool:
-        """Whether the server ended every call of `ids` within `timeout` seconds."""
-        loop = asyncio.get_running_loop()
-        until = loop.time() + timeout
-        while not all(s in self.ended for s in ids):
-            left = until - loop.time()
-            if left <= 0:
-                return False
-            self._changed.clear()
-            try:
-                await asyncio.wait_for(self._changed.wait(), left)
-            except TimeoutError:
-                return False
-        return True
-
     async def close(self) -> None:
         if self._reading is not None:
             self._reading.cancel()
@@ -212,5 +197,4 @@ class HalfOpen:
                     self._conn.acknowledge_received_data(event.flow_controlled_length, stream)
                 elif isinstance(event, (h2.events.StreamEnded, h2.events.StreamReset)):
                     self.ended[stream] = reply
-                    self._changed.set()
             await self._flush()
