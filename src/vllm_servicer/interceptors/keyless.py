@@ -149,9 +149,10 @@ class KeylessLimitInterceptor(CallInterceptor):
         call.state = (streams, peer, waiting)
 
     def on_request(self, call: Call, message: Any) -> None:
-        waiting = call.state[2]
-        if waiting is not None:
-            self._waiting.pop(waiting, None)
+        # None once its slot went to another check: its message came as the
+        # wait was cut short, and it is answered all the same.
+        if call.state is not None and call.state[2] is not None:
+            self._waiting.pop(call.state[2], None)
 
     def on_finish(self, call: Call) -> None:
         if call.state is None:  # refused, or its slot given to another: it holds none
