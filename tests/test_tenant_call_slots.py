@@ -146,9 +146,7 @@ async def test_one_tenant_holds_no_more_than_its_share_of_call_slots(
         # A asks for every slot grpc has: held to its share while B holds one.
         async with half_open(launcher.address, MODEL_INFO, TENANT_A, GRPC_CAP) as a_held:
             share = MAX_CONCURRENT_RPCS // 2
-            assert await settle(lambda: still_open(a_held) <= share, timeout=30), still_open(
-                a_held
-            )
+            assert await settle(lambda: still_open(a_held) <= share, timeout=30), still_open(a_held)
             assert still_open(a_held) == share
             details = {reply.details for reply in ended(a_held)}
             assert {reply.status for reply in ended(a_held)} == {RESOURCE_EXHAUSTED}
