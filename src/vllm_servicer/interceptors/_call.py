@@ -129,27 +129,43 @@ class ReadDeadline:
 
 
 class PendingRead:
-    """One call's wait for its request message, which an interceptor may cut short.
+    """One call's wait for its request message, which its deadline or an
+    interceptor may end.
 
     `KeylessLimitInterceptor` gives a new health check the slot of the oldest
     one still waiting for its message: `cut_short` ends that wait now, as the
     deadline would.
+
+    Attributes:
+        task: the call's task (ending the wait cancels its read).
+        expires: the loop time the wait ends at; None while not waiting.
+        expired: whether the wait was ended (the task cancelled for it).
+        reason: why it was cut short ("" for the deadline).
     """
 
-    __slots__ = ("cut", "reason", "task", "timer")
+    __slots__ = ("cut", "expired", "expires", "reason", "task")
 
     def __init__(self) -> None:
         self.task = asyncio.current_task()
-        self.timer: asyncio.Timeout | None = None
+        self.expires: float | None = None
+        self.expired = False
         self.cut = False
         self.reason = ""
+
+    def expire(self) -> None:
+        """End the wait now: its read is cancelled, and the reader turns that into
+        DEADLINE_EXCEEDED (`Task.uncancel` tells it from a client's cancel)."""
+        if self.expired or self.task is None:
+            return
+        self.expired = True
+        self.task.cancel()
 
     def cut_short(self, reason: str) -> None:
         """End the wait now (or as soon as it begins); the call names `reason`."""
         self.cut = True
         self.reason = reason
-        if self.timer is not None and not self.timer.expired():
-            self.timer.reschedule(asyncio.get_running_loop().time())
+        if self.expires is not None:
+            self.expire()
 
 
 _pending_read: contextvars.ContextVar[PendingRead | None] = contextvars.ContextVar(

@@ -42,7 +42,14 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from ..errors import RequestNotSentError
-from ._call import Call, ReadDeadline, Refusal, ended_code, pending_read_of_this_call
+from ._call import (
+    Call,
+    PendingRead,
+    ReadDeadline,
+    Refusal,
+    ended_code,
+    pending_read_of_this_call,
+)
 
 if TYPE_CHECKING:
     from ._base import CallInterceptor
@@ -166,24 +173,65 @@ async def _read_one(requests: Any) -> Any:
         return _MISSING
 
 
-async def _read_one_within(requests: Any, deadline: ReadDeadline) -> Any:
-    """`_read_one` within `deadline` (or sooner, when an interceptor cuts the wait short).
+class _ReadWatch:
+    """The calls of one method waiting for their request message, oldest first,
+    and one timer for the oldest.
 
-    Raises:
-        RequestNotSentError: the message did not come in time.
+    Every call of a method has the same deadline, so they expire in the order
+    they began waiting: a call costs an entry in an ordered dict, not a timer
+    of its own (a timer per call cost a unary call 8% more CPU).
     """
-    pending = pending_read_of_this_call()
-    try:
-        async with asyncio.timeout(deadline.seconds) as timer:
-            if pending is not None:
-                pending.timer = timer
-                if pending.cut:
-                    timer.reschedule(asyncio.get_running_loop().time())
+
+    __slots__ = ("_deadline", "_loop", "_timer", "_waiting")
+
+    def __init__(self, deadline: ReadDeadline) -> None:
+        self._deadline = deadline
+        self._waiting: dict[PendingRead, None] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def read(self, requests: Any, pending: PendingRead | None) -> Any:
+        """`_read_one` within the deadline, or until `pending` is cut short.
+
+        Raises:
+            RequestNotSentError: the message did not come in time.
+        """
+        if pending is None:
+            pending = PendingRead()
+        elif pending.cut:
+            raise RequestNotSentError(pending.reason)
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:  # a new loop (a test's): the old timer never fires
+            self._loop, self._timer = loop, None
+        pending.expires = expires = loop.time() + self._deadline.seconds
+        self._waiting[pending] = None
+        if self._timer is None:
+            self._timer = loop.call_at(expires, self._expire)
+        try:
             return await _read_one(requests)
-    except TimeoutError:
-        if pending is not None and pending.cut:
-            raise RequestNotSentError(pending.reason) from None
-        raise RequestNotSentError(deadline.message()) from None
+        except asyncio.CancelledError:
+            if pending.expired and pending.task is not None and pending.task.uncancel() == 0:
+                raise RequestNotSentError(pending.reason or self._deadline.message()) from None
+            raise
+        finally:
+            pending.expires = None
+            self._waiting.pop(pending, None)
+
+    def _expire(self) -> None:
+        """End every wait past its deadline; the timer moves to the next one."""
+        self._timer = None
+        loop = self._loop
+        assert loop is not None
+        now = loop.time()
+        waiting = self._waiting
+        while waiting:
+            pending = next(iter(waiting))
+            assert pending.expires is not None
+            if pending.expires > now:
+                self._timer = loop.call_at(pending.expires, self._expire)
+                return
+            del waiting[pending]
+            pending.expire()
 
 
 def _read_deadline(segments: Sequence[Segment], method: str) -> ReadDeadline | None:
@@ -330,6 +378,7 @@ def _fused(
     if reads_request and deserializer is not None:
         deserializer = tolerant(deserializer)
     interceptors = layers.interceptors
+    watch = _ReadWatch(deadline) if reads_request and deadline is not None else None
     streams_requests = physical[0] == "s"
     streams_responses = kind.endswith("stream")
     response_hooked = bool(layers.response_hooks)
@@ -353,11 +402,11 @@ def _fused(
     ) -> tuple[Any, Any]:
         """The request and the context the handler gets."""
         if reads_request:
-            if deadline is None:
+            if watch is None:
                 request = await _read_one(request)
             else:
                 try:
-                    request = await _read_one_within(request, deadline)
+                    request = await watch.read(request, pending_read_of_this_call())
                 except RequestNotSentError as error:
                     await _reject_unsent(context, error, method, errors)
             if request is _MISSING:
