@@ -166,6 +166,14 @@ class KeylessLimitError(RuntimeError):
     status_reason: ClassVar[str] = "KEYLESS_LIMIT"
 
 
+class RequestNotSentError(RuntimeError):
+    """A call whose request message did not arrive within its read deadline: it held
+    slots for nothing. The message names the limit and what sets it."""
+
+    status_code: ClassVar[str] = "DEADLINE_EXCEEDED"
+    status_reason: ClassVar[str] = "REQUEST_NOT_SENT"
+
+
 class EventsLostError(RuntimeError):
     """Events a subscriber needs are gone: past the publisher's replay buffer, or it restarted.
 

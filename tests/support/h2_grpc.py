@@ -4,15 +4,22 @@ grpc's client consumes some trailers itself: `endpoint-load-metrics-bin` (an
 ORCA load report) goes to its balancing policy and never reaches the call's
 `trailing_metadata()`. `raw_call` sends one request with `h2` and returns the
 response's headers, messages and trailers as they came over the wire.
+
+grpc's client also never starts a call without sending its message:
+`HalfOpen` opens calls that send their headers and nothing more, and records
+how the server ends each.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import socket
+import urllib.parse
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from types import TracebackType
 
 import h2.config
 import h2.connection
@@ -33,6 +40,12 @@ class RawReply:
     def status(self) -> int:
         """The grpc-status (in the trailers, or the headers of a trailers-only answer)."""
         return int(self.trailers.get("grpc-status", self.headers.get("grpc-status", "-1")))
+
+    @property
+    def details(self) -> str:
+        """The grpc-message, decoded."""
+        raw = self.trailers.get("grpc-message", self.headers.get("grpc-message", ""))
+        return urllib.parse.unquote(raw)
 
     def binary(self, key: str) -> bytes | None:
         """A `-bin` trailer's value, decoded (HTTP/2 carries it in base64)."""
@@ -96,3 +109,92 @@ async def raw_call(
     """Call `path` ("/package.Service/Method") at `address` with one serialized
     request, over a connection of its own; in a thread, so the loop serves on."""
     return await asyncio.to_thread(_call, address, path, message, metadata)
+
+
+class HalfOpen:
+    """Calls on one connection of their own that send their headers and never their
+    message (nor end their stream), held open until the server ends them or `close`.
+
+    `async with HalfOpen(address) as conn: ids = await conn.start(path, metadata, n)`;
+    `conn.ended[id]` is each call's answer once the server ended it (poll it
+    with `support.settle`).
+    """
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.ended: dict[int, RawReply] = {}
+        self._replies: dict[int, RawReply] = {}
+        self._conn = h2.connection.H2Connection(
+            h2.config.H2Configuration(client_side=True, header_encoding="utf-8")
+        )
+        self._writer: asyncio.StreamWriter | None = None
+        self._reading: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> HalfOpen:
+        host, port = self.address.rsplit(":", 1)
+        reader, self._writer = await asyncio.open_connection(host, int(port))
+        self._conn.initiate_connection()
+        await self._flush()
+        self._reading = asyncio.ensure_future(self._read(reader))
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    async def start(self, path: str, metadata: Sequence[tuple[str, str]], n: int) -> list[int]:
+        """Open `n` calls of `path`, headers only; their stream ids."""
+        ids = []
+        for _ in range(n):
+            stream = self._conn.get_next_available_stream_id()
+            self._conn.send_headers(
+                stream,
+                [
+                    (":method", "POST"),
+                    (":scheme", "http"),
+                    (":path", path),
+                    (":authority", self.address),
+                    ("content-type", "application/grpc"),
+                    ("te", "trailers"),
+                    *metadata,
+                ],
+            )
+            self._replies[stream] = RawReply()
+            ids.append(stream)
+        await self._flush()
+        return ids
+
+    def open_ids(self) -> list[int]:
+        """The calls the server has not ended."""
+        return [s for s in self._replies if s not in self.ended]
+
+    async def close(self) -> None:
+        if self._reading is not None:
+            self._reading.cancel()
+        if self._writer is not None:
+            self._writer.close()
+            with contextlib.suppress(Exception):
+                await self._writer.wait_closed()
+
+    async def _flush(self) -> None:
+        assert self._writer is not None
+        self._writer.write(self._conn.data_to_send())
+        await self._writer.drain()
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        while chunk := await reader.read(65536):
+            for event in self._conn.receive_data(chunk):
+                stream = getattr(event, "stream_id", None)
+                reply = self._replies.get(stream) if stream else None
+                if reply is None:
+                    continue
+                if isinstance(event, h2.events.ResponseReceived):
+                    reply.headers = dict(event.headers)  # type: ignore[arg-type]
+                elif isinstance(event, h2.events.TrailersReceived):
+                    reply.trailers = dict(event.headers)  # type: ignore[arg-type]
+                elif isinstance(event, h2.events.DataReceived):
+                    self._conn.acknowledge_received_data(event.flow_controlled_length, stream)
+                elif isinstance(event, (h2.events.StreamEnded, h2.events.StreamReset)):
+                    self.ended[stream] = reply
+            await self._flush()

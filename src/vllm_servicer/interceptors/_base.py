@@ -19,6 +19,10 @@ and calls the hooks of every interceptor of a call from one place:
 - `on_finish(call)`: exactly once per call that started, with `call.code` set:
   OK, the aborted code, CANCELLED (client cancel), DEADLINE_EXCEEDED or UNKNOWN.
 
+And one question, asked once per method when its handler is wrapped:
+`read_deadline(method)`, how long a started call may wait for its unary
+request message (the shortest any interceptor of the stack asks for holds).
+
 A hook that a subclass does not override is never called. However many
 interceptors a call has, each streamed message makes one generator hop through
 the wrapper, not one per interceptor.
@@ -32,7 +36,7 @@ from typing import Any
 
 import grpc
 
-from ._call import Call
+from ._call import Call, ReadDeadline
 from ._wrapping import HandlerCache, Layers, Segment, wrap
 
 logger = logging.getLogger("vllm_servicer.interceptors")
@@ -117,6 +121,14 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
 
     def on_finish(self, call: Call) -> None:
         """Once per started call, after it ended; `call.code` says how."""
+
+    def read_deadline(self, method: str) -> ReadDeadline | None:
+        """How long a call of `method` this interceptor holds a slot for may wait
+        for its unary request message (None: as long as it likes).
+
+        Asked once per method, when its handler is wrapped.
+        """
+        return None
 
     # ----- plumbing -----------------------------------------------------------
 

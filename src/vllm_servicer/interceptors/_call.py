@@ -1,10 +1,13 @@
-"""One call as the hooks see it, how it ended, and the refusal that ends it early."""
+"""One call as the hooks see it, how it ended, the refusal that ends it early,
+and how long its request message may take to arrive."""
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -99,3 +102,88 @@ class Refusal(Exception):
         if self.log is not None:
             self.log(context)
         await context.abort(self.code, self.details)
+
+
+@dataclass(frozen=True)
+class ReadDeadline:
+    """How long a call may wait for its request message once it has started.
+
+    A call that sends its headers and never its message holds every slot the
+    interceptors gave it (in flight, call slots, keyless slots) for nothing;
+    past the deadline it ends with DEADLINE_EXCEEDED and gives them back.
+
+    Attributes:
+        seconds: the wait, from the moment the wrapper starts reading.
+        limit: what sets it, as the refusal names it (a flag, a field).
+    """
+
+    seconds: float
+    limit: str
+
+    def message(self) -> str:
+        """The refusal's text."""
+        return (
+            f"request message not received in time: the limit ({self.limit}) is "
+            f"{self.seconds:g} s from the call's start; send the message with the call"
+        )
+
+
+class PendingRead:
+    """One call's wait for its request message, which its deadline or an
+    interceptor may end.
+
+    `KeylessLimitInterceptor` gives a new health check the slot of the oldest
+    one still waiting for its message: `cut_short` ends that wait now, as the
+    deadline would.
+
+    Attributes:
+        task: the call's task (ending the wait cancels its read).
+        expires: the loop time the wait ends at; None while not waiting.
+        expired: whether the wait was ended (the task cancelled for it).
+        reason: why it was cut short ("" for the deadline).
+    """
+
+    __slots__ = ("cut", "expired", "expires", "reason", "task")
+
+    def __init__(self) -> None:
+        self.task = asyncio.current_task()
+        self.expires: float | None = None
+        self.expired = False
+        self.cut = False
+        self.reason = ""
+
+    def expire(self) -> None:
+        """End the wait now: its read is cancelled, and the reader turns that into
+        DEADLINE_EXCEEDED (`Task.uncancel` tells it from a client's cancel)."""
+        if self.expired or self.task is None:
+            return
+        self.expired = True
+        self.task.cancel()
+
+    def cut_short(self, reason: str) -> None:
+        """End the wait now (or as soon as it begins); the call names `reason`."""
+        self.cut = True
+        self.reason = reason
+        if self.expires is not None:
+            self.expire()
+
+
+_pending_read: contextvars.ContextVar[PendingRead | None] = contextvars.ContextVar(
+    "vllm_servicer_pending_read", default=None
+)
+
+
+def pending_read() -> PendingRead:
+    """For an interceptor's `on_start`: the current call's wait for its message,
+    which the wrapper reading it will honour (grpc.aio runs each call in a task)."""
+    pending = PendingRead()
+    _pending_read.set(pending)
+    return pending
+
+
+def pending_read_of_this_call() -> PendingRead | None:
+    """For the wrapper: the wait an interceptor asked for in this call, if any."""
+    pending = _pending_read.get()
+    if pending is None or pending.task is not asyncio.current_task():
+        return None
+    return pending

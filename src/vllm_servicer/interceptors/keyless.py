@@ -15,6 +15,13 @@ cannot take a whole total and a flood of streams leaves the checks their own
 slots (a liveness probe keeps its answer). Give grpc's cap `KeylessLimits.slots`
 on top of what keyed calls need (`grpc_cap`), and no number of keyless calls
 takes a slot a keyed call needs.
+
+A keyless call waits `read_timeout` (2 s) at most for its request message, and
+a check still waiting for its message gives its slot to a new check when the
+checks are full: the oldest such wait is cut short (DEADLINE_EXCEEDED). A
+probe's check sends its message with its headers, so checks held open without
+one never keep it from an answer; checks that did send theirs are answered in
+microseconds.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ import grpc
 
 from ..errors import KeylessLimitError
 from ._base import CallInterceptor, MethodFilter
-from ._call import Call
+from ._call import Call, PendingRead, ReadDeadline, pending_read
 from .auth import requires_auth_by_default
 
 __all__ = ["KeylessLimitInterceptor", "KeylessLimits", "keyless_methods"]
@@ -50,16 +57,21 @@ class KeylessLimits:
             apart from the streams, so a probe is answered while they are full.
         max_keyless_per_connection: keyless calls of either kind at once on one
             connection (as grpc names its peer: address and port).
+        read_timeout: seconds a keyless call waits for its request message
+            (a few bytes: health's service name, ORCA's interval).
     """
 
     max_keyless_streams: int = 64
     max_keyless_checks: int = 64
     max_keyless_per_connection: int = 8
+    read_timeout: float = 2.0
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
-            if value < 1:
+            if name != "read_timeout" and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")
+        if self.read_timeout <= 0:
+            raise ValueError(f"read_timeout must be above 0, got {self.read_timeout}")
 
     @property
     def slots(self) -> int:
@@ -92,6 +104,11 @@ class KeylessLimitInterceptor(CallInterceptor):
         self._streams = 0
         self._checks = 0
         self._per_connection: Counter[str] = Counter()
+        # Checks still waiting for their message, oldest first (dicts keep order).
+        self._waiting: dict[PendingRead, Call] = {}
+        self._deadline = ReadDeadline(
+            self.limits.read_timeout, "read_timeout of calls that need no key"
+        )
         self.refused = 0
 
     @property
@@ -104,24 +121,46 @@ class KeylessLimitInterceptor(CallInterceptor):
         """Keyless checks running now."""
         return self._checks
 
+    def read_deadline(self, method: str) -> ReadDeadline:
+        return self._deadline
+
     async def on_start(self, call: Call) -> None:
         streams = call.kind != "unary_unary"
         peer = _peer(call.context)
+        limits = self.limits
+        if (
+            not streams
+            and self._checks >= limits.max_keyless_checks
+            and self._per_connection[peer] < limits.max_keyless_per_connection
+        ):
+            self._give_a_waiting_slot()
         refusal = self._refusal(streams, peer)
         if refusal is not None:
             self.refused += 1
             await call.context.abort(grpc.StatusCode[refusal.status_code], str(refusal))
+        waiting = None
         if streams:
             self._streams += 1
         else:
             self._checks += 1
+            waiting = pending_read()
+            self._waiting[waiting] = call
         self._per_connection[peer] += 1
-        call.state = (streams, peer)
+        call.state = (streams, peer, waiting)
+
+    def on_request(self, call: Call, message: Any) -> None:
+        # None once its slot went to another check: its message came as the
+        # wait was cut short, and it is answered all the same.
+        if call.state is not None and call.state[2] is not None:
+            self._waiting.pop(call.state[2], None)
 
     def on_finish(self, call: Call) -> None:
-        if call.state is None:  # refused: it took no slot
+        if call.state is None:  # refused, or its slot given to another: it holds none
             return
-        streams, peer = call.state
+        streams, peer, waiting = call.state
+        call.state = None
+        if waiting is not None:
+            self._waiting.pop(waiting, None)
         if streams:
             self._streams -= 1
         else:
@@ -129,6 +168,20 @@ class KeylessLimitInterceptor(CallInterceptor):
         self._per_connection[peer] -= 1
         if not self._per_connection[peer]:
             del self._per_connection[peer]
+
+    def _give_a_waiting_slot(self) -> None:
+        """Free the slot of the oldest check still waiting for its message: its
+        wait ends now (DEADLINE_EXCEEDED), and a check that came with its message
+        (a probe's) takes the slot."""
+        if not self._waiting:
+            return
+        waiting, call = next(iter(self._waiting.items()))
+        self.on_finish(call)  # the slot now; its call ends on its own task's next turn
+        waiting.cut_short(
+            "request message not received before the keyless checks filled up "
+            f"(max_keyless_checks is {self.limits.max_keyless_checks}): the slot went to a "
+            "check that sent its message; send the message with the call"
+        )
 
     def _refusal(self, streams: bool, peer: str) -> KeylessLimitError | None:
         limits = self.limits

@@ -22,6 +22,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from ..budgets import RequestBudgets
+from ..interceptors.call_slots import DEFAULT_REQUEST_READ_TIMEOUT
 from ..interceptors.keyless import KeylessLimits
 from ..options import DEFAULT_MAX_KV_SUBSCRIBERS, DEFAULT_MAX_MESSAGE_BYTES
 from ..proto import (
@@ -176,11 +177,21 @@ class ServeArgs:
     max_concurrent_rpcs: int = flag(
         2048,
         group=_SERVING,
-        help="most calls (streams included, refused ones too) the server runs at once besides "
-        "health, reflection and load reports, whose --max-keyless-* slots come on top; past "
-        "it grpc answers RESOURCE_EXHAUSTED before any handler or key check runs (default "
-        "2048, above --max-inflight so that engine calls meet that limit and its retry hint "
-        "first; 0: no cap)",
+        help="most keyed calls (every call but health, reflection and load reports; streams "
+        "included) running at once per process, each tenant held to its fair share while "
+        "others want them; past it RESOURCE_EXHAUSTED naming the limit or the share. The "
+        "--max-keyless-* slots come on top, in grpc's own cap (default 2048, above "
+        "--max-inflight so that engine calls meet that limit and its retry hint first; 0: no "
+        "cap)",
+    )
+    request_read_timeout: float = flag(
+        DEFAULT_REQUEST_READ_TIMEOUT,
+        group=_SERVING,
+        help="seconds a keyed call may wait for its request message once it has started; "
+        "past it DEADLINE_EXCEEDED and its slots come back (calls that need no key wait 2 s) "
+        f"(default {DEFAULT_REQUEST_READ_TIMEOUT:g}: the largest message over a slow link, "
+        "while a tenant holding slots for nothing holds them no longer)",
+        metavar="SECONDS",
     )
     # The caps of calls that need no key: their slots come on top of
     # --max-concurrent-rpcs, so keyless calls never take one a keyed call needs.
@@ -472,6 +483,10 @@ class ServeArgs:
             raise ValueError(
                 "--grpc-stream-interval-min-inflight must be 0 or more, "
                 f"got {self.grpc_stream_interval_min_inflight}"
+            )
+        if self.request_read_timeout <= 0:
+            raise ValueError(
+                f"--request-read-timeout must be above 0, got {self.request_read_timeout}"
             )
         for name in ("max_keyless_streams", "max_keyless_checks", "max_keyless_per_connection"):
             if getattr(self, name) < 1:

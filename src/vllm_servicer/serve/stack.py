@@ -30,6 +30,7 @@ from ..interceptors.auth import (
     role_permissions,
     routing_for_every_key,
 )
+from ..interceptors.call_slots import CallSlotsInterceptor
 from .args import ADMIN_KEY_ENV, API_KEY_ENV, ROUTER_KEY_ENV, ServeArgs
 
 __all__ = ["authenticates", "build_interceptors", "http_verifier", "key_verifier"]
@@ -41,8 +42,10 @@ def build_interceptors(
     """The launcher's interceptor stack, outermost first, and its metrics interceptor.
 
     Tracing outermost (its span covers everything), then metrics (rejected calls
-    are counted too), then authentication, then the in-flight limit (only
-    authenticated calls take a slot), each when there is one; `mount` counts
+    are counted too), then authentication, then the keyed calls' slots (only
+    authenticated calls take one; each tenant its fair share of
+    `--max-concurrent-rpcs`, and the read deadline), then the in-flight limit,
+    each when there is one; `mount` counts
     the calls in flight either way, and runs the stack from one wrapper per call.
     Tracing is on when the OTEL_* variables ask for it; metrics are on with a
     metrics port or the HTTP API (whose `/metrics` shows them).
@@ -76,6 +79,11 @@ def build_interceptors(
         # KV events are a router's unless the operator opens them to every key.
         permissions = routing_for_every_key if args.routing_data_for_every_key else role_permissions
         stack.append(AuthInterceptor(verifier, permissions=permissions))
+    stack.append(
+        CallSlotsInterceptor(
+            args.max_concurrent_rpcs or None, read_timeout=args.request_read_timeout
+        )
+    )
     if args.max_inflight or group is not None:
         stack.append(InflightInterceptor(args.max_inflight or None, group=group))
     return stack, metrics
