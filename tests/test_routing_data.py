@@ -258,3 +258,31 @@ async def test_kv_transfer_params_are_a_routers(
     # tenant's reached it (a rejection notice included), it would be in the log.
     assert await settle(lambda: bool(_told(server, router_marker)), 30)
     assert bool(_told(server, tenant_marker)) == server.every_key
+
+
+async def test_encoder_cache_transfer_params_are_a_routers_too(
+    server: Server, channel: grpc.aio.Channel
+) -> None:
+    """`kv.ec_transfer_params` steers a connector as KV transfer's do: a tenant's are
+    refused for its role before anything else; a router's reach the connector check
+    (this engine runs no encoder-cache connector: FAILED_PRECONDITION naming it)."""
+    stub = inference_pb2_grpc.InferenceStub(channel)
+
+    async def send(key: str) -> grpc.aio.AioRpcError:
+        message = inference_pb2.GenerateRequest(request_id=f"ec-{next(_numbers)}")
+        message.token_ids.ids.extend([5, 6, 7, 8])
+        message.stopping.max_new_tokens = 2
+        message.kv.ec_transfer_params.update({"remote_host": "10.9.9.9"})
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.Generate(message, metadata=bearer(key), timeout=120)
+        return refused.value
+
+    tenant = await send(TENANT_B)
+    if server.every_key:
+        assert tenant.code() == grpc.StatusCode.FAILED_PRECONDITION, tenant.details()
+    else:
+        assert tenant.code() == grpc.StatusCode.PERMISSION_DENIED, tenant.details()
+        assert (tenant.details() or "").startswith("kv.ec_transfer_params: ")
+    router = await send(ROUTER)
+    assert router.code() == grpc.StatusCode.FAILED_PRECONDITION, router.details()
+    assert (router.details() or "").startswith("kv.ec_transfer_params: ")

@@ -71,7 +71,9 @@ class RoutingDataError(FieldError, RuntimeError):
     status_reason: ClassVar[str] = "ROUTER_ROLE_REQUIRED"
 
     def __init__(self, field: str, reason: str = "") -> None:
-        reason = reason or f"KV transfer parameters are a router's; {ROUTER_ROLE_HINT}"
+        reason = (
+            reason or f"KV and encoder-cache transfer parameters are a router's; {ROUTER_ROLE_HINT}"
+        )
         super().__init__(field, reason)
 
 

@@ -51,12 +51,17 @@ class RequestIdConflictError(GracefulHTTPError):
         super().__init__(message, HTTPStatus.CONFLICT)
 
 
-class RoutingDataForbiddenError(GracefulHTTPError):
-    """`kv_transfer_params` from a caller who is no router: 403, as gRPC's PERMISSION_DENIED."""
+# What vLLM's routes hand the engine for its connectors (KV, encoder cache).
+_ROUTING_FIELDS = ("kv_transfer_params", "ec_transfer_params")
 
-    def __init__(self) -> None:
+
+class RoutingDataForbiddenError(GracefulHTTPError):
+    """`kv_transfer_params` or `ec_transfer_params` from a caller who is no router:
+    403, as gRPC's PERMISSION_DENIED."""
+
+    def __init__(self, field: str) -> None:
         super().__init__(
-            f"kv_transfer_params: KV transfer parameters are a router's; {ROUTER_ROLE_HINT}",
+            f"{field}: connectors' transfer parameters are a router's; {ROUTER_ROLE_HINT}",
             HTTPStatus.FORBIDDEN,
         )
 
@@ -126,8 +131,9 @@ class GuardedEngine:
         # Every route that takes `kv_transfer_params` (completions, chat, responses,
         # Anthropic's messages, token generation) hands them on here.
         extra = getattr(sampling_params, "extra_args", None) or {}
-        if extra.get("kv_transfer_params") is not None and not may_route(self._routing_open):
-            raise RoutingDataForbiddenError()
+        for field in _ROUTING_FIELDS:
+            if extra.get(field) is not None and not may_route(self._routing_open):
+                raise RoutingDataForbiddenError(field)
         start = functools.partial(
             self._engine.generate, prompt, sampling_params, request_id, *args, **kwargs
         )

@@ -142,10 +142,19 @@ class EngineCallSteps:
                 (PERMISSION_DENIED), and the mount does not open them to every key.
             UnsupportedError: the engine runs no KV connector.
         """
-        if not may_route(self._routing_for_every_key):
-            raise RoutingDataError(field)
+        self.check_routing(field)
         if not self.kv_connector:
             raise UnsupportedError(fields.KV_CONNECTOR_HINT, field=field)
+
+    def check_routing(self, field: str) -> None:
+        """Refuse connector parameters (in `field`: KV or encoder-cache transfer)
+        from a caller who is no router, unless the mount opens them to every key.
+
+        Raises:
+            RoutingDataError: the caller has neither the router nor the admin role.
+        """
+        if not may_route(self._routing_for_every_key):
+            raise RoutingDataError(field)
 
     def check_seed(self, sampling: SamplingParams, field: str) -> None:
         """Refuse sampling (its seed in `field`) that would stop this engine."""

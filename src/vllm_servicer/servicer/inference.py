@@ -273,7 +273,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
         Raises:
             UnsupportedError: params for a connector the engine does not run.
-            RoutingDataError: KV transfer params from a caller who is no router.
+            RoutingDataError: KV or EC transfer params from a caller who is no router.
         """
         extra: dict[str, Any] = {}
         kv_transfer = None
@@ -281,6 +281,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             self._steps.check_kv_transfer("kv.kv_transfer_params")
             kv_transfer = extra["kv_transfer_params"] = wire.struct_to_dict(kv.kv_transfer_params)
         if kv.HasField("ec_transfer_params"):
+            # A connector's parameters, as KV transfer's: a router's to set.
+            self._steps.check_routing("kv.ec_transfer_params")
             if not self._steps.ec_connector:
                 raise UnsupportedError(fields.EC_CONNECTOR_HINT, field="kv.ec_transfer_params")
             extra["ec_transfer_params"] = wire.struct_to_dict(kv.ec_transfer_params)
