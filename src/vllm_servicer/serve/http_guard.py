@@ -7,10 +7,15 @@ launcher's `AsyncLLM`: each request's id (`cmpl-<X-Request-Id>-0` and the
 like) is claimed for the HTTP caller in the registry the gRPC protocols use,
 and counted against `--max-inflight`, from the engine call to its end.
 
+Each generation's sampling parameters meet the per-request budgets the gRPC
+protocols check on their own messages (the stop strings, vLLM having parsed
+`stop` of completions and chat alike), before the engine sees them.
+
 Refusals take vLLM's own error mapping: an id another caller runs is a
 `GracefulHTTPError` with 409 Conflict (gRPC's ALREADY_EXISTS), the in-flight
 limit a 503, as vLLM answers its own queue limit (`QueueOverflowError`, whose
-fixed message cannot name the limit).
+fixed message cannot name the limit), a request past a budget a 400 naming
+the field (`stop: ...`) and the flag.
 Asked before a stream starts they are the status line; a request that loses
 a race between the check and the claim ends its stream with vLLM's error event.
 """
@@ -26,8 +31,9 @@ from typing import Any
 
 from vllm.exceptions import GracefulHTTPError
 
+from ..budgets import RequestBudgets
 from ..context import Identity
-from ..errors import RequestIdInUseError
+from ..errors import InvalidRequestError, RequestIdInUseError, TableFullError
 from ..guard import EngineGuard, ServerBusyError
 
 __all__ = ["HTTP_CALLER", "GuardedEngine"]
@@ -51,13 +57,22 @@ class InflightLimitError(GracefulHTTPError):
         super().__init__(message, HTTPStatus.SERVICE_UNAVAILABLE)
 
 
+class BudgetRefusalError(GracefulHTTPError):
+    """The request passes a per-request budget: 400, as gRPC's INVALID_ARGUMENT."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, HTTPStatus.BAD_REQUEST)
+
+
 @contextlib.contextmanager
 def _as_http_errors() -> Iterator[None]:
     try:
         yield
+    except InvalidRequestError as exc:
+        raise BudgetRefusalError(str(exc)) from exc
     except RequestIdInUseError as exc:
         raise RequestIdConflictError(str(exc)) from exc
-    except ServerBusyError as exc:
+    except (ServerBusyError, TableFullError) as exc:
         raise InflightLimitError(str(exc)) from exc
 
 
@@ -69,11 +84,15 @@ class GuardedEngine:
     Args:
         engine: the launcher's `AsyncLLM`.
         guard: the mount's `EngineGuard`.
+        budgets: the per-request budgets the gRPC protocols keep too.
     """
 
-    def __init__(self, engine: Any, guard: EngineGuard) -> None:
+    def __init__(
+        self, engine: Any, guard: EngineGuard, budgets: RequestBudgets | None = None
+    ) -> None:
         self._engine = engine
         self._guard = guard
+        self._budgets = budgets if budgets is not None else RequestBudgets()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
@@ -91,6 +110,10 @@ class GuardedEngine:
     def generate(
         self, prompt: Any, sampling_params: Any, request_id: str, *args: Any, **kwargs: Any
     ) -> AsyncGenerator[Any, None]:
+        # Before the engine's output handler matches each stop string against
+        # each new token, on this event loop.
+        with _as_http_errors():
+            self._budgets.check_stop("stop", getattr(sampling_params, "stop", None) or ())
         start = functools.partial(
             self._engine.generate, prompt, sampling_params, request_id, *args, **kwargs
         )
