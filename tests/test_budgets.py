@@ -212,6 +212,17 @@ async def test_stop_strings_past_the_count_are_refused_on_both_protocols(
         f"stopping.stop_strings: {limit}",
     ]
     assert await wait_until_idle(engine) == 0
+    # At both budgets (count and bytes): served.
+    each = DEFAULT_MAX_STOP_BYTES // DEFAULT_MAX_STOP_STRINGS
+    stop = [f"{i:04d}".ljust(each, "~") for i in range(DEFAULT_MAX_STOP_STRINGS)]
+    req = request(max_tokens=2)
+    req.sampling_params.stop.extend(stop)
+    done = completes(await collect(engine_stub.Generate(req, timeout=60)))
+    assert len(done[0].output_ids) == 2
+    message = _inference_request(ref, PROMPT)
+    message.stopping.stop_strings.extend(stop)
+    reply = await inference_stub.Generate(message, timeout=60)
+    assert reply.outputs.num_tokens == 2
 
 
 async def test_stop_strings_past_the_bytes_are_refused_on_both_protocols(
@@ -228,21 +239,6 @@ async def test_stop_strings_past_the_bytes_are_refused_on_both_protocols(
         f"sampling_params.stop: {limit}",
         f"stopping.stop_strings: {limit}",
     ]
-
-
-async def test_stop_strings_at_both_budgets_are_served_on_both_protocols(
-    engine_stub: Any, inference_stub: Any, ref: types.ModuleType
-) -> None:
-    each = DEFAULT_MAX_STOP_BYTES // DEFAULT_MAX_STOP_STRINGS
-    stop = [f"{i:04d}".ljust(each, "~") for i in range(DEFAULT_MAX_STOP_STRINGS)]
-    req = request(max_tokens=2)
-    req.sampling_params.stop.extend(stop)
-    done = completes(await collect(engine_stub.Generate(req, timeout=60)))
-    assert len(done[0].output_ids) == 2
-    message = _inference_request(ref, PROMPT)
-    message.stopping.stop_strings.extend(stop)
-    reply = await inference_stub.Generate(message, timeout=60)
-    assert reply.outputs.num_tokens == 2
 
 
 async def test_a_flood_of_stop_strings_is_refused_and_others_are_served(
@@ -272,9 +268,12 @@ EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 @contextlib.asynccontextmanager
-async def _grouped(engine: Any, capacity: int, claims_per_owner: int) -> AsyncIterator[Any]:
+async def _grouped(
+    engine: Any, capacity: int, claims_per_owner: int | None = None
+) -> AsyncIterator[Any]:
     """A mount as one of two frontend processes, with two tenants' keys."""
-    group = FrontendGroup(2, capacity, claims_per_owner=claims_per_owner)
+    bound = {} if claims_per_owner is None else {"claims_per_owner": claims_per_owner}
+    group = FrontendGroup(2, capacity, **bound)
     group.join(0)
     auth = AuthInterceptor(ApiKeyVerifier([TENANT_A, TENANT_B]))
     try:
@@ -312,7 +311,7 @@ async def test_one_callers_ids_in_the_shared_table_are_bounded(engine: Any) -> N
 
 async def test_a_full_shared_table_answers_resource_exhausted(engine: Any) -> None:
     # Four slots fill at three: A's running id and A's count of ids take two.
-    async with _grouped(engine, capacity=4, claims_per_owner=8) as stub, _running(stub, TENANT_A):
+    async with _grouped(engine, capacity=4) as stub, _running(stub, TENANT_A):
         err = await _refused(stub.Generate(request(max_tokens=2), metadata=bearer(TENANT_B)))
         assert err.code() is EXHAUSTED, err.details()
         assert "the frontends' shared table of running ids is full (3 entries)" in (
