@@ -11,6 +11,7 @@ ordinary test images pass them.
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import os
@@ -24,11 +25,22 @@ from typing import Any
 
 import grpc
 import pytest
-from support import collect, completes, request, serving, wait_until_idle
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from support import (
+    bearer,
+    collect,
+    completes,
+    request,
+    serving,
+    streamed_tokens,
+    wait_until_idle,
+)
 from support.router_side import RED, Routed, solid_image
 from support.vllm_protocol import reference_modules
 
-from vllm_servicer import SERVICE_NAME, MediaRefOptions, RequestBudgets
+from vllm_servicer import SERVICE_NAME, AuthInterceptor, MediaRefOptions, RequestBudgets
+from vllm_servicer.frontends import FrontendGroup, TableFullError, id_room, table_capacity
+from vllm_servicer.interceptors.auth import ApiKeyVerifier
 from vllm_servicer.proto import CONTROL_SERVICE, INFERENCE_SERVICE, common_pb2, vllm_engine_pb2_grpc
 from vllm_servicer.proto import vllm_engine_pb2 as pb
 from vllm_servicer.testing.tiny_vlm import IMAGE_TOKEN
@@ -162,6 +174,171 @@ async def test_a_request_id_with_a_control_character_is_refused_on_both_protocol
     assert err.code() is INVALID
     assert (err.details() or "").startswith("request_ids[1]: has the control character")
     assert await wait_until_idle(engine) == 0
+
+
+# ----- stop strings ---------------------------------------------------------------------------
+
+# The defaults (vllm_servicer.budgets), as the docs give them.
+DEFAULT_MAX_STOP_STRINGS = 64
+DEFAULT_MAX_STOP_BYTES = 16 * 1024
+
+
+async def _stop_refusals(
+    engine_stub: Any, inference_stub: Any, ref: Any, stop: list[str]
+) -> list[str]:
+    """Both protocols' refusals of a generation with `stop`, each INVALID_ARGUMENT."""
+    req = request(max_tokens=2)
+    req.sampling_params.stop.extend(stop)
+    message = _inference_request(ref, PROMPT)
+    message.stopping.stop_strings.extend(stop)
+    details = []
+    for call in (engine_stub.Generate(req), inference_stub.Generate(message)):
+        err = await _refused(call)
+        assert err.code() is INVALID, err.details()
+        details.append(err.details() or "")
+    return details
+
+
+async def test_stop_strings_past_the_count_are_refused_on_both_protocols(
+    engine_stub: Any, inference_stub: Any, ref: types.ModuleType, engine: Any
+) -> None:
+    too_many = [f"<stop-{i}>" for i in range(DEFAULT_MAX_STOP_STRINGS + 1)]
+    limit = (
+        f"{len(too_many)} stop strings, more than this server's budget of "
+        f"{DEFAULT_MAX_STOP_STRINGS} per request (--max-stop-strings)"
+    )
+    assert await _stop_refusals(engine_stub, inference_stub, ref, too_many) == [
+        f"sampling_params.stop: {limit}",
+        f"stopping.stop_strings: {limit}",
+    ]
+    assert await wait_until_idle(engine) == 0
+    # At both budgets (count and bytes): served.
+    each = DEFAULT_MAX_STOP_BYTES // DEFAULT_MAX_STOP_STRINGS
+    stop = [f"{i:04d}".ljust(each, "~") for i in range(DEFAULT_MAX_STOP_STRINGS)]
+    req = request(max_tokens=2)
+    req.sampling_params.stop.extend(stop)
+    done = completes(await collect(engine_stub.Generate(req, timeout=60)))
+    assert len(done[0].output_ids) == 2
+    message = _inference_request(ref, PROMPT)
+    message.stopping.stop_strings.extend(stop)
+    reply = await inference_stub.Generate(message, timeout=60)
+    assert reply.outputs.num_tokens == 2
+
+
+async def test_stop_strings_past_the_bytes_are_refused_on_both_protocols(
+    engine_stub: Any, inference_stub: Any, ref: types.ModuleType
+) -> None:
+    # Two strings, each under the total: together one byte past it.
+    half = DEFAULT_MAX_STOP_BYTES // 2
+    stop = ["a" * half, "é" + "b" * (half - 1)]
+    limit = (
+        f"{DEFAULT_MAX_STOP_BYTES + 1} bytes of stop strings, more than this server's budget "
+        f"of {DEFAULT_MAX_STOP_BYTES} per request (--max-stop-bytes)"
+    )
+    assert await _stop_refusals(engine_stub, inference_stub, ref, stop) == [
+        f"sampling_params.stop: {limit}",
+        f"stopping.stop_strings: {limit}",
+    ]
+
+
+async def test_a_flood_of_stop_strings_is_refused_and_others_are_served(
+    engine_stub: Any, text: Any, engine: Any
+) -> None:
+    """300,000 stop strings (under grpc's 4 MB message), which vLLM would match
+    against each new token on the serving loop: refused before the engine
+    sees them, while another stream and a health Check are served."""
+    flood = request(max_tokens=16)
+    flood.sampling_params.stop.extend(f"s{i}" for i in range(300_000))
+    other = engine_stub.Generate(request(max_tokens=16, stream=True), timeout=60)
+    err = await _refused(engine_stub.Generate(flood, timeout=60))
+    assert err.code() is INVALID
+    assert "--max-stop-strings" in (err.details() or "")
+    health = health_pb2_grpc.HealthStub(text.channel)
+    answer = await health.Check(health_pb2.HealthCheckRequest(), timeout=30)
+    assert answer.status == health_pb2.HealthCheckResponse.SERVING
+    assert len(streamed_tokens(await collect(other))[0]) == 16
+    assert await wait_until_idle(engine) == 0
+
+
+# ----- the frontends' shared id table (--api-server-count) -----------------------------------
+
+TENANT_A = "budget-tenant-a-0123456789abcdefABCDEF"
+TENANT_B = "budget-tenant-b-0123456789abcdefABCDEF"
+EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+@contextlib.asynccontextmanager
+async def _grouped(
+    engine: Any, capacity: int, claims_per_owner: int | None = None
+) -> AsyncIterator[Any]:
+    """A mount as one of two frontend processes, with two tenants' keys."""
+    bound = {} if claims_per_owner is None else {"claims_per_owner": claims_per_owner}
+    group = FrontendGroup(2, capacity, **bound)
+    group.join(0)
+    auth = AuthInterceptor(ApiKeyVerifier([TENANT_A, TENANT_B]))
+    try:
+        async with serving(engine, interceptors=[auth], frontends=group) as served:
+            yield vllm_engine_pb2_grpc.VllmEngineStub(served.channel)
+    finally:
+        group.remove_directory()
+
+
+@contextlib.asynccontextmanager
+async def _running(stub: Any, key: str) -> AsyncIterator[None]:
+    """A stream of `key`'s, running (its first message read) until the block ends."""
+    call = stub.Generate(request(max_tokens=400, stream=True), metadata=bearer(key), timeout=120)
+    await call.read()
+    try:
+        yield
+    finally:
+        call.cancel()
+
+
+async def test_one_callers_ids_in_the_shared_table_are_bounded(engine: Any) -> None:
+    async with _grouped(engine, capacity=64, claims_per_owner=1) as stub, _running(stub, TENANT_A):
+        err = await _refused(stub.Generate(request(max_tokens=2), metadata=bearer(TENANT_A)))
+        assert err.code() is EXHAUSTED, err.details()
+        assert "runs 1 request ids across the frontend processes, its most (1" in (
+            err.details() or ""
+        )
+        # The other tenant's ids are its own to claim.
+        done = completes(
+            await collect(stub.Generate(request(max_tokens=2), metadata=bearer(TENANT_B)))
+        )
+        assert len(done[0].output_ids) == 2
+    assert await wait_until_idle(engine) == 0
+
+
+async def test_a_full_shared_table_answers_resource_exhausted(engine: Any) -> None:
+    # Four slots fill at three: A's running id and A's count of ids take two.
+    async with _grouped(engine, capacity=4) as stub, _running(stub, TENANT_A):
+        err = await _refused(stub.Generate(request(max_tokens=2), metadata=bearer(TENANT_B)))
+        assert err.code() is EXHAUSTED, err.details()
+        assert "the frontends' shared table of running ids is full (3 entries)" in (
+            err.details() or ""
+        )
+    assert await wait_until_idle(engine) == 0
+
+
+def test_the_launchers_table_holds_what_the_budgets_allow_twice() -> None:
+    """`--max-inflight` calls of `--max-pooling-inputs` ids each, for one
+    identity, leave as many for the others."""
+    room = id_room(64, 16)
+    group = FrontendGroup(2, table_capacity(64, 16, 16), claims_per_owner=room)
+    try:
+        group.join(0)
+        for i in range(room):
+            assert group.claim(f"a-{i}", "tenant-a")
+        with pytest.raises(TableFullError, match="its most"):
+            group.claim("a-more", "tenant-a")
+        for i in range(room):
+            assert group.claim(f"b-{i}", "tenant-b")
+        assert group.claims_held_by("tenant-a") == group.claims_held_by("tenant-b") == room
+        group.release("a-0")
+        assert group.claims_held_by("tenant-a") == room - 1
+        assert group.claim("a-more", "tenant-a")
+    finally:
+        group.remove_directory()
 
 
 # ----- images: small media budgets on the vision engine -------------------------------------

@@ -40,7 +40,7 @@ def test_the_table_agrees_with_a_dict_through_wrapping_probes_and_removals() -> 
 def test_a_full_table_refuses_rather_than_loops() -> None:
     group = FrontendGroup(1, capacity=4)
     table: SharedTable = group._table
-    for i in range(4):
+    for i in range(table.limit):
         table.put(key_hash(f"k{i}"), 1, 1)
     with pytest.raises(TableFullError):
         table.put(key_hash("one more"), 1, 1)

@@ -37,7 +37,9 @@ LONG = 500  # tokens: still running when the test acts on it (the model's contex
 @pytest.fixture(scope="module")
 async def launcher(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Launched]:
     flags = ["--http-port", "0", "--api-key", TENANT_A, "--api-key", TENANT_B]
-    env = launcher_env(tmp_path_factory.mktemp("cache"))
+    # vLLM's own cap on an HTTP request's stop strings (4, OpenAI's) raised
+    # past this server's budget, as an operator may: the budget still holds.
+    env = launcher_env(tmp_path_factory.mktemp("cache"), VLLM_MAX_STOP_STRINGS="1000")
     async with launched(*flags, "--max-inflight", str(MAX_INFLIGHT), env=env) as served:
         yield served
 
@@ -220,3 +222,103 @@ async def test_an_http_requests_id_is_its_callers_in_both_frontend_processes(
                         assert info.active_requests == 1
         finally:
             await connections.close()
+
+
+# ----- per-request budgets on the HTTP API ------------------------------------------------------
+
+# The defaults (vllm_servicer.budgets): the HTTP API keeps the gRPC protocols' budgets.
+MAX_STOP_STRINGS = 64
+MAX_STOP_BYTES = 16 * 1024
+MAX_REQUEST_ID_CHARS = 1024
+
+GENERATIONS = {
+    "/v1/completions": {"prompt": [5, 17, 42, 99]},
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}]},
+}
+
+
+@pytest.mark.parametrize("path", list(GENERATIONS))
+async def test_http_stop_strings_past_a_budget_are_refused_400_naming_stop(
+    http: httpx.AsyncClient, model: str, path: str, stub: Any
+) -> None:
+    body = {"model": model, **GENERATIONS[path], "max_tokens": 2, "temperature": 0}
+    too_many = [f"<stop-{i}>" for i in range(MAX_STOP_STRINGS + 1)]
+    too_long = ["a" * (MAX_STOP_BYTES // 2), "b" * (MAX_STOP_BYTES // 2 + 1)]
+    for stop, flag in ((too_many, "--max-stop-strings"), (too_long, "--max-stop-bytes")):
+        reply = await http.post(path, json={**body, "stop": stop})
+        assert reply.status_code == 400, reply.text
+        message = reply.json()["error"]["message"]
+        assert message.startswith("stop: ") and flag in message, message
+    # At both budgets: served.
+    each = MAX_STOP_BYTES // MAX_STOP_STRINGS
+    at_budget = [f"{i:04d}".ljust(each, "~") for i in range(MAX_STOP_STRINGS)]
+    reply = await http.post(path, json={**body, "stop": at_budget})
+    assert reply.status_code == 200, reply.text
+    assert await _active(stub) == 0
+
+
+@pytest.mark.parametrize(
+    ("path", "where", "request_id"),
+    [
+        ("/v1/completions", "body", "r" * (MAX_REQUEST_ID_CHARS + 1)),
+        ("/v1/completions", "body", "line\nbreak"),
+        ("/v1/chat/completions", "body", "nul\0byte"),
+        ("/pooling", "body", "r" * (MAX_REQUEST_ID_CHARS + 1)),
+        ("/v1/completions", "header", "r" * (MAX_REQUEST_ID_CHARS + 1)),
+        ("/v1/chat/completions", "header", "tab\there"),
+    ],
+    ids=["long", "newline", "nul", "pooling-long", "header-long", "header-tab"],
+)
+async def test_an_http_request_id_past_the_checks_is_refused_400_naming_it(
+    http: httpx.AsyncClient, model: str, path: str, where: str, request_id: str
+) -> None:
+    body: dict[str, Any] = {"model": model, "max_tokens": 2}
+    body |= GENERATIONS.get(path, {"input": "hi"})
+    headers = {}
+    if where == "body":
+        body["request_id"] = request_id
+        field = "request_id"
+    else:
+        headers["X-Request-Id"] = request_id
+        field = "X-Request-Id"
+    reply = await http.post(path, json=body, headers=headers)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == field
+    assert error["message"].startswith(f"{field}: "), error
+    # At the bound, printable: served.
+    if path == "/v1/completions":
+        fine = "r" * MAX_REQUEST_ID_CHARS
+        ok = {**body, "request_id": fine} if where == "body" else body
+        reply = await http.post(path, json=ok, headers={"X-Request-Id": fine} if headers else {})
+        assert reply.status_code == 200, reply.text
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+async def test_a_long_http_request_id_over_many_prompts_costs_the_launcher_nothing(
+    launcher: Launched, http: httpx.AsyncClient, model: str, stub: Any
+) -> None:
+    """The issue's body: a 512 KiB `request_id` with 1,024 prompts (0.53 MB),
+    which vLLM would copy into each prompt's engine id (1.18 GB once)."""
+    body = {
+        "model": model,
+        "prompt": [[5, 17]] * 1024,
+        "max_tokens": 1,
+        "request_id": "r" * (512 * 1024),
+    }
+    before = _rss_mb(launcher.proc.pid)
+    reply = await http.post("/v1/completions", json=body)
+    grown = _rss_mb(launcher.proc.pid) - before
+    assert reply.status_code == 400, reply.text[:500]
+    assert reply.json()["error"]["message"].startswith("request_id: 524288 characters")
+    assert grown < 100, f"the launcher grew by {grown:.0f} MB"
+    # The other tenant is served.
+    done = await collect(stub.Generate(request(max_tokens=2), metadata=bearer(TENANT_B)))
+    assert len(done) == 1

@@ -30,6 +30,7 @@ from support.vllm_protocol import shipped_modules
 
 KEY = "render-tenant-0123456789abcdef0123"
 MAX_RENDER_ITEMS = 16
+MAX_RENDER_CHARS = 200_000
 AUTH = bearer(KEY)
 WEATHER = {
     "type": "object",
@@ -49,7 +50,12 @@ def stubs() -> tuple[types.ModuleType, types.ModuleType]:
 async def launcher(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Launched]:
     cache = tmp_path_factory.mktemp("render-cache")
     flags = ("--http-port", "0", "--metrics-port", "0", "--api-key", KEY)
-    flags += ("--max-render-items", str(MAX_RENDER_ITEMS))
+    flags += (
+        "--max-render-items",
+        str(MAX_RENDER_ITEMS),
+        "--max-render-chars",
+        str(MAX_RENDER_CHARS),
+    )
     async with launched(*flags, env=launcher_env(cache)) as served:
         yield served
 
@@ -464,6 +470,41 @@ async def test_render_needs_a_key_and_the_completion_prompt_is_required(
             await render.RenderCompletion(request, metadata=AUTH)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert (err.value.details() or "").startswith("prompt"), err.value.details()
+
+
+async def test_a_render_past_its_characters_is_refused_before_any_is_tokenized(
+    render: Any, stubs: Any
+) -> None:
+    """Each prompt fits (truncation cuts it), the call's sum does not: refused
+    naming the flag, before vLLM's one tokenizer thread sees any of it."""
+    pb = stubs[0]
+    long = "The quick brown fox jumps over the lazy dog. " * 2_000  # 90,000 characters
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await render.RenderCompletion(
+            pb.RenderCompletionRequest(prompt=[long] * 3, truncate_prompt_tokens=16), metadata=AUTH
+        )
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details() == (
+        f"prompt: {3 * len(long)} characters to render, more than this server's budget of "
+        f"{MAX_RENDER_CHARS} per call (--max-render-chars); send fewer or shorter prompts"
+    )
+    chat = pb.RenderChatRequest(
+        messages=[
+            pb.ChatMessage(role="user", content=long),
+            pb.ChatMessage(role="assistant", content=long),
+            pb.ChatMessage(role="user", content=long),
+        ]
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await render.RenderChat(chat, metadata=AUTH)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    details = err.value.details() or ""
+    assert details.startswith("messages: ") and "(--max-render-chars)" in details, details
+    # Under the budget: rendered.
+    served = await render.RenderCompletion(
+        pb.RenderCompletionRequest(prompt=[long] * 2, truncate_prompt_tokens=16), metadata=AUTH
+    )
+    assert [len(prompt.token_ids) for prompt in served.prompts] == [16, 16]
 
 
 async def test_a_pooling_call_on_a_generation_model_names_what_is_missing(

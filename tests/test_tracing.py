@@ -178,6 +178,37 @@ async def test_invalid_argument_leaves_status_unset(traced: Traced) -> None:
     assert not [e for e in span.events if e.name == FIRST_TOKEN_EVENT]
 
 
+@pytest.mark.parametrize(
+    "request_id",
+    ["x" * (2 << 20) + "\nforged: line", "line\nbreak"],
+    ids=["2MiB-with-newline", "newline"],
+)
+async def test_a_request_id_the_servicer_refuses_never_reaches_a_span(
+    traced: Traced, request_id: str
+) -> None:
+    """The summary is stated before the id is checked; the span records the
+    id only if it passes the check (length, control characters)."""
+    before = len(traced.exporter.get_finished_spans())
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await collect(traced.stub.Generate(request(request_id=request_id, max_tokens=2)))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (info.value.details() or "").startswith("request_id: ")
+
+    def refused(span: ReadableSpan) -> bool:
+        return _attrs(span).get("rpc.grpc.status_code") == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+
+    spans = []
+    deadline = time.monotonic() + 10
+    while not spans and time.monotonic() < deadline:
+        spans = [s for s in traced.exporter.get_finished_spans()[before:] if refused(s)]
+        await asyncio.sleep(0.02)
+    assert len(spans) == 1
+    attrs = _attrs(spans[0])
+    assert attrs["gen_ai.operation.name"] == "text_completion"  # the summary was noted
+    assert "gen_ai.request.id" not in attrs
+    assert not [v for v in attrs.values() if isinstance(v, str) and "\n" in v]
+
+
 async def test_client_cancel_records_cancelled(traced: Traced, engine: Any) -> None:
     req = request(stream=True, max_tokens=400, ignore_eos=True)
     call = traced.stub.Generate(req)

@@ -48,6 +48,18 @@ DEFAULT_MAX_POOLING_CHARS = 4 * 1024 * 1024
 # of messages; each item costs the template and the tokenizer on the serving
 # process, with no engine step to bound it.
 DEFAULT_MAX_RENDER_ITEMS = 2048
+# What one render lays out in characters, every prompt or message together:
+# vLLM tokenizes on one thread every caller shares (about a second per MB),
+# so the sum, not only each prompt, must be bounded. A million-token context
+# is about 4 MB of text: the longest one render can usefully fill.
+DEFAULT_MAX_RENDER_CHARS = 4 * 1024 * 1024
+# Stop strings: vLLM matches every one against every new token's text on the
+# serving event loop (1 M of them, 11 MB, stalled every other stream and the
+# health Check for 5.6 s). OpenAI's API takes 4; routers and agent frameworks
+# send a few dozen (turn markers, tool-call tags). 64 strings of 16 KiB in
+# all leave room for those and keep the per-token scan to microseconds.
+DEFAULT_MAX_STOP_STRINGS = 64
+DEFAULT_MAX_STOP_BYTES = 16 * 1024
 # Request ids: routers send UUIDs (36 characters) or a few joined; vLLM copies
 # an id per engine request (a pooling call's per text) and to the engine core.
 MAX_REQUEST_ID_CHARS = 1024
@@ -96,6 +108,11 @@ class RequestBudgets:
             the tokenizer, a query counted once per text it is paired with.
         max_render_items: most messages, content parts, tool calls and tools
             one RenderChat lays out, or prompts one RenderCompletion renders.
+        max_render_chars: most characters one RenderChat or RenderCompletion
+            gives the template and the tokenizer, all its prompts or messages together.
+        max_stop_strings: most stop strings one generation carries, on every
+            protocol and vLLM's HTTP API.
+        max_stop_bytes: most bytes of one generation's stop strings together.
 
     Raises:
         ValueError: a budget below 1, or a per-request media budget above the process's.
@@ -159,6 +176,26 @@ class RequestBudgets:
         ),
     )
 
+    max_render_chars: int = dataclasses.field(
+        default=DEFAULT_MAX_RENDER_CHARS,
+        metadata=_flag(
+            "most characters one RenderChat or RenderCompletion gives the tokenizer, all its "
+            "messages or prompts together"
+        ),
+    )
+
+    max_stop_strings: int = dataclasses.field(
+        default=DEFAULT_MAX_STOP_STRINGS,
+        metadata=_flag(
+            "most stop strings one generation may carry (every protocol and the HTTP API's stop)"
+        ),
+    )
+
+    max_stop_bytes: int = dataclasses.field(
+        default=DEFAULT_MAX_STOP_BYTES,
+        metadata=_flag("most bytes of one generation's stop strings together"),
+    )
+
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
@@ -212,6 +249,33 @@ class RequestBudgets:
                 field,
                 f"{count} items to render, more than this server's budget of "
                 f"{self.max_render_items} per call (--max-render-items)",
+            )
+
+    def check_render_chars(self, field: str, count: int) -> None:
+        """Refuse a render that gives the tokenizer more than `max_render_chars`."""
+        if count > self.max_render_chars:
+            raise InvalidRequestError(
+                field,
+                f"{count} characters to render, more than this server's budget of "
+                f"{self.max_render_chars} per call (--max-render-chars); send fewer or "
+                "shorter prompts",
+            )
+
+    def check_stop(self, field: str, stop: Sequence[str]) -> None:
+        """Refuse more stop strings than `max_stop_strings`, or more than
+        `max_stop_bytes` of them together (the count first: it is free)."""
+        if len(stop) > self.max_stop_strings:
+            raise InvalidRequestError(
+                field,
+                f"{len(stop)} stop strings, more than this server's budget of "
+                f"{self.max_stop_strings} per request (--max-stop-strings)",
+            )
+        size = encoded_size(*stop)
+        if size > self.max_stop_bytes:
+            raise InvalidRequestError(
+                field,
+                f"{size} bytes of stop strings, more than this server's budget of "
+                f"{self.max_stop_bytes} per request (--max-stop-bytes)",
             )
 
     def check_abort_ids(self, field: str, ids: Sequence[str]) -> None:

@@ -160,6 +160,15 @@ class BudgetFullError(FieldError, RuntimeError):
     status_reason: ClassVar[str] = "BUDGET_FULL"
 
 
+class TableFullError(RuntimeError):
+    """The frontends' shared table of running ids cannot take another (whole, or
+    the caller's own share of it): another replica, or this one later, may.
+    The message names what is full and its size."""
+
+    status_code: ClassVar[str] = "RESOURCE_EXHAUSTED"
+    status_reason: ClassVar[str] = "ID_TABLE_FULL"
+
+
 class KeylessLimitError(RuntimeError):
     """A call that needs no key (health, reflection, load reports) past the caps that keep such
     calls apart from keyed work; the message names the cap."""

@@ -31,10 +31,29 @@ import tempfile
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-# Slots for running ids and callers' stream counts at once; the table refuses
-# a claim when full (RESOURCE_EXHAUSTED), long before which the servers'
-# own in-flight limits bite. Three 8-byte words per slot: 1.5 MiB.
+from .errors import TableFullError
+
+__all__ = [
+    "DEFAULT_CAPACITY",
+    "REQUEST_IDS",
+    "STREAM_COUNTERS",
+    "FrontendGroup",
+    "SharedTable",
+    "TableFullError",
+    "id_room",
+    "key_hash",
+    "owner_hash",
+    "table_capacity",
+]
+
+# Slots of a table built without sizes (tests, a host's own group). The
+# launcher sizes its table from the budgets instead (`table_capacity`).
 DEFAULT_CAPACITY = 1 << 16
+# The most of its slots the table fills: linear probing's chains stay short
+# (a few slots on average) below it, under the lock every claim takes.
+_FILL_NUMERATOR, _FILL_DENOMINATOR = 3, 4
+# What a table is sized for when the in-flight limit is off (0).
+_UNLIMITED_INFLIGHT_SIZED_AS = 1024
 _WORDS = 3  # key hash, owner hash, value (a bit per process, or a count)
 _EMPTY = 0
 _NO_OWNER = 1  # a call without credentials
@@ -46,6 +65,8 @@ _NO_OWNER = 1  # a call without credentials
 # 64-bit accident.
 REQUEST_IDS = b"request-id"
 STREAM_COUNTERS = b"kv-subscribers"
+# How many running ids each owner holds, keyed by the owner's hash.
+CLAIM_COUNTERS = b"id-claims"
 
 
 def key_hash(text: str, space: bytes = REQUEST_IDS) -> int:
@@ -60,18 +81,56 @@ def owner_hash(name: str | None) -> int:
     return _NO_OWNER if name is None else key_hash(name)
 
 
-class TableFullError(RuntimeError):
-    """Every slot of the shared table is taken."""
+def _claims_key(owner: int) -> int:
+    return key_hash(f"{owner:x}", CLAIM_COUNTERS)
+
+
+def id_room(max_inflight: int, ids_per_call: int) -> int:
+    """The running ids the budgets allow at once: each call in flight with the
+    most ids one call claims (a pooling call's texts, `max_pooling_inputs`)."""
+    return (max_inflight or _UNLIMITED_INFLIGHT_SIZED_AS) * max(ids_per_call, 1)
+
+
+def table_capacity(max_inflight: int, ids_per_call: int, streams: int) -> int:
+    """Slots for what the budgets allow at once, twice over, within the fill limit.
+
+    One identity may hold `id_room` ids (the whole in-flight limit's worth);
+    the table takes that twice (so others still find room while it does),
+    a counter per owner holding ids (each has a call in flight), and a
+    counter per KV-event stream.
+
+    Args:
+        max_inflight: `--max-inflight` (0: no limit, sized as 1024).
+        ids_per_call: the most ids one call claims (`max_pooling_inputs`).
+        streams: `--max-kv-subscribers`.
+    """
+    owners = max_inflight or _UNLIMITED_INFLIGHT_SIZED_AS
+    entries = 2 * id_room(max_inflight, ids_per_call) + owners + streams
+    needed = -(-entries * _FILL_DENOMINATOR // _FILL_NUMERATOR)
+    return max(1 << (needed - 1).bit_length(), 64)
 
 
 class SharedTable:
     """A map from key hash to (owner hash, value) in shared memory; linear
     probing, deletion by backward shift (no tombstones to fill it up).
-    Callers hold the group's lock around every method."""
+    Callers hold the group's lock around every method.
 
-    def __init__(self, words: Any, capacity: int) -> None:
+    Args:
+        words: the slots (three words each).
+        capacity: the number of slots, a power of two.
+        used: the shared count of slots taken; None: counted here alone.
+    """
+
+    def __init__(self, words: Any, capacity: int, used: Any = None) -> None:
         self._words = words
         self._mask = capacity - 1
+        self._used = used if used is not None else ctypes.c_int64(0)
+        self.limit = capacity * _FILL_NUMERATOR // _FILL_DENOMINATOR
+
+    @property
+    def used(self) -> int:
+        """Slots taken."""
+        return int(self._used.value)
 
     def _find(self, key: int) -> tuple[int, bool]:
         """The slot holding `key`, or the empty slot where it would go."""
@@ -95,12 +154,24 @@ class SharedTable:
         return self._words[base + 1], self._words[base + 2]
 
     def put(self, key: int, owner: int, value: int) -> None:
-        """Store (owner, value) under `key`; a value of 0 removes it."""
+        """Store (owner, value) under `key`; a value of 0 removes it.
+
+        Raises:
+            TableFullError: a new key, and the table holds its limit.
+        """
         slot, found = self._find(key)
         if value == 0:
             if found:
                 self._remove(slot)
+                self._used.value -= 1
             return
+        if not found:
+            if self._used.value >= self.limit:
+                raise TableFullError(
+                    f"the frontends' shared table of running ids is full ({self.limit} "
+                    "entries); try again when requests end"
+                )
+            self._used.value += 1
         base = slot * _WORDS
         self._words[base] = key
         self._words[base + 1] = owner
@@ -131,10 +202,15 @@ class FrontendGroup:
 
     Args:
         count: the number of frontend processes.
-        capacity: slots in the shared table (a power of two).
+        capacity: slots in the shared table (a power of two; `table_capacity`).
+        claims_per_owner: the most running ids one owner (an identity, or the
+            callers without credentials together) holds at once; None: a
+            quarter of the table's limit, so that no one owner fills it.
     """
 
-    def __init__(self, count: int, capacity: int = DEFAULT_CAPACITY) -> None:
+    def __init__(
+        self, count: int, capacity: int = DEFAULT_CAPACITY, claims_per_owner: int | None = None
+    ) -> None:
         if count < 1:
             raise ValueError(f"a frontend group needs at least one process, got {count}")
         if capacity & (capacity - 1):
@@ -146,6 +222,7 @@ class FrontendGroup:
         self._capacity = capacity
         self._lock = ctx.Lock()
         self._words = ctx.RawArray(ctypes.c_uint64, _WORDS * capacity)
+        self._used = ctx.RawValue(ctypes.c_int64, 0)
         # Per process, so a process that is gone can be zeroed: limited calls
         # in flight, KV-event streams open.
         self._inflight = ctx.RawArray(ctypes.c_int64, count)
@@ -160,7 +237,12 @@ class FrontendGroup:
         self._engine_dead = ctx.RawValue(ctypes.c_bool, False)
         # Where each process listens for its peers (private, 0700).
         self.directory = tempfile.mkdtemp(prefix="vllm-servicer-frontends-")
-        self._table = SharedTable(self._words, capacity)
+        self._table = SharedTable(self._words, capacity, self._used)
+        if claims_per_owner is None:
+            claims_per_owner = max(self._table.limit // 4, 1)
+        if claims_per_owner < 1:
+            raise ValueError(f"an owner's claims must be at least 1, got {claims_per_owner}")
+        self.claims_per_owner = claims_per_owner
         # Set in each process by the launcher (serve/peers.py): send an abort
         # to a peer; fetch the others' GetLoads figures.
         self.abort_elsewhere: Callable[[int, list[str]], Awaitable[None]] | None = None
@@ -173,7 +255,7 @@ class FrontendGroup:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._table = SharedTable(self._words, self._capacity)
+        self._table = SharedTable(self._words, self._capacity, self._used)
         self.abort_elsewhere = None
         self.loads_elsewhere = None
 
@@ -207,17 +289,48 @@ class FrontendGroup:
     # ----- running request ids -----------------------------------------------
 
     def claim(self, request_id: str, owner: str | None) -> bool:
-        """Mark `request_id` running here for `owner`; False if another owner runs it."""
+        """Mark `request_id` running here for `owner`; False if another owner runs it.
+
+        Raises:
+            TableFullError: the id is new and `owner` holds `claims_per_owner`
+                ids already, or the table is full.
+        """
         key, who, bit = key_hash(request_id), owner_hash(owner), 1 << self.index
         with self._lock:
-            stored = self._table.get(key)
+            table = self._table
+            stored = table.get(key)
             if stored is None:
-                self._table.put(key, who, bit)
+                counter = _claims_key(who)
+                held = table.get(counter)
+                count = 0 if held is None else held[1]
+                if count >= self.claims_per_owner:
+                    raise TableFullError(
+                        f"this caller runs {count} request ids across the frontend processes, "
+                        f"its most ({self.claims_per_owner}: the shared table is sized from "
+                        "--max-inflight and --max-pooling-inputs); try again when some end"
+                    )
+                table.put(counter, who, count + 1)
+                try:
+                    table.put(key, who, bit)
+                except TableFullError:
+                    table.put(counter, who, count)
+                    raise
                 return True
             if stored[0] != who:
                 return False
-            self._table.put(key, who, stored[1] | bit)
+            table.put(key, who, stored[1] | bit)
             return True
+
+    def claims_held_by(self, owner: str | None) -> int:
+        """The running ids `owner` holds across the processes."""
+        with self._lock:
+            stored = self._table.get(_claims_key(owner_hash(owner)))
+        return 0 if stored is None else stored[1]
+
+    @property
+    def entries(self) -> int:
+        """The table's slots taken (ids, owners' and streams' counters)."""
+        return self._table.used
 
     def free_for(self, request_id: str, owner: str | None) -> bool:
         """Whether `owner` may run `request_id` now (no one else runs it anywhere)."""
@@ -229,9 +342,18 @@ class FrontendGroup:
         """`request_id` no longer runs in this process."""
         key, bit = key_hash(request_id), 1 << self.index
         with self._lock:
-            stored = self._table.get(key)
-            if stored is not None:
-                self._table.put(key, stored[0], stored[1] & ~bit)
+            table = self._table
+            stored = table.get(key)
+            if stored is None:
+                return
+            left = stored[1] & ~bit
+            table.put(key, stored[0], left)
+            if left == 0:
+                # The id is gone from every process: one fewer for its owner.
+                counter = _claims_key(stored[0])
+                held = table.get(counter)
+                if held is not None:
+                    table.put(counter, held[0], held[1] - 1)
 
     def running_elsewhere(self, request_id: str, owner: str | None) -> list[int]:
         """The other processes running `request_id` for `owner` (None: for anyone)."""

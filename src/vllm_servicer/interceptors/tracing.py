@@ -61,6 +61,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from ..budgets import check_request_id
 from ..context import shared_usage
 from ..engine import served_model_name
 from ..proto import COUNTED_METHODS, GENERATION_METHODS
@@ -384,8 +385,9 @@ class TracingInterceptor(CallInterceptor):
             attrs["gen_ai.request.choice.count"] = summary.n
         if self._model:
             attrs["gen_ai.request.model"] = self._model
-        if summary.request_id:
-            # The name vLLM's own engine spans use for the same id.
+        if summary.request_id and _checked(summary.request_id):
+            # The name vLLM's own engine spans use for the same id; one the
+            # servicer refuses (32 MiB, a newline) stays out of the trace.
             attrs["gen_ai.request.id"] = summary.request_id
         span.set_attributes(attrs)
 
@@ -450,6 +452,17 @@ class TracingInterceptor(CallInterceptor):
                 call.context.details() if code is not grpc.StatusCode.DEADLINE_EXCEEDED else ""
             )
             span.set_status(self._status(self._error, f"{code}:{details or ''}"))
+
+
+def _checked(request_id: str) -> bool:
+    """Whether `request_id` passes the servicers' own check (length first: a
+    refused id may be megabytes), so that only an id a request could run
+    under reaches a span."""
+    try:
+        check_request_id("request_id", request_id)
+    except ValueError:
+        return False
+    return True
 
 
 def configure_tracing_from_env() -> TracerProvider | None:

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from multiprocessing import connection
 from typing import Any
 
-from ..frontends import FrontendGroup
+from ..frontends import FrontendGroup, id_room, table_capacity
 from .args import ServeArgs
 from .engine_processes import apart_from_stop_signals
 from .launcher import Frontend, serve
@@ -93,7 +93,13 @@ def serve_frontends(args: ServeArgs) -> int:
     if not addresses_usable(args):
         return EXIT_FAILED
     args = _with_fixed_ports(args)
-    group = FrontendGroup(count)
+    # Sized from what the budgets let run at once, and no one identity holds
+    # more ids than that: others always find room in the table.
+    ids = id_room(args.max_inflight, args.budgets.max_pooling_inputs)
+    capacity = table_capacity(
+        args.max_inflight, args.budgets.max_pooling_inputs, args.max_kv_subscribers
+    )
+    group = FrontendGroup(count, capacity, claims_per_owner=ids)
     ready = multiprocessing.get_context("spawn").Queue()
     engine_args = args.engine_args()
     engine_args._api_process_count = count

@@ -21,6 +21,9 @@ own `--api-key` middleware is not used: it takes a fixed key list and guards
 client the app is handed (`http_guard.py`): KV transfer parameters a router's,
 runtime adapter loads an administrator's.
 
+Request ids: the `X-Request-Id` header and a JSON body's `request_id` are
+checked as gRPC's are (`http_request_ids.py`) before vLLM's handlers copy them.
+
 Media: vLLM's chat API fetches http(s) image, audio and video URLs only from
 the domains of `--allowed-media-domains`, and follows no redirect
 (`gate_media_fetching`).
@@ -45,6 +48,7 @@ import uvicorn
 from ..context import Identity, current_identity
 from ..guard import EngineGuard
 from ..interceptors.auth import AuthError, Unauthenticated
+from . import http_request_ids as request_ids
 from .args import ServeArgs
 from .http_guard import HTTP_CALLER, GuardedEngine
 
@@ -180,6 +184,17 @@ class _Front:
             if refusal is not None:
                 await self._refuse(scope, send, *refusal)
                 return
+        if not _public(path):
+            # After the key (nothing is read for a caller refused), before
+            # vLLM's handler copies the id into each engine request's.
+            bad_id, receive = await request_ids.checked(scope, receive)
+            if bad_id is not None:
+                if scope["type"] == "websocket":
+                    await self._refuse(scope, send, 400, bad_id[1])
+                else:
+                    for event in _json(400, request_ids.error_body(*bad_id)):
+                        await send(event)
+                return
         # Whom the engine guard claims this request's id for (http_guard.py).
         token = current_identity.set(caller)
         try:
@@ -313,6 +328,7 @@ class HttpApi:
             else GuardedEngine(
                 engine,
                 guard,
+                args.budgets,
                 authenticated=verifier is not None,
                 routing_for_every_key=args.routing_data_for_every_key,
             )

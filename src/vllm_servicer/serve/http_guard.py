@@ -14,10 +14,15 @@ from a router or admin key, else 403, and the connector is not told of a
 tenant's refused request; an adapter vLLM's runtime LoRA resolvers would load
 for a request naming an unknown model (`add_lora`) only for an admin key.
 
+Each generation's sampling parameters meet the per-request budgets the gRPC
+protocols check on their own messages (the stop strings, vLLM having parsed
+`stop` of completions and chat alike), before the engine sees them.
+
 Refusals take vLLM's own error mapping: an id another caller runs is a
 `GracefulHTTPError` with 409 Conflict (gRPC's ALREADY_EXISTS), the in-flight
 limit a 503, as vLLM answers its own queue limit (`QueueOverflowError`, whose
-fixed message cannot name the limit).
+fixed message cannot name the limit), a request past a budget a 400 naming
+the field (`stop: ...`) and the flag.
 Asked before a stream starts they are the status line; a request that loses
 a race between the check and the claim ends its stream with vLLM's error event.
 """
@@ -33,8 +38,9 @@ from typing import Any
 
 from vllm.exceptions import GracefulHTTPError
 
+from ..budgets import RequestBudgets
 from ..context import Identity, current_identity, may_route
-from ..errors import ROUTER_ROLE_HINT, RequestIdInUseError
+from ..errors import ROUTER_ROLE_HINT, InvalidRequestError, RequestIdInUseError, TableFullError
 from ..guard import EngineGuard, ServerBusyError
 
 __all__ = ["HTTP_CALLER", "GuardedEngine"]
@@ -73,13 +79,22 @@ class InflightLimitError(GracefulHTTPError):
         super().__init__(message, HTTPStatus.SERVICE_UNAVAILABLE)
 
 
+class BudgetRefusalError(GracefulHTTPError):
+    """The request passes a per-request budget: 400, as gRPC's INVALID_ARGUMENT."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, HTTPStatus.BAD_REQUEST)
+
+
 @contextlib.contextmanager
 def _as_http_errors() -> Iterator[None]:
     try:
         yield
+    except InvalidRequestError as exc:
+        raise BudgetRefusalError(str(exc)) from exc
     except RequestIdInUseError as exc:
         raise RequestIdConflictError(str(exc)) from exc
-    except ServerBusyError as exc:
+    except (ServerBusyError, TableFullError) as exc:
         raise InflightLimitError(str(exc)) from exc
 
 
@@ -92,6 +107,7 @@ class GuardedEngine:
     Args:
         engine: the launcher's `AsyncLLM`.
         guard: the mount's `EngineGuard`.
+        budgets: the per-request budgets the gRPC protocols keep too.
         authenticated: the HTTP API checks keys: KV transfer parameters are then
             a router's and runtime adapter loads an administrator's. Without
             keys there are no tenants to keep apart, and both stay open.
@@ -103,12 +119,14 @@ class GuardedEngine:
         self,
         engine: Any,
         guard: EngineGuard,
+        budgets: RequestBudgets | None = None,
         *,
         authenticated: bool = False,
         routing_for_every_key: bool = False,
     ) -> None:
         self._engine = engine
         self._guard = guard
+        self._budgets = budgets if budgets is not None else RequestBudgets()
         self._authenticated = authenticated
         self._routing_open = routing_for_every_key or not authenticated
 
@@ -134,6 +152,10 @@ class GuardedEngine:
         for field in _ROUTING_FIELDS:
             if extra.get(field) is not None and not may_route(self._routing_open):
                 raise RoutingDataForbiddenError(field)
+        # Before the engine's output handler matches each stop string against
+        # each new token, on this event loop.
+        with _as_http_errors():
+            self._budgets.check_stop("stop", getattr(sampling_params, "stop", None) or ())
         start = functools.partial(
             self._engine.generate, prompt, sampling_params, request_id, *args, **kwargs
         )

@@ -117,6 +117,7 @@ class Generation:
     def _check_budgets(self, params: pb.SamplingParams) -> None:
         """Refuse sampling parameters past a budget, before anything is built from them."""
         self._budgets.check_n("sampling_params.n", params.n)
+        self._budgets.check_stop("sampling_params.stop", params.stop)
         constraint = convert.constraint_size(params)
         if constraint is not None:
             self._budgets.check_constraint(*constraint)

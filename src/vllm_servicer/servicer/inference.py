@@ -219,6 +219,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         steps = self._steps
         method = "GenerateStream" if stream else "Generate"
         fields.refuse_unserved(INFERENCE_SERVICE, method, request)
+        self._budgets.check_stop("stopping.stop_strings", request.stopping.stop_strings)
         constraint = wire.constraint_size(request.decoding)
         if constraint is not None:
             self._budgets.check_constraint(*constraint)

@@ -53,6 +53,9 @@ class RenderServicer(render_pb2_grpc.RenderServicer):
         # An adapter renders as the served model: vLLM's renderer is the engine's one.
         handlers.check_model("model", request.model)
         self._budgets.check_render_items("messages", _chat_items(request))
+        # Counted before anything is tokenized: every field's bytes but the
+        # images' (counted as images), at least the chat's characters.
+        self._budgets.check_render_chars("messages", wire.chat_size(request))
         render = await handlers.handler("serving_render", "generate", "render chat prompts")
         body = wire.render_chat_body(request, handlers.limits())
         account = self._decoded_media.request()
@@ -72,6 +75,7 @@ class RenderServicer(render_pb2_grpc.RenderServicer):
         handlers = self._handlers
         handlers.check_model("model", request.model)
         self._budgets.check_render_items("prompt", len(request.prompt))
+        self._budgets.check_render_chars("prompt", sum(len(text) for text in request.prompt))
         render = await handlers.handler("serving_render", "generate", "render prompts")
         body = wire.render_completion_body(request, handlers.limits())
         answers = rendered(

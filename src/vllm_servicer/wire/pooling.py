@@ -26,6 +26,7 @@ from ..proto import render_pb2 as render_pb
 
 __all__ = [
     "ModelLimits",
+    "chat_size",
     "classify_body",
     "classify_response",
     "render_chat_body",
@@ -368,7 +369,7 @@ def _depth(value: Any) -> int:
     return depth
 
 
-def _chat_size(request: render_pb.RenderChatRequest) -> int:
+def chat_size(request: render_pb.RenderChatRequest) -> int:
     """What a chat gives the template, in bytes (at least its characters):
     every field of the request, so a field added later counts too, but its
     images' URLs (counted as images)."""
@@ -390,7 +391,7 @@ def render_chat_body(request: render_pb.RenderChatRequest, limits: ModelLimits) 
     """
     if not request.messages:
         raise InvalidRequestError("messages", "at least one message is required")
-    limits.check_chat_fits("messages", _chat_size(request))
+    limits.check_chat_fits("messages", chat_size(request))
     messages = [
         _message(message, f"messages[{index}]") for index, message in enumerate(request.messages)
     ]
