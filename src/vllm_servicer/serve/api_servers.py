@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from multiprocessing import connection
 from typing import Any
 
-from ..frontends import FrontendGroup
+from ..frontends import WANTING_ONLY_RECORDS, FrontendGroup
 from .args import ServeArgs
 from .engine_processes import apart_from_stop_signals
 from .launcher import Frontend, serve
@@ -93,7 +93,8 @@ def serve_frontends(args: ServeArgs) -> int:
     if not addresses_usable(args):
         return EXIT_FAILED
     args = _with_fixed_ports(args)
-    group = FrontendGroup(count)
+    # A fair-share record for every tenant that can hold a slot, and some that only want one.
+    group = FrontendGroup(count, share_records=args.max_inflight + WANTING_ONLY_RECORDS)
     ready = multiprocessing.get_context("spawn").Queue()
     engine_args = args.engine_args()
     engine_args._api_process_count = count

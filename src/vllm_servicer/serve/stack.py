@@ -39,7 +39,8 @@ def build_interceptors(
 
     Tracing outermost (its span covers everything), then metrics (rejected calls
     are counted too), then authentication, then the in-flight limit (only
-    authenticated calls take a slot), each when there is one; `mount` counts
+    authenticated calls take a slot, and each tenant its fair share of them),
+    each when there is one; `mount` counts
     the calls in flight either way, and runs the stack from one wrapper per call.
     Tracing is on when the OTEL_* variables ask for it; metrics are on with a
     metrics port or the HTTP API (whose `/metrics` shows them).
@@ -71,7 +72,11 @@ def build_interceptors(
     if verifier is not None:
         stack.append(AuthInterceptor(verifier, permissions=role_permissions))
     if args.max_inflight or group is not None:
-        stack.append(InflightInterceptor(args.max_inflight or None, group=group))
+        stack.append(
+            InflightInterceptor(
+                args.max_inflight or None, group=group, fair_shares=not args.no_fair_shares
+            )
+        )
     return stack, metrics
 
 
