@@ -117,12 +117,15 @@ class LocalBook:
         return self._held.get(name, 0)
 
     def wanting(self, now: float) -> dict[Hashable, float]:
+        weights = self._weights
+        if not self._wanting_until:  # only holders: the usual case, kept cheap
+            return {name: weights[name] for name in self._held}
         for name, until in list(self._wanting_until.items()):
             if until <= now:
                 del self._wanting_until[name]
                 if name not in self._held:
-                    self._weights.pop(name, None)
-        return {name: self._weights[name] for name in self._held.keys() | self._wanting_until}
+                    weights.pop(name, None)
+        return {name: weights[name] for name in self._held.keys() | self._wanting_until}
 
     def add(self, name: str, weight: float, delta: int, now: float) -> None:
         left = self._held.get(name, 0) + delta

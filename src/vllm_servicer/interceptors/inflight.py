@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from typing import NamedTuple
 
 import grpc
 
@@ -22,14 +21,6 @@ VllmEngine's Generate and Embed, vllm.Inference's Generate and GenerateStream,
 Pooling's Classify, Score and Rerank, Render's RenderChat and RenderCompletion."""
 
 RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
-
-
-class _Share(NamedTuple):
-    """The fair shares a caller's slot counts in, under which name and weight."""
-
-    shares: FairShares
-    name: str
-    weight: float
 
 
 class InflightInterceptor(CallInterceptor):
@@ -170,11 +161,11 @@ class InflightInterceptor(CallInterceptor):
         """
         if self._max_inflight is None:
             return None
-        group = self._group
+        tenant, group = self._tenant(caller), self._group
         if group is None:
-            return self._check(caller, n)
+            return self._check(tenant, n)
         with group.locked():
-            return self._check(caller, n)
+            return self._check(tenant, n)
 
     def enter(self, caller: Identity | None = None) -> str | None:
         """Count one more limited request (any protocol's) for `caller`; the
@@ -192,17 +183,16 @@ class InflightInterceptor(CallInterceptor):
     def leave(self, caller: Identity | None = None) -> None:
         """One limited request `enter(caller)` counted ended."""
         self._limited_total -= 1
-        share = self._share_of(caller)
-        group = self._group
+        tenant, shares, group = self._tenant(caller), self._shares, self._group
         if group is None:
-            if share is not None:
-                share.shares.give_back(share.name, share.weight)
-        elif share is None:
+            if tenant is not None and shares is not None:
+                shares.give_back(*tenant)
+        elif tenant is None or shares is None:
             group.add_inflight(-1)
         else:
             with group.locked():
                 group.add_inflight(-1)
-                share.shares.give_back(share.name, share.weight)
+                shares.give_back(*tenant)
         if self._limited_total == 0 and self._limited_idle is not None:
             self._limited_idle.set()
 
@@ -215,27 +205,26 @@ class InflightInterceptor(CallInterceptor):
 
     # ----- the limit and the shares -------------------------------------------------
 
-    def _share_of(self, caller: Identity | None) -> _Share | None:
-        """The share `caller`'s slots count against; None: the total's only."""
-        shares, name = self._shares, tenant_of(caller)
-        if shares is None or name is None or caller is None or self._max_inflight is None:
+    def _tenant(self, caller: Identity | None) -> tuple[str, float] | None:
+        """The name and weight `caller`'s slots count against in the shares;
+        None: the total's only."""
+        name = tenant_of(caller)
+        if name is None or caller is None or self._shares is None or self._max_inflight is None:
             return None
-        return _Share(shares, name, caller.weight)
+        return name, caller.weight
 
-    def _check(self, caller: Identity | None, n: int) -> str | None:
-        """The limit, then the caller's share (under the group's lock, if any)."""
-        limit = self._max_inflight
+    def _check(self, tenant: tuple[str, float] | None, n: int) -> str | None:
+        """The limit, then the tenant's share (under the group's lock, if any)."""
+        limit, shares = self._max_inflight, self._shares
         assert limit is not None
         busy = self.limited_everywhere
-        share = self._share_of(caller)
         if busy + n > limit:
-            if share is not None:  # its share is kept for it while it retries
-                share.shares.wants(share.name, share.weight)
+            if tenant is not None and shares is not None:
+                shares.wants(*tenant)  # its share is kept for it while it retries
             return self.busy_message(busy)
-        if share is None:
+        if tenant is None or shares is None:
             return None
-        pool = f"the {limit} engine slots (max_inflight)"
-        return share.shares.refusal(share.name, share.weight, pool)
+        return shares.refusal(*tenant, pool=f"the {limit} engine slots (max_inflight)")
 
     def _admit(self, caller: Identity | None) -> str | None:
         """Count one more limited call; the refusal's text instead."""
@@ -244,22 +233,19 @@ class InflightInterceptor(CallInterceptor):
             if group is not None:
                 group.add_inflight(1)
             return None
+        tenant = self._tenant(caller)
         if group is None:
-            refusal = self._check(caller, 1)
-            if refusal is None:
-                self._take(caller)
+            refusal = self._check(tenant, 1)
+            if refusal is None and tenant is not None and self._shares is not None:
+                self._shares.take(*tenant)
             return refusal
         with group.locked():  # another process may be admitting one too
-            refusal = self._check(caller, 1)
+            refusal = self._check(tenant, 1)
             if refusal is None:
                 group.add_inflight(1)
-                self._take(caller)
+                if tenant is not None and self._shares is not None:
+                    self._shares.take(*tenant)
         return refusal
-
-    def _take(self, caller: Identity | None) -> None:
-        share = self._share_of(caller)
-        if share is not None:
-            share.shares.take(share.name, share.weight)
 
     # ----- hooks ----------------------------------------------------------------------
 
