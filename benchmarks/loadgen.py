@@ -175,7 +175,7 @@ class Client:
         """True once the server answers HealthCheck with healthy=True."""
         try:
             reply = await self._stub(target).HealthCheck(
-                self._pb.HealthCheckRequest(), timeout=timeout
+                self._pb.HealthCheckRequest(), timeout=timeout, metadata=self._metadata
             )
         except Exception:
             return False

@@ -376,6 +376,8 @@ class Bench:
     def start_loadgen(self) -> LineChannel:
         cmd = [sys.executable, str(HERE / "loadgen.py"), "--serve-stdin"]
         cmd += ["--cpu", str(self.args.loadgen_cpu)]
+        if self.args.api_key:
+            cmd += ["--api-key", self.args.api_key]
         m = self.procs.add("loadgen", cmd)
         m.start(stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         return LineChannel(m)
@@ -389,6 +391,8 @@ class Bench:
             # model's settings itself, the same TINY_ENGINE_KWARGS the other
             # server gets spelled out.
             own = ["--host", "127.0.0.1", "--port", str(port), "--drain-grace", "0"]
+            if self.args.api_key:
+                own += ["--api-key", self.args.api_key]
             cmd = [sys.executable, "-m", "vllm_servicer", "serve", *own, *self.extra]
         else:
             cmd = [sys.executable, "-m", "vllm.entrypoints.launchers.grpc_server"]
@@ -811,6 +815,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_pause_argument(p)
     p.add_argument("--start-timeout", type=float, default=600.0)
+    p.add_argument(
+        "--api-key",
+        help="serve this project's launcher with this key (both sides with --against-src) "
+        "and send it on every call: the stack with authentication, fair shares included",
+    )
     p.add_argument(
         "--against-src",
         default=None,

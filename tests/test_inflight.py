@@ -9,10 +9,12 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from support import collect, placed, request, serving, wait_until_idle
+from support import collect, placed, request, serving, settle, wait_until_idle
 
 from vllm_servicer import SERVICE_NAME
-from vllm_servicer.interceptors import InflightInterceptor
+from vllm_servicer.context import ADMIN_ROLE, Identity
+from vllm_servicer.interceptors import AuthInterceptor, InflightInterceptor
+from vllm_servicer.interceptors.auth import CallableVerifier
 from vllm_servicer.proto import vllm_engine_pb2 as pb
 from vllm_servicer.proto import vllm_engine_pb2_grpc
 
@@ -141,6 +143,65 @@ async def test_long_lived_watch_does_not_block_draining(
     watch.cancel()
     assert await waiter
     assert inflight.total == 0
+
+
+WEIGHTED = {
+    "heavy": Identity("heavy", weight=3.0),
+    "light": Identity("light"),
+    "operator": Identity("operator", roles=frozenset({ADMIN_ROLE})),
+}
+
+
+def _as(name: str) -> tuple[tuple[str, str], ...]:
+    return (("x-tenant", name),)
+
+
+async def test_weights_divide_the_slots_among_the_tenants_that_want_them(engine: Any) -> None:
+    """Identities of weights 3 and 1 share 4 slots 3:1 once the light one was
+    refused for want of a free slot; an administrator is held to the total only."""
+    verifier = CallableVerifier(
+        lambda metadata, _: WEIGHTED.get(dict(metadata).get("x-tenant", "")),
+        reads_auth_context=False,
+    )
+    inflight = InflightInterceptor(4)
+    interceptors = [AuthInterceptor(verifier), inflight]
+    async with serving(engine, interceptors=interceptors) as running:
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(running.channel)
+
+        async def opened(name: str) -> Any:
+            call = stub.Generate(request(stream=True, **LONG), metadata=_as(name))
+            await call.read()
+            return call
+
+        async def refusal(name: str) -> str:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await collect(stub.Generate(request(max_tokens=3), metadata=_as(name)))
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert dict(err.value.trailing_metadata())["grpc-retry-pushback-ms"] == "1000"
+            return str(err.value.details())
+
+        heavy = [await opened("heavy") for _ in range(4)]  # alone: the whole pool
+        assert "server busy" in await refusal("light")  # the pool is full: light wants
+        for call in heavy[2:]:
+            call.cancel()
+        assert await settle(lambda: inflight.limited_total == 2, 30)
+        # Weights 3 and 1 want 4 slots: heavy's share is 3 (equal weights: 2).
+        heavy[2] = await opened("heavy")
+        assert "'heavy' holds 3 of the 4 engine slots (max_inflight), its share while 2 " in (
+            message := await refusal("heavy")
+        ) and message.endswith("is 3; retry later"), message
+        assert len(await collect(stub.Generate(request(max_tokens=3), metadata=_as("light"))))
+        # An administrator past what a tenant's share would be (2 of 4 beside
+        # light's stream): held to the total only.
+        for call in heavy[:3]:
+            call.cancel()
+        assert await settle(lambda: inflight.limited_total == 0, 30)
+        running_calls = [await opened("light")] + [await opened("operator") for _ in range(2)]
+        assert len(await collect(stub.Generate(request(max_tokens=3), metadata=_as("operator"))))
+        for call in running_calls:
+            call.cancel()
+        await _idle(inflight)
+    assert await wait_until_idle(engine) == 0
 
 
 def test_max_inflight_must_be_positive() -> None:

@@ -307,3 +307,27 @@ def test_the_engine_takes_a_servers_batch_defaults(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(AsyncLLM, "from_engine_args", from_engine_args)
     assert launcher._start_engine(parse_args(["serve", "--model", "m"])) == "engine"
     assert seen == {"usage_context": UsageContext.OPENAI_API_SERVER, "model": "m"}
+
+
+@pytest.mark.parametrize(("flags", "held_to_a_share"), [((), True), (("--no-fair-shares",), False)])
+def test_the_launchers_slots_are_shared_fairly_unless_no_fair_shares(
+    flags: tuple[str, ...], held_to_a_share: bool
+) -> None:
+    """The launcher's in-flight count holds a tenant to its share once another
+    was refused a slot; `--no-fair-shares` serves them first come."""
+    from vllm_servicer.context import Identity
+    from vllm_servicer.interceptors import InflightInterceptor
+    from vllm_servicer.serve.stack import build_interceptors
+
+    argv = ["serve", "--model", "m", "--api-key", "k" * 32, "--max-inflight", "2", *flags]
+    stack, _ = build_interceptors(parse_args(argv))
+    (inflight,) = [i for i in stack if isinstance(i, InflightInterceptor)]
+    a, b = Identity("tenant-a"), Identity("tenant-b")
+    assert inflight.enter(a) is None and inflight.enter(a) is None
+    assert "server busy" in (inflight.enter(b) or "")  # b now wants a slot
+    inflight.leave(a)
+    refusal = inflight.enter(a)
+    assert (refusal is not None) == held_to_a_share, refusal
+    if held_to_a_share:
+        assert "its share while 2 tenants want them is 1" in (refusal or "")
+        assert inflight.enter(b) is None

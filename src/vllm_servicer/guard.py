@@ -6,7 +6,8 @@ running for one caller must not start for another (either could abort the
 other's request), and `--max-inflight` bounds the requests of every protocol
 together. `EngineGuard` keeps both promises at one point: it claims a
 request's id for its caller in the mount's one `RunningRequests`, counts it
-against the limit, and releases both however the request ends.
+against the limit and the caller's fair share of it, and releases both
+however the request ends.
 
 No grpc and no vLLM here: each protocol turns the guard's refusals into its
 own answers (gRPC ALREADY_EXISTS and RESOURCE_EXHAUSTED, HTTP 409 and 503).
@@ -18,32 +19,31 @@ import contextlib
 from collections.abc import Iterator
 from typing import Protocol
 
+from .context import Identity, current_identity
 from .servicer.tenancy import RunningRequests
 
 __all__ = ["EngineGuard", "InflightCount", "ServerBusyError"]
 
 
 class ServerBusyError(RuntimeError):
-    """`--max-inflight` requests run already; the message names the count and the limit."""
+    """`--max-inflight` requests run already, or the caller holds its fair share
+    of them while others want some; the message names the limit or the share."""
 
 
 class InflightCount(Protocol):
-    """The count of engine requests in flight and its limit (`InflightInterceptor`)."""
+    """The count of engine requests in flight, its limit and each tenant's
+    share of it (`InflightInterceptor`)."""
 
-    def room_for(self, n: int = 1) -> int | None:
-        """None when `n` more fit now; else the count in flight."""
+    def refusal(self, caller: Identity | None = None, n: int = 1) -> str | None:
+        """None when `n` more of `caller`'s fit now; else the refusal's text."""
         ...
 
-    def enter(self) -> int | None:
-        """Count one more; the count in flight instead, counting nothing, when full."""
+    def enter(self, caller: Identity | None = None) -> str | None:
+        """Count one more for `caller`; the refusal's text instead, counting nothing."""
         ...
 
-    def leave(self) -> None:
-        """One counted by `enter` ended."""
-        ...
-
-    def busy_message(self, busy: int) -> str:
-        """The refusal's text for `busy` requests in flight."""
+    def leave(self, caller: Identity | None = None) -> None:
+        """One counted by `enter(caller)` ended."""
         ...
 
 
@@ -72,16 +72,17 @@ class EngineGuard:
 
         Raises:
             RequestIdInUseError: the id runs for another caller.
-            ServerBusyError: the in-flight limit is reached.
+            ServerBusyError: the in-flight limit or the caller's share is reached.
         """
         self.check_room()
         self.running.check(request_id, method)
 
     def check_room(self, n: int = 1) -> None:
-        """Raises ServerBusyError when `n` more requests would pass the limit."""
-        busy = self.inflight.room_for(n)
-        if busy is not None:
-            raise ServerBusyError(self.inflight.busy_message(busy))
+        """Raises ServerBusyError when `n` more of the caller's requests would pass
+        the limit or its share."""
+        refusal = self.inflight.refusal(current_identity.get(), n)
+        if refusal is not None:
+            raise ServerBusyError(refusal)
 
     @contextlib.contextmanager
     def hold(self, request_id: str, method: str, *, counted: bool = False) -> Iterator[None]:
@@ -97,22 +98,23 @@ class EngineGuard:
                 in-flight interceptor before its message is read).
 
         Raises:
-            ServerBusyError: the in-flight limit is reached.
+            ServerBusyError: the in-flight limit or the caller's share is reached.
             RequestIdInUseError: the id runs for another caller.
         """
+        caller = current_identity.get()
         if not counted:
-            busy = self.inflight.enter()
-            if busy is not None:
-                raise ServerBusyError(self.inflight.busy_message(busy))
+            refusal = self.inflight.enter(caller)
+            if refusal is not None:
+                raise ServerBusyError(refusal)
         try:
             self.running.claim(request_id, method)
         except BaseException:
             if not counted:
-                self.inflight.leave()
+                self.inflight.leave(caller)
             raise
         try:
             yield
         finally:
             self.running.release(request_id)
             if not counted:
-                self.inflight.leave()
+                self.inflight.leave(caller)

@@ -17,6 +17,11 @@ its share again. Calls without credentials and administrators are held to the
 pool's total only (`context.tenant()` is None for them): the operator can
 change the server for everyone anyway.
 
+Where the counts live is a `ShareBook`: this process's dictionaries
+(`LocalBook`), or the shared memory of the frontend processes of
+`--api-server-count` (`frontends.FrontendGroup.share_book`), so that a share
+holds across the processes. The rule reads the book; the book only counts.
+
 No grpc and no vLLM here; the pools' interceptors and the HTTP API's guard
 ask one `FairShares` each.
 """
@@ -25,9 +30,17 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
+from typing import Protocol
 
-__all__ = ["DEFAULT_WANT_WINDOW", "FairShares", "fair_share", "share_message"]
+__all__ = [
+    "DEFAULT_WANT_WINDOW",
+    "FairShares",
+    "LocalBook",
+    "ShareBook",
+    "fair_share",
+    "share_message",
+]
 
 DEFAULT_WANT_WINDOW = 10.0
 """Seconds an identity refused for want of a free slot counts as wanting the
@@ -57,6 +70,78 @@ def share_message(name: str, held: int, share: int, wanting: int, pool: str) -> 
     )
 
 
+class ShareBook(Protocol):
+    """Where one pool's per-identity counts live: what each identity holds, its
+    weight, and until when one refused a slot counts as wanting the pool.
+
+    The book counts and forgets; the rule (`FairShares`) is not its concern.
+    A book shared by processes is read and written under their lock, which the
+    pool's owner holds around each check and the count that follows it.
+    """
+
+    def key(self, name: str) -> Hashable:
+        """How the book tells `name` apart in `wanting`'s answer."""
+        ...
+
+    def held(self, name: str) -> int:
+        """Slots `name` holds now."""
+        ...
+
+    def wanting(self, now: float) -> dict[Hashable, float]:
+        """Every identity that holds slots or wants them until after `now`, by
+        `key`, with its weight; those that do neither any more are forgotten."""
+        ...
+
+    def add(self, name: str, weight: float, delta: int, now: float) -> None:
+        """`name` took (`delta` 1) or let go of (-1) a slot."""
+        ...
+
+    def want(self, name: str, weight: float, until: float, now: float) -> None:
+        """`name` wants the pool until `until` (monotonic seconds; `now` is now)."""
+        ...
+
+
+class LocalBook:
+    """A `ShareBook` in this process's memory: one entry per identity that
+    holds or wants the pool, forgotten once it does neither."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, int] = {}
+        self._weights: dict[str, float] = {}
+        self._wanting_until: dict[str, float] = {}
+
+    def key(self, name: str) -> Hashable:
+        return name
+
+    def held(self, name: str) -> int:
+        return self._held.get(name, 0)
+
+    def wanting(self, now: float) -> dict[Hashable, float]:
+        weights = self._weights
+        if not self._wanting_until:  # only holders: the usual case, kept cheap
+            return {name: weights[name] for name in self._held}
+        for name, until in list(self._wanting_until.items()):
+            if until <= now:
+                del self._wanting_until[name]
+                if name not in self._held:
+                    weights.pop(name, None)
+        return {name: weights[name] for name in self._held.keys() | self._wanting_until}
+
+    def add(self, name: str, weight: float, delta: int, now: float) -> None:
+        left = self._held.get(name, 0) + delta
+        if left > 0:
+            self._held[name] = left
+            self._weights[name] = weight
+            return
+        self._held.pop(name, None)
+        if name not in self._wanting_until:
+            self._weights.pop(name, None)
+
+    def want(self, name: str, weight: float, until: float, now: float) -> None:
+        self._wanting_until[name] = until
+        self._weights[name] = weight
+
+
 class FairShares:
     """Per-identity counts of one pool's slots, and the fair share of each.
 
@@ -66,43 +151,39 @@ class FairShares:
 
     Args:
         limit: the pool's size.
+        book: where the counts live (default: this process's, `LocalBook`).
         window: seconds an identity refused for want of a slot counts as wanting.
-        clock: the time source (monotonic seconds).
+        clock: the time source (monotonic seconds; the same in every process
+            sharing a book).
     """
 
     def __init__(
         self,
         limit: int,
         *,
+        book: ShareBook | None = None,
         window: float = DEFAULT_WANT_WINDOW,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if limit < 1:
             raise ValueError(f"a pool needs at least one slot, got {limit}")
         self.limit = limit
+        self.book: ShareBook = LocalBook() if book is None else book
         self._window = window
         self._clock = clock
-        self._held: dict[str, int] = {}
-        self._weights: dict[str, float] = {}
-        self._wanting_until: dict[str, float] = {}
 
     def held(self, name: str) -> int:
         """Slots `name` holds now."""
-        return self._held.get(name, 0)
+        return self.book.held(name)
 
-    def wanting(self) -> dict[str, float]:
-        """Every identity that wants the pool now, with its weight."""
-        now = self._clock()
-        for name, until in list(self._wanting_until.items()):
-            if until <= now and name not in self._held:
-                del self._wanting_until[name]
-                self._weights.pop(name, None)
-        return {name: self._weights[name] for name in self._held.keys() | self._wanting_until}
+    def wanting(self) -> dict[Hashable, float]:
+        """Every identity that wants the pool now (by the book's `key`), with its weight."""
+        return self.book.wanting(self._clock())
 
     def share(self, name: str, weight: float = 1.0) -> int:
         """The share `name` is held to now, were it to ask for a slot."""
         wanting = self.wanting()
-        wanting[name] = weight
+        wanting[self.book.key(name)] = weight
         return fair_share(self.limit, weight, wanting.values())
 
     def refusal(self, name: str | None, weight: float = 1.0, pool: str = "the slots") -> str | None:
@@ -116,7 +197,7 @@ class FairShares:
         if held == 0:
             return None  # a share is one slot at least
         wanting = self.wanting()
-        wanting[name] = weight
+        wanting[self.book.key(name)] = weight
         share = fair_share(self.limit, weight, wanting.values())
         if held < share:
             return None
@@ -124,26 +205,16 @@ class FairShares:
 
     def take(self, name: str | None, weight: float = 1.0) -> None:
         """`name` took one slot (after `refusal` said it may)."""
-        if name is None:
-            return
-        self._held[name] = self._held.get(name, 0) + 1
-        self._weights[name] = weight
+        if name is not None:
+            self.book.add(name, weight, 1, self._clock())
 
-    def give_back(self, name: str | None) -> None:
+    def give_back(self, name: str | None, weight: float = 1.0) -> None:
         """`name` let one slot go."""
-        if name is None:
-            return
-        left = self._held.get(name, 0) - 1
-        if left > 0:
-            self._held[name] = left
-            return
-        self._held.pop(name, None)
-        if name not in self._wanting_until:
-            self._weights.pop(name, None)
+        if name is not None:
+            self.book.add(name, weight, -1, self._clock())
 
     def wants(self, name: str | None, weight: float = 1.0) -> None:
         """`name` was refused for want of a free slot: it counts as wanting for `window` s."""
-        if name is None:
-            return
-        self._wanting_until[name] = self._clock() + self._window
-        self._weights[name] = weight
+        if name is not None:
+            now = self._clock()
+            self.book.want(name, weight, now + self._window, now)

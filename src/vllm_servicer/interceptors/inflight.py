@@ -1,4 +1,5 @@
-"""Counting the RPCs in flight, with an optional limit on engine requests."""
+"""Counting the RPCs in flight, with an optional limit on engine requests and
+each tenant's fair share of it."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ from collections import Counter
 
 import grpc
 
+from ..context import Identity, blame_caller, current_identity, tenant_of
 from ..frontends import FrontendGroup
 from ..proto import COUNTED_METHODS
+from ..shares import FairShares
 from ._base import CallInterceptor, MethodFilter, all_methods, only_methods
 from ._call import Call
 
@@ -31,13 +34,23 @@ class InflightInterceptor(CallInterceptor):
     bound. Engine requests that come another way (vLLM's HTTP API beside)
     count under the same limit through `enter` and `leave`.
 
+    Under a limit, each tenant (`context.tenant_of`: an identity without the
+    admin role) is held to its fair share of it while other tenants want
+    slots (`shares.FairShares`: they hold some, or were refused for want of a
+    free one within the last 10 s): past its share a call is refused the same
+    way, the message naming the share. A tenant alone takes the whole limit;
+    calls without credentials and administrators count toward the total only.
+
     Args:
         max_inflight: the most limited calls in flight at once; None: no limit.
         limited: which calls the limit applies to (default: `ENGINE_REQUESTS`).
         retry_pushback_ms: the retry hint sent with a rejection.
         methods: which methods are counted at all (default: every method).
         group: the frontend processes sharing one engine (`serve
-            --api-server-count`): the limit holds for their calls together.
+            --api-server-count`): the limit and the shares hold for their
+            calls together.
+        fair_shares: hold each tenant to its fair share of the limit while
+            others want slots; False: first come, first served up to the limit.
     """
 
     def __init__(
@@ -48,11 +61,20 @@ class InflightInterceptor(CallInterceptor):
         retry_pushback_ms: int = 1000,
         methods: MethodFilter = all_methods,
         group: FrontendGroup | None = None,
+        fair_shares: bool = True,
     ) -> None:
         super().__init__(methods=methods)
-        if max_inflight is not None and max_inflight < 1:
-            raise ValueError(f"max_inflight must be at least 1, got {max_inflight}")
+        self._shares: FairShares | None = None
+        if fair_shares:
+            self._shares = FairShares(1, book=None if group is None else group.share_book())
         self.max_inflight = max_inflight
+        if group is not None and self._shares is not None and max_inflight is not None:
+            records = group.share_book().capacity
+            if records <= max_inflight:
+                raise ValueError(
+                    f"the frontend group counts the shares of {records} identities, not more "
+                    f"than max_inflight ({max_inflight}): build it with share_records above it"
+                )
         self._limited = limited
         self._limited_cache: dict[str, bool] = {}
         self._pushback = ((RETRY_PUSHBACK_KEY, str(int(retry_pushback_ms))),)
@@ -66,6 +88,19 @@ class InflightInterceptor(CallInterceptor):
         self._limited_idle: asyncio.Event | None = None
 
     # ----- what a host can read ----------------------------------------------------
+
+    @property
+    def max_inflight(self) -> int | None:
+        """The most limited calls in flight at once (None: no limit)."""
+        return self._max_inflight
+
+    @max_inflight.setter
+    def max_inflight(self, value: int | None) -> None:
+        if value is not None and value < 1:
+            raise ValueError(f"max_inflight must be at least 1, got {value}")
+        self._max_inflight = value
+        if self._shares is not None and value is not None:
+            self._shares.limit = value
 
     @property
     def total(self) -> int:
@@ -115,58 +150,107 @@ class InflightInterceptor(CallInterceptor):
 
     # ----- engine requests counted outside a gRPC call ---------------------------
 
-    def room_for(self, n: int = 1) -> int | None:
-        """None when `n` more limited requests fit under the limit now; else the count in flight.
+    def refusal(self, caller: Identity | None = None, n: int = 1) -> str | None:
+        """None when `n` more of `caller`'s limited requests fit now; else the refusal's text.
 
-        Counts nothing: the HTTP API asks before it answers a stream's
-        headers, as vLLM's own `check_admission` is asked, then `enter`s.
+        They fit under the limit and under the caller's fair share. Counts
+        nothing, but a caller refused for want of a free slot counts as
+        wanting one (its share is then kept for it): the HTTP API asks before
+        it answers a stream's headers, as vLLM's own `check_admission` is
+        asked, then `enter`s.
         """
-        if self.max_inflight is None:
+        if self._max_inflight is None:
             return None
-        busy = self.limited_everywhere
-        return busy if busy + n > self.max_inflight else None
+        tenant, group = self._tenant(caller), self._group
+        if group is None:
+            return self._check(tenant, n)
+        with group.locked():
+            return self._check(tenant, n)
 
-    def enter(self) -> int | None:
-        """Count one more limited request (any protocol's); the count in flight
-        instead, counting nothing, when at the limit. Pair with `leave`."""
-        busy = self._admit()
-        if busy is not None:
+    def enter(self, caller: Identity | None = None) -> str | None:
+        """Count one more limited request (any protocol's) for `caller`; the
+        refusal's text instead, counting nothing, past the limit or its share.
+        Pair with `leave(caller)`."""
+        refusal = self._admit(caller)
+        if refusal is not None:
             self.rejected += 1
-            return busy
+            return refusal
         self._limited_total += 1
         if self._limited_idle is not None:
             self._limited_idle.clear()
         return None
 
-    def leave(self) -> None:
-        """One limited request counted by `enter` ended."""
+    def leave(self, caller: Identity | None = None) -> None:
+        """One limited request `enter(caller)` counted ended."""
         self._limited_total -= 1
-        if self._group is not None:
-            self._group.add_inflight(-1)
+        tenant, shares, group = self._tenant(caller), self._shares, self._group
+        if group is None:
+            if tenant is not None and shares is not None:
+                shares.give_back(*tenant)
+        elif tenant is None or shares is None:
+            group.add_inflight(-1)
+        else:
+            with group.locked():
+                group.add_inflight(-1)
+                shares.give_back(*tenant)
         if self._limited_total == 0 and self._limited_idle is not None:
             self._limited_idle.set()
 
     def busy_message(self, busy: int) -> str:
-        """The refusal's text, the same for every protocol."""
+        """The refusal's text past the limit, the same for every protocol."""
         return (
             f"server busy: {busy} requests in flight, the limit "
-            f"(max_inflight) is {self.max_inflight}; retry later"
+            f"(max_inflight) is {self._max_inflight}; retry later"
         )
 
-    # ----- hooks ----------------------------------------------------------------------
+    # ----- the limit and the shares -------------------------------------------------
 
-    def _admit(self) -> int | None:
-        """Count one more limited call; the calls in flight instead when at the limit."""
-        group = self._group
-        if group is None:
-            if self.max_inflight is not None and self._limited_total >= self.max_inflight:
-                return self._limited_total
+    def _tenant(self, caller: Identity | None) -> tuple[str, float] | None:
+        """The name and weight `caller`'s slots count against in the shares;
+        None: the total's only."""
+        name = tenant_of(caller)
+        if name is None or caller is None or self._shares is None or self._max_inflight is None:
             return None
+        return name, caller.weight
+
+    def _check(self, tenant: tuple[str, float] | None, n: int) -> str | None:
+        """The limit, then the tenant's share (under the group's lock, if any)."""
+        limit, shares = self._max_inflight, self._shares
+        assert limit is not None
+        busy = self.limited_everywhere
+        if busy + n > limit:
+            if tenant is not None and shares is not None:
+                shares.wants(*tenant)  # its share is kept for it while it retries
+            return self.busy_message(busy)
+        if tenant is None or shares is None:
+            return None
+        refusal = shares.refusal(*tenant, pool=f"the {limit} engine slots (max_inflight)")
+        if refusal is not None:
+            blame_caller()  # past its own share: the server is not at fault
+        return refusal
+
+    def _admit(self, caller: Identity | None) -> str | None:
+        """Count one more limited call; the refusal's text instead."""
+        group = self._group
+        if self._max_inflight is None:
+            if group is not None:
+                group.add_inflight(1)
+            return None
+        tenant = self._tenant(caller)
+        if group is None:
+            refusal = self._check(tenant, 1)
+            if refusal is None and tenant is not None and self._shares is not None:
+                self._shares.take(*tenant)
+            return refusal
         with group.locked():  # another process may be admitting one too
-            if self.max_inflight is not None and group.inflight >= self.max_inflight:
-                return group.inflight
-            group.add_inflight(1)
-        return None
+            refusal = self._check(tenant, 1)
+            if refusal is None:
+                group.add_inflight(1)
+                if tenant is not None and self._shares is not None:
+                    self._shares.take(*tenant)
+        return refusal
+
+    # ----- hooks ----------------------------------------------------------------------
 
     def _is_limited(self, method: str) -> bool:
         cached = self._limited_cache.get(method)
@@ -176,31 +260,33 @@ class InflightInterceptor(CallInterceptor):
 
     async def on_start(self, call: Call) -> None:
         limited = self._is_limited(call.method)
+        caller = None
         if limited:
-            busy = self.enter()
-            if busy is not None:
+            # Auth set it in its on_admit; kept for on_finish, whose context may not have it.
+            caller = current_identity.get()
+            refusal = self.enter(caller)
+            if refusal is not None:
                 await call.context.abort(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    self.busy_message(busy),
-                    trailing_metadata=self._pushback,
+                    grpc.StatusCode.RESOURCE_EXHAUSTED, refusal, trailing_metadata=self._pushback
                 )
         # Marks the call as counted: a rejected call also reaches on_finish.
-        call.state = limited
+        call.state = (limited, caller)
         self._counts[call.method] += 1
         self._total += 1
         if self._idle is not None:
             self._idle.clear()
 
     def on_finish(self, call: Call) -> None:
-        limited = call.state
-        if limited is None:
+        state = call.state
+        if state is None:
             return
+        limited, caller = state
         self._counts[call.method] -= 1
         self._total -= 1
         if self._total == 0 and self._idle is not None:
             self._idle.set()
         if limited:
-            self.leave()
+            self.leave(caller)
 
     def _event(self, include_all: bool) -> asyncio.Event:
         if include_all:

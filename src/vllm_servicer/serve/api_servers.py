@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from multiprocessing import connection
 from typing import Any
 
-from ..frontends import FrontendGroup, id_room, table_capacity
+from ..frontends import WANTING_ONLY_RECORDS, FrontendGroup, id_room, table_capacity
 from .args import ServeArgs
 from .engine_processes import apart_from_stop_signals
 from .launcher import Frontend, serve
@@ -99,7 +99,13 @@ def serve_frontends(args: ServeArgs) -> int:
     capacity = table_capacity(
         args.max_inflight, args.budgets.max_pooling_inputs, args.max_kv_subscribers
     )
-    group = FrontendGroup(count, capacity, claims_per_owner=ids)
+    # A fair-share record for every tenant that can hold a slot, and some that only want one.
+    group = FrontendGroup(
+        count,
+        capacity,
+        claims_per_owner=ids,
+        share_records=args.max_inflight + WANTING_ONLY_RECORDS,
+    )
     ready = multiprocessing.get_context("spawn").Queue()
     engine_args = args.engine_args()
     engine_args._api_process_count = count

@@ -172,7 +172,16 @@ class ServeArgs:
         1024,
         group=_SERVING,
         help="most Generate/Embed calls in flight (default 1024); beyond it calls get "
-        "RESOURCE_EXHAUSTED with a retry hint (0: no limit)",
+        "RESOURCE_EXHAUSTED with a retry hint (0: no limit); each key is held to its fair "
+        "share of them while other keys want some (see --no-fair-shares)",
+    )
+    no_fair_shares: bool = flag(
+        False,
+        group=_SERVING,
+        help="let any key take all of --max-inflight, first come first served; by default "
+        "each key (an identity without the admin role) is held to its fair share of it while "
+        "other keys want slots (hold some, or were refused one in the last 10 s): past it "
+        "RESOURCE_EXHAUSTED (HTTP 503) naming the share; a key alone takes them all",
     )
     max_concurrent_rpcs: int = flag(
         2048,

@@ -20,9 +20,9 @@ protocols check on their own messages (the stop strings, vLLM having parsed
 
 Refusals take vLLM's own error mapping: an id another caller runs is a
 `GracefulHTTPError` with 409 Conflict (gRPC's ALREADY_EXISTS), the in-flight
-limit a 503, as vLLM answers its own queue limit (`QueueOverflowError`, whose
-fixed message cannot name the limit), a request past a budget a 400 naming
-the field (`stop: ...`) and the flag.
+limit or the caller's fair share of it a 503, as vLLM answers its own queue
+limit (`QueueOverflowError`, whose fixed message cannot name the limit), a
+request past a budget a 400 naming the field (`stop: ...`) and the flag.
 Asked before a stream starts they are the status line; a request that loses
 a race between the check and the claim ends its stream with vLLM's error event.
 """
@@ -73,7 +73,8 @@ class RoutingDataForbiddenError(GracefulHTTPError):
 
 
 class InflightLimitError(GracefulHTTPError):
-    """`--max-inflight` requests run already: 503, as vLLM's own queue limit."""
+    """`--max-inflight` requests run already, or the caller holds its share of
+    them: 503, as vLLM's own queue limit."""
 
     def __init__(self, message: str) -> None:
         super().__init__(message, HTTPStatus.SERVICE_UNAVAILABLE)
@@ -134,7 +135,8 @@ class GuardedEngine:
         return getattr(self._engine, name)
 
     def check_admission(self, n: int = 1, request_id: str | None = None) -> None:
-        """vLLM's admission check, the in-flight limit first (503 past either).
+        """vLLM's admission check, the in-flight limit and the caller's share first
+        (503 past any).
 
         `n` counts sequences (a request's `n`), the limit engine requests, as
         a gRPC Generate with `n` > 1 takes one slot: one free slot admits it.

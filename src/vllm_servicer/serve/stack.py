@@ -44,7 +44,8 @@ def build_interceptors(
     Tracing outermost (its span covers everything), then metrics (rejected calls
     are counted too), then authentication, then the keyed calls' slots (only
     authenticated calls take one; each tenant its fair share of
-    `--max-concurrent-rpcs`, and the read deadline), then the in-flight limit,
+    `--max-concurrent-rpcs`, and the read deadline), then the in-flight limit
+    (each tenant its fair share of it too),
     each when there is one; `mount` counts
     the calls in flight either way, and runs the stack from one wrapper per call.
     Tracing is on when the OTEL_* variables ask for it; metrics are on with a
@@ -85,7 +86,11 @@ def build_interceptors(
         )
     )
     if args.max_inflight or group is not None:
-        stack.append(InflightInterceptor(args.max_inflight or None, group=group))
+        stack.append(
+            InflightInterceptor(
+                args.max_inflight or None, group=group, fair_shares=not args.no_fair_shares
+            )
+        )
     return stack, metrics
 
 
