@@ -96,8 +96,8 @@ def caller_name() -> str | None:
     return None if identity is None else identity.name
 
 
-_caller_at_fault: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "vllm_servicer_caller_at_fault", default=False
+_caller_at_fault: contextvars.ContextVar[object] = contextvars.ContextVar(
+    "vllm_servicer_caller_at_fault", default=None
 )
 
 
@@ -106,12 +106,23 @@ def blame_caller() -> None:
     share, a request never sent): not a failure of the server's, so load reports
     leave it out of their error rate (a tenant's refusals must not steer
     balancers away from a healthy replica)."""
-    _caller_at_fault.set(True)
+    # The call's task, not a flag: a context copied from this one (a task a
+    # handler starts, a server started here) holds no mark of its own.
+    _caller_at_fault.set(_running_task())
 
 
 def caller_at_fault() -> bool:
-    """Whether `blame_caller` marked the current call."""
-    return _caller_at_fault.get()
+    """Whether `blame_caller` marked the current call (its task)."""
+    marked = _caller_at_fault.get()
+    return marked is not None and marked is _running_task()
+
+
+def _running_task() -> object:
+    """The task running now; None outside an event loop (a host's sync code)."""
+    try:
+        return current_task()
+    except RuntimeError:
+        return None
 
 
 current_request_id: contextvars.ContextVar[str] = contextvars.ContextVar(
