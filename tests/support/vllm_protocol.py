@@ -18,7 +18,7 @@ import tempfile
 import types
 from pathlib import Path
 
-REFERENCE_DIR = Path("/work/shared/protocols/vllm")
+REFERENCE_DIR = Path(__file__).resolve().parents[2] / "protos" / "reference" / "vllm"
 """Where the reference `.proto` files are."""
 
 

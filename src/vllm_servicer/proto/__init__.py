@@ -41,6 +41,8 @@ from .methods import (
     POOLING_SERVICE,
     RENDER_SERVICE,
     SERVICE_NAME,
+    VLLM_PROTO_VERSION,
+    VLLM_SCHEMA_RELEASE,
     MethodRole,
 )
 
@@ -70,6 +72,8 @@ __all__ = [
     "POOLING_SERVICE",
     "RENDER_SERVICE",
     "SERVICE_NAME",
+    "VLLM_PROTO_VERSION",
+    "VLLM_SCHEMA_RELEASE",
     "MethodRole",
     "common_pb2",
     "common_pb2_grpc",
