@@ -318,6 +318,7 @@ _INFERENCE_REQUEST = frozenset(
         "engine_reasoning_gate",
         "engine_reasoning_gate.reasoning_ended",
         "engine_reasoning_gate.chat_template_kwargs",
+        "engine_reasoning_gate.chat_template_kwargs.fields",
         "kv_hints",
         "kv_hints.protocol_version",
         "kv_hints.message_id",
@@ -326,6 +327,7 @@ _INFERENCE_REQUEST = frozenset(
         "kv_hints.actions.action_type",
         "kv_hints.actions.action_version",
         "kv_hints.actions.payload",
+        "kv_hints.actions.payload.fields",
     )
 )
 
