@@ -518,15 +518,6 @@ async def test_a_present_sampling_knob_out_of_range_is_invalid(
     assert err.details() == f"sampling.{field}: {words}"
 
 
-async def test_a_present_top_k_is_the_clients(stub: Any, ref: types.ModuleType) -> None:
-    # top_k 1, present, is greedy whatever the temperature.
-    message = generate_request(ref, PROMPT, 8, temperature=1.0)
-    message.sampling.top_k = 1
-    assert await _greedy_ids(stub, message) == await _greedy_ids(
-        stub, generate_request(ref, PROMPT, 8)
-    )
-
-
 def _spied(engine: Any, monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     """The keyword arguments of each `engine.generate` call from now on."""
     calls: list[dict[str, Any]] = []
