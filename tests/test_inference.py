@@ -2,7 +2,7 @@
 
 Mounted beside VllmEngine with `mount(..., services=(SERVICE_NAME, INFERENCE_SERVICE))`
 over a real loopback channel, and called with stubs compiled at test time from
-the reference schema (`/work/shared/protocols/vllm/inference.proto`), not the
+the released schema (`protos/reference/vllm/inference.proto`), not the
 package's own: what a client of vLLM's own server sends. Every refused field
 of the field table is shown over the wire, for both methods.
 """

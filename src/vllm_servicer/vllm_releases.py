@@ -399,5 +399,5 @@ def _sleep_takes_reset_connector() -> bool:
 
 
 SLEEP_RESETS_CONNECTOR = _sleep_takes_reset_connector()
-"""Whether `AsyncLLM.sleep` takes `reset_connector` (vLLM 0.32's does not: a
-`SleepRequest` asking for a reset is refused naming the field)."""
+"""Whether `AsyncLLM.sleep` takes `reset_connector` (0.34's does, default true; 0.31
+to 0.33's do not: a `SleepRequest` asking for a reset is refused naming the field)."""
