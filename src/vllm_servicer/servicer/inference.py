@@ -378,13 +378,13 @@ def _summary(request: pb.GenerateRequest) -> RequestSummary:
     One sequence: `num_sequences` above 1 is refused.
     """
     max_new_tokens = request.stopping.max_new_tokens
-    top_p = request.sampling.top_p
+    sampling = request.sampling
     return RequestSummary(
         "text_completion",
         request.request_id,
         max_tokens=max_new_tokens or None,
         temperature=request.temperature if request.HasField("temperature") else None,
-        top_p=top_p if top_p != 0.0 else None,
+        top_p=sampling.top_p if sampling.HasField("top_p") else None,
     )
 
 
