@@ -808,7 +808,7 @@ async def test_a_connector_reset_on_sleep_is_refused_where_vllm_cannot_do_it(
 ) -> None:
     from vllm_servicer import vllm_releases
 
-    assert not vllm_releases.SLEEP_RESETS_CONNECTOR  # vLLM 0.32's sleep takes no such flag
+    assert not vllm_releases.sleep_resets_connector(engine)  # vLLM 0.32's sleep has no such flag
     monkeypatch.setattr(engine.model_config, "enable_sleep_mode", True)
     err = await refused(stub.Sleep(ctl.SleepRequest(reset_connector=True), timeout=10))
     assert err.code() == grpc.StatusCode.UNIMPLEMENTED

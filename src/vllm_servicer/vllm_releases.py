@@ -392,12 +392,14 @@ THINKING_TOKEN_BUDGET = _sampling_takes("thinking_token_budget")
 engine needs a reasoning parser, `--reasoning-parser`); else the field is refused."""
 
 
-def _sleep_takes_reset_connector() -> bool:
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    return "reset_connector" in inspect.signature(AsyncLLM.sleep).parameters
-
-
-SLEEP_RESETS_CONNECTOR = _sleep_takes_reset_connector()
-"""Whether `AsyncLLM.sleep` takes `reset_connector` (0.34's does, default true; 0.31
-to 0.33's do not: a `SleepRequest` asking for a reset is refused naming the field)."""
+def sleep_resets_connector(engine: Any) -> bool:
+    """Whether the engine's `sleep` takes `reset_connector` (0.34's does, default true;
+    0.31 to 0.33's do not: a `SleepRequest` asking for a reset is refused naming the
+    field). Read off the engine's own method, so a stand-in engine answers for itself."""
+    sleep = getattr(engine, "sleep", None)
+    if sleep is None:
+        return False
+    try:
+        return "reset_connector" in inspect.signature(sleep).parameters
+    except (TypeError, ValueError):
+        return False

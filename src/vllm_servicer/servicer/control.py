@@ -274,7 +274,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
             raise InvalidRequestError("level", f"must be one of {_SLEEP_LEVELS}, got {level}")
         mode = pause_mode(request.mode)
         extra: dict[str, Any] = {}
-        if vllm_releases.SLEEP_RESETS_CONNECTOR:
+        if vllm_releases.sleep_resets_connector(self._llm):
             if request.HasField("reset_connector"):
                 extra["reset_connector"] = request.reset_connector
         elif request.reset_connector:
