@@ -893,6 +893,16 @@ async def test_a_refused_field_is_refused_with_its_code_and_name(
             id="bad-word-outside-the-vocabulary",
         ),
         pytest.param(
+            lambda m: [m.decoding.bad_words_token_ids.add(ids=[5] * 600) for _ in range(2)],
+            "decoding.bad_words_token_ids",
+            id="bad-words-past-vllms-token-total",
+        ),
+        pytest.param(
+            lambda m: [m.decoding.bad_words_token_ids.add(ids=[5]) for _ in range(129)],
+            "decoding.bad_words_token_ids",
+            id="more-bad-words-than-vllm-takes",
+        ),
+        pytest.param(
             lambda m: setattr(m.stopping, "thinking_token_budget", -2),
             "stopping.thinking_token_budget",
             id="thinking-budget-below-minus-one",

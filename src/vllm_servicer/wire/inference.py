@@ -174,8 +174,9 @@ def bad_words(decoding: pb.DecodingParameters, vocab_size: int) -> list[list[int
     outright): what vLLM's `bad_words` become once tokenized, given as ids.
 
     Raises:
-        InvalidRequestError: an empty sequence, an id outside the vocabulary, or
-            more sequences than vLLM takes (VLLM_MAX_NUM_BAD_WORDS).
+        InvalidRequestError: an empty sequence, an id outside the vocabulary, more
+            sequences or tokens than vLLM takes (VLLM_MAX_NUM_BAD_WORDS,
+            VLLM_MAX_BAD_WORDS_TOTAL_TOKENS).
     """
     sequences = decoding.bad_words_token_ids
     if not sequences:
@@ -200,6 +201,13 @@ def bad_words(decoding: pb.DecodingParameters, vocab_size: int) -> list[list[int
                     f"token id {token_id} is outside the vocabulary (size {vocab_size})",
                 )
         words.append(ids)
+    total, most = sum(map(len, words)), _max_bad_words_tokens()
+    if total > most:
+        # vLLM's GPU model runner raises past it inside the engine, for every request there.
+        raise InvalidRequestError(
+            "decoding.bad_words_token_ids",
+            f"{total} tokens in all; vLLM takes at most {most} (VLLM_MAX_BAD_WORDS_TOTAL_TOKENS)",
+        )
     return words
 
 
@@ -207,6 +215,12 @@ def _max_bad_words() -> int:
     import vllm.envs
 
     return int(vllm.envs.VLLM_MAX_NUM_BAD_WORDS)
+
+
+def _max_bad_words_tokens() -> int:
+    import vllm.envs
+
+    return int(getattr(vllm.envs, "VLLM_MAX_BAD_WORDS_TOTAL_TOKENS", 1024))
 
 
 def thinking_budget(stopping: pb.StoppingCriteria) -> int | None:
