@@ -145,6 +145,16 @@ vllm-api-check: setup
 proto: setup
 	$(PY) protos/generate.py
 
+# vLLM's released vllm.Inference / vllm.Control schema (the sdist's rust/proto/),
+# fetched from the index pip is configured with into protos/reference/vllm/, and
+# protos/inference.proto, control.proto rewritten from it; then the generated code.
+#   make vllm-protos VERSION=0.34.0
+.PHONY: vllm-protos
+vllm-protos: setup
+	@test "$(origin VERSION)" = "command line" || { echo "name the release: make vllm-protos VERSION=X"; exit 2; }
+	$(PY) protos/fetch_vllm.py $(VERSION)
+	$(PY) protos/generate.py
+
 lint: setup
 	$(PY) -m ruff check src tests examples benchmarks protos
 	$(PY) -m ruff format --check src tests examples benchmarks protos

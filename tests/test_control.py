@@ -781,6 +781,41 @@ async def test_server_info_is_the_engines_configuration(stub: Any, engine: Any) 
     assert not rl.sleep_mode_enabled and not rl.draft_weight_updates_enabled
 
 
+async def test_server_info_states_the_schemas_version(stub: Any) -> None:
+    # As vLLM's Rust frontend reports it: the version of vLLM 0.34.0's vllm-proto crate.
+    info = await stub.GetServerInfo(ctl.GetServerInfoRequest(), timeout=10)
+    assert info.proto_version == "0.7.0"
+
+
+async def test_a_control_field_the_schema_does_not_know_is_refused(served: Any) -> None:
+    # GetServerInfoRequest is empty in vLLM 0.34.0's schema: field 1 is a newer client's.
+    call = served.channel.unary_unary("/vllm.Control/GetServerInfo")
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await call(b"\x08\x01", timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    details = err.value.details() or ""
+    assert details.startswith("request: field number 1 is not in vllm.GetServerInfoRequest")
+    assert 'proto_version "0.7.0"' in details, details
+    # A Sleep with a field beside `reset_connector` (3) is refused before it reaches the engine.
+    sleep = served.channel.unary_unary("/vllm.Control/Sleep")
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await sleep(ctl.SleepRequest(level=1).SerializeToString() + b"\x20\x01", timeout=10)
+    assert (err.value.details() or "").startswith("request: field number 4 is not in")
+
+
+async def test_a_connector_reset_on_sleep_is_refused_where_vllm_cannot_do_it(
+    stub: Any, engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vllm_servicer import vllm_releases
+
+    assert not vllm_releases.sleep_resets_connector(engine)  # vLLM 0.32's sleep has no such flag
+    monkeypatch.setattr(engine.model_config, "enable_sleep_mode", True)
+    err = await refused(stub.Sleep(ctl.SleepRequest(reset_connector=True), timeout=10))
+    assert err.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert (err.details() or "").startswith("reset_connector: "), err.details()
+    assert not (await stub.IsSleeping(ctl.IsSleepingRequest(), timeout=10)).sleeping
+
+
 async def test_model_info_is_the_engines_model(
     stub: Any, engine: Any, files: SimpleNamespace
 ) -> None:

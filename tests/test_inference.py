@@ -2,7 +2,7 @@
 
 Mounted beside VllmEngine with `mount(..., services=(SERVICE_NAME, INFERENCE_SERVICE))`
 over a real loopback channel, and called with stubs compiled at test time from
-the reference schema (`/work/shared/protocols/vllm/inference.proto`), not the
+the released schema (`protos/reference/vllm/inference.proto`), not the
 package's own: what a client of vLLM's own server sends. Every refused field
 of the field table is shown over the wire, for both methods.
 """
@@ -472,14 +472,164 @@ async def test_a_seed_makes_sampling_repeatable(stub: Any, ref: types.ModuleType
     assert runs[0] == runs[1]
 
 
-async def test_routed_experts_prompt_start_reaches_vllm(stub: Any, ref: types.ModuleType) -> None:
-    """vLLM checks it against the prompt: past the prompt's end it is the client's fault."""
-    message = generate_request(ref, PROMPT, 2)
-    message.response.routed_experts_prompt_start = len(PROMPT)
-    assert (await stub.Generate(message, timeout=60)).outputs.num_tokens == 2
-    message.response.routed_experts_prompt_start = len(PROMPT) + 1
+# ----- the fields vLLM 0.33's and 0.34's released schema added -------------------------
+
+
+async def _greedy_ids(stub: Any, message: Any) -> list[int]:
+    message.response.output_token_ids = True
+    return list((await stub.Generate(message, timeout=60)).outputs.token_ids)
+
+
+@pytest.mark.parametrize("method", METHODS)
+async def test_bad_words_token_ids_ban_the_greedy_tokens(
+    method: str, stub: Any, ref: types.ModuleType
+) -> None:
+    greedy = await _greedy_ids(stub, generate_request(ref, PROMPT, 8))
+    banned = generate_request(ref, PROMPT, 8)
+    banned.decoding.bad_words_token_ids.add(ids=[greedy[0]])
+    banned.response.output_token_ids = True
+    replies = await _call(stub, method, banned)
+    outputs = [replies.outputs] if method == "Generate" else [m.outputs for m in replies[1:]]
+    tokens = [t for out in outputs for t in out.token_ids]
+    assert len(tokens) == 8 and greedy[0] not in tokens, (greedy, tokens)
+    # A two-token sequence bans its second token only right after its first
+    # (among the generated tokens, as vLLM's sampler reads them).
+    pair = generate_request(ref, PROMPT, 4)
+    pair.decoding.bad_words_token_ids.add(ids=[greedy[0], greedy[1]])
+    tokens = await _greedy_ids(stub, pair)
+    assert tokens[0] == greedy[0] and tokens[1] != greedy[1], (greedy, tokens)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "words"),
+    [
+        ("top_p", 0.0, "top_p must be in (0, 1], got 0"),
+        ("top_p", 1.5, "top_p must be in (0, 1], got 1.5"),
+        ("min_p", 2.0, "min_p must be in [0, 1], got 2"),
+    ],
+)
+async def test_a_present_sampling_knob_out_of_range_is_invalid(
+    field: str, value: float, words: str, stub: Any, ref: types.ModuleType
+) -> None:
+    message = generate_request(ref, PROMPT, 2, temperature=1.0)
+    setattr(message.sampling, field, value)
     err = await _refusal(stub, "Generate", message)
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.details() == f"sampling.{field}: {words}"
+
+
+def _spied(engine: Any, monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """The keyword arguments of each `engine.generate` call from now on."""
+    calls: list[dict[str, Any]] = []
+    generate = engine.generate
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        calls.append(kwargs)
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "generate", spy)
+    return calls
+
+
+async def test_the_engine_reasoning_gate_reaches_the_engine(
+    stub: Any, ref: types.ModuleType, engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    greedy = await _greedy_ids(stub, generate_request(ref, PROMPT, 4))
+    calls = _spied(engine, monkeypatch)
+    message = generate_request(ref, PROMPT, 4)
+    message.engine_reasoning_gate.reasoning_ended = True
+    message.engine_reasoning_gate.chat_template_kwargs.update({"enable_thinking": False})
+    # No reasoning parser on this engine: the gate has nothing to hold back.
+    assert await _greedy_ids(stub, message) == greedy
+    assert calls[-1]["reasoning_ended"] is True
+    assert calls[-1]["reasoning_parser_kwargs"] == {
+        "chat_template_kwargs": {"enable_thinking": False}
+    }
+    unset = generate_request(ref, PROMPT, 4)
+    unset.engine_reasoning_gate.SetInParent()  # present, empty: the engine infers the state
+    assert await _greedy_ids(stub, unset) == greedy
+    assert "reasoning_ended" not in calls[-1]
+
+
+async def test_kv_hints_reach_the_engine(
+    stub: Any, ref: types.ModuleType, engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vllm.v1.kv_hints.protocol import KvHintAction, KvHintsEnvelope
+
+    calls = _spied(engine, monkeypatch)
+    message = generate_request(ref, PROMPT, 2)
+    message.kv_hints.protocol_version = "1"
+    message.kv_hints.message_id = "m-1"
+    action = message.kv_hints.actions.add(
+        action_id="a-1", action_type="prefetch", action_version="1"
+    )
+    action.payload.update({"blocks": 3, "tier": "cpu"})
+    assert (await stub.Generate(message, timeout=60)).outputs.num_tokens == 2
+    assert calls[-1]["kv_hints"] == KvHintsEnvelope(
+        protocol_version="1",
+        message_id="m-1",
+        actions=[KvHintAction("a-1", "prefetch", "1", {"blocks": 3, "tier": "cpu"})],
+    )
+
+
+@pytest.mark.parametrize("method", METHODS)
+async def test_finish_info_counts_the_prompt_tokens_found_in_the_prefix_cache(
+    method: str, stub: Any, ref: types.ModuleType, engine: Any
+) -> None:
+    block = engine.vllm_config.cache_config.block_size
+    # Two whole KV blocks and a part, a prompt no other test sends (the tiny vocabulary).
+    prompt = [(7 * i + len(method)) % 300 + 3 for i in range(2 * block + 10)]
+    cached = []
+    for _ in range(2):
+        replies = await _call(stub, method, generate_request(ref, prompt, 2))
+        last = replies.outputs if method == "Generate" else replies[-1].outputs
+        assert last.finish_info.HasField("num_cached_tokens")  # sent even when 0
+        cached.append(last.finish_info.num_cached_tokens)
+    assert cached == [0, 2 * block], cached
+
+
+async def _raw(served: Any, method: str, data: bytes) -> grpc.aio.AioRpcError:
+    """`data` sent as it is, as a client built from another schema would send it."""
+    if method == "GenerateStream":
+        call: Any = served.channel.unary_stream(f"/vllm.Inference/{method}")(data, timeout=60)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            [m async for m in call]
+    else:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await served.channel.unary_unary(f"/vllm.Inference/{method}")(data, timeout=60)
+    return err.value
+
+
+def _field(number: int, payload: bytes) -> bytes:
+    """A length-delimited field `number` holding `payload`."""
+    key = (number << 3) | 2
+    return _varint(key) + _varint(len(payload)) + payload
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        out.append((value & 0x7F) | (0x80 if value > 0x7F else 0))
+        value >>= 7
+        if not value:
+            return bytes(out)
+
+
+@pytest.mark.parametrize("method", METHODS)
+async def test_a_field_the_schema_does_not_know_is_refused_naming_it(
+    method: str, served: Any, ref: types.ModuleType, engine: Any
+) -> None:
+    request_bytes = generate_request(ref, PROMPT, 2).SerializeToString()
+    err = await _raw(served, method, request_bytes + _field(99, b"x"))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+    details = err.details() or ""
+    assert details.startswith("request: field number 99 is not in vllm.GenerateRequest"), details
+    assert 'proto_version "0.7.0"' in details and "vLLM 0.34.0" in details, details
+    # Nested: an unknown field inside `sampling` (field 6) is named there.
+    sampling = ref.RandomSampling(seed=3).SerializeToString() + _field(50, b"")
+    err = await _raw(served, method, request_bytes + _field(6, sampling))
+    assert (err.details() or "").startswith("sampling: field number 50 is not in "), err.details()
+    assert await wait_until_idle(engine) == 0
 
 
 # ----- malformed and unservable requests -------------------------------------------------
@@ -664,6 +814,10 @@ REFUSALS: dict[str, tuple[Callable[[Any], None], str]] = {
         "--ec-transfer-config",
     ),
     "lora_name": (lambda m: setattr(m, "lora_name", "my-adapter"), "--enable-lora"),
+    "stopping.thinking_token_budget": (
+        lambda m: setattr(m.stopping, "thinking_token_budget", 64),
+        "--reasoning-parser",
+    ),
     "media.url": (
         lambda m: m.media.add(modality=1, url="https://example.com/a.png"),
         "--enable-media-refs",
@@ -728,6 +882,31 @@ async def test_a_refused_field_is_refused_with_its_code_and_name(
         ),
         pytest.param(lambda m: m.decoding.choice.SetInParent(), "decoding.choice.choices"),
         pytest.param(_empty_token_prompt, "token_ids.ids"),
+        pytest.param(
+            lambda m: m.decoding.bad_words_token_ids.add(),
+            "decoding.bad_words_token_ids[0].ids",
+            id="empty-bad-words",
+        ),
+        pytest.param(
+            lambda m: m.decoding.bad_words_token_ids.add(ids=[5, 10**6]),
+            "decoding.bad_words_token_ids[0].ids",
+            id="bad-word-outside-the-vocabulary",
+        ),
+        pytest.param(
+            lambda m: [m.decoding.bad_words_token_ids.add(ids=[5] * 600) for _ in range(2)],
+            "decoding.bad_words_token_ids",
+            id="bad-words-past-vllms-token-total",
+        ),
+        pytest.param(
+            lambda m: [m.decoding.bad_words_token_ids.add(ids=[5]) for _ in range(129)],
+            "decoding.bad_words_token_ids",
+            id="more-bad-words-than-vllm-takes",
+        ),
+        pytest.param(
+            lambda m: setattr(m.stopping, "thinking_token_budget", -2),
+            "stopping.thinking_token_budget",
+            id="thinking-budget-below-minus-one",
+        ),
     ],
 )
 async def test_malformed_fields_are_invalid_naming_them(

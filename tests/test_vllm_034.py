@@ -153,6 +153,7 @@ class _CheckpointingEngine(StandInEngine):
         super().__init__(model_config=SimpleNamespace(enable_sleep_mode=True))
         self.state = CheckpointState.RUNNING
         self.calls: list[str] = []
+        self.resets: list[bool] = []
         self.paused = False
 
     async def checkpoint_state(self) -> tuple[Any, str | None]:
@@ -162,6 +163,7 @@ class _CheckpointingEngine(StandInEngine):
         self, level: int = 1, mode: str = "abort", reset_connector: bool = True
     ) -> None:
         self.calls.append("sleep")
+        self.resets.append(reset_connector)
         self.paused = True
 
     async def wake_up(self, tags: list[str] | None = None) -> bool:
@@ -222,6 +224,20 @@ async def test_control_refuses_what_the_checkpoint_state_forbids(
             assert f"checkpoint is {state}" in (err.details() or "")
     expected = {"Sleep": "sleep", "WakeUp": "wake_up", "ResumeGeneration": "resume"}
     assert engine.calls == [expected[m] for m in calls if m not in refused]
+
+
+async def test_sleep_passes_the_requests_connector_reset_to_0_34_s_sleep() -> None:
+    engine = _CheckpointingEngine()
+    async with serving(engine, services=(CONTROL_SERVICE,)) as served:
+        stub = control_pb2_grpc.ControlStub(served.channel)
+        for message in (
+            control_pb2.SleepRequest(reset_connector=False),
+            control_pb2.SleepRequest(reset_connector=True),
+            control_pb2.SleepRequest(),  # unset: vLLM's default (true)
+        ):
+            await stub.Sleep(message, timeout=10)
+            await stub.WakeUp(control_pb2.WakeUpRequest(), timeout=10)
+    assert engine.resets == [False, True, True]
 
 
 # ----- readiness from the engine core's own answer ---------------------------------

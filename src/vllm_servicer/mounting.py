@@ -48,6 +48,7 @@ from .servicer.render import RenderServicer
 from .servicer.service import VllmEngineServicer
 from .servicer.state import MountState
 from .status import error_layer
+from .wire import fields
 
 HEALTH_SERVICE_NAME: str = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 REFLECTION_SERVICE_NAME: str = reflection.SERVICE_NAME
@@ -335,6 +336,14 @@ _PROTOCOLS: dict[str, _Protocol] = {
 """Each protocol `mount()` serves, by full service name."""
 
 
+def _refusing_unknown_fields(handler: Any, service_name: str) -> Any:
+    """`handler` (grpc's method-handler tuple) parsing its request with `UnknownFieldParser`."""
+    parse = handler.request_deserializer
+    if parse is None:
+        return handler
+    return handler._replace(request_deserializer=fields.UnknownFieldParser(parse, service_name))
+
+
 def _register_wrapped(
     server: grpc.aio.Server, recorder: HandlerRecorder, pipeline: Pipeline
 ) -> None:
@@ -342,6 +351,12 @@ def _register_wrapped(
     for service_name, handlers in recorder.services.items():
         # The protocols' methods raise; the error layer turns that into statuses.
         errors = error_layer if service_name in SERVICES else None
+        if service_name in fields.SCHEMA_VERSIONS:
+            # A field its schema lacks is refused, not dropped (wire/fields.py).
+            handlers = {
+                method: _refusing_unknown_fields(handler, service_name)
+                for method, handler in handlers.items()
+            }
         wrapped = {
             method: pipeline.wrap(f"/{service_name}/{method}", handler, errors=errors)
             for method, handler in handlers.items()

@@ -359,3 +359,47 @@ def runs_adapter(engine: Any, lora_id: int) -> bool | None:
         if lora is not None and lora.lora_int_id == lora_id:
             return True
     return False
+
+
+# ----- vllm.Inference's and vllm.Control's released fields (protos/inference.proto) ------
+
+
+def _generate_takes(name: str) -> bool:
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    return name in inspect.signature(AsyncLLM.generate).parameters
+
+
+GENERATE_TAKES_KV_HINTS = _generate_takes("kv_hints")
+"""Whether `AsyncLLM.generate` takes `kv_hints` (vLLM's `KvHintsEnvelope`; vLLM 0.32
+has it): `GenerateRequest.kv_hints` reaches the engine, else it is refused naming it."""
+
+GENERATE_TAKES_REASONING_GATE = _generate_takes("reasoning_ended") and _generate_takes(
+    "reasoning_parser_kwargs"
+)
+"""Whether `GenerateRequest.engine_reasoning_gate` can become `generate(reasoning_ended=...,
+reasoning_parser_kwargs=...)` (vLLM 0.32 takes both); else it is refused naming it."""
+
+
+def _sampling_takes(name: str) -> bool:
+    from vllm.sampling_params import SamplingParams
+
+    return name in SamplingParams.__struct_fields__
+
+
+THINKING_TOKEN_BUDGET = _sampling_takes("thinking_token_budget")
+"""Whether vLLM's `SamplingParams` has `thinking_token_budget` (vLLM 0.32 has; the
+engine needs a reasoning parser, `--reasoning-parser`); else the field is refused."""
+
+
+def sleep_resets_connector(engine: Any) -> bool:
+    """Whether the engine's `sleep` takes `reset_connector` (0.34's does, default true;
+    0.31 to 0.33's do not: a `SleepRequest` asking for a reset is refused naming the
+    field). Read off the engine's own method, so a stand-in engine answers for itself."""
+    sleep = getattr(engine, "sleep", None)
+    if sleep is None:
+        return False
+    try:
+        return "reset_connector" in inspect.signature(sleep).parameters
+    except (TypeError, ValueError):
+        return False

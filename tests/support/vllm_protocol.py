@@ -1,7 +1,7 @@
 """Client stubs for vLLM's own protocol (`vllm.Inference`, `vllm.Control`), made from the reference.
 
-The reference copy of vLLM's schema (`/work/shared/protocols/vllm/`, see its
-README) is compiled with grpc_tools once per test process, into a temporary
+The released text of vLLM's schema (`protos/reference/vllm/`, the release named in its
+RELEASE file) is compiled with grpc_tools once per test process, into a temporary
 directory; its modules register in protobuf's default pool, which the package
 (its own pool) never reads. A test client built from them is what a client of
 vLLM's own server would send.
@@ -18,7 +18,7 @@ import tempfile
 import types
 from pathlib import Path
 
-REFERENCE_DIR = Path("/work/shared/protocols/vllm")
+REFERENCE_DIR = Path(__file__).resolve().parents[2] / "protos" / "reference" / "vllm"
 """Where the reference `.proto` files are."""
 
 

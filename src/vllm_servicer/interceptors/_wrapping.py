@@ -614,12 +614,15 @@ def _hooked(
 async def _reject_undecodable(
     context: Any, request: UndecodableRequest, method: str, errors: ErrorLayer | None
 ) -> None:
-    reason = f"not a valid {request.message_name}: {request.error}"
-    if errors is not None:
-        from ..errors import InvalidRequestError
+    from ..errors import FieldError, InvalidRequestError
 
-        await errors(context, InvalidRequestError("request", reason), method)
-    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: {reason}")
+    # A parser that names the field at fault (one the schema lacks) is passed on as it is.
+    error = request.error
+    if not isinstance(error, FieldError):
+        error = InvalidRequestError("request", f"not a valid {request.message_name}: {error}")
+    if errors is not None:
+        await errors(context, error, method)
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
 
 
 async def _reject_unsent(

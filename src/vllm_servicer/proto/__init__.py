@@ -42,6 +42,8 @@ from .methods import (
     RENDER_SERVICE,
     ROUTING_METHODS,
     SERVICE_NAME,
+    VLLM_PROTO_VERSION,
+    VLLM_SCHEMA_RELEASE,
     MethodRole,
 )
 
@@ -72,6 +74,8 @@ __all__ = [
     "RENDER_SERVICE",
     "ROUTING_METHODS",
     "SERVICE_NAME",
+    "VLLM_PROTO_VERSION",
+    "VLLM_SCHEMA_RELEASE",
     "MethodRole",
     "common_pb2",
     "common_pb2_grpc",

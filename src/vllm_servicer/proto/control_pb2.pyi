@@ -23,7 +23,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("engine_version", "api_version", "instance_id", "parallelism", "max_model_len", "kv_block_size", "total_kv_blocks", "max_running_requests", "max_batched_tokens", "max_loras", "rl_capabilities", "effective_attention_block_size")
+    __slots__ = ("engine_version", "api_version", "instance_id", "parallelism", "max_model_len", "kv_block_size", "total_kv_blocks", "max_running_requests", "max_batched_tokens", "max_loras", "rl_capabilities", "proto_version", "effective_attention_block_size")
     ENGINE_VERSION_FIELD_NUMBER: _ClassVar[int]
     API_VERSION_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,7 @@ class ServerInfo(_message.Message):
     MAX_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     RL_CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
+    PROTO_VERSION_FIELD_NUMBER: _ClassVar[int]
     EFFECTIVE_ATTENTION_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     engine_version: str
     api_version: str
@@ -47,8 +48,9 @@ class ServerInfo(_message.Message):
     max_batched_tokens: int
     max_loras: int
     rl_capabilities: RlCapabilities
+    proto_version: str
     effective_attention_block_size: int
-    def __init__(self, engine_version: _Optional[str] = ..., api_version: _Optional[str] = ..., instance_id: _Optional[str] = ..., parallelism: _Optional[_Union[ParallelismInfo, _Mapping]] = ..., max_model_len: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., max_batched_tokens: _Optional[int] = ..., max_loras: _Optional[int] = ..., rl_capabilities: _Optional[_Union[RlCapabilities, _Mapping]] = ..., effective_attention_block_size: _Optional[int] = ...) -> None: ...
+    def __init__(self, engine_version: _Optional[str] = ..., api_version: _Optional[str] = ..., instance_id: _Optional[str] = ..., parallelism: _Optional[_Union[ParallelismInfo, _Mapping]] = ..., max_model_len: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., max_batched_tokens: _Optional[int] = ..., max_loras: _Optional[int] = ..., rl_capabilities: _Optional[_Union[RlCapabilities, _Mapping]] = ..., proto_version: _Optional[str] = ..., effective_attention_block_size: _Optional[int] = ...) -> None: ...
 
 class RlCapabilities(_message.Message):
     __slots__ = ("weight_transfer_enabled", "weight_transfer_backend", "sleep_mode_enabled", "draft_weight_updates_enabled")
@@ -201,12 +203,14 @@ class IsPausedResponse(_message.Message):
     def __init__(self, paused: _Optional[bool] = ...) -> None: ...
 
 class SleepRequest(_message.Message):
-    __slots__ = ("level", "mode")
+    __slots__ = ("level", "mode", "reset_connector")
     LEVEL_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
+    RESET_CONNECTOR_FIELD_NUMBER: _ClassVar[int]
     level: int
     mode: PauseMode
-    def __init__(self, level: _Optional[int] = ..., mode: _Optional[_Union[PauseMode, str]] = ...) -> None: ...
+    reset_connector: bool
+    def __init__(self, level: _Optional[int] = ..., mode: _Optional[_Union[PauseMode, str]] = ..., reset_connector: _Optional[bool] = ...) -> None: ...
 
 class SleepResponse(_message.Message):
     __slots__ = ()

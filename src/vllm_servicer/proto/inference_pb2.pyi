@@ -20,7 +20,7 @@ MODALITY_VIDEO: Modality
 MODALITY_AUDIO: Modality
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "text", "token_ids", "temperature", "sampling", "decoding", "stopping", "response", "kv", "truncate_prompt_tokens", "priority", "session_id", "media", "lora_name", "watermarking")
+    __slots__ = ("request_id", "model", "text", "token_ids", "temperature", "sampling", "decoding", "stopping", "response", "kv", "truncate_prompt_tokens", "priority", "session_id", "media", "lora_name", "watermarking", "kv_hints", "engine_reasoning_gate")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,8 @@ class GenerateRequest(_message.Message):
     MEDIA_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     WATERMARKING_FIELD_NUMBER: _ClassVar[int]
+    KV_HINTS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_REASONING_GATE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     text: str
@@ -53,7 +55,39 @@ class GenerateRequest(_message.Message):
     media: _containers.RepeatedCompositeFieldContainer[MediaItem]
     lora_name: str
     watermarking: bool
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., temperature: _Optional[float] = ..., sampling: _Optional[_Union[RandomSampling, _Mapping]] = ..., decoding: _Optional[_Union[DecodingParameters, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., response: _Optional[_Union[ResponseOptions, _Mapping]] = ..., kv: _Optional[_Union[KVCacheParameters, _Mapping]] = ..., truncate_prompt_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., session_id: _Optional[str] = ..., media: _Optional[_Iterable[_Union[MediaItem, _Mapping]]] = ..., lora_name: _Optional[str] = ..., watermarking: _Optional[bool] = ...) -> None: ...
+    kv_hints: KVHintsEnvelope
+    engine_reasoning_gate: EngineReasoningGate
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., temperature: _Optional[float] = ..., sampling: _Optional[_Union[RandomSampling, _Mapping]] = ..., decoding: _Optional[_Union[DecodingParameters, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., response: _Optional[_Union[ResponseOptions, _Mapping]] = ..., kv: _Optional[_Union[KVCacheParameters, _Mapping]] = ..., truncate_prompt_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., session_id: _Optional[str] = ..., media: _Optional[_Iterable[_Union[MediaItem, _Mapping]]] = ..., lora_name: _Optional[str] = ..., watermarking: _Optional[bool] = ..., kv_hints: _Optional[_Union[KVHintsEnvelope, _Mapping]] = ..., engine_reasoning_gate: _Optional[_Union[EngineReasoningGate, _Mapping]] = ...) -> None: ...
+
+class EngineReasoningGate(_message.Message):
+    __slots__ = ("reasoning_ended", "chat_template_kwargs")
+    REASONING_ENDED_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_KWARGS_FIELD_NUMBER: _ClassVar[int]
+    reasoning_ended: bool
+    chat_template_kwargs: _struct_pb2.Struct
+    def __init__(self, reasoning_ended: _Optional[bool] = ..., chat_template_kwargs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
+
+class KVHintsEnvelope(_message.Message):
+    __slots__ = ("protocol_version", "message_id", "actions")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    ACTIONS_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: str
+    message_id: str
+    actions: _containers.RepeatedCompositeFieldContainer[KVHintAction]
+    def __init__(self, protocol_version: _Optional[str] = ..., message_id: _Optional[str] = ..., actions: _Optional[_Iterable[_Union[KVHintAction, _Mapping]]] = ...) -> None: ...
+
+class KVHintAction(_message.Message):
+    __slots__ = ("action_id", "action_type", "action_version", "payload")
+    ACTION_ID_FIELD_NUMBER: _ClassVar[int]
+    ACTION_TYPE_FIELD_NUMBER: _ClassVar[int]
+    ACTION_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    action_id: str
+    action_type: str
+    action_version: str
+    payload: _struct_pb2.Struct
+    def __init__(self, action_id: _Optional[str] = ..., action_type: _Optional[str] = ..., action_version: _Optional[str] = ..., payload: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
 
 class RandomSampling(_message.Message):
     __slots__ = ("num_sequences", "top_k", "top_p", "min_p", "seed")
@@ -70,7 +104,7 @@ class RandomSampling(_message.Message):
     def __init__(self, num_sequences: _Optional[int] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class DecodingParameters(_message.Message):
-    __slots__ = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids", "json", "regex", "choice", "grammar", "json_object", "structural_tag")
+    __slots__ = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids", "json", "regex", "choice", "grammar", "json_object", "structural_tag", "bad_words_token_ids")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +128,7 @@ class DecodingParameters(_message.Message):
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
     STRUCTURAL_TAG_FIELD_NUMBER: _ClassVar[int]
+    BAD_WORDS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     presence_penalty: float
     frequency_penalty: float
     repetition_penalty: float
@@ -105,26 +140,29 @@ class DecodingParameters(_message.Message):
     grammar: str
     json_object: bool
     structural_tag: str
-    def __init__(self, presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., json: _Optional[str] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[DecodingParameters.StringChoices, _Mapping]] = ..., grammar: _Optional[str] = ..., json_object: _Optional[bool] = ..., structural_tag: _Optional[str] = ...) -> None: ...
+    bad_words_token_ids: _containers.RepeatedCompositeFieldContainer[TokenIds]
+    def __init__(self, presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., json: _Optional[str] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[DecodingParameters.StringChoices, _Mapping]] = ..., grammar: _Optional[str] = ..., json_object: _Optional[bool] = ..., structural_tag: _Optional[str] = ..., bad_words_token_ids: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ...) -> None: ...
 
 class StoppingCriteria(_message.Message):
-    __slots__ = ("max_new_tokens", "min_new_tokens", "stop_token_ids", "stop_strings", "include_stop_strings", "ignore_eos")
+    __slots__ = ("max_new_tokens", "min_new_tokens", "stop_token_ids", "stop_strings", "include_stop_strings", "ignore_eos", "thinking_token_budget")
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MIN_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     STOP_STRINGS_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_STOP_STRINGS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    THINKING_TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
     max_new_tokens: int
     min_new_tokens: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     stop_strings: _containers.RepeatedScalarFieldContainer[str]
     include_stop_strings: bool
     ignore_eos: bool
-    def __init__(self, max_new_tokens: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop_strings: _Optional[_Iterable[str]] = ..., include_stop_strings: _Optional[bool] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+    thinking_token_budget: int
+    def __init__(self, max_new_tokens: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop_strings: _Optional[_Iterable[str]] = ..., include_stop_strings: _Optional[bool] = ..., ignore_eos: _Optional[bool] = ..., thinking_token_budget: _Optional[int] = ...) -> None: ...
 
 class ResponseOptions(_message.Message):
-    __slots__ = ("prompt_token_ids", "prompt_logprobs", "prompt_candidates", "output_text", "output_token_ids", "output_logprobs", "output_candidates", "skip_special_tokens", "routed_experts_prompt_start")
+    __slots__ = ("prompt_token_ids", "prompt_logprobs", "prompt_candidates", "output_text", "output_token_ids", "output_logprobs", "output_candidates", "skip_special_tokens")
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_CANDIDATES_FIELD_NUMBER: _ClassVar[int]
@@ -133,7 +171,6 @@ class ResponseOptions(_message.Message):
     OUTPUT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_CANDIDATES_FIELD_NUMBER: _ClassVar[int]
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    ROUTED_EXPERTS_PROMPT_START_FIELD_NUMBER: _ClassVar[int]
     prompt_token_ids: bool
     prompt_logprobs: bool
     prompt_candidates: CandidateTokens
@@ -142,8 +179,7 @@ class ResponseOptions(_message.Message):
     output_logprobs: bool
     output_candidates: CandidateTokens
     skip_special_tokens: bool
-    routed_experts_prompt_start: int
-    def __init__(self, prompt_token_ids: _Optional[bool] = ..., prompt_logprobs: _Optional[bool] = ..., prompt_candidates: _Optional[_Union[CandidateTokens, _Mapping]] = ..., output_text: _Optional[bool] = ..., output_token_ids: _Optional[bool] = ..., output_logprobs: _Optional[bool] = ..., output_candidates: _Optional[_Union[CandidateTokens, _Mapping]] = ..., skip_special_tokens: _Optional[bool] = ..., routed_experts_prompt_start: _Optional[int] = ...) -> None: ...
+    def __init__(self, prompt_token_ids: _Optional[bool] = ..., prompt_logprobs: _Optional[bool] = ..., prompt_candidates: _Optional[_Union[CandidateTokens, _Mapping]] = ..., output_text: _Optional[bool] = ..., output_token_ids: _Optional[bool] = ..., output_logprobs: _Optional[bool] = ..., output_candidates: _Optional[_Union[CandidateTokens, _Mapping]] = ..., skip_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class KVCacheParameters(_message.Message):
     __slots__ = ("bypass_prefix_cache", "cache_salt", "kv_transfer_params", "ec_transfer_params")
@@ -176,7 +212,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, prompt_info: _Optional[_Union[PromptInfo, _Mapping]] = ..., outputs: _Optional[_Union[SequenceOutput, _Mapping]] = ...) -> None: ...
 
 class SequenceOutput(_message.Message):
-    __slots__ = ("index", "text", "num_tokens", "token_ids", "logprobs", "ranks", "candidate_tokens", "finish_info", "routed_experts")
+    __slots__ = ("index", "text", "num_tokens", "token_ids", "logprobs", "ranks", "candidate_tokens", "finish_info", "sampling_mask")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -185,7 +221,7 @@ class SequenceOutput(_message.Message):
     RANKS_FIELD_NUMBER: _ClassVar[int]
     CANDIDATE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISH_INFO_FIELD_NUMBER: _ClassVar[int]
-    ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_MASK_FIELD_NUMBER: _ClassVar[int]
     index: int
     text: str
     num_tokens: int
@@ -194,14 +230,8 @@ class SequenceOutput(_message.Message):
     ranks: _containers.RepeatedScalarFieldContainer[int]
     candidate_tokens: _containers.RepeatedCompositeFieldContainer[CandidateTokenInfo]
     finish_info: FinishInfo
-    routed_experts: OpaqueData
-    def __init__(self, index: _Optional[int] = ..., text: _Optional[str] = ..., num_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., ranks: _Optional[_Iterable[int]] = ..., candidate_tokens: _Optional[_Iterable[_Union[CandidateTokenInfo, _Mapping]]] = ..., finish_info: _Optional[_Union[FinishInfo, _Mapping]] = ..., routed_experts: _Optional[_Union[OpaqueData, _Mapping]] = ...) -> None: ...
-
-class OpaqueData(_message.Message):
-    __slots__ = ("data",)
-    DATA_FIELD_NUMBER: _ClassVar[int]
-    data: bytes
-    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+    sampling_mask: _containers.RepeatedCompositeFieldContainer[TokenIds]
+    def __init__(self, index: _Optional[int] = ..., text: _Optional[str] = ..., num_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., ranks: _Optional[_Iterable[int]] = ..., candidate_tokens: _Optional[_Iterable[_Union[CandidateTokenInfo, _Mapping]]] = ..., finish_info: _Optional[_Union[FinishInfo, _Mapping]] = ..., sampling_mask: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ...) -> None: ...
 
 class PromptInfo(_message.Message):
     __slots__ = ("num_prompt_tokens", "token_ids", "logprobs", "ranks", "candidate_tokens")
@@ -218,7 +248,7 @@ class PromptInfo(_message.Message):
     def __init__(self, num_prompt_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., ranks: _Optional[_Iterable[int]] = ..., candidate_tokens: _Optional[_Iterable[_Union[CandidateTokenInfo, _Mapping]]] = ...) -> None: ...
 
 class FinishInfo(_message.Message):
-    __slots__ = ("num_output_tokens", "finish_reason", "stop_token_id", "eos_token_id", "stop_string", "kv_transfer_params", "ec_transfer_params")
+    __slots__ = ("num_output_tokens", "finish_reason", "stop_token_id", "eos_token_id", "stop_string", "kv_transfer_params", "ec_transfer_params", "num_cached_tokens")
     class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         NOT_FINISHED: _ClassVar[FinishInfo.FinishReason]
@@ -236,6 +266,7 @@ class FinishInfo(_message.Message):
     STOP_STRING_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_PARAMS_FIELD_NUMBER: _ClassVar[int]
     EC_TRANSFER_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     num_output_tokens: int
     finish_reason: FinishInfo.FinishReason
     stop_token_id: int
@@ -243,7 +274,8 @@ class FinishInfo(_message.Message):
     stop_string: str
     kv_transfer_params: _struct_pb2.Struct
     ec_transfer_params: _struct_pb2.Struct
-    def __init__(self, num_output_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishInfo.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ..., kv_transfer_params: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., ec_transfer_params: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
+    num_cached_tokens: int
+    def __init__(self, num_output_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishInfo.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ..., kv_transfer_params: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., ec_transfer_params: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class CandidateTokenInfo(_message.Message):
     __slots__ = ("tokens",)

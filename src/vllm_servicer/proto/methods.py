@@ -111,3 +111,13 @@ ADMIN_METHODS: frozenset[str] = _with(MethodRole.ADMIN)
 """Methods that change the server for everyone or expose its internals."""
 ROUTING_METHODS: frozenset[str] = _with(MethodRole.ROUTING)
 """Methods that hand out routing data (KV events and where they are published)."""
+
+VLLM_SCHEMA_RELEASE = "0.34.0"
+"""The vLLM release whose `rust/proto/` schema `vllm.Inference` and `vllm.Control` are
+(protos/reference/vllm/RELEASE; tests/test_vllm_protos.py holds the two equal)."""
+
+VLLM_PROTO_VERSION = "0.7.0"
+"""That schema's version as vLLM names it: its `vllm-proto` crate's, which vLLM 0.34.0
+ships and its Rust frontend reports as `ServerInfo.proto_version`. This server
+reports it too, and an unknown field's refusal names it
+(protos/reference/vllm/PROTO_VERSION)."""

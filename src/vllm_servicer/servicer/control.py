@@ -32,6 +32,7 @@ from ..errors import (
     CheckpointStateError,
     EngineRefusedError,
     InvalidRequestError,
+    UnimplementedFieldError,
     UnsupportedError,
 )
 from ..proto import control_pb2 as pb
@@ -49,6 +50,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("vllm_servicer")
 
+RESET_CONNECTOR_HINT = (
+    "the installed vLLM's sleep does not reset the KV connector; send false or leave it unset"
+)
 SLEEP_HINT = "sleep mode is not enabled on this engine; start vLLM with --enable-sleep-mode"
 WEIGHT_TRANSFER_HINT = (
     "weight transfer is not configured on this engine; start vLLM with "
@@ -269,10 +273,16 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         if level not in _SLEEP_LEVELS:
             raise InvalidRequestError("level", f"must be one of {_SLEEP_LEVELS}, got {level}")
         mode = pause_mode(request.mode)
+        extra: dict[str, Any] = {}
+        if vllm_releases.sleep_resets_connector(self._llm):
+            if request.HasField("reset_connector"):
+                extra["reset_connector"] = request.reset_connector
+        elif request.reset_connector:
+            raise UnimplementedFieldError("reset_connector", RESET_CONNECTOR_HINT)
         async with self._rl_lock:
             await self._check_checkpoint("sleep")
             with engine_refusals():
-                await self._llm.sleep(level=level, mode=mode)
+                await self._llm.sleep(level=level, mode=mode, **extra)
         await self._state_changed()
         return pb.SleepResponse()
 

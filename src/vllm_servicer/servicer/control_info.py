@@ -16,6 +16,7 @@ from .. import _vllm_version  # noqa: F401
 import vllm
 
 from ..engine import EngineClient, served_model_name
+from ..proto import VLLM_PROTO_VERSION
 from ..proto import control_pb2 as pb
 from . import kv_events
 
@@ -59,6 +60,8 @@ def server_info(engine: EngineClient, *, max_loras: int) -> pb.ServerInfo:
     info = pb.ServerInfo(
         engine_version=vllm.__version__,
         api_version=API_VERSION,
+        # The schema's version as vLLM's Rust frontend reports it (its vllm-proto crate's).
+        proto_version=VLLM_PROTO_VERSION,
         instance_id=str(getattr(config, "instance_id", "") or ""),
         parallelism=_parallelism(getattr(config, "parallel_config", None)),
         max_model_len=_int(engine.model_config, "max_model_len"),

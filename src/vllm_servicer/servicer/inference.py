@@ -23,6 +23,7 @@ from .. import _vllm_version  # noqa: F401
 # isort: split
 from vllm.exceptions import VLLMClientError
 
+from .. import vllm_releases
 from ..context import engine_trace_headers, kept_usage
 from ..engine import require_engine, served_model_name
 from ..errors import (
@@ -51,6 +52,8 @@ if TYPE_CHECKING:
     Context = grpc.aio.ServicerContext[Any, Any]
 
 logger = logging.getLogger("vllm_servicer")
+
+RELEASE_HINT = "the installed vLLM does not take it (docs/protocol.md lists the releases that do)"
 
 DATA_PARALLEL_RANK_HEADER = "x-data-parallel-rank"
 """The call metadata that pins a request to one data-parallel rank (u32), as vLLM reads it."""
@@ -112,6 +115,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         config = engine.model_config
         self._model_name = served_model_name(engine)
         self._defaults = _model_defaults(config)
+        self._vocab_size = config.get_vocab_size()
+        self._reasoning = _runs_reasoning_parser(engine)
 
     # ----- the RPCs ---------------------------------------------------------
 
@@ -232,6 +237,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         sampling = wire.sampling_params_from_request(
             request, stream=stream, defaults=self._defaults, extra_args=extra_args
         )
+        self._released_fields(request, sampling, kwargs)
         steps.check_seed(sampling, "sampling.seed")
         steps.pace(sampling)
         tokenization = wire.tokenization_kwargs(request)
@@ -258,6 +264,35 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         if adapter.request is not None:
             kwargs["lora_request"] = adapter.request
         return EngineCall(prompt, sampling, kwargs, builder, kv_transfer, adapter)
+
+    def _released_fields(
+        self, request: pb.GenerateRequest, sampling: SamplingParams, kwargs: dict[str, Any]
+    ) -> None:
+        """The fields vLLM 0.33's and 0.34's schema added: onto the call, or refused.
+
+        Raises:
+            InvalidRequestError: malformed bad words.
+            UnsupportedError: a thinking budget without the engine's reasoning parser.
+            UnimplementedFieldError: a field the installed vLLM cannot take.
+        """
+        words = wire.bad_words(request.decoding, self._vocab_size)
+        if words is not None:
+            # vLLM's own form once `bad_words` are tokenized: the sampler reads these.
+            sampling._bad_words_token_ids = words
+        if sampling.thinking_token_budget is not None and not self._reasoning:
+            raise UnsupportedError(
+                fields.THINKING_BUDGET_HINT, field="stopping.thinking_token_budget"
+            )
+        gate = wire.reasoning_gate(request)
+        if gate:
+            if not vllm_releases.GENERATE_TAKES_REASONING_GATE:
+                raise UnimplementedFieldError("engine_reasoning_gate", RELEASE_HINT)
+            kwargs.update(gate)
+        hints = wire.kv_hints(request) if vllm_releases.GENERATE_TAKES_KV_HINTS else None
+        if hints is not None:
+            kwargs["kv_hints"] = hints
+        elif request.HasField("kv_hints"):
+            raise UnimplementedFieldError("kv_hints", RELEASE_HINT)
 
     def _check_model(self, model: str) -> None:
         if model and model != self._model_name:
@@ -347,14 +382,21 @@ def _summary(request: pb.GenerateRequest) -> RequestSummary:
     One sequence: `num_sequences` above 1 is refused.
     """
     max_new_tokens = request.stopping.max_new_tokens
-    top_p = request.sampling.top_p
+    sampling = request.sampling
     return RequestSummary(
         "text_completion",
         request.request_id,
         max_tokens=max_new_tokens or None,
         temperature=request.temperature if request.HasField("temperature") else None,
-        top_p=top_p if top_p != 0.0 else None,
+        top_p=sampling.top_p if sampling.HasField("top_p") else None,
     )
+
+
+def _runs_reasoning_parser(engine: Any) -> bool:
+    """Whether the engine runs a reasoning parser (`--reasoning-parser`), which vLLM's
+    thinking budget needs to tell thinking tokens from the answer."""
+    reasoning = getattr(engine.vllm_config, "reasoning_config", None)
+    return bool(getattr(reasoning, "enabled", False))
 
 
 def _model_defaults(model_config: Any) -> wire.ModelDefaults:

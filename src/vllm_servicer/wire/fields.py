@@ -16,8 +16,8 @@ is read). Map fields are listed whole.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import NamedTuple
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
 from google.protobuf.message import Message
 
@@ -28,7 +28,15 @@ from ..errors import (
     UnimplementedFieldError,
     UnsupportedError,
 )
-from ..proto import INFERENCE_SERVICE, POOLING_SERVICE, RENDER_SERVICE, SERVICE_NAME
+from ..proto import (
+    CONTROL_SERVICE,
+    INFERENCE_SERVICE,
+    POOLING_SERVICE,
+    RENDER_SERVICE,
+    SERVICE_NAME,
+    VLLM_PROTO_VERSION,
+    VLLM_SCHEMA_RELEASE,
+)
 
 
 class RefusedField(NamedTuple):
@@ -239,6 +247,10 @@ INFERENCE_MEDIA_HINT = (
     "this server does not resolve media; serve a model that takes images and start the "
     "server with --enable-media-refs (mount(..., media_refs=MediaRefOptions()))"
 )
+THINKING_BUDGET_HINT = (
+    "a thinking budget needs the engine's reasoning parser to tell thinking from the "
+    "answer; start vLLM with --reasoning-parser (a reasoning model's, e.g. deepseek_r1)"
+)
 _CANDIDATES = ("top_n", "all")
 
 _INFERENCE_REQUEST = frozenset(
@@ -268,6 +280,9 @@ _INFERENCE_REQUEST = frozenset(
         "decoding.grammar",
         "decoding.json_object",
         "decoding.structural_tag",
+        # vLLM's tokenized bad words (`SamplingParams._bad_words_token_ids`).
+        "decoding.bad_words_token_ids",
+        "decoding.bad_words_token_ids.ids",
         "stopping",
         "stopping.max_new_tokens",
         "stopping.min_new_tokens",
@@ -288,7 +303,6 @@ _INFERENCE_REQUEST = frozenset(
         "response.output_candidates.token_ids",
         "response.output_candidates.token_ids.ids",
         "response.skip_special_tokens",
-        "response.routed_experts_prompt_start",
         "kv",
         "kv.bypass_prefix_cache",
         "kv.cache_salt",
@@ -299,10 +313,29 @@ _INFERENCE_REQUEST = frozenset(
         "media.mime_type",
         "media.uuid",
         "watermarking",
+        # Onto `engine.generate` where the installed vLLM takes them
+        # (vllm_releases.GENERATE_TAKES_*); refused naming them where it does not.
+        "engine_reasoning_gate",
+        "engine_reasoning_gate.reasoning_ended",
+        "engine_reasoning_gate.chat_template_kwargs",
+        "engine_reasoning_gate.chat_template_kwargs.fields",
+        "kv_hints",
+        "kv_hints.protocol_version",
+        "kv_hints.message_id",
+        "kv_hints.actions",
+        "kv_hints.actions.action_id",
+        "kv_hints.actions.action_type",
+        "kv_hints.actions.action_version",
+        "kv_hints.actions.payload",
+        "kv_hints.actions.payload.fields",
     )
 )
 
 _INFERENCE_REFUSED: Mapping[str, RefusedField] = {
+    # Honoured (vLLM's SamplingParams.thinking_token_budget) when the engine runs one.
+    "stopping.thinking_token_budget": RefusedField(
+        UnsupportedError, "the engine runs no reasoning parser", THINKING_BUDGET_HINT
+    ),
     "sampling.num_sequences": RefusedField(
         InvalidRequestError,
         "above 1",
@@ -498,3 +531,94 @@ def load_sections(include: list[str]) -> None:
             raise UnimplementedFieldError(
                 "include", f"section {section!r}: " + _ENGINE_REFUSED["GetLoads"]["include"].reason
             )
+
+
+# ----- fields the schema does not know ----------------------------------------------------
+
+SCHEMA_VERSIONS: Mapping[str, str] = {
+    INFERENCE_SERVICE: VLLM_PROTO_VERSION,
+    CONTROL_SERVICE: VLLM_PROTO_VERSION,
+}
+"""The services whose requests may carry no field their schema lacks, with the schema's
+version as `ServerInfo.proto_version` states it (vLLM's `vllm-proto` crate's).
+
+protobuf keeps a field it does not know on the parsed message and the server
+would go on without it; a client built from a newer schema (a router upgraded
+before its servers) must learn that its bad words or thinking budget were not
+applied, so such a request is refused instead."""
+
+
+class UnknownFieldParser:
+    """A request deserializer that refuses a message carrying a field its schema lacks.
+
+    Args:
+        parse: the message class's `FromString`.
+        service: the service's full name (a key of `SCHEMA_VERSIONS`).
+
+    The check costs a message without unknown fields one `DiscardUnknownFields`
+    and one `ByteSize` (both in protobuf's C code): a canonical encoding's size
+    is its length, and only a message whose size moved is parsed again and
+    walked to find the field (a non-canonical encoding, an explicit zero say,
+    is walked too and passes).
+    """
+
+    __slots__ = ("__self__", "_parse", "_service")
+
+    def __init__(self, parse: Callable[[bytes], Message], service: str) -> None:
+        self._parse = parse
+        self._service = service
+        # What the call wrapper reads to name the message when it does not parse.
+        self.__self__ = getattr(parse, "__self__", None)
+
+    def __call__(self, data: bytes) -> Message:
+        """The parsed request.
+
+        Raises:
+            InvalidRequestError: it carries a field number its schema lacks.
+        """
+        message = self._parse(data)
+        message.DiscardUnknownFields()
+        if message.ByteSize() != len(data):
+            found = _unknown_field(self._parse(data), "")
+            if found is not None:
+                path, number = found
+                raise InvalidRequestError(
+                    path or "request",
+                    f"field number {number} is not in "
+                    f"{_where(message, path) if path else message.DESCRIPTOR.full_name} of the "
+                    f"schema this server speaks ({self._service} as vLLM "
+                    f"{VLLM_SCHEMA_RELEASE} ships it, proto_version "
+                    f'"{SCHEMA_VERSIONS[self._service]}"); refused rather than left out',
+                )
+        return message
+
+
+def _where(message: Message, path: str) -> str:
+    """The full name of the message at dotted `path` (indexes allowed) inside `message`."""
+    descriptor: Any = message.DESCRIPTOR
+    for part in path.split("."):
+        descriptor = descriptor.fields_by_name[part.split("[")[0]].message_type
+    return str(descriptor.full_name)
+
+
+def _unknown_field(message: Message, prefix: str) -> tuple[str, int] | None:
+    """Where the first unknown field of `message` is: (the path of the message that
+    holds it, its number); None when there is none."""
+    from google.protobuf import unknown_fields
+
+    unknown = unknown_fields.UnknownFieldSet(message)
+    if len(unknown):
+        return prefix.rstrip("."), unknown[0].field_number
+    for descriptor, value in message.ListFields():
+        if descriptor.message_type is None or descriptor.message_type.GetOptions().map_entry:
+            continue
+        if descriptor.is_repeated:
+            for index, item in enumerate(value):
+                found = _unknown_field(item, f"{prefix}{descriptor.name}[{index}].")
+                if found is not None:
+                    return found
+        else:
+            found = _unknown_field(value, f"{prefix}{descriptor.name}.")
+            if found is not None:
+                return found
+    return None

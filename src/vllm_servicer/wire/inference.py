@@ -139,6 +139,108 @@ def _or_default(name: str, value: float, default: float | None, neutral: float) 
     return neutral if default is None else default
 
 
+def _sampling_knobs(
+    sampling: pb.RandomSampling, defaults: ModelDefaults
+) -> tuple[float, int, float]:
+    """`(top_p, top_k, min_p)`: a present field is the client's, in range; an absent one
+    the model's default, else the neutral value (`optional` in the released schema).
+
+    Raises:
+        InvalidRequestError: a present top_p outside (0, 1] or min_p outside [0, 1],
+            worded as vLLM's Rust frontend words it.
+    """
+    if sampling.HasField("top_p"):
+        top_p = sampling.top_p
+        if not (0.0 < top_p <= 1.0):
+            raise InvalidRequestError("sampling.top_p", f"top_p must be in (0, 1], got {top_p:g}")
+    else:
+        top_p = 1.0 if defaults.top_p is None else defaults.top_p
+    if sampling.HasField("min_p"):
+        min_p = sampling.min_p
+        if not (0.0 <= min_p <= 1.0):
+            raise InvalidRequestError("sampling.min_p", f"min_p must be in [0, 1], got {min_p:g}")
+    else:
+        min_p = 0.0 if defaults.min_p is None else defaults.min_p
+    # 0 disables top-k, as in vLLM's SamplingParams.
+    top_k = sampling.top_k if sampling.HasField("top_k") else (defaults.top_k or 0)
+    return top_p, top_k, min_p
+
+
+def bad_words(decoding: pb.DecodingParameters, vocab_size: int) -> list[list[int]] | None:
+    """`decoding.bad_words_token_ids` as vLLM's tokenized bad words, checked.
+
+    vLLM's sampler bans a sequence's last token whenever the tokens generated
+    just before it are the rest of the sequence (a one-token sequence is banned
+    outright): what vLLM's `bad_words` become once tokenized, given as ids.
+
+    Raises:
+        InvalidRequestError: an empty sequence, an id outside the vocabulary, more
+            sequences or tokens than vLLM takes (VLLM_MAX_NUM_BAD_WORDS,
+            VLLM_MAX_BAD_WORDS_TOTAL_TOKENS).
+    """
+    sequences = decoding.bad_words_token_ids
+    if not sequences:
+        return None
+    limit = _max_bad_words()
+    if len(sequences) > limit:
+        raise InvalidRequestError(
+            "decoding.bad_words_token_ids",
+            f"{len(sequences)} sequences; vLLM takes at most {limit} (VLLM_MAX_NUM_BAD_WORDS)",
+        )
+    words: list[list[int]] = []
+    for index, sequence in enumerate(sequences):
+        ids = list(sequence.ids)
+        if not ids:
+            raise InvalidRequestError(
+                f"decoding.bad_words_token_ids[{index}].ids", "each sequence must be nonempty"
+            )
+        for token_id in ids:
+            if token_id >= vocab_size:
+                raise InvalidRequestError(
+                    f"decoding.bad_words_token_ids[{index}].ids",
+                    f"token id {token_id} is outside the vocabulary (size {vocab_size})",
+                )
+        words.append(ids)
+    total, most = sum(map(len, words)), _max_bad_words_tokens()
+    if total > most:
+        # vLLM's GPU model runner raises past it inside the engine, for every request there.
+        raise InvalidRequestError(
+            "decoding.bad_words_token_ids",
+            f"{total} tokens in all; vLLM takes at most {most} (VLLM_MAX_BAD_WORDS_TOTAL_TOKENS)",
+        )
+    return words
+
+
+def _max_bad_words() -> int:
+    import vllm.envs
+
+    return int(vllm.envs.VLLM_MAX_NUM_BAD_WORDS)
+
+
+def _max_bad_words_tokens() -> int:
+    import vllm.envs
+
+    return int(getattr(vllm.envs, "VLLM_MAX_BAD_WORDS_TOTAL_TOKENS", 1024))
+
+
+def thinking_budget(stopping: pb.StoppingCriteria) -> int | None:
+    """`stopping.thinking_token_budget`: None when omitted or -1 (no budget).
+
+    Raises:
+        InvalidRequestError: below -1.
+    """
+    if not stopping.HasField("thinking_token_budget"):
+        return None
+    budget = stopping.thinking_token_budget
+    if budget == -1:
+        return None
+    if budget < -1:
+        raise InvalidRequestError(
+            "stopping.thinking_token_budget", f"must be -1 (no budget) or at least 0, got {budget}"
+        )
+    return budget
+
+
 def _structured_outputs(decoding: pb.DecodingParameters) -> StructuredOutputsParams | None:
     kind = decoding.WhichOneof("structured_output")
     if kind is None:
@@ -259,11 +361,13 @@ def sampling_params_from_request(
     output_text = response.output_text if response.HasField("output_text") else True
     out = output_candidates(response)
     prompt = prompt_candidates(response)
+    top_p, top_k, min_p = _sampling_knobs(sampling, defaults)
     optional: dict[str, Any] = {}
     if request.HasField("watermarking"):
         optional["watermarking"] = request.watermarking  # unset: vLLM's default (on)
-    if response.HasField("routed_experts_prompt_start"):
-        optional["routed_experts_prompt_start"] = response.routed_experts_prompt_start
+    budget = thinking_budget(stopping)
+    if budget is not None:
+        optional["thinking_token_budget"] = budget
     if out is not None and out.token_ids is not None:
         optional["logprob_token_ids"] = out.token_ids
     return SamplingParams(
@@ -271,9 +375,9 @@ def sampling_params_from_request(
         temperature=_finite("temperature", request.temperature)
         if request.HasField("temperature")
         else 0.0,
-        top_p=_or_default("sampling.top_p", sampling.top_p, defaults.top_p, 1.0),
-        top_k=sampling.top_k or defaults.top_k or 0,
-        min_p=_or_default("sampling.min_p", sampling.min_p, defaults.min_p, 0.0),
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
         seed=sampling.seed if sampling.HasField("seed") else None,
         presence_penalty=_finite("decoding.presence_penalty", decoding.presence_penalty),
         frequency_penalty=_finite("decoding.frequency_penalty", decoding.frequency_penalty),
@@ -311,6 +415,47 @@ def constraint_error(exc: Exception, decoding: pb.DecodingParameters) -> Excepti
     """`exc` restated to name the structured-output field, when it is that field's fault."""
     kind = decoding.WhichOneof("structured_output")
     return structured_output_error(exc, f"decoding.{kind}" if kind else None)
+
+
+def kv_hints(request: pb.GenerateRequest) -> Any:
+    """`kv_hints` as vLLM's `KvHintsEnvelope` (None when the request has none)."""
+    if not request.HasField("kv_hints"):
+        return None
+    from vllm.v1.kv_hints.protocol import KvHintAction, KvHintsEnvelope
+
+    envelope = request.kv_hints
+    return KvHintsEnvelope(
+        protocol_version=envelope.protocol_version,
+        message_id=envelope.message_id,
+        actions=[
+            KvHintAction(
+                action_id=action.action_id,
+                action_type=action.action_type,
+                action_version=action.action_version,
+                payload=struct_to_dict(action.payload),
+            )
+            for action in envelope.actions
+        ],
+    )
+
+
+def reasoning_gate(request: pb.GenerateRequest) -> dict[str, Any]:
+    """`engine_reasoning_gate` as `engine.generate`'s keyword arguments (none when unset).
+
+    `reasoning_ended` omitted lets the engine's reasoning parser read the state
+    off the prompt; `chat_template_kwargs` reach the parser as its kwargs.
+    """
+    if not request.HasField("engine_reasoning_gate"):
+        return {}
+    gate = request.engine_reasoning_gate
+    kwargs: dict[str, Any] = {}
+    if gate.HasField("reasoning_ended"):
+        kwargs["reasoning_ended"] = gate.reasoning_ended
+    if gate.HasField("chat_template_kwargs"):
+        kwargs["reasoning_parser_kwargs"] = {
+            "chat_template_kwargs": struct_to_dict(gate.chat_template_kwargs)
+        }
+    return kwargs
 
 
 # ----- Struct <-> dict (the connectors' transfer params) -------------------------------
@@ -399,6 +544,7 @@ class ResponseBuilder:
     """
 
     __slots__ = (
+        "_masks",
         "_out",
         "_out_candidates",
         "_out_ranked",
@@ -429,6 +575,7 @@ class ResponseBuilder:
         self._prompt_candidates = response.HasField("prompt_candidates")
         self._prompt_ranked = prompt is not None and prompt.ranked
         self._sent = 0  # output tokens sent so far
+        self._masks: list[list[int]] = []  # sampling masks, when the engine captures them
 
     def prompt_info(self, output: RequestOutput) -> pb.PromptInfo:
         """The PromptInfo: the prompt's length and, when asked, its tokens and logprobs."""
@@ -493,11 +640,14 @@ class ResponseBuilder:
                 candidates=self._out_candidates,
                 ranked=self._out_ranked,
             )
+        mask = getattr(completion, "sampling_mask", None)  # captured with --return-sampling-mask
+        if mask is not None:
+            # vLLM gives each delta its own positions; the schema sends them all at the end.
+            self._masks.extend(mask.token_ids)
         if completion.finish_reason is not None:
             fields["finish_info"] = finish_info(output, completion, token_ids, total)
-            routed = completion.routed_experts
-            if routed is not None:
-                fields["routed_experts"] = {"data": routed.tobytes()}
+            if self._masks:
+                fields["sampling_mask"] = [{"ids": ids} for ids in self._masks]
         return fields
 
 
@@ -531,6 +681,8 @@ def finish_info(
         elif token_ids:
             # vLLM names no stop for EOS; the EOS is the last token sent.
             info.eos_token_id = token_ids[-1]
+    if output.num_cached_tokens is not None:
+        info.num_cached_tokens = output.num_cached_tokens  # prefix-cache hits
     if output.kv_transfer_params:
         fill_struct(info.kv_transfer_params, output.kv_transfer_params, "kv_transfer_params")
     ec_params = getattr(output, "ec_transfer_params", None)
