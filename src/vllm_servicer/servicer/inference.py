@@ -115,7 +115,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         config = engine.model_config
         self._model_name = served_model_name(engine)
         self._defaults = _model_defaults(config)
-        self._vocab_size = config.get_vocab_size()
+        self._config = config
         self._reasoning = _runs_reasoning_parser(engine)
 
     # ----- the RPCs ---------------------------------------------------------
@@ -275,7 +275,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             UnsupportedError: a thinking budget without the engine's reasoning parser.
             UnimplementedFieldError: a field the installed vLLM cannot take.
         """
-        words = wire.bad_words(request.decoding, self._vocab_size)
+        words = None
+        if request.decoding.bad_words_token_ids:
+            # Read per use: a stand-in engine's configuration may not say (only bad words ask).
+            words = wire.bad_words(request.decoding, self._config.get_vocab_size())
         if words is not None:
             # vLLM's own form once `bad_words` are tokenized: the sampler reads these.
             sampling._bad_words_token_ids = words
