@@ -15,8 +15,8 @@ too, so this holds no more than the app would, and no more than the launcher's
 message size limit (`--max-message-bytes`, gRPC's too): a larger
 `Content-Length` is refused 413 before a byte of the body is read, and a
 chunked body as soon as its bytes pass the limit (uvicorn itself sets none).
-It is parsed only when it can name `request_id` at all: the key's own bytes, or a JSON escape that could
-spell them.
+It is parsed only when it can name `request_id` at all: the key's own bytes,
+or a JSON escape that could spell them.
 """
 
 from __future__ import annotations
