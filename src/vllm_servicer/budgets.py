@@ -92,7 +92,8 @@ class RequestBudgets:
     the field's metadata.
 
     Attributes:
-        max_n: most sequences one VllmEngine Generate asks for (`sampling_params.n`).
+        max_n: most sequences one VllmEngine Generate asks for (`sampling_params.n`),
+            or one HTTP API request (`n`).
         max_constraint_bytes: largest structured-output constraint (JSON
             schema, regex, grammar, structural tag, all choices together), in bytes.
         max_abort_ids: most request ids one Abort names.
@@ -120,7 +121,9 @@ class RequestBudgets:
 
     max_n: int = dataclasses.field(
         default=DEFAULT_MAX_N,
-        metadata=_flag("most sequences one Generate may ask for (sampling_params.n)"),
+        metadata=_flag(
+            "most sequences one Generate may ask for (sampling_params.n; the HTTP API's n)"
+        ),
     )
     max_constraint_bytes: int = dataclasses.field(
         default=DEFAULT_MAX_CONSTRAINT_BYTES,

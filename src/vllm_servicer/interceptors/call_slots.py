@@ -14,6 +14,10 @@ share of them while others want them.
 A call that sends its headers and never its message would hold its slot for
 nothing: its read deadline (`--request-read-timeout`) ends it with
 DEADLINE_EXCEEDED, and the slot (with its in-flight slot) comes back.
+
+The HTTP API's requests take their slots from the same interceptor
+(`claim`/`release`, from `serve/http_api.py`), so both protocols' keyed callers
+share one pool and one tenant's share of it per process.
 """
 
 from __future__ import annotations
@@ -27,12 +31,16 @@ from ._call import Call, ReadDeadline
 from .auth import requires_auth_by_default
 from .inflight import RETRY_PUSHBACK_KEY
 
-__all__ = ["DEFAULT_REQUEST_READ_TIMEOUT", "CallSlotsInterceptor"]
+__all__ = ["DEFAULT_REQUEST_READ_TIMEOUT", "CallSlotsInterceptor", "CallSlotsRefused"]
 
 DEFAULT_REQUEST_READ_TIMEOUT = 30.0
 """Seconds a keyed call waits for its request message. The largest message
 (32 MiB by default) takes ~13 s at 20 Mbit/s; a tenant holding slots for
 nothing holds them this long at most, and its share of them only."""
+
+
+class CallSlotsRefused(Exception):
+    """No call slot for this caller: the message names the limit or the share."""
 
 
 class CallSlotsInterceptor(CallInterceptor):
@@ -89,7 +97,15 @@ class CallSlotsInterceptor(CallInterceptor):
     def read_deadline(self, method: str) -> ReadDeadline | None:
         return self._deadline
 
-    async def on_start(self, call: Call) -> None:
+    def claim(self) -> tuple[str | None, float]:
+        """Take a slot for the current caller, gRPC call or HTTP request alike.
+
+        Returns:
+            What `release` gives back: the tenant's name and weight.
+
+        Raises:
+            CallSlotsRefused: past `max_calls`, or the caller holds its share.
+        """
         shares = self._shares
         name, weight = None, 1.0
         if shares is not None:
@@ -109,16 +125,27 @@ class CallSlotsInterceptor(CallInterceptor):
                     blame_caller()  # past its own share: the server is not at fault
             if refusal is not None:
                 self.refused += 1
-                await call.context.abort(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED, refusal, trailing_metadata=self._pushback
-                )
+                raise CallSlotsRefused(refusal)
             shares.take(name, weight)
         self._total += 1
-        call.state = (name, weight)  # counted (a refused call reaches on_finish too)
+        return name, weight
 
-    def on_finish(self, call: Call) -> None:
-        if call.state is None:
-            return
+    def release(self, held: tuple[str | None, float]) -> None:
+        """Give back a slot `claim` took."""
         self._total -= 1
         if self._shares is not None:
-            self._shares.give_back(*call.state)
+            self._shares.give_back(*held)
+
+    async def on_start(self, call: Call) -> None:
+        try:
+            held = self.claim()
+        except CallSlotsRefused as exc:
+            await call.context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), trailing_metadata=self._pushback
+            )
+            raise  # abort raises; not reached
+        call.state = held  # counted (a refused call reaches on_finish too)
+
+    def on_finish(self, call: Call) -> None:
+        if call.state is not None:
+            self.release(call.state)

@@ -159,7 +159,8 @@ class ServeArgs:
     max_message_bytes: int = flag(
         DEFAULT_MAX_MESSAGE_BYTES,
         group=_SERVING,
-        help="largest request or response message accepted, in bytes",
+        help="largest request or response message accepted, in bytes; the HTTP API's "
+        "request bodies too (past it 413)",
     )
     api_server_count: int = flag(
         1,
@@ -187,7 +188,8 @@ class ServeArgs:
         2048,
         group=_SERVING,
         help="most keyed calls (every call but health, reflection and load reports; streams "
-        "included) running at once per process, each tenant held to its fair share while "
+        "included; HTTP API requests but its probes, /v1/models and /version) running at once "
+        "per process, each tenant held to its fair share while "
         "others want them; past it RESOURCE_EXHAUSTED naming the limit or the share. The "
         "--max-keyless-* slots come on top, in grpc's own cap (default 2048, above "
         "--max-inflight so that engine calls meet that limit and its retry hint first; 0: no "

@@ -21,6 +21,12 @@ own `--api-key` middleware is not used: it takes a fixed key list and guards
 client the app is handed (`http_guard.py`): KV transfer parameters a router's,
 runtime adapter loads an administrator's.
 
+Call slots: every request but the probes and the GETs of fixed facts holds
+one of the gRPC side's call slots (`--max-concurrent-rpcs`, each tenant its
+fair share, the same pool) from its key check until its handler ends, so
+parsing, templating and tokenizing count as a gRPC call's do; refused 503 with
+`Retry-After`. Bodies are bounded by `--max-message-bytes` (413).
+
 Request ids: the `X-Request-Id` header and a JSON body's `request_id` are
 checked as gRPC's are (`http_request_ids.py`) before vLLM's handlers copy them.
 
@@ -48,6 +54,7 @@ import uvicorn
 from ..context import Identity, current_identity
 from ..guard import EngineGuard
 from ..interceptors.auth import AuthError, Unauthenticated
+from ..interceptors.call_slots import CallSlotsInterceptor, CallSlotsRefused
 from . import http_request_ids as request_ids
 from .args import ServeArgs
 from .http_guard import HTTP_CALLER, GuardedEngine
@@ -74,6 +81,12 @@ _INFERENCE_PATHS = frozenset(
         "/version",
     }
 )
+
+# GETs that answer fixed facts, at no cost: outside the call slots, as the
+# probes are. Every other request (tokenizing, rendering, generating, pooling)
+# holds one from its key check to its handler's end.
+_FREE_GETS = frozenset({"/v1/models", "/version"})
+_RETRY_AFTER_S = 1  # gRPC's refusal sends a 1 s retry pushback too
 
 # vLLM's runtime LoRA routes (VLLM_ALLOW_RUNTIME_LORA_UPDATING=1) sit under
 # /v1/ but change the engine for every tenant, as vllm.Control's LoadLora does:
@@ -145,7 +158,13 @@ async def _build_app(engine: Any, served: argparse.Namespace) -> Any:
     return app
 
 
-def _json(status: int, body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+def _json(
+    status: int,
+    body: dict[str, Any],
+    *,
+    headers: list[tuple[bytes, bytes]] | None = None,
+    close: bool = False,
+) -> tuple[dict[str, Any], dict[str, Any]]:
     payload = json.dumps(body).encode()
     start = {
         "type": "http.response.start",
@@ -153,19 +172,39 @@ def _json(status: int, body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, 
         "headers": [
             (b"content-type", b"application/json"),
             (b"content-length", b"%d" % len(payload)),
+            *(headers or ()),
+            # A body left unread: the connection cannot carry another request.
+            *([(b"connection", b"close")] if close else ()),
         ],
     }
     return start, {"type": "http.response.body", "body": payload}
 
 
 class _Front:
-    """Pure ASGI wrapper in front of vLLM's app: drain state of /health, then keys."""
+    """Pure ASGI wrapper in front of vLLM's app: drain state of /health, keys,
+    a call slot, then the body's size and ids.
 
-    def __init__(self, app: Any, verifier: Any) -> None:
+    Args:
+        app: vLLM's app.
+        verifier: the key verifier, or None for no keys.
+        slots: the gRPC side's call slots (`--max-concurrent-rpcs`), one pool
+            for both protocols; None: no slots taken.
+        max_body_bytes: the largest request body (`--max-message-bytes`); None: any.
+    """
+
+    def __init__(
+        self,
+        app: Any,
+        verifier: Any,
+        slots: CallSlotsInterceptor | None = None,
+        max_body_bytes: int | None = None,
+    ) -> None:
         from vllm import envs
 
         self.app = app
         self.verifier = verifier
+        self.slots = slots
+        self.max_body_bytes = max_body_bytes
         self.draining = False
         self.responses_stored = bool(envs.VLLM_ENABLE_RESPONSES_API_STORE)
 
@@ -184,23 +223,51 @@ class _Front:
             if refusal is not None:
                 await self._refuse(scope, send, *refusal)
                 return
+        # Whom the call slot and the engine guard count this request for
+        # (http_guard.py); without keys, no tenant (gRPC's keyless rule).
+        token = current_identity.set(caller if self.verifier is not None else None)
+        try:
+            slots, held = self.slots, None
+            if slots is not None and not _costless(scope, path):
+                # Before the body is read: a body sent slowly holds this slot,
+                # one of its tenant's share, not one of everyone's.
+                try:
+                    held = slots.claim()
+                except CallSlotsRefused as exc:
+                    await self._busy(scope, send, str(exc))
+                    return
+            current_identity.set(caller)
+            try:
+                await self._serve(scope, path, receive, send)
+            finally:
+                if slots is not None and held is not None:
+                    slots.release(held)
+        finally:
+            current_identity.reset(token)
+
+    async def _serve(self, scope: Any, path: str, receive: Any, send: Any) -> None:
         if not _public(path):
             # After the key (nothing is read for a caller refused), before
             # vLLM's handler copies the id into each engine request's.
-            bad_id, receive = await request_ids.checked(scope, receive)
-            if bad_id is not None:
+            refused, receive = await request_ids.checked(scope, receive, self.max_body_bytes)
+            if refused is not None:
+                status, body = refused
                 if scope["type"] == "websocket":
-                    await self._refuse(scope, send, 400, bad_id[1])
+                    await self._refuse(scope, send, status, body["error"]["message"])
                 else:
-                    for event in _json(400, request_ids.error_body(*bad_id)):
+                    for event in _json(status, body, close=status == 413):
                         await send(event)
                 return
-        # Whom the engine guard claims this request's id for (http_guard.py).
-        token = current_identity.set(caller)
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            current_identity.reset(token)
+        await self.app(scope, receive, send)
+
+    async def _busy(self, scope: Any, send: Any, message: str) -> None:
+        if scope["type"] == "websocket":
+            await self._refuse(scope, send, 503, message)
+            return
+        body = request_ids.error_body(None, message, 503, "ServiceUnavailableError")
+        headers = [(b"retry-after", b"%d" % _RETRY_AFTER_S)]
+        for event in _json(503, body, headers=headers):
+            await send(event)
 
     async def _check(self, scope: Any, path: str) -> tuple[tuple[int, str] | None, Identity | None]:
         metadata = [
@@ -233,6 +300,13 @@ class _Front:
             return
         for event in _json(status, {"error": message}):
             await send(event)
+
+
+def _costless(scope: Any, path: str) -> bool:
+    """A request that takes no call slot: the probes, and the GETs of fixed facts."""
+    if _public(path):
+        return True
+    return scope["type"] == "http" and scope.get("method") == "GET" and path in _FREE_GETS
 
 
 def _public(path: str) -> bool:
@@ -306,6 +380,7 @@ class HttpApi:
         verifier: Any = None,
         tls: tuple[str, str, str | None] | None = None,
         guard: EngineGuard | None = None,
+        slots: CallSlotsInterceptor | None = None,
     ) -> HttpApi:
         """Build vLLM's app on `engine` and a uvicorn server for it (nothing bound yet).
 
@@ -334,7 +409,7 @@ class HttpApi:
             )
         )
         app = await _build_app(client, frontend_args(args, host, port))
-        front = _Front(app, verifier)
+        front = _Front(app, verifier, slots, args.max_message_bytes)
         return cls(_Server(uvicorn_config(front, host, port, tls)), front)
 
     @property

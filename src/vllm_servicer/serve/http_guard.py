@@ -16,7 +16,8 @@ for a request naming an unknown model (`add_lora`) only for an admin key.
 
 Each generation's sampling parameters meet the per-request budgets the gRPC
 protocols check on their own messages (the stop strings, vLLM having parsed
-`stop` of completions and chat alike), before the engine sees them.
+`stop` of completions and chat alike; `n` against `--max-n`), before the
+engine sees them.
 
 Refusals take vLLM's own error mapping: an id another caller runs is a
 `GracefulHTTPError` with 409 Conflict (gRPC's ALREADY_EXISTS), the in-flight
@@ -157,6 +158,10 @@ class GuardedEngine:
         # each new token, on this event loop.
         with _as_http_errors():
             self._budgets.check_stop("stop", getattr(sampling_params, "stop", None) or ())
+            # vLLM takes up to 16,384 sequences in one request, one slot here.
+            # (Beam search never comes here with its width: vLLM runs each
+            # beam as a generation of its own, each taking its own slot.)
+            self._budgets.check_n("n", getattr(sampling_params, "n", None) or 1)
         start = functools.partial(
             self._engine.generate, prompt, sampling_params, request_id, *args, **kwargs
         )

@@ -30,6 +30,7 @@ from ..frontends import FrontendGroup
 from ..guard import EngineGuard
 from ..interceptors import CallInterceptor, MetricsInterceptor, start_metrics_server
 from ..interceptors.auth import Verifier
+from ..interceptors.call_slots import CallSlotsInterceptor
 from ..interceptors.keyless import KeylessLimitInterceptor
 from ..mounting import mount
 from ..multimodal.media import MediaRefOptions
@@ -103,7 +104,10 @@ async def serve(args: ServeArgs, frontend: Frontend | None = None) -> int:
         if group is not None:
             side.peers = await start_peers(group, engine)
         http_keys = http_verifier(args, verifier)
-        await side.prepare(args, engine, http_keys, metrics=frontend is None, guard=mounted.guard)
+        slots = next(i for i in interceptors if isinstance(i, CallSlotsInterceptor))
+        await side.prepare(
+            args, engine, http_keys, metrics=frontend is None, guard=mounted.guard, slots=slots
+        )
         shutdown = _shutdown(args, server, mounted, metrics, side)
         await side.open(args, mounted, shared=frontend is not None)
         await server.start()
@@ -268,6 +272,7 @@ class _SideServers:
         *,
         metrics: bool,
         guard: EngineGuard | None = None,
+        slots: CallSlotsInterceptor | None = None,
     ) -> None:
         """Start the metrics endpoint (when `metrics`); build the HTTP API, whose
         port `open` opens."""
@@ -287,6 +292,7 @@ class _SideServers:
                 verifier=verifier,
                 tls=args.tls,
                 guard=guard,
+                slots=slots,
             )
 
     async def open(self, args: ServeArgs, mounted: MountedServices, *, shared: bool) -> None:
