@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 import httpx
 import pytest
-from support import bearer, request
+from support import bearer, collect, completes, request
 from support.launcher import START_TIMEOUT, Launched, launched, launcher_env
 
 from vllm_servicer.proto import inference_pb2, inference_pb2_grpc, vllm_engine_pb2_grpc
@@ -31,9 +31,10 @@ _prompts = itertools.count(1)
 
 
 def _long_prompt() -> list[int]:
-    """Several whole KV blocks of tokens no other test of this module sends."""
+    """Two whole KV blocks (128 tokens each on CPU) and a part, tokens no other
+    test of this module sends."""
     start = next(_prompts)
-    return [(11 * i + 37 * start) % 300 + 3 for i in range(80)]
+    return [(11 * i + 37 * start) % 300 + 3 for i in range(300)]
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["salted", "shared"])
@@ -60,8 +61,8 @@ async def channel(launcher: tuple[Launched, bool]) -> AsyncIterator[grpc.aio.Cha
 async def _engine_cached(channel: grpc.aio.Channel, key: str, prompt: list[int]) -> int:
     """VllmEngine Generate's `cached_tokens` for `prompt`, sent with `key`."""
     stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
-    reply = await stub.Generate(request(prompt, max_tokens=2), metadata=bearer(key), timeout=120)
-    return int(reply.complete.cached_tokens)
+    call = stub.Generate(request(prompt, max_tokens=2), metadata=bearer(key), timeout=120)
+    return int(completes(await collect(call))[0].cached_tokens)
 
 
 async def _inference_cached(
