@@ -125,15 +125,6 @@ async def test_a_tenants_own_salt_still_parts_its_requests_and_never_reaches_ano
     assert (found > 0) if shared else (found == 0), found
 
 
-async def test_an_admins_requests_stay_unsalted(
-    launcher: tuple[Launched, bool], channel: grpc.aio.Channel
-) -> None:
-    prompt = _long_prompt()
-    assert await _inference_cached(channel, ADMIN, prompt) == 0
-    # Two administrators' requests (one key here) share the unsalted cache.
-    assert await _inference_cached(channel, ADMIN, prompt) > 0
-
-
 async def test_an_http_prompt_is_kept_to_its_tenant(
     launcher: tuple[Launched, bool], channel: grpc.aio.Channel
 ) -> None:
