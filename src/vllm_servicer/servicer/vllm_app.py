@@ -117,7 +117,7 @@ class ClaimingEngine:
         # Each text the caller's tenant's own in the prefix cache.
         if "prompt" in kwargs:
             kwargs["prompt"] = salted(kwargs["prompt"], self._shared_prefix_cache)
-        else:
+        elif args:
             args = (salted(args[0], self._shared_prefix_cache), *args[1:])
         return self._claimed(request_id, lambda: self._engine.encode(*args, **kwargs))
 
