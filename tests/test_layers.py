@@ -226,6 +226,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "budgets",
         "load_report",
         "shares",
+        "prefix_cache",
     ),
     ("multimodal", "status", "health", "reflection"),
     # Side by side: they share `context`, never import one another.

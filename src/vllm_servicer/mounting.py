@@ -132,6 +132,7 @@ def mount(
     stream_interval_min_inflight: int = 0,
     chat_template: str | None = None,
     routing_data_for_every_key: bool = False,
+    shared_prefix_cache: bool = False,
 ) -> MountedServices:
     """Serve vLLM's gRPC protocols from `engine` on the host's `server`.
 
@@ -207,6 +208,12 @@ def mount(
             (PERMISSION_DENIED for others); calls without credentials always
             may. KV events are kept to routers by the interceptors'
             permissions (`role_permissions`), not by this option.
+        shared_prefix_cache: share the engine's prefix cache between tenants.
+            Off, the default, each tenant's engine requests (an authenticated
+            caller's but an administrator's) carry a cache salt made from its
+            name, joined with the client's own `cache_salt`, so that no tenant
+            finds another's prompts in the cache (`cached_tokens` would tell
+            it). On, tenants reuse each other's common prefixes again.
 
     Returns:
         What was mounted: the servicers (None for a protocol not served), the
@@ -231,6 +238,7 @@ def mount(
         stream_interval_min_inflight=stream_interval_min_inflight,
         chat_template=chat_template,
         routing_data_for_every_key=routing_data_for_every_key,
+        shared_prefix_cache=shared_prefix_cache,
     )
     given = _inflight_of(interceptors)
     inflight = given if given is not None else InflightInterceptor()

@@ -53,6 +53,10 @@ class MountOptions:
             KV events follow the authentication's permissions instead
             (`role_permissions` keeps them to routers; the launcher's
             `--routing-data-for-every-key` opens both).
+        shared_prefix_cache: one prefix cache for every tenant, as vLLM has
+            it: no tenant's prompts salted (`prefix_cache.py`). Only where
+            tenants trust each other: each could read the others' prompts
+            from its cached token counts.
     """
 
     max_kv_subscribers: int = DEFAULT_MAX_KV_SUBSCRIBERS
@@ -65,6 +69,7 @@ class MountOptions:
     stream_interval_min_inflight: int = 0
     chat_template: str | None = None
     routing_data_for_every_key: bool = False
+    shared_prefix_cache: bool = False
 
     def __post_init__(self) -> None:
         # Frozen all through: a copy the caller cannot change under the servicers.

@@ -396,6 +396,15 @@ class ServeArgs:
         "carry every tenant's token ids) and every caller may make the engine hold KV blocks "
         "or connect to a host it names. Without keys everyone may anyway",
     )
+    shared_prefix_cache: bool = flag(
+        False,
+        group=_SECURITY,
+        help="one prefix cache for every key, as vLLM has it: tenants' prompts are not salted "
+        "by key, so a common system prompt is reused across tenants, and each tenant can "
+        "read from cached token counts whether another's prompts share a prefix it guesses. "
+        "Only where tenants trust each other; admin keys and servers without keys are "
+        "never salted",
+    )
     # vLLM's own server names the same two files --ssl-certfile/--ssl-keyfile.
     tls_cert: str | None = flag(
         None,

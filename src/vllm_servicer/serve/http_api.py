@@ -406,6 +406,7 @@ class HttpApi:
                 args.budgets,
                 authenticated=verifier is not None,
                 routing_for_every_key=args.routing_data_for_every_key,
+                shared_prefix_cache=args.shared_prefix_cache,
             )
         )
         app = await _build_app(client, frontend_args(args, host, port))

@@ -14,7 +14,9 @@ from a router or admin key, else 403, and the connector is not told of a
 tenant's refused request; an adapter vLLM's runtime LoRA resolvers would load
 for a request naming an unknown model (`add_lora`) only for an admin key.
 
-Each generation's sampling parameters meet the per-request budgets the gRPC
+Each request's prompt is salted for its tenant's part of the prefix cache
+(`prefix_cache.py`), joined with the body's own `cache_salt`. Each
+generation's sampling parameters meet the per-request budgets the gRPC
 protocols check on their own messages (the stop strings, vLLM having parsed
 `stop` of completions and chat alike; `n` against `--max-n`), before the
 engine sees them.
@@ -43,6 +45,7 @@ from ..budgets import RequestBudgets
 from ..context import Identity, current_identity, may_route
 from ..errors import ROUTER_ROLE_HINT, InvalidRequestError, RequestIdInUseError, TableFullError
 from ..guard import EngineGuard, ServerBusyError
+from ..prefix_cache import salted
 
 __all__ = ["HTTP_CALLER", "GuardedEngine"]
 
@@ -112,6 +115,8 @@ class GuardedEngine:
             keys there are no tenants to keep apart, and both stay open.
         routing_for_every_key: take KV transfer parameters from every key
             (`--routing-data-for-every-key`).
+        shared_prefix_cache: leave tenants' prompts unsalted
+            (`--shared-prefix-cache`); without keys they are anyway.
     """
 
     def __init__(
@@ -122,12 +127,15 @@ class GuardedEngine:
         *,
         authenticated: bool = False,
         routing_for_every_key: bool = False,
+        shared_prefix_cache: bool = False,
     ) -> None:
         self._engine = engine
         self._guard = guard
         self._budgets = budgets if budgets is not None else RequestBudgets()
         self._authenticated = authenticated
         self._routing_open = routing_for_every_key or not authenticated
+        # Without keys the one HTTP caller is no tenant to keep apart.
+        self._shared_cache = shared_prefix_cache or not authenticated
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
@@ -162,6 +170,8 @@ class GuardedEngine:
             # (Beam search never comes here with its width: vLLM runs each
             # beam as a generation of its own, each taking its own slot.)
             self._budgets.check_n("n", getattr(sampling_params, "n", None) or 1)
+        # vLLM hands the rendered prompt with the body's `cache_salt` in it.
+        prompt = salted(prompt, self._shared_cache)
         start = functools.partial(
             self._engine.generate, prompt, sampling_params, request_id, *args, **kwargs
         )
@@ -170,6 +180,7 @@ class GuardedEngine:
     def encode(
         self, prompt: Any, pooling_params: Any, request_id: str, *args: Any, **kwargs: Any
     ) -> AsyncGenerator[Any, None]:
+        prompt = salted(prompt, self._shared_cache)
         start = functools.partial(
             self._engine.encode, prompt, pooling_params, request_id, *args, **kwargs
         )

@@ -244,6 +244,7 @@ def _grpc_server(
         stream_interval_min_inflight=args.grpc_stream_interval_min_inflight,
         chat_template=args.chat_template,
         routing_data_for_every_key=args.routing_data_for_every_key,
+        shared_prefix_cache=args.shared_prefix_cache,
     )
     address = f"{args.host}:{args.port}"
     if credentials is not None:

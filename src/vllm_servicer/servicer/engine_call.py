@@ -5,9 +5,10 @@ different messages but make the same engine call, and the engine asks the
 same of each: an id claimed for its caller, no seeded sampling an engine set
 up so cannot survive, a token prompt within the model's context, KV transfer
 parameters from a router only and for a KV connector, token prompts rendered here and images
-that fit their placeholders. `EngineCallSteps` takes each step once; a
-protocol's own code only turns its messages into vLLM's objects and back,
-naming its own fields in the refusals.
+that fit their placeholders, the prompt salted for its tenant's part of the prefix cache.
+`EngineCallSteps` takes each step once; a protocol's own code only turns
+its messages into vLLM's objects and back, naming its own fields in the
+refusals.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from ..budgets import check_request_id
 from ..context import current_request_id, may_route
 from ..engine import EngineClient, require_engine
 from ..errors import InvalidRequestError, RoutingDataError, UnsupportedError
+from ..prefix_cache import salted
 from ..wire import fields
 from .tenancy import RunningRequests
 
@@ -53,6 +55,8 @@ class EngineCallSteps:
         routing_for_every_key: take KV transfer parameters from every caller,
             not only routers and administrators
             (`MountOptions.routing_data_for_every_key`).
+        shared_prefix_cache: leave tenants' prompts unsalted, one prefix cache
+            for all (`MountOptions.shared_prefix_cache`).
 
     Raises:
         TypeError: `engine` lacks a member of `EngineClient` (the message names it).
@@ -68,6 +72,7 @@ class EngineCallSteps:
         min_inflight: int = 0,
         in_flight: Callable[[], int] | None = None,
         routing_for_every_key: bool = False,
+        shared_prefix_cache: bool = False,
     ) -> None:
         require_engine(engine)  # a TypeError naming what it lacks, not an AttributeError
         self._engine = engine
@@ -81,6 +86,7 @@ class EngineCallSteps:
         self._min_inflight = min_inflight
         self._in_flight = in_flight if in_flight is not None else running.__len__
         self._routing_for_every_key = routing_for_every_key
+        self._shared_prefix_cache = shared_prefix_cache
         # A token prompt past the model's context is refused by its length alone.
         max_len = getattr(engine.model_config, "max_model_len", None)
         self.max_prompt_tokens: int | None = int(max_len) if max_len else None
@@ -184,6 +190,13 @@ class EngineCallSteps:
         """The longest token prompt to accept: none when the engine truncates it."""
         # With truncation asked for, a longer prompt is the engine's to cut.
         return None if truncating else self.max_prompt_tokens
+
+    # ----- the prefix cache ------------------------------------------------
+
+    def salted(self, prompt: Any) -> Any:
+        """The engine's prompt salted for the caller's tenant (`prefix_cache.salted`):
+        its prefix cache blocks are then found by its own requests only."""
+        return salted(prompt, self._shared_prefix_cache)
 
     # ----- rendering --------------------------------------------------------
 

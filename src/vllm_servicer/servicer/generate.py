@@ -112,7 +112,7 @@ class Generation:
             kwargs["trace_headers"] = trace
         if convert.grammar_from_first_token(params):
             kwargs["reasoning_ended"] = True
-        return prompt, sampling, kwargs
+        return steps.salted(prompt), sampling, kwargs
 
     def _check_budgets(self, params: pb.SamplingParams) -> None:
         """Refuse sampling parameters past a budget, before anything is built from them."""

@@ -251,6 +251,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             )
         elif tokenization is None and "prompt_token_ids" in prompt:
             prompt = steps.render_tokens(prompt)
+        prompt = steps.salted(prompt)
         if request.priority:
             kwargs["priority"] = request.priority  # lower runs first (--scheduling-policy priority)
         if request.HasField("session_id") and request.session_id:

@@ -212,7 +212,9 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 )
             final = None
             async for output in self._engine.encode(
-                convert.prompt_from_request(request, self._steps.max_prompt_tokens),
+                self._steps.salted(
+                    convert.prompt_from_request(request, self._steps.max_prompt_tokens)
+                ),
                 PoolingParams(task="embed"),
                 request_id,
                 trace_headers=engine_trace_headers(context),

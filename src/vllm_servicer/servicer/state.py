@@ -98,6 +98,7 @@ class MountState:
             min_inflight=options.stream_interval_min_inflight,
             in_flight=in_flight,
             routing_for_every_key=options.routing_data_for_every_key,
+            shared_prefix_cache=options.shared_prefix_cache,
         )
         several = frontends is not None and frontends.count > 1
         loras = LoraRegistry(engine, options.lora_modules, fixed=several)
@@ -113,7 +114,13 @@ class MountState:
             steps,
             loras,
             DecodedMedia(options.budgets),
-            VllmHandlers(engine, running, loras, options.chat_template),
+            VllmHandlers(
+                engine,
+                running,
+                loras,
+                options.chat_template,
+                shared_prefix_cache=options.shared_prefix_cache,
+            ),
             inflight,
             frontends,
             reporter,

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from ..context import kept_usage
 from ..engine import EngineClient, served_model_name
 from ..errors import InvalidRequestError, NotFoundError, UnsupportedError
+from ..prefix_cache import salted
 from ..wire.pooling import ModelLimits
 from ..wire.usage import RequestSummary
 from .lora import BASE_MODEL, AdapterHold, LoraRegistry
@@ -84,12 +85,22 @@ class ClaimingEngine:
         engine: the mount's engine.
         running: the mount's registry of running request ids.
         method: what the log names as running the request.
+        shared_prefix_cache: leave tenants' prompts unsalted
+            (`MountOptions.shared_prefix_cache`).
     """
 
-    def __init__(self, engine: EngineClient, running: RunningRequests, method: str) -> None:
+    def __init__(
+        self,
+        engine: EngineClient,
+        running: RunningRequests,
+        method: str,
+        *,
+        shared_prefix_cache: bool = False,
+    ) -> None:
         self._engine = engine
         self._running = running
         self._method = method
+        self._shared_prefix_cache = shared_prefix_cache
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
@@ -103,6 +114,11 @@ class ClaimingEngine:
         if adapter is not None:
             # vLLM's handlers know only the adapters of their own registry.
             kwargs["lora_request"] = adapter
+        # Each text the caller's tenant's own in the prefix cache.
+        if "prompt" in kwargs:
+            kwargs["prompt"] = salted(kwargs["prompt"], self._shared_prefix_cache)
+        elif args:
+            args = (salted(args[0], self._shared_prefix_cache), *args[1:])
         return self._claimed(request_id, lambda: self._engine.encode(*args, **kwargs))
 
     async def _claimed(
@@ -167,6 +183,8 @@ class VllmHandlers:
         loras: the mount's LoRA adapters, which a request names as its model.
         chat_template: a chat template (a file or the template itself) to use
             instead of the model's, as vLLM's `--chat-template`.
+        shared_prefix_cache: leave tenants' prompts unsalted
+            (`MountOptions.shared_prefix_cache`).
     """
 
     def __init__(
@@ -175,6 +193,8 @@ class VllmHandlers:
         running: RunningRequests,
         loras: LoraRegistry,
         chat_template: str | None = None,
+        *,
+        shared_prefix_cache: bool = False,
     ) -> None:
         self._engine = engine
         self._running = running
@@ -183,7 +203,9 @@ class VllmHandlers:
         self._state: Any = None
         self._tasks: tuple[str, ...] = ()
         self._lock = asyncio.Lock()
-        self.claiming = ClaimingEngine(engine, running, "pooling")
+        self.claiming = ClaimingEngine(
+            engine, running, "pooling", shared_prefix_cache=shared_prefix_cache
+        )
         self.served_model = served_model_name(engine)
         self._limits: ModelLimits | None = None
 
