@@ -266,8 +266,10 @@ async def test_http_stop_strings_past_a_budget_are_refused_400_naming_stop(
         ("/pooling", "body", "r" * (MAX_REQUEST_ID_CHARS + 1)),
         ("/v1/completions", "header", "r" * (MAX_REQUEST_ID_CHARS + 1)),
         ("/v1/chat/completions", "header", "tab\there"),
+        # JSON in UTF-16, which vLLM's parser reads as well: the field's name is other bytes.
+        ("/v1/completions", "body-utf16", "r" * (MAX_REQUEST_ID_CHARS + 1)),
     ],
-    ids=["long", "newline", "nul", "pooling-long", "header-long", "header-tab"],
+    ids=["long", "newline", "nul", "pooling-long", "header-long", "header-tab", "utf16"],
 )
 async def test_an_http_request_id_past_the_checks_is_refused_400_naming_it(
     http: httpx.AsyncClient, model: str, path: str, where: str, request_id: str
@@ -275,19 +277,23 @@ async def test_an_http_request_id_past_the_checks_is_refused_400_naming_it(
     body: dict[str, Any] = {"model": model, "max_tokens": 2}
     body |= GENERATIONS.get(path, {"input": "hi"})
     headers = {}
-    if where == "body":
+    if where.startswith("body"):
         body["request_id"] = request_id
         field = "request_id"
     else:
         headers["X-Request-Id"] = request_id
         field = "X-Request-Id"
-    reply = await http.post(path, json=body, headers=headers)
+    if where == "body-utf16":
+        headers["Content-Type"] = "application/json"
+        reply = await http.post(path, content=json.dumps(body).encode("utf-16"), headers=headers)
+    else:
+        reply = await http.post(path, json=body, headers=headers)
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
     assert error["param"] == field
     assert error["message"].startswith(f"{field}: "), error
     # At the bound, printable: served.
-    if path == "/v1/completions":
+    if path == "/v1/completions" and where in ("body", "header"):
         fine = "r" * MAX_REQUEST_ID_CHARS
         ok = {**body, "request_id": fine} if where == "body" else body
         reply = await http.post(path, json=ok, headers={"X-Request-Id": fine} if headers else {})

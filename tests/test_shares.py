@@ -109,6 +109,15 @@ def test_weights_are_read_from_the_book_for_every_identity(book: Books) -> None:
     assert shares.refusal("heavy", 3.0) is None
 
 
+def test_a_slot_given_back_leaves_the_holders_weight_as_it_was(book: Books) -> None:
+    shares = FairShares(6, book=book())
+    shares.take("heavy", 2.0)
+    shares.take("heavy", 2.0)
+    shares.give_back("heavy")  # a caller that does not repeat the weight
+    shares.wants("light")
+    assert shares.share("light") == 2  # ceil(6 * 1 / 3): "heavy" still weighs 2
+
+
 def test_processes_sharing_a_group_read_one_count() -> None:
     """What one frontend process counts, another's shares see: a tenant's
     share is of the engine's slots, not of each process's."""

@@ -267,7 +267,8 @@ class ShareRecords:
                 return
             record = self._new(key, now)
         record.held += delta
-        record.weight = weight
+        if delta > 0:  # a slot given back says nothing of the weight
+            record.weight = weight
         if record.held <= 0 and record.until <= now:
             self._forget(now)
 

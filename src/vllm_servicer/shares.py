@@ -131,7 +131,8 @@ class LocalBook:
         left = self._held.get(name, 0) + delta
         if left > 0:
             self._held[name] = left
-            self._weights[name] = weight
+            if delta > 0:  # a slot given back says nothing of the weight
+                self._weights[name] = weight
             return
         self._held.pop(name, None)
         if name not in self._wanting_until:

@@ -91,7 +91,7 @@ class CallSlotsInterceptor(CallInterceptor):
 
     async def on_start(self, call: Call) -> None:
         shares = self._shares
-        name = None
+        name, weight = None, 1.0
         if shares is not None:
             name = tenant()
             identity = current_identity.get()
@@ -114,11 +114,11 @@ class CallSlotsInterceptor(CallInterceptor):
                 )
             shares.take(name, weight)
         self._total += 1
-        call.state = (name,)  # counted (a refused call reaches on_finish too)
+        call.state = (name, weight)  # counted (a refused call reaches on_finish too)
 
     def on_finish(self, call: Call) -> None:
         if call.state is None:
             return
         self._total -= 1
         if self._shares is not None:
-            self._shares.give_back(call.state[0])
+            self._shares.give_back(*call.state)

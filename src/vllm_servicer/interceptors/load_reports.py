@@ -39,15 +39,17 @@ FAILED_CODES: frozenset[grpc.StatusCode] = frozenset(
         grpc.StatusCode.UNAVAILABLE,
         grpc.StatusCode.DATA_LOSS,
         grpc.StatusCode.RESOURCE_EXHAUSTED,
-        grpc.StatusCode.DEADLINE_EXCEEDED,
     }
 )
-"""The ends that count as the server's errors in `eps`: it failed, was full or too slow.
+"""The ends that count as the server's errors in `eps`: it failed or was full.
 
 A balancer's penalty for errors keeps a replica that fails fast from drawing
 calls for its short answers. A client's mistakes (INVALID_ARGUMENT,
 NOT_FOUND, ALREADY_EXISTS, PERMISSION_DENIED, UNIMPLEMENTED for a field this
-server does not serve, ...) and its cancels are not the replica's fault, nor
+server does not serve, ...), its cancels and its own deadlines (DEADLINE_EXCEEDED:
+the client chose how long; a tenant sending 0.1 s deadlines would otherwise
+mark a healthy replica failing; a slow replica shows in its utilization and
+queue instead) are not the replica's fault, nor
 is a refusal marked as the caller's own (`context.blame_caller`: a tenant
 past its share, a request message never sent): one tenant's refused calls
 would otherwise steer every tenant's traffic away from a healthy replica.

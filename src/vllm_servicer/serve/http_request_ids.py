@@ -52,7 +52,8 @@ async def checked(
     if scope["type"] != "http" or scope.get("method") not in _METHODS_WITH_BODIES:
         return None, receive
     body, receive = await _whole_body(receive)
-    if _FIELD.encode() not in body and b"\\u" not in body:
+    text = _as_utf8(body)
+    if _FIELD.encode() not in text and b"\\u" not in text:
         return None, receive
     try:
         data = json.loads(body)
@@ -62,6 +63,19 @@ async def checked(
     if isinstance(given, str):
         return _refusal(_FIELD, given), receive
     return None, receive
+
+
+def _as_utf8(body: bytes) -> bytes:
+    """The body's text in UTF-8, for the look for the field: JSON may come in
+    UTF-16 or UTF-32 too (the parser detects them), where the field's name
+    is not these bytes."""
+    encoding = json.detect_encoding(body)
+    if encoding == "utf-8":
+        return body
+    try:
+        return body.decode(encoding).encode()
+    except UnicodeDecodeError:
+        return body
 
 
 def error_body(field: str, message: str) -> dict[str, Any]:
