@@ -65,11 +65,8 @@ class RoutingDataForbiddenError(GracefulHTTPError):
     """`kv_transfer_params` or `ec_transfer_params` from a caller who is no router:
     403, as gRPC's PERMISSION_DENIED."""
 
-    def __init__(self, field: str) -> None:
-        super().__init__(
-            f"{field}: connectors' transfer parameters are a router's; {ROUTER_ROLE_HINT}",
-            HTTPStatus.FORBIDDEN,
-        )
+    def __init__(self, message: str) -> None:
+        super().__init__(message, HTTPStatus.FORBIDDEN)
 
 
 class InflightLimitError(GracefulHTTPError):
@@ -153,7 +150,9 @@ class GuardedEngine:
         extra = getattr(sampling_params, "extra_args", None) or {}
         for field in _ROUTING_FIELDS:
             if extra.get(field) is not None and not may_route(self._routing_open):
-                raise RoutingDataForbiddenError(field)
+                raise RoutingDataForbiddenError(
+                    f"{field}: connectors' transfer parameters are a router's; {ROUTER_ROLE_HINT}"
+                )
         # Before the engine's output handler matches each stop string against
         # each new token, on this event loop.
         with _as_http_errors():
