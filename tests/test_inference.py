@@ -844,14 +844,16 @@ async def test_a_burst_through_the_launchers_full_stack_all_completes(
     engine: Any, ref: types.ModuleType, ref_grpc: types.ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """300 calls at once over both protocols, seeded, with 121-token prompts, through the
-    stack the launcher builds with tracing on (tracing, metrics, auth, the in-flight
-    limit, in its order): every one completes, and nothing stays in flight."""
+    stack the launcher builds with tracing on (tracing, metrics, auth, the keyed call
+    slots, the in-flight limit, in its order): every one completes, and nothing stays
+    in flight."""
     from vllm_servicer.interceptors import (
         AuthInterceptor,
         InflightInterceptor,
         MetricsInterceptor,
         TracingInterceptor,
     )
+    from vllm_servicer.interceptors.call_slots import CallSlotsInterceptor
     from vllm_servicer.serve.args import parse_args
     from vllm_servicer.serve.stack import build_interceptors
 
@@ -862,7 +864,13 @@ async def test_a_burst_through_the_launchers_full_stack_all_completes(
     stack, metrics = build_interceptors(parse_args(argv))
     assert metrics is not None
     kinds = [type(i) for i in stack]
-    assert kinds == [TracingInterceptor, MetricsInterceptor, AuthInterceptor, InflightInterceptor]
+    assert kinds == [
+        TracingInterceptor,
+        MetricsInterceptor,
+        AuthInterceptor,
+        CallSlotsInterceptor,
+        InflightInterceptor,
+    ]
     prompt = [(7 * i + 3) % 240 + 3 for i in range(121)]
 
     async with serving(engine, interceptors=stack, services=SERVICES) as served:
