@@ -6,7 +6,8 @@ checkout, e.g. `git worktree add /tmp/before <commit>`), each a grpc.aio
 server on loopback serving a stand-in unary handler (no engine) behind the
 launcher's stack as that tree builds it: the keyless caps, authentication
 with a key, the keyed calls' slots and their read deadline where the tree
-has them, the in-flight count. A client in this process sends unary calls
+has them, the in-flight limit (and each tenant's fair share of it where the
+tree has them), the call counted as an engine call. A client in this process sends unary calls
 from `--callers` concurrent callers to one server at a time, rotating the
 order each round; the serving process's CPU time (user + system, from
 /proc) per call is each side's cost, and their ratio per round the change's.
@@ -52,7 +53,9 @@ async def _serve() -> None:
         pass
     else:
         stack.append(CallSlotsInterceptor(2048))
-    stack.append(InflightInterceptor(1024))
+    # The stand-in method counted as an engine call, so each call also passes the
+    # in-flight limit and, where the tree has them, its caller's fair share.
+    stack.append(InflightInterceptor(1024, limited=lambda method: True))
 
     async def echo(request: bytes, context: Any) -> bytes:
         return request

@@ -207,3 +207,25 @@ def test_pooling_vs_http_benchmark_measures_every_pair_on_both_protocols(tmp_pat
     # Every burst's calls all answered: 1 round of A B B A per pair and concurrency.
     assert len(data["bursts"]) == len(pairs) * 2 * 4
     assert all(b["errors"] == 0 for b in data["bursts"])
+
+
+def test_call_slots_benchmark_prices_a_unary_call_through_both_trees_stacks() -> None:
+    import subprocess
+
+    root = BENCHMARKS.parent
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(BENCHMARKS / "call_slots.py"),
+            *("--against-src", str(root), "--rounds", "2", "--calls", "200", "--callers", "4"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    # Both sides announce the stack they serve behind: this tree's has the call slots.
+    assert done.stderr.count("CallSlotsInterceptor") == 2, done.stderr[-2000:]
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert result["this_us_per_call"] > 0 and result["against_us_per_call"] > 0
+    assert len(result["ratios"]) == 2
