@@ -472,16 +472,6 @@ async def test_a_seed_makes_sampling_repeatable(stub: Any, ref: types.ModuleType
     assert runs[0] == runs[1]
 
 
-async def test_routed_experts_prompt_start_reaches_vllm(stub: Any, ref: types.ModuleType) -> None:
-    """vLLM checks it against the prompt: past the prompt's end it is the client's fault."""
-    message = generate_request(ref, PROMPT, 2)
-    message.response.routed_experts_prompt_start = len(PROMPT)
-    assert (await stub.Generate(message, timeout=60)).outputs.num_tokens == 2
-    message.response.routed_experts_prompt_start = len(PROMPT) + 1
-    err = await _refusal(stub, "Generate", message)
-    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
-
-
 # ----- malformed and unservable requests -------------------------------------------------
 
 
