@@ -155,6 +155,19 @@ vllm-protos: setup
 	$(PY) protos/fetch_vllm.py $(VERSION)
 	$(PY) protos/generate.py
 
+# The vendored schemas against their releases: the copy must be the release
+# it names; a newer vLLM or smg-grpc-proto release is fetched and what moved printed.
+.PHONY: vllm-protos-check
+vllm-protos-check: setup
+	$(PY) protos/check_releases.py
+
+# The released vllm.Inference fields against vLLM's Rust frontend (vllm-rs) as
+# the oracle; both servers run from the 0.33 hybrid venv, which
+# `make test-engine ENGINE=vllm==0.33.0` builds.
+.PHONY: test-rust-oracle
+test-rust-oracle: setup
+	$(PY) -m pytest tests/test_rust_oracle.py $(ARGS)
+
 lint: setup
 	$(PY) -m ruff check src tests examples benchmarks protos
 	$(PY) -m ruff format --check src tests examples benchmarks protos

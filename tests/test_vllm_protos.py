@@ -127,3 +127,59 @@ def test_the_fetch_names_the_indexes_without_the_release(tmp_path: Path) -> None
     index = _index(tmp_path / "index", "9.9.0")
     with pytest.raises(SystemExit, match="9.9.1.tar.gz is on none"):
         _fetcher().main(["9.9.1", "--index-url", index, "--no-copy"])
+
+
+def _checker() -> Any:
+    spec = importlib.util.spec_from_file_location(
+        "check_releases", ROOT / "protos" / "check_releases.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _releases(root: Path, schemas: dict[str, bytes]) -> str:
+    """A file-based simple index with one vLLM sdist per release, `inference.proto` as given."""
+    files, page = root / "files", root / "simple" / "vllm"
+    files.mkdir(parents=True)
+    page.mkdir(parents=True)
+    links = []
+    for version, inference in schemas.items():
+        buffer = io.BytesIO()
+        with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
+            for name, data in (
+                ("inference.proto", inference),
+                ("control.proto", (REFERENCE_DIR / "control.proto").read_bytes()),
+                ("Cargo.toml", f'[package]\nversion = "{VLLM_PROTO_VERSION}"\n'.encode()),
+            ):
+                info = tarfile.TarInfo(f"vllm-{version}/rust/proto/{name}")
+                info.size = len(data)
+                archive.addfile(info, io.BytesIO(data))
+        (files / f"vllm-{version}.tar.gz").write_bytes(buffer.getvalue())
+        links.append(f'<a href="../../files/vllm-{version}.tar.gz">vllm-{version}.tar.gz</a>')
+    page.joinpath("index.html").write_text("<html><body>" + "".join(links) + "</body></html>")
+    return (root / "simple").as_uri()
+
+
+def test_the_release_check_passes_the_copy_and_shows_what_a_newer_release_moved(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    released = (REFERENCE_DIR / "inference.proto").read_bytes()
+    newer = released + b"\nmessage Added {\n  uint32 field = 1;\n}\n"
+    index = _releases(tmp_path, {VLLM_SCHEMA_RELEASE: released, "99.0.0": newer})
+    assert _checker().check_vllm([index], tmp_path / "work") is True
+    out = capsys.readouterr().out
+    assert f"vLLM {VLLM_SCHEMA_RELEASE}: the reference copy is the release's text" in out
+    assert "NOTICE: vLLM 99.0.0 is released" in out and "+message Added {" in out
+    assert "make vllm-protos VERSION=99.0.0" in out
+
+
+def test_the_release_check_fails_a_copy_that_is_not_the_release_it_names(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    released = (REFERENCE_DIR / "inference.proto").read_bytes()
+    index = _releases(tmp_path, {VLLM_SCHEMA_RELEASE: released.replace(b"= 17;", b"= 19;")})
+    assert _checker().check_vllm([index], tmp_path / "work") is False
+    out = capsys.readouterr().out
+    assert "FAIL: protos/reference/vllm is not vLLM" in out and "= 19;" in out
