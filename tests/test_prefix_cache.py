@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from vllm_servicer.context import ADMIN_ROLE, Identity, current_identity
+from vllm_servicer.context import ADMIN_ROLE, ROUTER_ROLE, Identity, current_identity
 from vllm_servicer.prefix_cache import salted, tenant_salt
 
 
@@ -58,6 +58,8 @@ def test_an_encoder_decoder_prompt_salts_its_decoder() -> None:
     [
         pytest.param(None, False, id="no-credentials"),
         pytest.param(Identity(name="ops", roles=frozenset({ADMIN_ROLE})), False, id="admin"),
+        # A cache-aware router hashes token ids as vLLM does without a salt.
+        pytest.param(Identity(name="gw", roles=frozenset({ROUTER_ROLE})), False, id="router"),
         pytest.param(A, True, id="shared-prefix-cache"),
     ],
 )

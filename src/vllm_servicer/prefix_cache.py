@@ -17,6 +17,12 @@ SHA-256 collision. Derived from the name alone, the salt is the same in
 every `--api-server-count` process and every replica, so a router's
 cache-aware routing finds a tenant's blocks wherever they are.
 
+A router's requests (the router role) are not salted: a cache-aware router
+computes vLLM's block hashes from token ids itself, as vLLM computes them
+without a salt, and routes by them; salted, its requests' blocks would carry
+hashes it cannot know. Its requests share the cache with one another, as
+they would without tenants, and never with a tenant's salted blocks.
+
 No grpc and no vLLM here: the protocols and the HTTP API call `salted`.
 """
 
@@ -26,7 +32,7 @@ import hashlib
 from collections.abc import MutableMapping
 from typing import Any
 
-from .context import tenant
+from .context import current_identity
 
 __all__ = ["salted", "tenant_salt"]
 
@@ -53,13 +59,15 @@ def salted(prompt: Any, shared: bool = False) -> Any:
     A tenant's prompt (a dict as vLLM's engine takes it: a text, token or
     rendered prompt, its `cache_salt` key the client's own) gets the salt of
     `tenant_salt`; an encoder-decoder prompt salts its decoder's part, where
-    vLLM reads it. A text prompt becomes a dict. An administrator's, a call
-    without credentials (a server with no tenants) and, with `shared` (the
-    operator's `--shared-prefix-cache`), every prompt is returned as it is.
+    vLLM reads it. A text prompt becomes a dict. An administrator's, a
+    router's, a call without credentials (a server with no tenants) and,
+    with `shared` (the operator's `--shared-prefix-cache`), every prompt is
+    returned as it is.
     """
-    name = tenant()
-    if shared or name is None:
+    identity = current_identity.get()
+    if shared or identity is None or identity.is_router:  # admins are routers too
         return prompt
+    name = identity.name
     if isinstance(prompt, str):
         prompt = {"prompt": prompt}
     if isinstance(prompt, MutableMapping):
