@@ -16,7 +16,8 @@ from ..multimodal import tensors as mm_tensors
 from ..multimodal.decoded import RequestMedia
 from ..multimodal.media import MediaResolver
 from ..proto import vllm_engine_pb2 as pb
-from ..wire import convert, fields
+from ..wire import fields
+from ..wire import vllm_engine as wire
 from .engine_call import EngineCallSteps
 
 if TYPE_CHECKING:
@@ -80,13 +81,13 @@ class Generation:
             field = "kv_transfer_params_json" if json_set else "kv_transfer_params"
             steps.check_kv_transfer(field)
         params = request.sampling_params
-        sampling = convert.sampling_params_from_proto(
+        sampling = wire.sampling_params_from_proto(
             params, stream=request.stream, kv_transfer=kv_transfer
         )
         steps.check_seed(sampling, "sampling_params.seed")
         steps.pace(sampling)
-        tokenization = convert.tokenization_kwargs(params)
-        prompt = convert.prompt_from_request(request, steps.prompt_limit(tokenization is not None))
+        tokenization = wire.tokenization_kwargs(params)
+        prompt = wire.prompt_from_request(request, steps.prompt_limit(tokenization is not None))
         images = request.HasField("media_refs")
         tensors = mm_tensors.sent(request)
         if tensors:
@@ -110,7 +111,7 @@ class Generation:
         trace = engine_trace_headers(context)
         if trace is not None:
             kwargs["trace_headers"] = trace
-        if convert.grammar_from_first_token(params):
+        if wire.grammar_from_first_token(params):
             kwargs["reasoning_ended"] = True
         return steps.salted(prompt), sampling, kwargs
 
@@ -118,7 +119,7 @@ class Generation:
         """Refuse sampling parameters past a budget, before anything is built from them."""
         self._budgets.check_n("sampling_params.n", params.n)
         self._budgets.check_stop("sampling_params.stop", params.stop)
-        constraint = convert.constraint_size(params)
+        constraint = wire.constraint_size(params)
         if constraint is not None:
             self._budgets.check_constraint(*constraint)
 
@@ -135,7 +136,7 @@ class Generation:
             )
         images = await self._media.images(request.media_refs, media)
         prompt["multi_modal_data"] = {"image": images[0] if len(images) == 1 else images}
-        if convert.tokenization_kwargs(request.sampling_params) is not None:
+        if wire.tokenization_kwargs(request.sampling_params) is not None:
             return prompt  # the engine processes it (truncating it first)
         return await self._steps.render_with_images(prompt, "media_refs")
 

@@ -25,9 +25,10 @@ from ..errors import (
 )
 from ..multimodal import tensors as mm_tensors
 from ..multimodal.media import MediaResolver
-from ..proto import SERVICE_NAME, common_pb2, vllm_engine_pb2_grpc
+from ..proto import VLLM_ENGINE_SERVICE, common_pb2, vllm_engine_pb2_grpc
 from ..proto import vllm_engine_pb2 as pb
-from ..wire import convert, fields
+from ..wire import fields
+from ..wire import vllm_engine as wire
 from ..wire.usage import RequestSummary
 from . import admin, info, kv_events, loads
 from .generate import Generation
@@ -142,14 +143,14 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         # Its decoded images' bytes are the process's until the request ends.
         media = self._decoded_media.request()
         try:
-            fields.refuse_unserved(SERVICE_NAME, "Generate", request)
-            kv_transfer = convert.kv_transfer_params(request)
+            fields.refuse_unserved(VLLM_ENGINE_SERVICE, "Generate", request)
+            kv_transfer = wire.kv_transfer_params(request)
             prompt, sampling, kwargs = await self._generation.engine_call(
                 request, context, kv_transfer, media
             )
             params = request.sampling_params
             stream = request.stream
-            build = convert.ResponseBuilder(params)
+            build = wire.ResponseBuilder(params)
             chunk, complete = build.chunk, build.complete
             outputs = self._engine.generate(prompt, sampling, request_id, **kwargs)
             # Closed here when the client goes (at our yield), not when collected:
@@ -191,7 +192,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             if kv_transfer is not None and not started:
                 await self._generation.kv_transfer_rejected(request, request_id, kv_transfer)
             if isinstance(exc, (ValueError, VLLMClientError)):
-                named = convert.constraint_error(exc, request.sampling_params)
+                named = wire.constraint_error(exc, request.sampling_params)
                 if named is not exc:
                     raise named from exc
             raise
@@ -213,7 +214,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             final = None
             async for output in self._engine.encode(
                 self._steps.salted(
-                    convert.prompt_from_request(request, self._steps.max_prompt_tokens)
+                    wire.prompt_from_request(request, self._steps.max_prompt_tokens)
                 ),
                 PoolingParams(task="embed"),
                 request_id,
