@@ -90,7 +90,6 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         require_engine(engine)
         self._engine = engine
         self._budgets = options.budgets
-        self._decoded_media = state.decoded_media
         self._steps = state.steps
         self.loras: LoraRegistry = state.loras
         self._media = state.media
