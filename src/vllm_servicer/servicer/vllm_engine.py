@@ -1,4 +1,12 @@
-"""`VllmEngineServicer`: the `vllm.grpc.engine.VllmEngine` service over a vLLM engine."""
+"""`VllmEngineServicer`: the `vllm.grpc.engine.VllmEngine` service over a vLLM engine.
+
+Generate and Embed run in the engine call's frame (`engine_call.CallFrame`),
+as vllm.Inference's handlers do. Generate's preparation is read here in one
+place (`_engine_call`: its message as the `EngineCall` it asks for, converted
+by `wire/vllm_engine.py`, with the steps every protocol shares); its stream
+loop stays in Generate itself: a generator between it and grpc would cost a
+hop per message sent.
+"""
 
 from __future__ import annotations
 
