@@ -16,7 +16,7 @@ from vllm.v1.metrics.stats import RequestSpecDecodeMetrics
 
 from vllm_servicer.errors import InvalidRequestError
 from vllm_servicer.proto import vllm_engine_pb2 as pb
-from vllm_servicer.wire import convert
+from vllm_servicer.wire import vllm_engine
 from vllm_servicer.wire.fields import is_set
 
 
@@ -46,9 +46,9 @@ def _request(json_text: str | None = None, host: str = "", port: int = 0) -> pb.
 def test_kv_transfer_params_reach_extra_args(
     req: pb.GenerateRequest, expected: dict[str, object] | None
 ) -> None:
-    params = convert.kv_transfer_params(req)
+    params = vllm_engine.kv_transfer_params(req)
     assert params == expected
-    sampling = convert.sampling_params_from_proto(
+    sampling = vllm_engine.sampling_params_from_proto(
         pb.SamplingParams(), stream=False, kv_transfer=params
     )
     assert sampling.extra_args == ({"kv_transfer_params": expected} if expected else None)
@@ -66,7 +66,7 @@ def test_kv_transfer_params_reach_extra_args(
 )
 def test_bad_kv_transfer_params_name_the_field(req: pb.GenerateRequest, field: str) -> None:
     with pytest.raises(InvalidRequestError) as err:
-        convert.kv_transfer_params(req)
+        vllm_engine.kv_transfer_params(req)
     assert err.value.field == field
 
 
@@ -91,7 +91,7 @@ def test_the_complete_carries_the_engines_kv_params_and_spec_counts() -> None:
     spec = RequestSpecDecodeMetrics(num_spec_tokens=3, histogram=[1, 0, 1, 3], num_draft_tokens=14)
     kv = {"remote_host": "10.0.0.2", "remote_port": 7000, "remote_block_ids": [1, 2]}
     output = _finished(kv, spec)
-    complete = convert.ResponseBuilder(pb.SamplingParams()).complete(output, output.outputs[0])
+    complete = vllm_engine.ResponseBuilder(pb.SamplingParams()).complete(output, output.outputs[0])
     done = complete.complete
     assert json.loads(done.kv_transfer_params_json) == kv
     assert (done.kv_transfer_params.remote_host, done.kv_transfer_params.remote_port) == (
@@ -103,18 +103,24 @@ def test_the_complete_carries_the_engines_kv_params_and_spec_counts() -> None:
 
 def test_params_without_a_host_leave_the_typed_message_unset() -> None:
     output = _finished({"do_remote_decode": True}, None)
-    done = convert.ResponseBuilder(pb.SamplingParams()).complete(output, output.outputs[0]).complete
+    done = (
+        vllm_engine.ResponseBuilder(pb.SamplingParams())
+        .complete(output, output.outputs[0])
+        .complete
+    )
     assert json.loads(done.kv_transfer_params_json) == {"do_remote_decode": True}
     assert not done.HasField("kv_transfer_params")
     assert (done.spec_accepted_tokens, done.spec_draft_tokens) == (0, 0)
 
 
 def test_grammar_from_first_token_needs_a_constraint() -> None:
-    assert not convert.grammar_from_first_token(pb.SamplingParams(grammar_from_first_token=True))
-    assert convert.grammar_from_first_token(
+    assert not vllm_engine.grammar_from_first_token(
+        pb.SamplingParams(grammar_from_first_token=True)
+    )
+    assert vllm_engine.grammar_from_first_token(
         pb.SamplingParams(grammar_from_first_token=True, regex="a+")
     )
-    assert not convert.grammar_from_first_token(pb.SamplingParams(regex="a+"))
+    assert not vllm_engine.grammar_from_first_token(pb.SamplingParams(regex="a+"))
 
 
 def test_presence_follows_each_kind_of_field() -> None:
@@ -133,7 +139,7 @@ def test_presence_follows_each_kind_of_field() -> None:
 
 
 def test_unset_sampling_fields_take_the_neutral_values() -> None:
-    params = convert.sampling_params_from_proto(pb.SamplingParams(), stream=False)
+    params = vllm_engine.sampling_params_from_proto(pb.SamplingParams(), stream=False)
     assert (params.temperature, params.top_p, params.repetition_penalty, params.n) == (1, 1, 1, 1)
     assert (params.max_tokens, params.seed, params.logprobs, params.stop) == (None, None, None, [])
     assert params.structured_outputs is None and params.extra_args is None
@@ -155,7 +161,7 @@ def test_set_sampling_fields_reach_vllm() -> None:
         logit_bias={5: -1.5},
         regex="(ab)+",
     )
-    params = convert.sampling_params_from_proto(wire, stream=True)
+    params = vllm_engine.sampling_params_from_proto(wire, stream=True)
     assert (params.top_p, params.top_k, params.max_tokens) == (0.5, 7, 9)
     assert params.temperature == pytest.approx(0.7)  # a float32 on the wire
     assert (params.stop, params.stop_token_ids, params.n, params.seed) == (["\n\n"], [2], 2, 3)
@@ -178,20 +184,20 @@ def test_values_vllm_cannot_take_are_refused_naming_the_field(
     wire: pb.SamplingParams, field: str
 ) -> None:
     with pytest.raises(InvalidRequestError) as err:
-        convert.sampling_params_from_proto(wire, stream=False)
+        vllm_engine.sampling_params_from_proto(wire, stream=False)
     assert err.value.field == field
 
 
 def test_a_token_prompt_keeps_its_text_and_is_refused_past_the_context() -> None:
     req = pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=[5, 6, 7], original_text="hi"))
-    assert convert.prompt_from_request(req, max_prompt_tokens=3) == {
+    assert vllm_engine.prompt_from_request(req, max_prompt_tokens=3) == {
         "prompt_token_ids": [5, 6, 7],
         "prompt": "hi",
     }
     with pytest.raises(InvalidRequestError, match="prompt length 3 is longer than .* 2"):
-        convert.prompt_from_request(req, max_prompt_tokens=2)
+        vllm_engine.prompt_from_request(req, max_prompt_tokens=2)
     with pytest.raises(InvalidRequestError, match="set either"):
-        convert.prompt_from_request(pb.GenerateRequest())
+        vllm_engine.prompt_from_request(pb.GenerateRequest())
 
 
 # ----- vLLM outputs in, messages out -------------------------------------------------------
@@ -218,7 +224,7 @@ def _step(token_ids: list[int], *, index: int = 0, logprobs: Any = None) -> Requ
 
 
 def test_a_stream_chunk_carries_the_steps_tokens_and_no_zero_fields() -> None:
-    builder = convert.ResponseBuilder(pb.SamplingParams())
+    builder = vllm_engine.ResponseBuilder(pb.SamplingParams())
     output = _step([10, 11])
     chunk = builder.chunk(output, output.outputs[0]).chunk
     assert (list(chunk.token_ids), chunk.prompt_tokens, chunk.completion_tokens) == ([10, 11], 4, 2)
@@ -231,7 +237,7 @@ def test_a_stream_chunk_carries_the_steps_tokens_and_no_zero_fields() -> None:
 def test_logprobs_are_sent_for_the_sampled_token_and_the_top_k_asked_for() -> None:
     step = {10: Logprob(-0.5), 20: Logprob(-1.0), 30: Logprob(-2.0)}
     output = _step([10], logprobs=[step])
-    builder = convert.ResponseBuilder(pb.SamplingParams(logprobs=2))
+    builder = vllm_engine.ResponseBuilder(pb.SamplingParams(logprobs=2))
     lps = builder.chunk(output, output.outputs[0]).chunk.output_logprobs
     assert (list(lps.token_ids), list(lps.token_logprobs)) == ([10], [-0.5])
     top = lps.top_logprobs[0]
@@ -242,12 +248,12 @@ def test_a_stop_string_or_token_is_named_in_the_complete() -> None:
     output = _step([10, 11])
     completion = output.outputs[0]
     completion.finish_reason, completion.stop_reason = "stop", "\n\n"
-    done = convert.ResponseBuilder(pb.SamplingParams()).complete(output, completion).complete
+    done = vllm_engine.ResponseBuilder(pb.SamplingParams()).complete(output, completion).complete
     assert (done.finish_reason, done.matched_stop_str, list(done.output_ids)) == (
         "stop",
         "\n\n",
         [10, 11],
     )
     completion.stop_reason = 2
-    done = convert.ResponseBuilder(pb.SamplingParams()).complete(output, completion).complete
+    done = vllm_engine.ResponseBuilder(pb.SamplingParams()).complete(output, completion).complete
     assert done.WhichOneof("matched_stop") == "matched_token_id" and done.matched_token_id == 2

@@ -231,7 +231,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("multimodal", "status", "health", "reflection"),
     # Side by side: they share `context`, never import one another.
     ("servicer", "interceptors"),
-    # The one guard every way in passes (both gRPC protocols, the HTTP API).
+    # The HTTP API's way onto the engine: its in-flight slot and its id (the one claim path).
     ("guard",),
     ("mounting", "drain"),
     # Tiny models, stand-in engines and a test server, for users' tests too.

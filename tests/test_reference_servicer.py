@@ -438,7 +438,7 @@ def test_every_choice_keeps_the_prompt_logprobs_when_a_slow_reader_merges_output
     from vllm.logprobs import Logprob
     from vllm.outputs import CompletionOutput, RequestOutput
 
-    from vllm_servicer.wire.convert import ResponseBuilder
+    from vllm_servicer.wire.vllm_engine import ResponseBuilder
 
     prompt = [11, 12, 13, 14]
     logprobs = [None, *({t: Logprob(-1.5, 3, None)} for t in prompt[1:])]

@@ -171,10 +171,10 @@ def test_an_unnamed_structured_output_error_names_the_constraint_field() -> None
     # and no parameter; 0.32 finished such a request with finish_reason "error".
     from vllm.exceptions import VLLMValidationError
 
-    from vllm_servicer.wire import convert
+    from vllm_servicer.wire import vllm_engine
 
     params = pb.SamplingParams(json_schema='{"type": "object", "minProperties": "x"}')
-    named = convert.constraint_error(
+    named = vllm_engine.constraint_error(
         VLLMValidationError("Invalid structured outputs: bad schema"), params
     )
     assert isinstance(named, InvalidRequestError)

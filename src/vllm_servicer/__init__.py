@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # the names of _SOURCES, for type checkers (test_packaging co
     from .mounting import MountedServices, MountError, mount
     from .multimodal.media import MediaRefOptions
     from .options import MountOptions, server_options
-    from .proto import SERVICE_NAME
+    from .proto import SERVICE_NAME, VLLM_ENGINE_SERVICE
     from .servicer import VllmEngineServicer
     from .servicer.state import MountState
     from .status import ERROR_TABLE
@@ -54,6 +54,7 @@ _SOURCES: dict[str, str] = {
     "MountOptions": ".options",
     "MountState": ".servicer.state",
     "RequestBudgets": ".budgets",
+    "VLLM_ENGINE_SERVICE": ".proto",
     "VllmEngineServicer": ".servicer",
     "mount": ".mounting",
     "server_options": ".options",

@@ -1,13 +1,19 @@
-"""The one place every engine request passes, whichever protocol started it.
+"""The HTTP API's way onto the engine: its in-flight slot and its request id.
 
-VllmEngine, vllm.Inference and vLLM's own HTTP API (`serve --http-port`) all
-run requests on one engine, which knows a request by its id alone: an id
-running for one caller must not start for another (either could abort the
-other's request), and `--max-inflight` bounds the requests of every protocol
-together. `EngineGuard` keeps both promises at one point: it claims a
-request's id for its caller in the mount's one `RunningRequests`, counts it
-against the limit and the caller's fair share of it, and releases both
-however the request ends.
+vLLM's own HTTP API (`serve --http-port`) runs requests on the engine the
+gRPC protocols serve, but passes none of their interceptors: `EngineGuard`
+keeps for it the two promises a gRPC call's way in keeps. `--max-inflight`
+bounds every protocol's requests together: a gRPC call is counted by the
+in-flight interceptor before its message is read, an HTTP request here,
+against the same count and the caller's fair share of it. And an id running
+for one caller must not start for another (either could abort the other's
+request): the guard claims it as every protocol does, by the one claim path
+(`RunningRequests.claim` and its `Claim`; the gRPC protocols take it in
+`servicer/engine_call.CallFrame`, Pooling's handlers in
+`servicer/vllm_app.ClaimingEngine`), in the mount's one registry.
+
+The mount builds it (`MountedServices.guard`), over the registry and count it
+owns; the launcher hands it to the HTTP API (`serve/http_guard.py`).
 
 No grpc and no vLLM here: each protocol turns the guard's refusals into its
 own answers (gRPC ALREADY_EXISTS and RESOURCE_EXHAUSTED, HTTP 409 and 503).
@@ -20,7 +26,7 @@ from collections.abc import Iterator
 from typing import Protocol
 
 from .context import Identity, current_identity
-from .servicer.tenancy import RunningRequests
+from .servicer.tenancy import Claim, RunningRequests
 
 __all__ = ["EngineGuard", "InflightCount", "ServerBusyError"]
 
@@ -85,36 +91,34 @@ class EngineGuard:
             raise ServerBusyError(refusal)
 
     @contextlib.contextmanager
-    def hold(self, request_id: str, method: str, *, counted: bool = False) -> Iterator[None]:
-        """The request's id and in-flight slot, held while the block runs.
+    def hold(self, request_id: str, method: str) -> Iterator[Claim]:
+        """The request's in-flight slot and id, held while the block runs.
 
         Released on every way out of the block: its end, an error, a
         cancellation (a client gone, an abort).
 
         Args:
             request_id: the engine request id.
-            method: what runs it, for the log ("Generate", "HTTP generate").
-            counted: its slot was taken already (a gRPC call is counted by the
-                in-flight interceptor before its message is read).
+            method: what runs it, for the log ("HTTP generate").
+
+        Yields:
+            The id's claim (`Claim.cancelled` takes a cancelled request out of the engine).
 
         Raises:
             ServerBusyError: the in-flight limit or the caller's share is reached.
             RequestIdInUseError: the id runs for another caller.
         """
         caller = current_identity.get()
-        if not counted:
-            refusal = self.inflight.enter(caller)
-            if refusal is not None:
-                raise ServerBusyError(refusal)
+        refusal = self.inflight.enter(caller)
+        if refusal is not None:
+            raise ServerBusyError(refusal)
         try:
-            self.running.claim(request_id, method)
+            claim = self.running.claim(request_id, method)
         except BaseException:
-            if not counted:
-                self.inflight.leave(caller)
+            self.inflight.leave(caller)
             raise
         try:
-            yield
+            yield claim
         finally:
-            self.running.release(request_id)
-            if not counted:
-                self.inflight.leave(caller)
+            claim.release()
+            self.inflight.leave(caller)

@@ -45,8 +45,8 @@ from .servicer.inference import InferenceServicer
 from .servicer.orca import OpenRcaServicer
 from .servicer.pooling import PoolingServicer
 from .servicer.render import RenderServicer
-from .servicer.service import VllmEngineServicer
 from .servicer.state import MountState
+from .servicer.vllm_engine import VllmEngineServicer
 from .status import error_layer
 from .wire import fields
 

@@ -89,7 +89,7 @@ PROBE_MODULES = (
     "vllm.distributed.kv_events",
     "vllm.entrypoints.openai.api_server",
     "vllm_servicer",
-    "vllm_servicer.servicer.service",
+    "vllm_servicer.servicer.vllm_engine",
     "vllm_servicer.servicer.kv_events",
     "vllm_servicer.servicer.loads",
 )

@@ -25,7 +25,10 @@ _ORCA = orca_pb2.DESCRIPTOR.services_by_name["OpenRcaService"]
 _POOLING = pooling_pb2.DESCRIPTOR.services_by_name["Pooling"]
 _RENDER = render_pb2.DESCRIPTOR.services_by_name["Render"]
 
-SERVICE_NAME: str = _ENGINE.full_name
+VLLM_ENGINE_SERVICE: str = _ENGINE.full_name
+"""vLLM's gRPC engine protocol (`vllm.grpc.engine.VllmEngine`)."""
+SERVICE_NAME: str = VLLM_ENGINE_SERVICE
+"""`VLLM_ENGINE_SERVICE` by its first name, from when it was the one protocol served."""
 INFERENCE_SERVICE: str = _INFERENCE.full_name
 CONTROL_SERVICE: str = _CONTROL.full_name
 ORCA_SERVICE: str = _ORCA.full_name
@@ -96,8 +99,8 @@ def _with(*roles: MethodRole) -> frozenset[str]:
     return frozenset(method for method, role in METHOD_ROLES.items() if role in roles)
 
 
-GENERATE_METHOD: str = f"/{SERVICE_NAME}/Generate"
-EMBED_METHOD: str = f"/{SERVICE_NAME}/Embed"
+GENERATE_METHOD: str = f"/{VLLM_ENGINE_SERVICE}/Generate"
+EMBED_METHOD: str = f"/{VLLM_ENGINE_SERVICE}/Embed"
 GENERATION_METHODS: frozenset[str] = _with(MethodRole.GENERATION)
 """The generation calls of every protocol."""
 ENGINE_METHODS: frozenset[str] = _with(MethodRole.GENERATION, MethodRole.EMBEDDING)

@@ -1,4 +1,4 @@
-"""vLLM's HTTP API behind the one engine guard: its engine client, wrapped.
+"""vLLM's HTTP API behind its engine guard (`guard.py`): its engine client, wrapped.
 
 vLLM's OpenAI app runs every generation and embedding through the engine
 client it is handed (`generate`, `encode`) and asks `check_admission` before
@@ -232,11 +232,11 @@ class GuardedEngine:
         # engine aborts the request before the id and slot are let go.
         with contextlib.ExitStack() as held:
             with _as_http_errors():
-                held.enter_context(self._guard.hold(request_id, method))
+                claim = held.enter_context(self._guard.hold(request_id, method))
             try:
                 async with contextlib.aclosing(start()) as outputs:
                     async for output in outputs:
                         yield output
             except asyncio.CancelledError:
-                await self._guard.running.abort_cancelled(self._engine, request_id)
+                await claim.cancelled(self._engine)
                 raise

@@ -1,5 +1,5 @@
 """The `vllm.grpc.engine.VllmEngine` servicer and the parts of each RPC."""
 
-from .service import VllmEngineServicer
+from .vllm_engine import VllmEngineServicer
 
 __all__ = ["VllmEngineServicer"]

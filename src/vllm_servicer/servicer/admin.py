@@ -13,7 +13,7 @@ from typing import Any
 from .. import vllm_releases
 from ..engine import EngineClient
 from ..errors import InvalidRequestError, UnsupportedError
-from ..proto import SERVICE_NAME, common_pb2
+from ..proto import VLLM_ENGINE_SERVICE, common_pb2
 from ..wire import fields
 
 # A reset that gets no answer within this long is reported as a timeout, even
@@ -97,7 +97,7 @@ async def start_profile(
     the release takes them (`vllm_releases.start_profile_options`); the trace
     directory and the activities are fixed when the engine starts, so a
     request that sets what this engine cannot take is refused rather than
-    ignored (the rows of `fields.REFUSED[SERVICE_NAME]["StartProfile"]`).
+    ignored (the rows of `fields.REFUSED[VLLM_ENGINE_SERVICE]["StartProfile"]`).
 
     Raises:
         InvalidRequestError: the request sets an option this vLLM takes only at start.
@@ -106,14 +106,16 @@ async def start_profile(
         TimeoutError: the profiler did not start within the call's deadline.
     """
     # Refused whatever the engine: no profiler would take these per request.
-    fields.refuse_unserved(SERVICE_NAME, "StartProfile", request)
+    fields.refuse_unserved(VLLM_ENGINE_SERVICE, "StartProfile", request)
     options = vllm_releases.start_profile_options(engine.start_profile)
     overrides = {
         name: getattr(request, name) for name in PROFILER_OVERRIDES if request.HasField(name)
     }
     if overrides and "profiler_kwargs" not in options:
         name = next(iter(overrides))
-        raise InvalidRequestError(name, fields.REFUSED[SERVICE_NAME]["StartProfile"][name].reason)
+        raise InvalidRequestError(
+            name, fields.REFUSED[VLLM_ENGINE_SERVICE]["StartProfile"][name].reason
+        )
     if not profiler_configured(engine):
         raise UnsupportedError(PROFILER_HINT)
     kwargs: dict[str, Any] = {}  # only what was asked for: vLLM 0.31 takes none of it

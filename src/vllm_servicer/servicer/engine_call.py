@@ -1,40 +1,73 @@
-"""The steps every gRPC protocol takes to prepare one `engine.generate` call.
+"""One engine call, whichever gRPC protocol asks for it: its preparation's
+shared steps, its shape and its frame.
 
-VllmEngine's Generate and vllm.Inference's Generate and GenerateStream read
-different messages but make the same engine call, and the engine asks the
-same of each: an id claimed for its caller, no seeded sampling an engine set
-up so cannot survive, a token prompt within the model's context, KV transfer
-parameters from a router only and for a KV connector, token prompts rendered here and images
-that fit their placeholders, the prompt salted for its tenant's part of the prefix cache.
-`EngineCallSteps` takes each step once; a protocol's own code only turns
-its messages into vLLM's objects and back, naming its own fields in the
-refusals.
+VllmEngine's Generate and Embed and vllm.Inference's Generate and
+GenerateStream read different messages but make the same engine call, and
+the engine asks the same of each: an id claimed for its caller, no seeded
+sampling an engine set up so cannot survive, a token prompt within the
+model's context, KV transfer parameters from a router only and for a KV
+connector, token prompts rendered here and images that fit their
+placeholders, the prompt salted for its tenant's part of the prefix cache.
+`EngineCallSteps` takes each step once; `EngineCall` is what a protocol's
+preparation makes of its request; `CallFrame` is what every handler opens
+with and closes with (the summary, the claim, the images' account, a
+cancel's abort, the KV connector told of a failure, the protocol's failure
+mapping, every release). A protocol's own code only turns its messages into
+vLLM's objects and back, naming its own fields in the refusals.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import logging
 import time
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from .. import vllm_releases
-from ..budgets import check_request_id
-from ..context import current_request_id, may_route
+from ..budgets import RequestBudgets, check_request_id
+from ..context import current_request_id, kept_usage, may_route
 from ..engine import EngineClient, require_engine
 from ..errors import InvalidRequestError, RoutingDataError, UnsupportedError
+from ..multimodal.decoded import DecodedMedia, RequestMedia
 from ..prefix_cache import salted
 from ..wire import fields
-from .tenancy import RunningRequests
+from ..wire.usage import GenerationUsage, RequestSummary
+from .lora import AdapterHold
+from .tenancy import Claim, RunningRequests
 
 # isort: split
+from vllm.exceptions import VLLMClientError
 from vllm.sampling_params import RequestOutputKind
 
 if TYPE_CHECKING:
     from vllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("vllm_servicer")
+
+Builder = TypeVar("Builder")
+
+
+@dataclasses.dataclass(slots=True)
+class EngineCall(Generic[Builder]):
+    """One request as the `engine.generate` call it asks for, whichever protocol sent it.
+
+    Attributes:
+        prompt: the engine's prompt (salted; rendered here where it can be).
+        sampling: its sampling parameters.
+        kwargs: `engine.generate`'s other keyword arguments.
+        builder: the protocol's response builder for the request.
+        adapter: the LoRA adapter held for the request, released by its frame.
+    """
+
+    prompt: Any
+    sampling: SamplingParams
+    kwargs: dict[str, Any]
+    builder: Builder
+    adapter: AdapterHold | None = None
 
 
 class EngineCallSteps:
@@ -46,9 +79,9 @@ class EngineCallSteps:
 
     Args:
         engine: the engine served.
-        running: the mount's registry of running request ids (the one its
-            `EngineGuard` holds; a gRPC call's in-flight slot is taken by the
-            in-flight interceptor, so the claim is all the guard adds here).
+        running: the mount's registry of running request ids (a gRPC call's
+            in-flight slot is taken by the in-flight interceptor, so the claim
+            is all a frame takes).
         stream_interval: the tokens a streamed generation's message gathers
             (`MountOptions.stream_interval`), from `min_inflight` engine calls
             in flight on, as `in_flight` counts them.
@@ -57,6 +90,8 @@ class EngineCallSteps:
             (`MountOptions.routing_data_for_every_key`).
         shared_prefix_cache: leave tenants' prompts unsalted, one prefix cache
             for all (`MountOptions.shared_prefix_cache`).
+        decoded_media: the decoded images the process holds for running
+            requests, and their budget (a frame opens each request's account).
 
     Raises:
         TypeError: `engine` lacks a member of `EngineClient` (the message names it).
@@ -73,10 +108,14 @@ class EngineCallSteps:
         in_flight: Callable[[], int] | None = None,
         routing_for_every_key: bool = False,
         shared_prefix_cache: bool = False,
+        decoded_media: DecodedMedia | None = None,
     ) -> None:
         require_engine(engine)  # a TypeError naming what it lacks, not an AttributeError
-        self._engine = engine
+        self.engine = engine
         self.running = running
+        self.decoded_media = (
+            decoded_media if decoded_media is not None else DecodedMedia(RequestBudgets())
+        )
         if stream_interval > 1 and not vllm_releases.PER_REQUEST_STREAM_INTERVAL:
             raise ValueError(
                 "stream_interval needs a vLLM whose SamplingParams takes one per request "
@@ -107,12 +146,12 @@ class EngineCallSteps:
         # vLLM's renderer turns a token prompt into engine input synchronously.
         self._render = engine.renderer.process_for_engine
 
-    # ----- the request id ---------------------------------------------------
+    # ----- the request id and the frame -------------------------------------
 
-    def claim(self, given: str, prefix: str, method: str) -> str:
+    def claim(self, given: str, prefix: str, method: str) -> Claim:
         """The request's engine id (one made up when empty), claimed for the caller.
 
-        Release it with `release` however the request ends.
+        Release the claim however the request ends (a `CallFrame` does).
 
         Raises:
             InvalidRequestError: the id has a control character.
@@ -122,17 +161,30 @@ class EngineCallSteps:
         request_id = given or f"{prefix}-{uuid.uuid4().hex}"
         check_request_id("request_id", request_id)
         current_request_id.set(request_id)
-        self.running.claim(request_id, method)
-        return request_id
+        return self.running.claim(request_id, method)
 
-    def release(self, request_id: str) -> None:
-        """One run of `request_id`, claimed by `claim`, ended."""
-        self.running.release(request_id)
+    def frame(
+        self,
+        summary: RequestSummary,
+        given: str,
+        prefix: str,
+        method: str,
+        *,
+        failure: Callable[[Exception], Exception] | None = None,
+        images: bool = True,
+    ) -> CallFrame:
+        """The frame of one engine call (`CallFrame`), to enter with `async with`.
 
-    async def cancelled(self, request_id: str) -> None:
-        """The call running `request_id` was cancelled: its request leaves the
-        engine, wherever vLLM was in starting it (before `release`)."""
-        await self.running.abort_cancelled(self._engine, request_id)
+        Args:
+            summary: what the request asks for, in no protocol's terms.
+            given: the request's id as sent ("" for one made up).
+            prefix: what a made-up id starts with.
+            method: the RPC, for the log.
+            failure: the protocol's mapping of an engine's `ValueError` to the
+                request field at fault (its structured output), if any.
+            images: whether the request may hold decoded images.
+        """
+        return CallFrame(self, summary, given, prefix, method, failure, images)
 
     # ----- the checks -------------------------------------------------------
 
@@ -217,7 +269,7 @@ class EngineCallSteps:
         try:
             # As the engine would; rendered here, a mismatch is named as the
             # request's fault (vLLM asserts it, which would read as internal).
-            return await self._engine.renderer.process_for_engine_async(prompt, time.time())
+            return await self.engine.renderer.process_for_engine_async(prompt, time.time())
         except (AssertionError, RuntimeError, ValueError) as exc:
             raise InvalidRequestError(
                 field, f"the images do not fit the prompt's placeholders: {exc}"
@@ -243,7 +295,7 @@ class EngineCallSteps:
         if not may_route(self._routing_for_every_key):
             return
         try:
-            await self._engine.notify_kv_transfer_request_rejected(
+            await self.engine.notify_kv_transfer_request_rejected(
                 request_id, kv_transfer, data_parallel_rank=rank
             )
         except Exception:
@@ -252,3 +304,113 @@ class EngineCallSteps:
                 request_id,
                 exc_info=True,
             )
+
+
+class CallFrame:
+    """What every protocol's engine call opens with and closes with: an async context manager.
+
+    Entered: the request's neutral summary into the call record (what tracing
+    and metrics read), its id claimed for the caller (`EngineCallSteps.claim`),
+    an account of its decoded images opened. Left however the call ends: a
+    cancelled call's request taken out of the engine (vLLM aborts nothing when
+    the cancel lands while it hands the request to its engine core); a failure
+    before the engine's first output told to the KV connector, then restated
+    by the protocol's mapping; then every release (the adapter, the images'
+    bytes, the id). A client gone closes the handler's generator: only the
+    releases run.
+
+    The handler sets `call` once prepared and `started` at the engine's first
+    output; its preparation sets `kv_transfer` (and `rank`) from when the
+    connector is to be told of a failure.
+    """
+
+    __slots__ = (
+        "_claim",
+        "_failure",
+        "_given",
+        "_images",
+        "_method",
+        "_prefix",
+        "_steps",
+        "_summary",
+        "call",
+        "kv_transfer",
+        "media",
+        "rank",
+        "request_id",
+        "started",
+        "usage",
+    )
+
+    def __init__(
+        self,
+        steps: EngineCallSteps,
+        summary: RequestSummary,
+        given: str,
+        prefix: str,
+        method: str,
+        failure: Callable[[Exception], Exception] | None,
+        images: bool,
+    ) -> None:
+        self._steps = steps
+        self._summary = summary
+        self._given = given
+        self._prefix = prefix
+        self._method = method
+        self._failure = failure
+        self._images = images
+        self.call: EngineCall[Any] | None = None
+        self.started = False
+        self.kv_transfer: dict[str, Any] | None = None
+        self.rank: int | None = None
+        self.media: RequestMedia | None = None
+        self.usage: GenerationUsage | None = None
+        self.request_id = ""
+
+    async def __aenter__(self) -> CallFrame:
+        # What the metrics and tracing read: the request stated first (a
+        # refused id included), then what is sent.
+        usage = self.usage = kept_usage()
+        if usage is not None:
+            usage.request = self._summary
+        self._claim = self._steps.claim(self._given, self._prefix, self._method)
+        self.request_id = self._claim.request_id
+        if self._images:
+            # Its decoded images' bytes are the process's until the request ends.
+            self.media = self._steps.decoded_media.request()
+        return self
+
+    async def __aexit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        try:
+            if isinstance(exc, asyncio.CancelledError):
+                await self._claim.cancelled(self._steps.engine)
+            elif isinstance(exc, Exception):
+                # The error layer around every method turns what is raised into a status.
+                failure = await self._failed(exc)
+                if failure is not exc:
+                    raise failure from exc
+        finally:
+            call = self.call
+            if call is not None and call.adapter is not None:
+                call.adapter.release()
+            if self.media is not None:
+                self.media.release()
+            self._claim.release()
+
+    async def _failed(self, exc: Exception) -> Exception:
+        """What to raise for `exc`: the protocol's field named when it is at fault.
+
+        A remote-prefill request that failed before the engine produced
+        anything is reported to the KV connector, which would otherwise hold
+        the prefill side's blocks until its lease ran out.
+        """
+        if self.kv_transfer is not None and not self.started:
+            await self._steps.kv_transfer_rejected(self.request_id, self.kv_transfer, self.rank)
+        if self._failure is not None and isinstance(exc, (ValueError, VLLMClientError)):
+            return self._failure(exc)
+        return exc

@@ -10,21 +10,18 @@ these requests too. A dropped stream cancels the handler inside
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import re
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 # Before vLLM is imported below: an untested vLLM release fails here, naming both versions.
 from .. import _vllm_version  # noqa: F401
 
 # isort: split
-from vllm.exceptions import VLLMClientError
-
 from .. import vllm_releases
-from ..context import engine_trace_headers, kept_usage
+from ..context import engine_trace_headers
 from ..engine import require_engine, served_model_name
 from ..errors import (
     InvalidRequestError,
@@ -34,13 +31,13 @@ from ..errors import (
 )
 from ..multimodal import inference_media
 from ..multimodal.decoded import RequestMedia
-from ..multimodal.media import MediaResolver
 from ..proto import INFERENCE_SERVICE, inference_pb2_grpc
 from ..proto import inference_pb2 as pb
 from ..wire import fields
 from ..wire import inference as wire
 from ..wire.usage import RequestSummary
-from .lora import AdapterHold, LoraRegistry
+from .engine_call import CallFrame, EngineCall
+from .lora import LoraRegistry
 from .state import MountState
 
 if TYPE_CHECKING:
@@ -59,17 +56,6 @@ DATA_PARALLEL_RANK_HEADER = "x-data-parallel-rank"
 """The call metadata that pins a request to one data-parallel rank (u32), as vLLM reads it."""
 _U32 = re.compile(r"\+?\d{1,10}")
 _U32_MAX = 2**32 - 1
-
-
-class EngineCall(NamedTuple):
-    """One request as the `engine.generate` call it asks for, and its response builder."""
-
-    prompt: Any
-    sampling: SamplingParams
-    kwargs: dict[str, Any]
-    builder: wire.ResponseBuilder
-    kv_transfer: dict[str, Any] | None
-    adapter: AdapterHold  # released when the call's engine request ends
 
 
 def data_parallel_rank(context: Context) -> int | None:
@@ -104,14 +90,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         require_engine(engine)
         self._engine = engine
         self._budgets = options.budgets
-        self._decoded_media = state.decoded_media
         self._steps = state.steps
         self.loras: LoraRegistry = state.loras
-        self._media = (
-            MediaResolver(options.media_refs, engine.model_config)
-            if options.media_refs is not None
-            else None
-        )
+        self._media = state.media
         config = engine.model_config
         self._model_name = served_model_name(engine)
         self._defaults = _model_defaults(config)
@@ -122,67 +103,42 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: Context) -> pb.GenerateResponse:
         """The whole generation in one message: `prompt_info`, then the finished sequence."""
-        # What the metrics and tracing read: the request, then what is sent.
-        usage = kept_usage()
-        if usage is not None:
-            usage.request = _summary(request)
-        request_id = self._steps.claim(request.request_id, "inference", "Generate")
-        call: EngineCall | None = None
-        # Its decoded images' bytes are the process's until the request ends.
-        media = self._decoded_media.request()
-        try:
-            call = await self._engine_call(request, context, media, stream=False)
+        async with self._frame(request, "Generate") as frame:
+            call = frame.call = await self._engine_call(request, context, frame, stream=False)
             final = None
             async for output in self._engine.generate(
-                call.prompt, call.sampling, request_id, **call.kwargs
+                call.prompt, call.sampling, frame.request_id, **call.kwargs
             ):
                 final = output
             if final is None:  # pragma: no cover - the engine always yields once
                 raise RuntimeError("engine returned no output")
             response = call.builder.whole(final)
+            usage = frame.usage
             if usage is not None:
                 completion = final.outputs[0]
                 usage.prompt_tokens = len(final.prompt_token_ids or ())
                 reason = completion.finish_reason or "stop"
                 usage.choice_finished(0, reason, len(completion.token_ids))
             return response
-        except asyncio.CancelledError:
-            await self._steps.cancelled(request_id)
-            raise
-        except Exception as exc:
-            # The error layer around every method turns what is raised into a status.
-            failure = await self._failure(exc, request, request_id, call, started=False)
-            if failure is not exc:
-                raise failure from exc
-            raise
-        finally:
-            if call is not None:
-                call.adapter.release()
-            media.release()
-            self._steps.release(request_id)
 
     async def GenerateStream(
         self, request: pb.GenerateRequest, context: Context
     ) -> AsyncIterator[pb.GenerateResponse]:
         """`prompt_info` alone, then one message per engine step; the last has `finish_info`."""
-        usage = kept_usage()
-        if usage is not None:
-            usage.request = _summary(request)
-        request_id = self._steps.claim(request.request_id, "inference", "GenerateStream")
-        call: EngineCall | None = None
-        started = False
-        media = self._decoded_media.request()
-        try:
-            call = await self._engine_call(request, context, media, stream=True)
-            delta = call.builder.delta
-            outputs = self._engine.generate(call.prompt, call.sampling, request_id, **call.kwargs)
+        async with self._frame(request, "GenerateStream") as frame:
+            call = frame.call = await self._engine_call(request, context, frame, stream=True)
+            usage, delta, started = frame.usage, call.builder.delta, False
+            outputs = self._engine.generate(
+                call.prompt, call.sampling, frame.request_id, **call.kwargs
+            )
             # Closed here when the client goes (at our yield), not when collected:
             # the engine aborts the request before its id and adapter are let go.
             async with contextlib.aclosing(outputs):
                 async for output in outputs:
                     if not started:
-                        started = True
-                        call.adapter.in_engine()
+                        started = frame.started = True
+                        if call.adapter is not None:
+                            call.adapter.in_engine()
                         if usage is not None:
                             usage.prompt_tokens = len(output.prompt_token_ids or ())
                         yield call.builder.first(output)
@@ -194,25 +150,23 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                             # Finished in this very message: no separate one to count.
                             usage.finish_reasons[0] = completion.finish_reason
                     yield message
-        except asyncio.CancelledError:
-            await self._steps.cancelled(request_id)
-            raise
-        except Exception as exc:
-            failure = await self._failure(exc, request, request_id, call, started)
-            if failure is not exc:
-                raise failure from exc
-            raise
-        finally:
-            if call is not None:
-                call.adapter.release()
-            media.release()
-            self._steps.release(request_id)
+
+    def _frame(self, request: pb.GenerateRequest, method: str) -> CallFrame:
+        """The call's frame (`CallFrame`): the structured-output field named when at fault."""
+        decoding = request.decoding
+        return self._steps.frame(
+            _summary(request),
+            request.request_id,
+            "inference",
+            method,
+            failure=lambda exc: wire.constraint_error(exc, decoding),
+        )
 
     # ----- preparation ------------------------------------------------------
 
     async def _engine_call(
-        self, request: pb.GenerateRequest, context: Context, media: RequestMedia, *, stream: bool
-    ) -> EngineCall:
+        self, request: pb.GenerateRequest, context: Context, frame: CallFrame, *, stream: bool
+    ) -> EngineCall[wire.ResponseBuilder]:
         """The `engine.generate` call a request asks for, each field checked.
 
         Raises:
@@ -247,7 +201,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         prompt: Any = wire.prompt_from_request(request, limit)
         if request.media:
             prompt = await self._with_media(
-                request, prompt, media, truncating=tokenization is not None
+                request, prompt, frame.media, truncating=tokenization is not None
             )
         elif tokenization is None and "prompt_token_ids" in prompt:
             prompt = steps.render_tokens(prompt)
@@ -264,7 +218,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         adapter = self.loras.hold(request.lora_name)
         if adapter.request is not None:
             kwargs["lora_request"] = adapter.request
-        return EngineCall(prompt, sampling, kwargs, builder, kv_transfer, adapter)
+        # The KV connector is told of a failure from here on (the engine's).
+        frame.kv_transfer, frame.rank = kv_transfer, rank
+        return EngineCall(prompt, sampling, kwargs, builder, adapter)
 
     def _released_fields(
         self, request: pb.GenerateRequest, sampling: SamplingParams, kwargs: dict[str, Any]
@@ -329,13 +285,18 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         return extra, kv_transfer
 
     async def _with_media(
-        self, request: pb.GenerateRequest, prompt: Any, media: RequestMedia, *, truncating: bool
+        self,
+        request: pb.GenerateRequest,
+        prompt: Any,
+        media: RequestMedia | None,
+        *,
+        truncating: bool,
     ) -> Any:
         """`prompt` with the images of `request.media` as its multimodal data."""
         items = request.media
         # The items' own faults first: they hold whatever the engine.
         inference_media.checked_items(items)
-        if self._media is None or not self._media.takes_images:
+        if self._media is None or not self._media.takes_images or media is None:
             source = items[0].WhichOneof("source")
             raise UnimplementedFieldError(f"media[0].{source}", inference_media.MEDIA_HINT)
         if "prompt_token_ids" not in prompt:
@@ -351,33 +312,6 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         if truncating:
             return prompt  # the engine processes it (truncating it first)
         return await self._steps.render_with_images(prompt, "media")
-
-    # ----- failure ----------------------------------------------------------
-
-    async def _failure(
-        self,
-        exc: Exception,
-        request: pb.GenerateRequest,
-        request_id: str,
-        call: EngineCall | None,
-        started: bool,
-    ) -> Exception:
-        """What to raise for `exc`: the structured-output field named when it is at fault.
-
-        A remote-prefill request that failed before the engine produced
-        anything is reported to the KV connector, which would otherwise hold
-        the prefill side's blocks until its lease ran out.
-        """
-        if call is not None and call.kv_transfer is not None and not started:
-            await self._kv_transfer_rejected(request_id, call)
-        if isinstance(exc, (ValueError, VLLMClientError)):
-            return wire.constraint_error(exc, request.decoding)
-        return exc
-
-    async def _kv_transfer_rejected(self, request_id: str, call: EngineCall) -> None:
-        if call.kv_transfer is not None:
-            rank = call.kwargs.get("data_parallel_rank")
-            await self._steps.kv_transfer_rejected(request_id, call.kv_transfer, rank)
 
 
 def _summary(request: pb.GenerateRequest) -> RequestSummary:

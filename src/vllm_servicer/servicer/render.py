@@ -19,7 +19,7 @@ from ..errors import InvalidRequestError
 from ..multimodal.decoded import DecodedMedia, RequestMedia
 from ..proto import RENDER_SERVICE, render_pb2_grpc
 from ..proto import render_pb2 as pb
-from ..wire import pooling as wire
+from ..wire import render as wire
 from ..wire.fields import REFUSED
 from .state import MountState
 from .vllm_app import VllmHandlers, note_prompt_tokens, note_request, rendered, vllm_request

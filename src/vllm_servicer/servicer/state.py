@@ -2,10 +2,12 @@
 
 Every protocol runs requests on one engine: an id belongs to its caller
 whichever protocol started it (`RunningRequests`), each engine call is
-prepared by the same steps (`EngineCallSteps`), an adapter Control loads is
-one Inference's `lora_name` names (`LoraRegistry`), the decoded images in
-flight count against one budget (`DecodedMedia`), and one load report
-(`LoadReporter`) is what the calls' trailers and the out-of-band stream send.
+prepared by the same steps and framed the same way (`EngineCallSteps`), an
+adapter Control loads is one Inference's `lora_name` names (`LoraRegistry`),
+the decoded images in flight count against one budget (`DecodedMedia`),
+images named by URL are fetched by one resolver (`MediaResolver`), and one
+load report (`LoadReporter`) is what the calls' trailers and the out-of-band
+stream send.
 `MountState` holds them, with the count of calls in flight and the frontend
 group, for the servicers and for what reads the mount from outside (the
 drain, through `MountedServices.state`). No grpc here.
@@ -20,6 +22,7 @@ from ..engine import EngineClient
 from ..frontends import FrontendGroup
 from ..load_report import CallRates, LoadReporter
 from ..multimodal.decoded import DecodedMedia
+from ..multimodal.media import MediaResolver
 from .engine_call import EngineCallSteps
 from .lora import LoraRegistry
 from .orca import EngineLoadReader
@@ -59,6 +62,8 @@ class MountState:
             --api-server-count`), or None.
         load_reporter: the engine's ORCA load report, or None when the mount
             sends none (`MountOptions.load_reports`).
+        media: the images named by URL the servicers fetch, within the
+            operator's rules (`MountOptions.media_refs`); None when they are off.
     """
 
     engine: EngineClient
@@ -70,6 +75,7 @@ class MountState:
     inflight: InflightTotal | None = None
     frontends: FrontendGroup | None = None
     load_reporter: LoadReporter | None = None
+    media: MediaResolver | None = None
 
     @classmethod
     def build(
@@ -86,6 +92,7 @@ class MountState:
             TypeError: `engine` lacks a member of `EngineClient` (the message names it).
         """
         running = RunningRequests(frontends)
+        decoded_media = DecodedMedia(options.budgets)
 
         def in_flight() -> int:
             return _active(inflight, running)
@@ -99,6 +106,7 @@ class MountState:
             in_flight=in_flight,
             routing_for_every_key=options.routing_data_for_every_key,
             shared_prefix_cache=options.shared_prefix_cache,
+            decoded_media=decoded_media,
         )
         several = frontends is not None and frontends.count > 1
         loras = LoraRegistry(engine, options.lora_modules, fixed=several)
@@ -113,7 +121,7 @@ class MountState:
             running,
             steps,
             loras,
-            DecodedMedia(options.budgets),
+            decoded_media,
             VllmHandlers(
                 engine,
                 running,
@@ -124,6 +132,9 @@ class MountState:
             inflight,
             frontends,
             reporter,
+            MediaResolver(options.media_refs, engine.model_config)
+            if options.media_refs is not None
+            else None,
         )
 
     @property

@@ -78,8 +78,12 @@ class RunningRequests:
         if taken:
             self._refuse(request_id, method)
 
-    def claim(self, request_id: str, method: str) -> None:
-        """Count `request_id` as running for the current caller.
+    def claim(self, request_id: str, method: str) -> Claim:
+        """Count `request_id` as running for the current caller: the one way any
+        protocol (or the HTTP API) claims an id.
+
+        Returns:
+            The claim, to release however the request ends (`Claim.release`).
 
         Raises:
             RequestIdInUseError: the id runs for another caller, whatever the
@@ -95,6 +99,7 @@ class RunningRequests:
             self._refuse(request_id, method)
         self._counts[request_id] = self._counts.get(request_id, 0) + 1
         self._owners[request_id] = owner
+        return Claim(self, request_id)
 
     @staticmethod
     def _refuse(request_id: str, method: str) -> None:
@@ -158,6 +163,36 @@ class RunningRequests:
             for index, elsewhere in by_process.items():
                 await group.abort_elsewhere(index, elsewhere)
         return ids
+
+
+class Claim:
+    """One run of a request id, claimed for its caller by `RunningRequests.claim`.
+
+    Every way in holds its engine requests' ids through one of these: the gRPC
+    protocols' call frame (`engine_call.CallFrame`), Pooling's handlers
+    (`vllm_app.ClaimingEngine`, one per text) and the HTTP API
+    (`guard.EngineGuard`). Released once, whichever of its holders lets go first.
+    """
+
+    __slots__ = ("_running", "released", "request_id")
+
+    def __init__(self, running: RunningRequests, request_id: str) -> None:
+        self._running = running
+        self.request_id = request_id
+        self.released = False
+
+    def release(self) -> None:
+        """The run ended: its id is free for others once no run of it is left."""
+        if not self.released:
+            self.released = True
+            self._running.release(self.request_id)
+
+    async def cancelled(self, engine: Any) -> None:
+        """The call running it was cancelled: its request leaves `engine`, wherever
+        vLLM was in starting it (`RunningRequests.abort_cancelled`); nothing once
+        released (the id may be another call's by then)."""
+        if not self.released:
+            await self._running.abort_cancelled(engine, self.request_id)
 
 
 class SubscriberLimit:

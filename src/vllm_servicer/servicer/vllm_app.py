@@ -9,10 +9,10 @@ tokenization of pairs, the same activation, so the numbers and tokens are
 vLLM's on every release.
 
 The handlers get `ClaimingEngine` instead of the engine: each engine request
-they start (one per text of a batch) is claimed for the gRPC caller in the
-mount's registry of running ids, as every other protocol's requests are, and
-released however it ends. The call itself took its in-flight slot in the
-interceptors.
+they start (one per text of a batch) is claimed for the gRPC caller by the
+one claim path (`RunningRequests.claim`, a `tenancy.Claim`), as every other
+protocol's requests are, and released however it ends. The call itself took
+its in-flight slot in the interceptors.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from ..prefix_cache import salted
 from ..wire.pooling import ModelLimits
 from ..wire.usage import RequestSummary
 from .lora import BASE_MODEL, AdapterHold, LoraRegistry
-from .tenancy import RunningRequests
+from .tenancy import Claim, RunningRequests
 
 if TYPE_CHECKING:
     from vllm.lora.request import LoRARequest
@@ -51,17 +51,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-class _Claim:
-    """One engine request's id, claimed for the caller until released (once)."""
-
-    __slots__ = ("released", "request_id")
-
-    def __init__(self, request_id: str) -> None:
-        self.request_id = request_id
-        self.released = False
-
-
-_call_claims: contextvars.ContextVar[list[_Claim] | None] = contextvars.ContextVar(
+_call_claims: contextvars.ContextVar[list[Claim] | None] = contextvars.ContextVar(
     "vllm_servicer_handler_claims", default=None
 )
 
@@ -126,8 +116,7 @@ class ClaimingEngine:
     ) -> AsyncGenerator[Any, None]:
         # Claimed from the first read to the end, an error or a close (a
         # cancelled call closes it; the engine aborts the request then).
-        self._running.claim(request_id, self._method)
-        claim = _Claim(request_id)
+        claim = self._running.claim(request_id, self._method)
         held = _call_claims.get()
         if held is not None:
             held.append(claim)
@@ -135,18 +124,12 @@ class ClaimingEngine:
             async for output in start():
                 yield output
         except asyncio.CancelledError:
-            # Released already: the call ended (it aborted its claims) and the
-            # id may be another caller's now; vLLM's merge cancels its reads late.
-            if not claim.released:
-                await self._running.abort_cancelled(self._engine, request_id)
+            # Nothing once released: the call ended (it aborted its claims) and
+            # the id may be another caller's now; vLLM's merge cancels its reads late.
+            await claim.cancelled(self._engine)
             raise
         finally:
-            self._release(claim)
-
-    def _release(self, claim: _Claim) -> None:
-        if not claim.released:
-            claim.released = True
-            self._running.release(claim.request_id)
+            claim.release()
 
     @contextlib.asynccontextmanager
     async def claims_of_call(self, adapter: LoRARequest | None = None) -> AsyncIterator[None]:
@@ -157,7 +140,7 @@ class ClaimingEngine:
         batch fails (its merged iterator is never closed, only collected):
         their ids and engine work would outlive the call and its in-flight slot.
         """
-        held: list[_Claim] = []
+        held: list[Claim] = []
         token = _call_claims.set(held)
         adapter_token = _call_adapter.set(adapter)
         try:
@@ -171,7 +154,7 @@ class ClaimingEngine:
                     await self._engine.abort([claim.request_id for claim in left])
             finally:
                 for claim in left:
-                    self._release(claim)
+                    claim.release()
 
 
 class VllmHandlers:

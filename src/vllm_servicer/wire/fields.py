@@ -33,7 +33,7 @@ from ..proto import (
     INFERENCE_SERVICE,
     POOLING_SERVICE,
     RENDER_SERVICE,
-    SERVICE_NAME,
+    VLLM_ENGINE_SERVICE,
     VLLM_PROTO_VERSION,
     VLLM_SCHEMA_RELEASE,
 )
@@ -387,7 +387,7 @@ _INFERENCE_REFUSED: Mapping[str, RefusedField] = {
     ),
 }
 
-# vllm_servicer.v1.Pooling and Render (wire/pooling.py reads each of these):
+# vllm_servicer.v1.Pooling and Render (wire/pooling.py and wire/render.py read each of these):
 # a model name that is neither the served one nor a LoRA adapter's is NOT_FOUND,
 # a truncation past the context or texts past --max-pooling-inputs
 # INVALID_ARGUMENT, naming the field.
@@ -442,7 +442,7 @@ _RENDER_REFUSED = {
 }
 
 HONOURED: Mapping[str, Mapping[str, frozenset[str]]] = {
-    SERVICE_NAME: _ENGINE_HONOURED,
+    VLLM_ENGINE_SERVICE: _ENGINE_HONOURED,
     INFERENCE_SERVICE: {"Generate": _INFERENCE_REQUEST, "GenerateStream": _INFERENCE_REQUEST},
     POOLING_SERVICE: _POOLING_HONOURED,
     RENDER_SERVICE: _RENDER_HONOURED,
@@ -450,7 +450,7 @@ HONOURED: Mapping[str, Mapping[str, frozenset[str]]] = {
 """The fields each method honours, by service full name, then method name."""
 
 REFUSED: Mapping[str, Mapping[str, Mapping[str, RefusedField]]] = {
-    SERVICE_NAME: _ENGINE_REFUSED,
+    VLLM_ENGINE_SERVICE: _ENGINE_REFUSED,
     INFERENCE_SERVICE: {"Generate": _INFERENCE_REFUSED, "GenerateStream": _INFERENCE_REFUSED},
     RENDER_SERVICE: _RENDER_REFUSED,
 }
@@ -499,7 +499,7 @@ def refuse_unserved(service: str, method: str, request: Message) -> None:
     """Raise for the first field of `request` that the method refuses whenever it is set.
 
     Args:
-        service: the service's full name (`SERVICE_NAME`, `INFERENCE_SERVICE`).
+        service: the service's full name (`VLLM_ENGINE_SERVICE`, `INFERENCE_SERVICE`).
         method: the method's name.
         request: its request.
 

@@ -30,7 +30,7 @@ from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOu
 
 from ..errors import InvalidRequestError
 from ..proto import inference_pb2 as pb
-from .convert import structured_output_error, structured_output_size
+from .structured_outputs import structured_output_error, structured_output_size
 
 if TYPE_CHECKING:
     from google.protobuf import struct_pb2

@@ -1,8 +1,15 @@
-"""`VllmEngineServicer`: the `vllm.grpc.engine.VllmEngine` service over a vLLM engine."""
+"""`VllmEngineServicer`: the `vllm.grpc.engine.VllmEngine` service over a vLLM engine.
+
+Generate and Embed run in the engine call's frame (`engine_call.CallFrame`),
+as vllm.Inference's handlers do. Generate's preparation is read here in one
+place (`_engine_call`: its message as the `EngineCall` it asks for, converted
+by `wire/vllm_engine.py`, with the steps every protocol shares); its stream
+loop stays in Generate itself: a generator between it and grpc would cost a
+hop per message sent.
+"""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
@@ -14,23 +21,24 @@ from .. import _vllm_version  # noqa: F401
 
 # isort: split
 import grpc
-from vllm.exceptions import VLLMClientError
 from vllm.pooling_params import PoolingParams
 
-from ..context import current_request_id, engine_trace_headers, kept_usage
+from ..context import current_request_id, engine_trace_headers
 from ..engine import EngineClient, require_engine
 from ..errors import (
+    InvalidRequestError,
     NotEnabledError,
+    UnimplementedFieldError,
     UnsupportedError,
 )
 from ..multimodal import tensors as mm_tensors
-from ..multimodal.media import MediaResolver
-from ..proto import SERVICE_NAME, common_pb2, vllm_engine_pb2_grpc
+from ..proto import VLLM_ENGINE_SERVICE, common_pb2, vllm_engine_pb2_grpc
 from ..proto import vllm_engine_pb2 as pb
-from ..wire import convert, fields
+from ..wire import fields
+from ..wire import vllm_engine as wire
 from ..wire.usage import RequestSummary
 from . import admin, info, kv_events, loads
-from .generate import Generation
+from .engine_call import CallFrame, EngineCall
 from .state import MountState
 from .tenancy import SubscriberLimit
 from .tokenizer_bundle import TokenizerBundle, chunks, tokenizer_dir
@@ -38,7 +46,7 @@ from .tokenizer_bundle import TokenizerBundle, chunks, tokenizer_dir
 if TYPE_CHECKING:
     import grpc.aio
 
-    from ..multimodal.decoded import DecodedMedia
+    from ..multimodal.decoded import DecodedMedia, RequestMedia
     from ..options import MountOptions
 
     Context = grpc.aio.ServicerContext[Any, Any]
@@ -64,11 +72,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self._state = state
         self._budgets = options.budgets
         self._decoded_media = state.decoded_media
-        self._media = (
-            MediaResolver(options.media_refs, engine.model_config)
-            if options.media_refs is not None
-            else None
-        )
+        self._media = state.media
         # What preprocessed tensors (mm_inputs) this model takes.
         self._model_media = mm_tensors.ModelMedia.of(engine, shm=options.shm_tensors)
         self._kv_subscribers = SubscriberLimit(options.max_kv_subscribers, state.frontends)
@@ -79,13 +83,6 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self._last_receive_timestamp = 0.0
         self._model_info: pb.GetModelInfoResponse | None = None
         self._supported_tasks: tuple[str, ...] | None = None
-        self._generation = Generation(
-            engine,
-            media=self._media,
-            model_media=self._model_media,
-            steps=self._steps,
-            budgets=self._budgets,
-        )
         # Reads the engine's own per-step scheduler stats for GetLoads.
         self._stats_tap = loads.attach(engine)
         self._tokenizer_bundle: TokenizerBundle | None = None
@@ -116,49 +113,34 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         """Ids of the engine requests (every protocol's) being served now."""
         return self._running.ids
 
-    def _received(self, given: str, prefix: str, method: str) -> str:
-        """The request's engine id, claimed for the caller (`EngineCallSteps.claim`).
-
-        Raises:
-            InvalidRequestError: the id has a control character.
-            RequestIdInUseError: the id runs for another caller.
-        """
-        self._last_receive_timestamp = time.time()
-        return self._steps.claim(given, prefix, method)
-
     # ----- generation -------------------------------------------------------
 
     async def Generate(
         self, request: pb.GenerateRequest, context: Context
     ) -> AsyncIterator[pb.GenerateResponse]:
-        # What the metrics and tracing read: the request stated first, then
-        # what is sent, kept from the numbers at hand.
-        usage = kept_usage()
-        if usage is not None:
-            usage.request = _generate_summary(request)
-        request_id = self._received(request.request_id, "generate", "Generate")
-        kv_transfer: dict[str, Any] | None = None
-        started = False
-        # Its decoded images' bytes are the process's until the request ends.
-        media = self._decoded_media.request()
-        try:
-            fields.refuse_unserved(SERVICE_NAME, "Generate", request)
-            kv_transfer = convert.kv_transfer_params(request)
-            prompt, sampling, kwargs = await self._generation.engine_call(
-                request, context, kv_transfer, media
+        self._last_receive_timestamp = time.time()
+        params = request.sampling_params
+        async with self._steps.frame(
+            _generate_summary(request),
+            request.request_id,
+            "generate",
+            "Generate",
+            failure=lambda exc: wire.constraint_error(exc, params),
+        ) as frame:
+            call = frame.call = await self._engine_call(request, context, frame)
+            usage, stream, started = frame.usage, request.stream, False
+            chunk, complete = call.builder.chunk, call.builder.complete
+            outputs = self._engine.generate(
+                call.prompt, call.sampling, frame.request_id, **call.kwargs
             )
-            params = request.sampling_params
-            stream = request.stream
-            build = convert.ResponseBuilder(params)
-            chunk, complete = build.chunk, build.complete
-            outputs = self._engine.generate(prompt, sampling, request_id, **kwargs)
             # Closed here when the client goes (at our yield), not when collected:
             # the engine aborts the request before its id is let go.
             async with contextlib.aclosing(outputs):
                 async for output in outputs:
-                    if usage is not None and not started:
-                        usage.prompt_tokens = len(output.prompt_token_ids or ())
-                    started = True
+                    if not started:
+                        if usage is not None:
+                            usage.prompt_tokens = len(output.prompt_token_ids or ())
+                        started = frame.started = True
                     # Recorded once built: the time a message leaves includes building it.
                     if stream:
                         for completion in output.outputs:
@@ -183,28 +165,13 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                                     len(completion.token_ids),
                                 )
                             yield message
-        except asyncio.CancelledError:
-            await self._steps.cancelled(request_id)
-            raise
-        except Exception as exc:
-            # The error layer around every method turns what is raised into a status.
-            if kv_transfer is not None and not started:
-                await self._generation.kv_transfer_rejected(request, request_id, kv_transfer)
-            if isinstance(exc, (ValueError, VLLMClientError)):
-                named = convert.constraint_error(exc, request.sampling_params)
-                if named is not exc:
-                    raise named from exc
-            raise
-        finally:
-            media.release()
-            self._steps.release(request_id)
 
     async def Embed(self, request: pb.EmbedRequest, context: Context) -> pb.EmbedResponse:
-        usage = kept_usage()
-        if usage is not None:
-            usage.request = RequestSummary("embeddings", request.request_id)
-        request_id = self._received(request.request_id, "embed", "Embed")
-        try:
+        self._last_receive_timestamp = time.time()
+        summary = RequestSummary("embeddings", request.request_id)
+        async with self._steps.frame(
+            summary, request.request_id, "embed", "Embed", images=False
+        ) as frame:
             if "embed" not in await self._tasks():
                 raise UnsupportedError(
                     "this server's engine does not serve embeddings; start it as a pooling "
@@ -213,10 +180,10 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             final = None
             async for output in self._engine.encode(
                 self._steps.salted(
-                    convert.prompt_from_request(request, self._steps.max_prompt_tokens)
+                    wire.prompt_from_request(request, self._steps.max_prompt_tokens)
                 ),
                 PoolingParams(task="embed"),
-                request_id,
+                frame.request_id,
                 trace_headers=engine_trace_headers(context),
             ):
                 final = output
@@ -224,17 +191,97 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 raise RuntimeError("engine returned no embedding")
             vector = final.outputs.data.tolist()
             prompt_tokens = len(final.prompt_token_ids)
-            if usage is not None:
-                usage.prompt_tokens = prompt_tokens
-                usage.embedding_dim = len(vector)
+            if frame.usage is not None:
+                frame.usage.prompt_tokens = prompt_tokens
+                frame.usage.embedding_dim = len(vector)
             return pb.EmbedResponse(
                 embedding=vector, prompt_tokens=prompt_tokens, embedding_dim=len(vector)
             )
-        except asyncio.CancelledError:
-            await self._steps.cancelled(request_id)
-            raise
-        finally:
-            self._steps.release(request_id)
+
+    # ----- preparation ------------------------------------------------------
+
+    async def _engine_call(
+        self, request: pb.GenerateRequest, context: Context, frame: CallFrame
+    ) -> EngineCall[wire.ResponseBuilder]:
+        """The `engine.generate` call a GenerateRequest asks for, each field checked.
+
+        Raises:
+            UnsupportedError, InvalidRequestError, UnimplementedFieldError: the
+                request asks for what this engine cannot do, is malformed, or
+                passes a budget.
+            RoutingDataError: KV transfer parameters from a caller who is no router.
+            BudgetFullError: the process's decoded-media budget is full.
+        """
+        steps = self._steps
+        fields.refuse_unserved(VLLM_ENGINE_SERVICE, "Generate", request)
+        kv_transfer = wire.kv_transfer_params(request)
+        rank = request.data_parallel_rank if request.HasField("data_parallel_rank") else None
+        # The KV connector is told of a failure from here on.
+        frame.kv_transfer, frame.rank = kv_transfer, rank
+        params = request.sampling_params
+        self._check_budgets(params)
+        if kv_transfer is not None:
+            json_set = request.HasField("kv_transfer_params_json")
+            steps.check_kv_transfer("kv_transfer_params_json" if json_set else "kv_transfer_params")
+        sampling = wire.sampling_params_from_proto(
+            params, stream=request.stream, kv_transfer=kv_transfer
+        )
+        steps.check_seed(sampling, "sampling_params.seed")
+        steps.pace(sampling)
+        tokenization = wire.tokenization_kwargs(params)
+        truncating = tokenization is not None
+        prompt = wire.prompt_from_request(request, steps.prompt_limit(truncating))
+        images = request.HasField("media_refs")
+        tensors = mm_tensors.sent(request)
+        if tensors:
+            # The router's own processor output: the engine input as it stands.
+            prompt = await mm_tensors.engine_input(
+                request,
+                prompt,
+                self._model_media,
+                max_shm_bytes=self._budgets.max_request_shm_bytes,
+            )
+        elif images:
+            # vLLM's processor expands each image placeholder, off the event loop.
+            prompt = await self._with_images(request, prompt, frame.media, truncating)
+        kwargs: dict[str, Any] = {}
+        if tokenization is not None:
+            kwargs["tokenization_kwargs"] = tokenization
+        elif not isinstance(prompt, str) and not images and not tensors:
+            prompt = steps.render_tokens(prompt)
+        if rank is not None:
+            kwargs["data_parallel_rank"] = rank
+        trace = engine_trace_headers(context)
+        if trace is not None:
+            kwargs["trace_headers"] = trace
+        if wire.grammar_from_first_token(params):
+            kwargs["reasoning_ended"] = True
+        return EngineCall(steps.salted(prompt), sampling, kwargs, wire.ResponseBuilder(params))
+
+    def _check_budgets(self, params: pb.SamplingParams) -> None:
+        """Refuse sampling parameters past a budget, before anything is built from them."""
+        self._budgets.check_n("sampling_params.n", params.n)
+        self._budgets.check_stop("sampling_params.stop", params.stop)
+        constraint = wire.constraint_size(params)
+        if constraint is not None:
+            self._budgets.check_constraint(*constraint)
+
+    async def _with_images(
+        self, request: pb.GenerateRequest, prompt: Any, media: RequestMedia | None, truncating: bool
+    ) -> Any:
+        """`prompt` with the images of `request.media_refs` as its multimodal data."""
+        if self._media is None or not self._media.takes_images or media is None:
+            raise UnimplementedFieldError("media_refs", fields.MEDIA_REFS_HINT)
+        if isinstance(prompt, str):
+            # As the reference server: the router tokenizes, placeholders included.
+            raise InvalidRequestError(
+                "media_refs", "needs tokenized input (token ids with one placeholder per image)"
+            )
+        images = await self._media.images(request.media_refs, media)
+        prompt["multi_modal_data"] = {"image": images[0] if len(images) == 1 else images}
+        if truncating:
+            return prompt  # the engine processes it (truncating it first)
+        return await self._steps.render_with_images(prompt, "media_refs")
 
     async def Abort(self, request: pb.AbortRequest, context: Context) -> pb.AbortResponse:
         # Idempotent: vLLM ignores ids it does not know (finished or never seen).

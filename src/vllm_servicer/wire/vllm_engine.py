@@ -1,4 +1,4 @@
-"""Conversion between the wire messages and vLLM's request/output objects.
+"""VllmEngine's wire messages to vLLM's request objects, and its outputs back.
 
 This module is on the hot path of every token: response builders do only the
 work a message needs (no logprob conversion unless logprobs were asked for,
@@ -20,9 +20,9 @@ from .. import _vllm_version  # noqa: F401
 from vllm.inputs import TokensPrompt
 from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
-from ..budgets import encoded_size
 from ..errors import InvalidRequestError
 from ..proto import vllm_engine_pb2 as pb
+from .structured_outputs import structured_output_error, structured_output_size
 
 if TYPE_CHECKING:
     from vllm.outputs import CompletionOutput, RequestOutput
@@ -89,22 +89,6 @@ def _structured_outputs(params: pb.SamplingParams) -> StructuredOutputsParams | 
 def constraint_size(params: pb.SamplingParams) -> tuple[str, int] | None:
     """The request's structured-output constraint field and its size in bytes, if it has one."""
     return structured_output_size(params, "constraint", "sampling_params")
-
-
-def structured_output_size(message: Any, oneof: str, prefix: str) -> tuple[str, int] | None:
-    """The structured-output field set in `message`'s `oneof` (named under `prefix`)
-    and its size in bytes, if one is set: both protocols' constraints are a oneof of
-    the same kinds.
-
-    A choice list counts all its choices together; `json_object` is a flag
-    and has no size.
-    """
-    kind = message.WhichOneof(oneof)
-    if kind is None or kind == "json_object":
-        return None
-    if kind == "choice":
-        return f"{prefix}.choice.choices", encoded_size(*message.choice.choices)
-    return f"{prefix}.{kind}", encoded_size(getattr(message, kind))
 
 
 def _finite(name: str, value: float) -> float:
@@ -215,11 +199,6 @@ def tokenization_kwargs(params: pb.SamplingParams) -> dict[str, int] | None:
     return None
 
 
-# Words in vLLM's structured-output error messages, which do not name the field
-# ("Invalid structured outputs: ..." from vLLM 0.33, raised as VLLMValidationError).
-_CONSTRAINT_WORDS = ("grammar", "schema", "regex", "structural", "structured", "choice", "json")
-
-
 def grammar_from_first_token(params: pb.SamplingParams) -> bool:
     """Whether to tell the engine the request's reasoning has ended before it starts.
 
@@ -250,25 +229,6 @@ def constraint_error(exc: Exception, params: pb.SamplingParams) -> Exception:
     """`exc` restated to name the constraint field, when it is a constraint's fault."""
     kind = params.WhichOneof("constraint")
     return structured_output_error(exc, f"sampling_params.{kind}" if kind else None)
-
-
-def structured_output_error(exc: Exception, field: str | None) -> Exception:
-    """`exc` restated to name `field`, the request's structured-output field, when
-    it is that field's fault (None: the request has none).
-
-    vLLM rejects a bad JSON schema or grammar with messages such as "Grammar
-    error: ..." that do not say which request field was at fault.
-    """
-    if field is None or isinstance(exc, InvalidRequestError):
-        return exc
-    if getattr(exc, "parameter", None):  # vLLM already named the parameter
-        return exc
-    text = str(exc)
-    if not any(word in text.lower() for word in _CONSTRAINT_WORDS):
-        return exc
-    error = InvalidRequestError(field, text)
-    error.__cause__ = exc
-    return error
 
 
 def _top_logprobs(entry: dict[int, Any] | None, k: int) -> pb.TopLogProbs:
