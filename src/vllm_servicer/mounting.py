@@ -18,9 +18,10 @@ from .frontends import FrontendGroup
 from .guard import EngineGuard
 from .health import EngineHealthServicer
 from .interceptors import (
+    CallInterceptor,
     InflightInterceptor,
     LoadReportInterceptor,
-    MetricsInterceptor,
+    MountContext,
     Pipeline,
 )
 from .multimodal.media import MediaRefOptions
@@ -381,8 +382,9 @@ def engine_pipeline(
     """The pipeline `mount()` runs its services' calls through, and its in-flight count.
 
     The count is the `InflightInterceptor` among `interceptors`, else
-    `inflight` (a new one if None) added innermost; every `MetricsInterceptor`
-    reports it as its gauge, and the load reports' utilization as another.
+    `inflight` (a new one if None) added innermost; each interceptor of the
+    stack learns it, and the load reports, through its `on_mount` hook (a
+    `MetricsInterceptor` reports both as gauges).
     `load_reports` goes just outside the count, where
     the count's refusals reach it and a refusal by authentication (which comes
     before the count) does not; last, when the count is inside a nested
@@ -396,11 +398,10 @@ def engine_pipeline(
     inflight = found
     if load_reports is not None:
         stack.insert(stack.index(inflight) if inflight in stack else len(stack), load_reports)
+    mounted = MountContext(inflight, load_reports.reporter if load_reports is not None else None)
     for interceptor in _flattened(stack):
-        if isinstance(interceptor, MetricsInterceptor):
-            interceptor.read_in_flight_from(inflight)
-            if load_reports is not None:
-                interceptor.read_load_reports_from(load_reports.reporter)
+        if isinstance(interceptor, CallInterceptor):
+            interceptor.on_mount(mounted)
     return Pipeline(stack), inflight
 
 

@@ -36,7 +36,7 @@ from prometheus_client.exposition import start_http_server
 from ..context import shared_usage
 from ..proto import COUNTED_METHODS, GENERATION_METHODS
 from ..wire import usage as generation_usage
-from ._base import CallInterceptor, MethodFilter, all_methods
+from ._base import CallInterceptor, MethodFilter, MountContext, all_methods
 from ._call import Call
 
 if TYPE_CHECKING:
@@ -309,10 +309,16 @@ class MetricsInterceptor(CallInterceptor):
         self._orca: Any = None  # the gauge's child, once a load report is read
         self._reporter: LoadReporter | None = None
 
+    def on_mount(self, mount: MountContext) -> None:
+        """Report the mount's in-flight count, and its load reports' utilization."""
+        self.read_in_flight_from(mount.inflight)
+        if mount.load_reporter is not None:
+            self.read_load_reports_from(mount.load_reporter)
+
     def read_in_flight_from(self, inflight: InflightInterceptor) -> None:
         """Report the calls `inflight` counts as in flight instead of counting them again.
 
-        `mount()` does this with the count it keeps, which the drain,
+        `mount()` does this (`on_mount`) with the count it keeps, which the drain,
         GetServerInfo and the limit read too: one number everywhere.
         """
         if _MULTIPROCESS:
