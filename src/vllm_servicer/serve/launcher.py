@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from ..drain import GracefulShutdown, HardStop
+from ..engine import served_model_name
 from ..frontends import FrontendGroup
 from ..guard import EngineGuard
 from ..interceptors import CallInterceptor, MetricsInterceptor, start_metrics_server
@@ -88,7 +89,6 @@ async def serve(args: ServeArgs, frontend: Frontend | None = None) -> int:
     group = frontend.group if frontend is not None else None
     # One verifier for both protocols: a key file re-read for one is re-read for both.
     verifier = key_verifier(args)
-    interceptors, metrics = build_interceptors(args, verifier, group=group)
     credentials = server_credentials(*args.tls) if args.tls is not None else None
     if frontend is None and not addresses_usable(args):
         return EXIT_FAILED
@@ -98,6 +98,9 @@ async def serve(args: ServeArgs, frontend: Frontend | None = None) -> int:
     settle_process_for_serving()
     side = _SideServers()
     try:
+        interceptors, metrics = build_interceptors(
+            args, verifier, group=group, model=served_model_name(engine)
+        )
         server, mounted, port = _grpc_server(args, engine, interceptors, credentials, group)
         if port == 0:
             return EXIT_FAILED
