@@ -11,7 +11,7 @@ weighing by the per-call trailers, and by out-of-band reports
 (`enableOobLoadReport`).
 
 The cost: one tiny engine in this process, mounted twice, with load reports
-and without (`mount(load_reports=...)`); the benchmarks' load generator
+and without (`MountOptions(load_reports=...)`); the benchmarks' load generator
 (`loadgen.py`, in a subprocess pinned to one core) sends bursts of unary
 1-token Generates to each in turn, the order swapped every round. Reported
 per configuration: calls per second and the CPU time of this process's event
@@ -222,7 +222,7 @@ def _stand_in_generate() -> Any:
 
 
 async def measure_cost(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from vllm_servicer import mount
+    from vllm_servicer import MountOptions, mount
     from vllm_servicer.interceptors import LoadReportInterceptor
     from vllm_servicer.load_report import CallRates, EngineLoad, LoadReporter
     from vllm_servicer.mounting import engine_pipeline
@@ -246,7 +246,7 @@ async def measure_cost(args: argparse.Namespace) -> list[dict[str, Any]]:
         for name, reports in (("off", False), ("on", True)):
             server = grpc.aio.server()
             if engine is not None:
-                mount(server, engine, load_reports=reports)
+                mount(server, engine, MountOptions(load_reports=reports))
             else:
                 reporter = LoadReporter(lambda: EngineLoad(1, 0, 16, 0.01), CallRates())
                 pipeline, _ = engine_pipeline(

@@ -34,7 +34,6 @@ from ..interceptors.auth import Verifier
 from ..interceptors.call_slots import CallSlotsInterceptor
 from ..interceptors.keyless import KeylessLimitInterceptor
 from ..mounting import mount
-from ..multimodal.media import MediaRefOptions
 from ..options import server_options, shared_port
 from ..tls import server_credentials
 from ..vllm_releases import engine_core_died
@@ -233,21 +232,9 @@ def _grpc_server(
     mounted = mount(
         server,
         engine,
+        args.options,
         interceptors=[KeylessLimitInterceptor(limits), *interceptors],
-        reflection_service=not args.no_reflection,
-        load_reports=not args.no_load_reports,
-        max_kv_subscribers=args.max_kv_subscribers,
-        media_refs=MediaRefOptions() if args.enable_media_refs else None,
-        shm_tensors=args.enable_shm_tensors,
-        services=args.services,
-        lora_modules=args.lora_modules,
         frontends=group,
-        budgets=args.budgets,
-        stream_interval=args.grpc_stream_interval,
-        stream_interval_min_inflight=args.grpc_stream_interval_min_inflight,
-        chat_template=args.chat_template,
-        routing_data_for_every_key=args.routing_data_for_every_key,
-        shared_prefix_cache=args.shared_prefix_cache,
     )
     address = f"{args.host}:{args.port}"
     if credentials is not None:

@@ -80,7 +80,8 @@ def build_interceptors(
         verifier = _certificate_verifier(args)
     if verifier is not None:
         # KV events are a router's unless the operator opens them to every key.
-        permissions = routing_for_every_key if args.routing_data_for_every_key else role_permissions
+        every_key = args.options.routing_data_for_every_key
+        permissions = routing_for_every_key if every_key else role_permissions
         stack.append(AuthInterceptor(verifier, permissions=permissions))
     stack.append(
         CallSlotsInterceptor(
