@@ -196,6 +196,31 @@ def test_each_mount_option_s_flag_sets_its_field_and_shows_its_help() -> None:
         )
 
 
+# What mount() took as keywords before MountOptions: each is a field of that name.
+_KEYWORDS_BEFORE_OPTIONS = {
+    *("services", "health", "reflection_service", "load_reports", "max_kv_subscribers"),
+    *("media_refs", "shm_tensors", "lora_modules", "budgets", "stream_interval"),
+    *("stream_interval_min_inflight", "chat_template", "routing_data_for_every_key"),
+    "shared_prefix_cache",
+}
+
+
+def test_the_api_docs_migration_table_names_every_old_keyword_and_its_flag() -> None:
+    # docs/api.md: each old mount() keyword, its MountOptions field, its flag.
+    text = (Path(__file__).parents[1] / "docs" / "api.md").read_text()
+    rows = [
+        line.split("|")[1:4]
+        for line in text.splitlines()
+        if line.startswith("| `") and "=`" in line
+    ]
+    table = {field.strip(" `"): flag.strip() for _, field, flag in rows}
+    assert set(table) == _KEYWORDS_BEFORE_OPTIONS
+    for field in dataclasses.fields(MountOptions):
+        spelled = option_flag(field)
+        if field.name in table and spelled is not None:
+            assert table[field.name] == f"`{spelled}`", field.name
+
+
 def test_a_field_that_is_not_marked_is_refused() -> None:
     @dataclasses.dataclass(frozen=True)
     class Options:

@@ -24,7 +24,7 @@ from .interceptors import (
     MountContext,
     Pipeline,
 )
-from .options import SERVICES, MountOptions
+from .options import DEFAULT_SERVICES, SERVICES, MountOptions
 from .proto import (
     CONTROL_SERVICE,
     INFERENCE_SERVICE,
@@ -52,6 +52,17 @@ from .wire import fields
 
 HEALTH_SERVICE_NAME: str = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 REFLECTION_SERVICE_NAME: str = reflection.SERVICE_NAME
+
+__all__ = [
+    "DEFAULT_SERVICES",  # defined in options.py, importable from here as before
+    "HEALTH_SERVICE_NAME",
+    "REFLECTION_SERVICE_NAME",
+    "SERVICES",
+    "MountError",
+    "MountedServices",
+    "engine_pipeline",
+    "mount",
+]
 
 
 class MountError(RuntimeError):
