@@ -5,9 +5,10 @@ fields of a frozen `ServeArgs`, which refuses contradictory ones; vLLM's engine
 flags travel beside them, as parsed, until the engine is built from them
 (`ServeArgs.engine_args()`), as `vllm serve` builds its own.
 
-Each launcher flag is declared once, as a `ServeArgs` field carrying its help
-and group (`flags.flag`); the parser's groups and `ServeArgs.from_flags` are
-built from those fields.
+Each launcher flag is declared once: as a `ServeArgs` field carrying its help
+and group (`flags.flag`), or, for what `mount()` takes, as a `MountOptions` or
+`RequestBudgets` field carrying its help; the parser's groups and
+`ServeArgs.from_flags` are built from those fields.
 """
 
 from __future__ import annotations
@@ -204,12 +205,10 @@ def _mount_options(flags: argparse.Namespace) -> MountOptions:
     Raises:
         ValueError: a value an option's flag or `MountOptions` refuses.
     """
-    values = {
-        _OPTION_FIELDS[dest].name: flag.convert(getattr(flags, dest))
-        if flag.convert
-        else getattr(flags, dest)
-        for dest, flag in _OPTION_FLAGS.items()
-    }
+    values = {}
+    for dest, declared in _OPTION_FLAGS.items():
+        parsed = getattr(flags, dest)
+        values[_OPTION_FIELDS[dest].name] = declared.convert(parsed) if declared.convert else parsed
     return MountOptions(
         services=_services(flags.services),
         budgets=RequestBudgets(**{name: getattr(flags, name) for name in _BUDGET_FLAGS}),
@@ -229,9 +228,11 @@ class ServeArgs:
     An engine flag reads by its name too, as on vLLM's own parsed arguments:
     `args.max_model_len` is `args.engine["max_model_len"]`.
 
-    `services` defaults to what is safe without credentials (no vllm.Control);
-    `from_flags` widens it to all three when keys or client certificates are
-    set, so a `ServeArgs` built by hand with keys names its services itself.
+    What `mount()` takes is one field, `options` (`MountOptions`, whose
+    fields declare their flags). Its `services` default to what is safe without
+    credentials (no vllm.Control); `from_flags` widens them to every protocol
+    when keys or client certificates are set, so a `ServeArgs` built by hand
+    with keys names its services itself.
 
     Raises:
         ValueError: options that contradict each other; the message names the flags.
