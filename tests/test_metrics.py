@@ -553,26 +553,3 @@ def test_the_load_reports_utilization_is_a_gauge_balancers_and_dashboards_agree_
     assert reporter.report().application_utilization == 0.5
     load = EngineLoad(running=1, waiting=0, max_num_seqs=16, kv_cache_usage=0.75)
     assert registry.get_sample_value("vllm_servicer_orca_application_utilization", labels) == 0.75
-
-
-def test_each_interceptor_of_a_mount_learns_the_mount_through_one_hook() -> None:
-    from vllm_servicer.interceptors import CallInterceptor, MountContext, Pipeline
-    from vllm_servicer.mounting import engine_pipeline
-
-    class Learning(CallInterceptor):
-        def __init__(self) -> None:
-            super().__init__()
-            self.mounts: list[MountContext] = []
-
-        def on_mount(self, mount: MountContext) -> None:
-            self.mounts.append(mount)
-
-    outer, nested = Learning(), Learning()
-    # A nested Pipeline's interceptors learn it too; a plain grpc.aio one is passed by.
-    class Plain(grpc.aio.ServerInterceptor):
-        async def intercept_service(self, continuation: Any, details: Any) -> Any:
-            return await continuation(details)
-
-    plain = Plain()
-    _, inflight = engine_pipeline([outer, Pipeline([nested]), plain])
-    assert outer.mounts == nested.mounts == [MountContext(inflight, None)]
