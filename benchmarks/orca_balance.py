@@ -11,7 +11,7 @@ weighing by the per-call trailers, and by out-of-band reports
 (`enableOobLoadReport`).
 
 The cost: one tiny engine in this process, mounted twice, with load reports
-and without (`mount(load_reports=...)`); the benchmarks' load generator
+and without (`MountOptions(load_reports=...)`); the benchmarks' load generator
 (`loadgen.py`, in a subprocess pinned to one core) sends bursts of unary
 1-token Generates to each in turn, the order swapped every round. Reported
 per configuration: calls per second and the CPU time of this process's event
@@ -221,14 +221,65 @@ def _stand_in_generate() -> Any:
     )
 
 
-async def measure_cost(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from vllm_servicer import mount
+def _cost_server(engine: Any, reports: bool) -> grpc.aio.Server:
+    """A server for the cost bursts: the engine mounted, or the stand-in Generate
+    behind the pipeline `mount()` builds; load reports on or off."""
+    from vllm_servicer import MountOptions, mount
     from vllm_servicer.interceptors import LoadReportInterceptor
     from vllm_servicer.load_report import CallRates, EngineLoad, LoadReporter
     from vllm_servicer.mounting import engine_pipeline
     from vllm_servicer.proto import SERVICE_NAME
     from vllm_servicer.status import error_layer
 
+    server = grpc.aio.server()
+    if engine is not None:
+        mount(server, engine, MountOptions(load_reports=reports))
+        return server
+    reporter = LoadReporter(lambda: EngineLoad(1, 0, 16, 0.01), CallRates())
+    pipeline, _ = engine_pipeline(
+        [], load_reports=LoadReportInterceptor(reporter) if reports else None
+    )
+    method = f"/{SERVICE_NAME}/Generate"
+    handler = pipeline.wrap(method, _stand_in_generate(), errors=error_layer)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(SERVICE_NAME, {"Generate": handler}),)
+    )
+    return server
+
+
+def _cost_rows(rounds: list[dict[str, dict[str, float]]]) -> list[dict[str, Any]]:
+    """The rounds' medians, per setting, and what load reports add per call."""
+    rows = []
+    for name in ("off", "on"):
+        rows.append(
+            {
+                "load_reports": name,
+                "calls_per_s": statistics.median(r[name]["calls_per_s"] for r in rounds),
+                "loop_us_per_call": statistics.median(r[name]["loop_us"] for r in rounds),
+            }
+        )
+    extra = [r["on"]["loop_us"] - r["off"]["loop_us"] for r in rounds]
+    rows[1]["extra_loop_us_per_call"] = statistics.median(extra)
+    return rows
+
+
+def _print_cost(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    kind = "a stand-in Generate (no engine)" if args.micro else "the tiny engine"
+    print(
+        f"\ncost: unary 1-token Generates on {kind}, {args.cost_requests} per burst, "
+        f"{args.cost_concurrency} in flight, {args.rounds} rounds (medians)"
+    )
+    print(f"{'load reports':<14}{'calls/s':>10}{'loop us/call':>14}{'extra':>10}")
+    for row in rows:
+        extra_us = row.get("extra_loop_us_per_call")
+        print(
+            f"{row['load_reports']:<14}{row['calls_per_s']:>10.0f}"
+            f"{row['loop_us_per_call']:>14.1f}"
+            + (f"{extra_us:>+10.1f}" if extra_us is not None else "")
+        )
+
+
+async def measure_cost(args: argparse.Namespace) -> list[dict[str, Any]]:
     engine = None
     if not args.micro:
         from vllm_servicer.testing.tiny_model import build_tiny_engine
@@ -244,19 +295,7 @@ async def measure_cost(args: argparse.Namespace) -> list[dict[str, Any]]:
     process = None
     try:
         for name, reports in (("off", False), ("on", True)):
-            server = grpc.aio.server()
-            if engine is not None:
-                mount(server, engine, load_reports=reports)
-            else:
-                reporter = LoadReporter(lambda: EngineLoad(1, 0, 16, 0.01), CallRates())
-                pipeline, _ = engine_pipeline(
-                    [], load_reports=LoadReportInterceptor(reporter) if reports else None
-                )
-                method = f"/{SERVICE_NAME}/Generate"
-                handler = pipeline.wrap(method, _stand_in_generate(), errors=error_layer)
-                server.add_generic_rpc_handlers(
-                    (grpc.method_handlers_generic_handler(SERVICE_NAME, {"Generate": handler}),)
-                )
+            server = _cost_server(engine, reports)
             targets[name] = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
             await server.start()
             servers.append(server)
@@ -290,30 +329,8 @@ async def measure_cost(args: argparse.Namespace) -> list[dict[str, Any]]:
         for r in range(args.rounds):
             order = ["off", "on"] if r % 2 == 0 else ["on", "off"]
             rounds.append({name: await burst(name) for name in order})
-        rows = []
-        for name in ("off", "on"):
-            rows.append(
-                {
-                    "load_reports": name,
-                    "calls_per_s": statistics.median(r[name]["calls_per_s"] for r in rounds),
-                    "loop_us_per_call": statistics.median(r[name]["loop_us"] for r in rounds),
-                }
-            )
-        extra = [r["on"]["loop_us"] - r["off"]["loop_us"] for r in rounds]
-        rows[1]["extra_loop_us_per_call"] = statistics.median(extra)
-        kind = "a stand-in Generate (no engine)" if args.micro else "the tiny engine"
-        print(
-            f"\ncost: unary 1-token Generates on {kind}, {args.cost_requests} per burst, "
-            f"{args.cost_concurrency} in flight, {args.rounds} rounds (medians)"
-        )
-        print(f"{'load reports':<14}{'calls/s':>10}{'loop us/call':>14}{'extra':>10}")
-        for row in rows:
-            extra_us = row.get("extra_loop_us_per_call")
-            print(
-                f"{row['load_reports']:<14}{row['calls_per_s']:>10.0f}"
-                f"{row['loop_us_per_call']:>14.1f}"
-                + (f"{extra_us:>+10.1f}" if extra_us is not None else "")
-            )
+        rows = _cost_rows(rounds)
+        _print_cost(args, rows)
         return rows
     finally:
         if process is not None and process.returncode is None:

@@ -594,8 +594,8 @@ def test_each_budget_is_a_launcher_flag() -> None:
     from vllm_servicer.serve.args import parse_args
 
     args = parse_args(["serve", "--max-n", "4", "--max-abort-ids", "16"])
-    assert (args.budgets.max_n, args.budgets.max_abort_ids) == (4, 16)
-    assert args.budgets.max_constraint_bytes == DEFAULT_MAX_CONSTRAINT_BYTES
+    assert (args.options.budgets.max_n, args.options.budgets.max_abort_ids) == (4, 16)
+    assert args.options.budgets.max_constraint_bytes == DEFAULT_MAX_CONSTRAINT_BYTES
     with pytest.raises(SystemExit) as exited:
         parse_args(["serve", "--max-request-media-bytes", "2", "--max-media-bytes-in-flight", "1"])
     assert exited.value.code == 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import subprocess
@@ -18,6 +19,8 @@ import yaml
 from vllm_servicer import SERVICE_NAME
 from vllm_servicer.budgets import RequestBudgets
 from vllm_servicer.health import LIVENESS_SERVICE
+from vllm_servicer.multimodal.media import MediaRefOptions
+from vllm_servicer.options import MountOptions, option_flag
 from vllm_servicer.serve.args import ADMIN_KEY_ENV, API_KEY_ENV, ServeArgs, build_parser, parse_args
 from vllm_servicer.serve.flags import declared_flags, flag, flag_values
 from vllm_servicer.serve.http_api import frontend_args
@@ -63,21 +66,21 @@ def test_the_launcher_serves_every_protocol_unless_told(
     # vllm.Control only with credentials (or when named): without them anyone could call it.
     ours = ("vllm_servicer.v1.Pooling", "vllm_servicer.v1.Render")
     args = parse_args(["serve", "--model", "m"])
-    assert args.services == (SERVICE_NAME, "vllm.Inference", *ours)
+    assert args.options.services == (SERVICE_NAME, "vllm.Inference", *ours)
     assert not args.services_named
     args = parse_args(["serve", "--model", "m", "--api-key", "k"])
-    assert args.services == (SERVICE_NAME, "vllm.Inference", "vllm.Control", *ours)
+    assert args.options.services == (SERVICE_NAME, "vllm.Inference", "vllm.Control", *ours)
     args = parse_args(["serve", "--model", "m", "--services", "pooling", "render"])
-    assert args.services == ours
+    assert args.options.services == ours
     args = parse_args(["serve", "--model", "m", "--services", "vllm-engine", "control"])
-    assert args.services == (SERVICE_NAME, "vllm.Control")
+    assert args.options.services == (SERVICE_NAME, "vllm.Control")
     assert args.services_named
-    assert args.lora_modules == {}
+    assert args.options.lora_modules == {}
     args = parse_args(["serve", "--model", "m", "--services", "inference"])
-    assert args.services == ("vllm.Inference",)
+    assert args.options.services == ("vllm.Inference",)
     lora = ["--lora-modules", "sql=/adapters/sql", "chat=/adapters/chat"]
     args = parse_args(["serve", "--model", "m", *lora])
-    assert args.lora_modules == {"sql": "/adapters/sql", "chat": "/adapters/chat"}
+    assert args.options.lora_modules == {"sql": "/adapters/sql", "chat": "/adapters/chat"}
     for bad, says in (
         (["--lora-modules", "sql"], "name=path"),
         (["--lora-modules", "a=/x", "a=/y"], "twice"),
@@ -98,7 +101,7 @@ def test_safe_defaults() -> None:
     # subscribers are bounded by default.
     assert args.max_inflight == 1024
     assert args.max_concurrent_rpcs == 2048
-    assert args.max_kv_subscribers == 16
+    assert args.options.max_kv_subscribers == 16
 
 
 def test_each_flag_s_default_is_its_field_s(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -122,12 +125,18 @@ def test_the_launcher_s_flags_are_serve_args_fields_and_nothing_else() -> None:
     # budget's, or one of vLLM's TLS spellings read into tls_client_ca.
     fields = {field.name for field in dataclasses.fields(ServeArgs)}
     flags = declared_flags(ServeArgs)
-    assert fields - set(flags) == {"engine", "budgets", "services_named"}
+    assert fields - set(flags) == {"engine", "options", "services_named"}
     parsed = vars(build_parser().parse_args(["serve", "--model", "m"]))
     engine = {field.name for field in dataclasses.fields(AsyncEngineArgs)}
     budgets = {field.name for field in dataclasses.fields(RequestBudgets)}
     vllm_tls = {"ssl_ca_certs", "ssl_cert_reqs", "enable_ssl_refresh"}
-    assert set(parsed) - engine == {"command", "model_tag", *flags, *budgets, *vllm_tls}
+    options = {
+        flag[2:].replace("-", "_")
+        for field in dataclasses.fields(MountOptions)
+        if (flag := option_flag(field)) is not None
+    }
+    launcher = {"command", "model_tag", "services", *flags, *budgets, *options, *vllm_tls}
+    assert set(parsed) - engine == launcher
 
 
 # A value other than the default for each kind of launcher flag.
@@ -148,6 +157,68 @@ def test_each_flag_reaches_its_field_with_the_field_s_type() -> None:
         value = flag_values(ServeArgs, parser.parse_args(["serve", "--model", "m", *argv]))[name]
         assert value != getattr(defaults, name), argv
         assert isinstance(value, Mapping if kind is Mapping else kind), (argv, value)
+
+
+# A flag that sets each MountOptions field that has one to other than its default.
+_OPTION_ARGV = {
+    "reflection_service": (["--no-reflection"], False),
+    "load_reports": (["--no-load-reports"], False),
+    "max_kv_subscribers": (["--max-kv-subscribers", "3"], 3),
+    "media_refs": (["--enable-media-refs"], MediaRefOptions()),
+    "shm_tensors": (["--enable-shm-tensors"], True),
+    "lora_modules": (["--lora-modules", "a=/x"], {"a": "/x"}),
+    "stream_interval": (["--grpc-stream-interval", "4"], 4),
+    "stream_interval_min_inflight": (["--grpc-stream-interval-min-inflight", "2"], 2),
+    "chat_template": (["--chat-template", "x"], "x"),
+    "routing_data_for_every_key": (["--routing-data-for-every-key"], True),
+    "shared_prefix_cache": (["--shared-prefix-cache"], True),
+}
+
+
+def test_each_mount_option_s_flag_sets_its_field_and_shows_its_help() -> None:
+    # The flags are built from MountOptions' fields: each one that has a flag
+    # has it, with the field's help (a field on by default: "do not" and it).
+    parser = build_parser()
+    serve = next(
+        action for action in parser._actions if isinstance(action, argparse._SubParsersAction)
+    ).choices["serve"]
+    helps = {option: action.help for action in serve._actions for option in action.option_strings}
+    with_flags = {f.name: f for f in dataclasses.fields(MountOptions) if option_flag(f)}
+    assert set(with_flags) == set(_OPTION_ARGV)
+    for name, (argv, value) in _OPTION_ARGV.items():
+        field = with_flags[name]
+        assert argv[0] == option_flag(field)
+        assert field.metadata["help"] in str(helps[argv[0]])
+        args = parse_args(["serve", "--model", "m", *argv])
+        assert getattr(args.options, name) == value, name
+        assert getattr(parse_args(["serve", "--model", "m"]).options, name) == field.default or (
+            name == "lora_modules"
+        )
+
+
+# What mount() took as keywords before MountOptions: each is a field of that name.
+_KEYWORDS_BEFORE_OPTIONS = {
+    *("services", "health", "reflection_service", "load_reports", "max_kv_subscribers"),
+    *("media_refs", "shm_tensors", "lora_modules", "budgets", "stream_interval"),
+    *("stream_interval_min_inflight", "chat_template", "routing_data_for_every_key"),
+    "shared_prefix_cache",
+}
+
+
+def test_the_api_docs_migration_table_names_every_old_keyword_and_its_flag() -> None:
+    # docs/api.md: each old mount() keyword, its MountOptions field, its flag.
+    text = (Path(__file__).parents[1] / "docs" / "api.md").read_text()
+    rows = [
+        line.split("|")[1:4]
+        for line in text.splitlines()
+        if line.startswith("| `") and "=`" in line
+    ]
+    table = {field.strip(" `"): flag.strip() for _, field, flag in rows}
+    assert set(table) == _KEYWORDS_BEFORE_OPTIONS
+    for field in dataclasses.fields(MountOptions):
+        spelled = option_flag(field)
+        if field.name in table and spelled is not None:
+            assert table[field.name] == f"`{spelled}`", field.name
 
 
 def test_a_field_that_is_not_marked_is_refused() -> None:

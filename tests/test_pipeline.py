@@ -220,3 +220,27 @@ async def test_an_interceptor_may_decline_a_calls_responses(placement: str) -> N
     assert journal.count("response reader") == 3
     assert journal.count("response decliner") == 0
     assert journal[-2:] == ["finish decliner OK", "finish reader OK"]
+
+
+def test_each_interceptor_of_a_mount_learns_the_mount_through_one_hook() -> None:
+    from vllm_servicer.interceptors import MountContext
+    from vllm_servicer.mounting import engine_pipeline
+
+    class Learning(CallInterceptor):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mounts: list[MountContext] = []
+
+        def on_mount(self, mount: MountContext) -> None:
+            self.mounts.append(mount)
+
+    outer, nested = Learning(), Learning()
+
+    # A nested Pipeline's interceptors learn it too; a plain grpc.aio one is passed by.
+    class Plain(grpc.aio.ServerInterceptor):
+        async def intercept_service(self, continuation: Any, details: Any) -> Any:
+            return await continuation(details)
+
+    plain = Plain()
+    _, inflight = engine_pipeline([outer, Pipeline([nested]), plain])
+    assert outer.mounts == nested.mounts == [MountContext(inflight, None)]

@@ -391,7 +391,9 @@ def test_http_api_is_off_by_default_and_its_flags_need_it() -> None:
         with pytest.raises(SystemExit):
             parse_args(["serve", "--model", "m", *argv])
     # The chat template serves Render too: it needs no HTTP API.
-    assert parse_args(["serve", "--model", "m", "--chat-template", "x"]).chat_template == "x"
+    assert (
+        parse_args(["serve", "--model", "m", "--chat-template", "x"]).options.chat_template == "x"
+    )
 
 
 def test_vllm_frontend_args_carry_the_engine_settings_but_not_its_key_middleware() -> None:

@@ -8,7 +8,7 @@ before any engine work; a request past one is refused with INVALID_ARGUMENT
 naming the field and the limit, and a budget shared by the whole process
 (decoded media in flight) with RESOURCE_EXHAUSTED while it is full.
 
-`RequestBudgets` is what `mount(budgets=...)` takes; each field is also a
+`RequestBudgets` is what `MountOptions(budgets=...)` takes; each field is also a
 launcher flag of the same name (`max_n` is `--max-n`), declared here once.
 The checks are plain functions of grpc-free values, so each protocol's
 servicer calls them on what its own messages carry.

@@ -1,5 +1,5 @@
 """Options: the grpc.aio server's that suit LLM traffic (`server_options`), and
-what `mount()` was told that its servicers read (`MountOptions`)."""
+what `mount()` serves and how (`MountOptions`)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import dataclasses
 import socket
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .budgets import RequestBudgets
+from .proto import CONTROL_SERVICE, INFERENCE_SERVICE, POOLING_SERVICE, RENDER_SERVICE, SERVICE_NAME
 
 if TYPE_CHECKING:
     from .multimodal.media import MediaRefOptions
@@ -19,68 +20,200 @@ DEFAULT_MAX_MESSAGE_BYTES = 32 * 1024 * 1024
 # process and a send queue in every engine core's publisher.
 DEFAULT_MAX_KV_SUBSCRIBERS = 16
 
+SERVICES: tuple[str, ...] = (
+    SERVICE_NAME,
+    INFERENCE_SERVICE,
+    CONTROL_SERVICE,
+    POOLING_SERVICE,
+    RENDER_SERVICE,
+)
+"""Every protocol service `mount()` can serve, by full name."""
+DEFAULT_SERVICES: tuple[str, ...] = (
+    SERVICE_NAME,
+    INFERENCE_SERVICE,
+    POOLING_SERVICE,
+    RENDER_SERVICE,
+)
+"""What `mount()` serves unless told: the inference protocols, pooling and
+rendering (each refuses what the model cannot do), not vLLM's Control."""
+
+
+def _option(
+    default: Any = dataclasses.MISSING,
+    *,
+    help: str,
+    default_factory: Any = dataclasses.MISSING,
+    flag: str | None = "",
+    metavar: str | None = None,
+) -> Any:
+    """A `MountOptions` field: its help (the one description of it, which the
+    launcher's flag shows too) and how the launcher spells its flag.
+
+    `flag`: "" for `--` and the field's name, None for no flag of its own; a
+    field on by default is turned off by its flag (`--no-reflection`).
+    """
+    metadata: dict[str, Any] = {"help": help, "flag": flag}
+    if metavar is not None:
+        metadata["metavar"] = metavar
+    return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
+
+
+def option_flag(field: dataclasses.Field[Any]) -> str | None:
+    """The launcher flag of a `MountOptions` field (`--max-kv-subscribers`), or None."""
+    flag: str | None = field.metadata["flag"]
+    if flag == "":
+        return "--" + field.name.replace("_", "-")
+    return flag
+
 
 @dataclasses.dataclass(frozen=True)
 class MountOptions:
-    """What `mount()` was told that its servicers read: one object, passed to each unchanged.
+    """What `mount()` serves and how: one object, validated here once.
 
-    A serving option is a field here, read by the servicer that needs it;
-    `mount()` (its keyword arguments, documented there) only fills it.
+    Each field carries its help in its metadata (`dataclasses.fields`), which
+    the launcher shows as the help of the flag that sets it (`option_flag`):
+    a serving option is a field here plus the code that reads it. `mount()`
+    reads the services, health and reflection; every servicer it builds gets
+    this object whole and reads its own fields.
 
-    Attributes:
-        max_kv_subscribers: SubscribeKvEvents streams allowed at once.
-        media_refs: the rules images named by URL are fetched by; None refuses them.
-        shm_tensors: take preprocessed tensors (`mm_inputs`) through this
-            host's shared memory too.
-        lora_modules: LoRA adapters loaded at first use, by name: their paths.
-        budgets: what one request may cost.
-        load_reports: send balancers the engine's load (ORCA): in the trailer
-            `endpoint-load-metrics-bin` of every engine call, and on
-            `xds.service.orca.v3.OpenRcaService` streams.
-        stream_interval: the new tokens a streamed generation's message
-            gathers before it leaves (vLLM's per-request `stream_interval`;
-            the first token and the last leave at once); 1 sends each engine
-            step's. Fewer messages cost the serving process less per token;
-            a token then waits up to `stream_interval - 1` engine steps.
-        stream_interval_min_inflight: the interval applies to streams that
-            start while at least this many engine calls are in flight (the
-            new one counted); 0: to every stream.
-        chat_template: the chat template Render uses instead of the model's
-            (a file or the template itself, as vLLM's `--chat-template`);
-            None: the model's.
-        routing_data_for_every_key: take KV transfer parameters from every
-            caller, not only from identities with the router or admin role.
-            KV events follow the authentication's permissions instead
-            (`role_permissions` keeps them to routers; the launcher's
-            `--routing-data-for-every-key` opens both).
-        shared_prefix_cache: one prefix cache for every tenant, as vLLM has
-            it: no tenant's prompts salted (`prefix_cache.py`). Only where
-            tenants trust each other: each could read the others' prompts
-            from its cached token counts.
+    Raises:
+        ValueError: `services` names none, or a service this package does not
+            serve; a stream interval out of range.
     """
 
-    max_kv_subscribers: int = DEFAULT_MAX_KV_SUBSCRIBERS
-    media_refs: MediaRefOptions | None = None
-    shm_tensors: bool = False
-    lora_modules: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    budgets: RequestBudgets = dataclasses.field(default_factory=RequestBudgets)
-    load_reports: bool = True
-    stream_interval: int = 1
-    stream_interval_min_inflight: int = 0
-    chat_template: str | None = None
-    routing_data_for_every_key: bool = False
-    shared_prefix_cache: bool = False
+    services: tuple[str, ...] = _option(
+        DEFAULT_SERVICES,
+        help="the protocol services to serve, by full name (`SERVICES`; default: all but "
+        "vllm.Control). vllm.Control changes the engine for everyone (adapters, pause, sleep, "
+        "weight updates, shutdown): serve it where callers are authenticated and only "
+        "administrators may call it (`AuthInterceptor` does so)",
+        flag=None,  # the launcher names them its own way (--services)
+    )
+    health: bool = _option(
+        True,
+        help='serve grpc.health.v1.Health (services "" and each one served; NOT_SERVING '
+        "while the engine is dead). Off where the host runs its own",
+        flag=None,
+    )
+    reflection_service: bool = _option(
+        True,
+        help="serve server reflection (v1alpha) for the services mounted: it resolves their "
+        "files and imports, nothing else of the process",
+        flag="--no-reflection",
+    )
+    load_reports: bool = _option(
+        True,
+        help="send balancers the engine's load as ORCA reports, which gRPC's "
+        "weighted_round_robin and Envoy read: in the endpoint-load-metrics-bin trailer of "
+        "every engine call that ends OK (Generate, Embed...), and on "
+        "xds.service.orca.v3.OpenRcaService (no key needed, as health)",
+        flag="--no-load-reports",
+    )
+    max_kv_subscribers: int = _option(
+        DEFAULT_MAX_KV_SUBSCRIBERS,
+        help="most SubscribeKvEvents streams open at once; the next one is answered "
+        "RESOURCE_EXHAUSTED",
+    )
+    media_refs: MediaRefOptions | None = _option(
+        None,
+        help="resolve images that Generate names by URL (media_refs) by these rules (the "
+        "launcher's: data: URLs, file: under --allowed-local-media-path, http(s): only to "
+        "--allowed-media-domains); None refuses them with UNIMPLEMENTED",
+        flag="--enable-media-refs",
+    )
+    shm_tensors: bool = _option(
+        False,
+        help="take preprocessed image tensors (mm_inputs) through this host's shared memory "
+        "too, not only inline: a caller names the segment and the server reads any its user "
+        "can, so only where every caller may read this host's shared memory",
+        flag="--enable-shm-tensors",
+    )
+    lora_modules: Mapping[str, str] = _option(
+        default_factory=lambda: MappingProxyType({}),
+        help="LoRA adapters to serve by name from the start, each name's path on this host "
+        "(vLLM's --lora-modules; needs --enable-lora), loaded at first use; more can be "
+        "loaded through vllm.Control's LoadLora",
+        metavar="NAME=PATH",
+    )
+    budgets: RequestBudgets = _option(
+        default_factory=RequestBudgets,
+        help="what one request may cost (decoded image pixels and bytes, n, constraint size, "
+        "ids per Abort, shared-memory bytes...), and the decoded images the process holds at "
+        "once; past one, a call is refused before any engine work",
+        flag=None,  # a flag per field, declared there
+    )
+    stream_interval: int = _option(
+        1,
+        help="new tokens a streamed generation's message gathers before it is sent, both "
+        "gRPC generation protocols (vLLM's per-request stream_interval; the first and the "
+        "last token go at once): fewer messages cost the serving process less per token, "
+        "and a token waits up to N-1 engine steps; the engine's own --stream-interval (every "
+        "frontend, vLLM's HTTP API included) stays the floor (default 1: every step)",
+        flag="--grpc-stream-interval",
+        metavar="N",
+    )
+    stream_interval_min_inflight: int = _option(
+        0,
+        help="apply the stream interval only to streams that start while at least this many "
+        "engine calls are in flight (the new one counted), so that a lightly loaded server "
+        "streams every step (default 0: always)",
+        flag="--grpc-stream-interval-min-inflight",
+        metavar="K",
+    )
+    chat_template: str | None = _option(
+        None,
+        help="chat template (a file or inline Jinja) instead of the model's, for Render and "
+        "the launcher's HTTP API (/v1/chat/completions), as vLLM's own --chat-template",
+    )
+    routing_data_for_every_key: bool = _option(
+        False,
+        help="take KV transfer parameters (kv_transfer_params: they make a prefill engine "
+        "hold KV blocks, a decode engine connect to a host the caller names) from every "
+        "authenticated caller, not only from identities with the router or admin role (others "
+        "get PERMISSION_DENIED; calls without credentials always may). KV events follow the "
+        "authentication's permissions instead: the launcher opens both to every key, carrying "
+        "every tenant's token ids, so only where no tenant may be kept from another's prompts",
+    )
+    shared_prefix_cache: bool = _option(
+        False,
+        help="one prefix cache for every tenant, as vLLM has it: tenants' prompts are not "
+        "salted by their name (admin callers' and unauthenticated ones never are), so a common "
+        "system prompt is reused across tenants, and each can read from cached token counts "
+        "whether another's prompts share a prefix it guesses. Only where tenants trust each "
+        "other",
+    )
 
     def __post_init__(self) -> None:
-        # Frozen all through: a copy the caller cannot change under the servicers.
+        # Frozen all through: copies the caller cannot change under the servicers.
         object.__setattr__(self, "lora_modules", MappingProxyType(dict(self.lora_modules)))
+        object.__setattr__(self, "services", tuple(self.services))
+        unknown = sorted(set(self.services) - set(SERVICES))
+        if unknown or not self.services:
+            raise ValueError(
+                f"services must be some of {', '.join(SERVICES)}; got {unknown or 'none'}"
+            )
         if self.stream_interval < 1:
-            raise ValueError(f"stream_interval must be at least 1, got {self.stream_interval}")
+            raise ValueError(
+                f"stream_interval must be at least 1, got {self.stream_interval} "
+                "(the launcher's --grpc-stream-interval)"
+            )
         if self.stream_interval_min_inflight < 0:
             raise ValueError(
                 "stream_interval_min_inflight must be 0 or more, "
-                f"got {self.stream_interval_min_inflight}"
+                f"got {self.stream_interval_min_inflight} "
+                "(the launcher's --grpc-stream-interval-min-inflight)"
             )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Handed to each frontend process (--api-server-count): a read-only
+        # mapping does not pickle, so the adapters travel as a dict.
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        fields["lora_modules"] = dict(self.lora_modules)
+        return (_unpickle_mount_options, (fields,))
+
+
+def _unpickle_mount_options(fields: dict[str, Any]) -> MountOptions:
+    return MountOptions(**fields)
 
 
 def server_options(

@@ -8,6 +8,7 @@ A stack of them runs from one wrapper per call: `mount` fuses its stack, and
 from ._base import (
     CallInterceptor,
     MethodFilter,
+    MountContext,
     all_methods,
     except_methods_of,
     methods_of,
@@ -35,6 +36,7 @@ __all__ = [
     "LoadReportInterceptor",
     "MethodFilter",
     "MetricsInterceptor",
+    "MountContext",
     "Pipeline",
     "Refusal",
     "TracingInterceptor",

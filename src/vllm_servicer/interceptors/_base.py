@@ -19,6 +19,10 @@ and calls the hooks of every interceptor of a call from one place:
 - `on_finish(call)`: exactly once per call that started, with `call.code` set:
   OK, the aborted code, CANCELLED (client cancel), DEADLINE_EXCEEDED or UNKNOWN.
 
+Before any call, `mount()` tells each interceptor of its stack what the mount
+keeps that an interceptor may read (the in-flight count, the load reports):
+`on_mount(mount)`, with a `MountContext`.
+
 And one question, asked once per method when its handler is wrapped:
 `read_deadline(method)`, how long a started call may wait for its unary
 request message (the shortest any interceptor of the stack asks for holds).
@@ -30,14 +34,19 @@ the wrapper, not one per interceptor.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from ._call import Call, ReadDeadline
 from ._wrapping import HandlerCache, Layers, Segment, wrap
+
+if TYPE_CHECKING:
+    from ..load_report import LoadReporter
+    from .inflight import InflightInterceptor
 
 logger = logging.getLogger("vllm_servicer.interceptors")
 
@@ -66,6 +75,21 @@ def only_methods(*methods: str) -> MethodFilter:
     """A filter matching exactly the named methods ("/package.Service/Method")."""
     names = frozenset(methods)
     return names.__contains__
+
+
+@dataclasses.dataclass(frozen=True)
+class MountContext:
+    """What `mount()` keeps that the interceptors of its stack may read (`on_mount`).
+
+    Attributes:
+        inflight: the count of engine calls in flight that GetServerInfo, a
+            limit and a drain read (the stack's `InflightInterceptor`).
+        load_reporter: the engine's load as balancers read it (ORCA), or
+            None when the mount sends no load reports.
+    """
+
+    inflight: InflightInterceptor
+    load_reporter: LoadReporter | None = None
 
 
 class CallInterceptor(grpc.aio.ServerInterceptor):
@@ -98,6 +122,10 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
         self._handlers = HandlerCache()
 
     # ----- hooks --------------------------------------------------------------
+
+    def on_mount(self, mount: MountContext) -> None:
+        """Once per `mount()` whose stack holds this interceptor, before any call:
+        what the mount keeps that this interceptor may read (default: nothing)."""
 
     async def on_admit(self, method: str, metadata: Any, context: Any) -> None:
         """Before the request is parsed; raise `Refusal` to refuse the call."""

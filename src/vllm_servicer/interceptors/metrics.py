@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import os
 import time
 from typing import TYPE_CHECKING, Any
@@ -36,7 +37,7 @@ from prometheus_client.exposition import start_http_server
 from ..context import shared_usage
 from ..proto import COUNTED_METHODS, GENERATION_METHODS
 from ..wire import usage as generation_usage
-from ._base import CallInterceptor, MethodFilter, all_methods
+from ._base import CallInterceptor, MethodFilter, MountContext, all_methods
 from ._call import Call
 
 if TYPE_CHECKING:
@@ -83,6 +84,162 @@ _CANCELLED = grpc.StatusCode.CANCELLED
 # How stale the message and token counters of a running Generate stream may get.
 _COUNT_INTERVAL_S = 1.0
 _DEADLINE = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+@dataclasses.dataclass(frozen=True)
+class _Series:
+    """One metric `MetricsInterceptor` exports: the attribute that holds it, and
+    its Prometheus declaration."""
+
+    attribute: str
+    kind: type[Counter] | type[Histogram] | type[Gauge]
+    name: str
+    help: str
+    labels: tuple[str, ...]
+    buckets: tuple[float, ...] | None = None
+    # With several frontend processes (prometheus multiprocess mode): how the
+    # live processes' values combine.
+    multiprocess_mode: str | None = None
+
+    def create(self, registry: CollectorRegistry) -> Any:
+        """The metric, registered in `registry`."""
+        extra: dict[str, Any] = {}
+        if self.buckets is not None:
+            extra["buckets"] = self.buckets
+        if self.multiprocess_mode is not None:
+            extra["multiprocess_mode"] = self.multiprocess_mode
+        return self.kind(self.name, self.help, self.labels, registry=registry, **extra)
+
+
+_SERIES = (
+    # grpc-ecosystem names (go-grpc-prometheus); prometheus_client adds `_total`.
+    _Series(
+        "started",
+        Counter,
+        "grpc_server_started",
+        "Total number of RPCs started on the server.",
+        _GRPC_LABELS,
+    ),
+    _Series(
+        "handled",
+        Counter,
+        "grpc_server_handled",
+        "Total number of RPCs completed on the server, regardless of success or failure.",
+        (*_GRPC_LABELS, "grpc_code"),
+    ),
+    _Series(
+        "msg_received",
+        Counter,
+        "grpc_server_msg_received",
+        "Total number of RPC stream messages received on the server.",
+        _GRPC_LABELS,
+    ),
+    _Series(
+        "msg_sent",
+        Counter,
+        "grpc_server_msg_sent",
+        "Total number of gRPC stream messages sent by the server.",
+        _GRPC_LABELS,
+    ),
+    _Series(
+        "handling_seconds",
+        Histogram,
+        "grpc_server_handling_seconds",
+        "Histogram of response latency (seconds) of gRPC that had been application-level "
+        "handled by the server.",
+        _GRPC_LABELS,
+        buckets=HANDLING_BUCKETS,
+    ),
+    # Generation, measured at the RPC edge.
+    _Series(
+        "time_to_first_token",
+        Histogram,
+        "vllm_servicer_time_to_first_token_seconds",
+        "Time from the start of a streaming Generate call to its first output token "
+        "leaving the servicer (OTel: gen_ai.server.time_to_first_token).",
+        _MODEL,
+        buckets=TTFT_BUCKETS,
+    ),
+    _Series(
+        "time_per_output_token",
+        Histogram,
+        "vllm_servicer_time_per_output_token_seconds",
+        "Per streaming Generate call that ended OK: time from its first output token "
+        "to its last, per token after the first (OTel: gen_ai.server.time_per_output_token).",
+        _MODEL,
+        buckets=TPOT_BUCKETS,
+    ),
+    _Series(
+        "request_duration",
+        Histogram,
+        "vllm_servicer_request_duration_seconds",
+        "Duration of Generate calls, however they ended (OTel: gen_ai.server.request.duration).",
+        _MODEL,
+        buckets=REQUEST_DURATION_BUCKETS,
+    ),
+    _Series(
+        "prompt_tokens",
+        Counter,
+        "vllm_servicer_prompt_tokens",
+        "Prompt tokens of Generate calls (OTel: gen_ai.client.token.usage, "
+        "gen_ai.token.type=input).",
+        _MODEL,
+    ),
+    _Series(
+        "generation_tokens",
+        Counter,
+        "vllm_servicer_generation_tokens",
+        "Output tokens sent by Generate calls (OTel: gen_ai.client.token.usage, "
+        "gen_ai.token.type=output).",
+        _MODEL,
+    ),
+    _Series(
+        "request_finish",
+        Counter,
+        "vllm_servicer_request_finish",
+        "Generate choices finished, by finish_reason "
+        "(OTel attribute gen_ai.response.finish_reasons).",
+        (*_MODEL, "finish_reason"),
+    ),
+    _Series(
+        "request_cancelled",
+        Counter,
+        "vllm_servicer_request_cancelled",
+        "Generate calls ended early, by cause: client_cancel, deadline, abort_rpc "
+        "(finish_reason abort), shutdown.",
+        (*_MODEL, "cause"),
+    ),
+    _Series(
+        "requests_in_flight",
+        Gauge,
+        "vllm_servicer_requests_in_flight",
+        "Engine calls in flight (every protocol's generation and embedding, and the "
+        "HTTP API's under --http-port), as GetServerInfo's active_requests "
+        "(no OTel GenAI instrument).",
+        _MODEL,
+        multiprocess_mode="livesum",  # the sum over the live processes
+    ),
+    _Series(
+        "draining",
+        Gauge,
+        "vllm_servicer_draining",
+        "1 from the start of a drain (mark_shutdown(): health NOT_SERVING, then new calls "
+        "refused) to the end of the process, else 0.",
+        _MODEL,
+        multiprocess_mode="livemax",
+    ),
+    _Series(
+        "orca_utilization",
+        Gauge,
+        "vllm_servicer_orca_application_utilization",
+        "The application_utilization of the ORCA load report balancers read "
+        "(the larger of KV-cache usage and running + waiting sequences over "
+        "max_num_seqs), as of the last report; absent without load reports.",
+        _MODEL,
+        multiprocess_mode="livemax",
+    ),
+)
+"""Every metric `MetricsInterceptor` exports, in registration order."""
 
 
 class _MethodMetrics:
@@ -159,6 +316,23 @@ class MetricsInterceptor(CallInterceptor):
             which Prometheus treats as no label.
     """
 
+    # Created from `_SERIES`, one attribute per metric.
+    started: Counter
+    handled: Counter
+    msg_received: Counter
+    msg_sent: Counter
+    handling_seconds: Histogram
+    time_to_first_token: Histogram
+    time_per_output_token: Histogram
+    request_duration: Histogram
+    prompt_tokens: Counter
+    generation_tokens: Counter
+    request_finish: Counter
+    request_cancelled: Counter
+    requests_in_flight: Gauge
+    draining: Gauge
+    orca_utilization: Gauge
+
     def __init__(
         self,
         registry: CollectorRegistry | None = None,
@@ -176,121 +350,8 @@ class MetricsInterceptor(CallInterceptor):
         # second by a timer of its own (see _count_running).
         self._running: dict[asyncio.AbstractEventLoop, set[_GenerateCall]] = {}
 
-        # grpc-ecosystem names (go-grpc-prometheus); prometheus_client adds `_total`.
-        self.started = Counter(
-            "grpc_server_started",
-            "Total number of RPCs started on the server.",
-            _GRPC_LABELS,
-            registry=reg,
-        )
-        self.handled = Counter(
-            "grpc_server_handled",
-            "Total number of RPCs completed on the server, regardless of success or failure.",
-            (*_GRPC_LABELS, "grpc_code"),
-            registry=reg,
-        )
-        self.msg_received = Counter(
-            "grpc_server_msg_received",
-            "Total number of RPC stream messages received on the server.",
-            _GRPC_LABELS,
-            registry=reg,
-        )
-        self.msg_sent = Counter(
-            "grpc_server_msg_sent",
-            "Total number of gRPC stream messages sent by the server.",
-            _GRPC_LABELS,
-            registry=reg,
-        )
-        self.handling_seconds = Histogram(
-            "grpc_server_handling_seconds",
-            "Histogram of response latency (seconds) of gRPC that had been application-level "
-            "handled by the server.",
-            _GRPC_LABELS,
-            buckets=HANDLING_BUCKETS,
-            registry=reg,
-        )
-
-        # Generation, measured at the RPC edge.
-        self.time_to_first_token = Histogram(
-            "vllm_servicer_time_to_first_token_seconds",
-            "Time from the start of a streaming Generate call to its first output token "
-            "leaving the servicer (OTel: gen_ai.server.time_to_first_token).",
-            _MODEL,
-            buckets=TTFT_BUCKETS,
-            registry=reg,
-        )
-        self.time_per_output_token = Histogram(
-            "vllm_servicer_time_per_output_token_seconds",
-            "Per streaming Generate call that ended OK: time from its first output token "
-            "to its last, per token after the first (OTel: gen_ai.server.time_per_output_token).",
-            _MODEL,
-            buckets=TPOT_BUCKETS,
-            registry=reg,
-        )
-        self.request_duration = Histogram(
-            "vllm_servicer_request_duration_seconds",
-            "Duration of Generate calls, however they ended "
-            "(OTel: gen_ai.server.request.duration).",
-            _MODEL,
-            buckets=REQUEST_DURATION_BUCKETS,
-            registry=reg,
-        )
-        self.prompt_tokens = Counter(
-            "vllm_servicer_prompt_tokens",
-            "Prompt tokens of Generate calls (OTel: gen_ai.client.token.usage, "
-            "gen_ai.token.type=input).",
-            _MODEL,
-            registry=reg,
-        )
-        self.generation_tokens = Counter(
-            "vllm_servicer_generation_tokens",
-            "Output tokens sent by Generate calls (OTel: gen_ai.client.token.usage, "
-            "gen_ai.token.type=output).",
-            _MODEL,
-            registry=reg,
-        )
-        self.request_finish = Counter(
-            "vllm_servicer_request_finish",
-            "Generate choices finished, by finish_reason "
-            "(OTel attribute gen_ai.response.finish_reasons).",
-            (*_MODEL, "finish_reason"),
-            registry=reg,
-        )
-        self.request_cancelled = Counter(
-            "vllm_servicer_request_cancelled",
-            "Generate calls ended early, by cause: client_cancel, deadline, abort_rpc "
-            "(finish_reason abort), shutdown.",
-            (*_MODEL, "cause"),
-            registry=reg,
-        )
-        self.requests_in_flight = Gauge(
-            "vllm_servicer_requests_in_flight",
-            "Engine calls in flight (every protocol's generation and embedding, and the "
-            "HTTP API's under --http-port), as GetServerInfo's active_requests "
-            "(no OTel GenAI instrument).",
-            _MODEL,
-            registry=reg,
-            # With several frontend processes (prometheus multiprocess mode):
-            # the sum over the live ones.
-            multiprocess_mode="livesum",
-        )
-        self.draining = Gauge(
-            "vllm_servicer_draining",
-            "1 from the start of a drain (mark_shutdown(): health NOT_SERVING, then new calls "
-            "refused) to the end of the process, else 0.",
-            _MODEL,
-            registry=reg,
-            multiprocess_mode="livemax",
-        )
-        self.orca_utilization = Gauge(
-            "vllm_servicer_orca_application_utilization",
-            "The application_utilization of the ORCA load report balancers read "
-            "(the larger of KV-cache usage and running + waiting sequences over "
-            "max_num_seqs), as of the last report; absent without load reports.",
-            _MODEL,
-            registry=reg,
-            multiprocess_mode="livemax",
-        )
+        for series in _SERIES:
+            setattr(self, series.attribute, series.create(reg))
         # Bound once: the model is fixed per instance, so the hot path below
         # never calls .labels() (a lookup under a lock).
         model = model_name
@@ -309,10 +370,16 @@ class MetricsInterceptor(CallInterceptor):
         self._orca: Any = None  # the gauge's child, once a load report is read
         self._reporter: LoadReporter | None = None
 
+    def on_mount(self, mount: MountContext) -> None:
+        """Report the mount's in-flight count, and its load reports' utilization."""
+        self.read_in_flight_from(mount.inflight)
+        if mount.load_reporter is not None:
+            self.read_load_reports_from(mount.load_reporter)
+
     def read_in_flight_from(self, inflight: InflightInterceptor) -> None:
         """Report the calls `inflight` counts as in flight instead of counting them again.
 
-        `mount()` does this with the count it keeps, which the drain,
+        `mount()` does this (`on_mount`) with the count it keeps, which the drain,
         GetServerInfo and the limit read too: one number everywhere.
         """
         if _MULTIPROCESS:

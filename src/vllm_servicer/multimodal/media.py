@@ -1,6 +1,6 @@
 """`media_refs`: images a request names by URL, resolved by this server.
 
-Off unless the operator turns it on (`mount(..., media_refs=MediaRefOptions())`,
+Off unless the operator turns it on (`MountOptions(media_refs=MediaRefOptions())`,
 the launcher's `--enable-media-refs`). Which URLs are then accepted follows
 vLLM's own options for its OpenAI server, read from the engine's model config
 unless given here:

@@ -95,9 +95,9 @@ def serve_frontends(args: ServeArgs) -> int:
     args = _with_fixed_ports(args)
     # Sized from what the budgets let run at once, and no one identity holds
     # more ids than that: others always find room in the table.
-    ids = id_room(args.max_inflight, args.budgets.max_pooling_inputs)
+    ids = id_room(args.max_inflight, args.options.budgets.max_pooling_inputs)
     capacity = table_capacity(
-        args.max_inflight, args.budgets.max_pooling_inputs, args.max_kv_subscribers
+        args.max_inflight, args.options.budgets.max_pooling_inputs, args.options.max_kv_subscribers
     )
     # A fair-share record for every tenant that can hold a slot, and some that only want one.
     group = FrontendGroup(

@@ -5,9 +5,10 @@ fields of a frozen `ServeArgs`, which refuses contradictory ones; vLLM's engine
 flags travel beside them, as parsed, until the engine is built from them
 (`ServeArgs.engine_args()`), as `vllm serve` builds its own.
 
-Each launcher flag is declared once, as a `ServeArgs` field carrying its help
-and group (`flags.flag`); the parser's groups and `ServeArgs.from_flags` are
-built from those fields.
+Each launcher flag is declared once: as a `ServeArgs` field carrying its help
+and group (`flags.flag`), or, for what `mount()` takes, as a `MountOptions` or
+`RequestBudgets` field carrying its help; the parser's groups and
+`ServeArgs.from_flags` are built from those fields.
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ import logging
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from operator import not_
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from ..budgets import RequestBudgets
 from ..interceptors.call_slots import DEFAULT_REQUEST_READ_TIMEOUT
 from ..interceptors.keyless import KeylessLimits
-from ..options import DEFAULT_MAX_KV_SUBSCRIBERS, DEFAULT_MAX_MESSAGE_BYTES
+from ..options import DEFAULT_MAX_MESSAGE_BYTES, MountOptions, option_flag
 from ..proto import (
     CONTROL_SERVICE,
     INFERENCE_SERVICE,
@@ -36,6 +38,8 @@ from .flags import Flag, add_flags, declared_flags, flag, flag_values, not_a_fla
 
 if TYPE_CHECKING:
     from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from ..multimodal.media import MediaRefOptions
 
 __all__ = [
     "ADMIN_KEY_ENV",
@@ -54,7 +58,7 @@ ADMIN_KEY_ENV = "VLLM_SERVICER_ADMIN_API_KEY"
 ROUTER_KEY_ENV = "VLLM_SERVICER_ROUTER_API_KEY"
 _KEY_ENVS = (API_KEY_ENV, ADMIN_KEY_ENV, ROUTER_KEY_ENV)
 
-# The protocols by launcher name: what `mount(services=...)` takes.
+# The protocols by launcher name: what `MountOptions.services` takes.
 _SERVICE_CHOICES = {
     "vllm-engine": SERVICE_NAME,
     "inference": INFERENCE_SERVICE,
@@ -111,8 +115,36 @@ _BUDGET_FLAGS = {
 }
 
 
+def _media_refs(enabled: bool) -> MediaRefOptions | None:
+    """`--enable-media-refs` as `MountOptions.media_refs`: the launcher's rules, or None."""
+    from ..multimodal.media import MediaRefOptions
+
+    return MediaRefOptions() if enabled else None
+
+
+def _option_flag(field: dataclasses.Field[Any]) -> Flag:
+    """The flag of a `MountOptions` field, from its help and default.
+
+    A field on by default is turned off by its flag (`--no-reflection`); a
+    field that is no plain number, text or switch is read as `_OPTION_READERS` says.
+    """
+    group = _SECURITY if field.name in _SECURITY_OPTIONS else _SERVING
+    help_text: str = field.metadata["help"]
+    metavar = field.metadata.get("metavar")
+    reader = _OPTION_READERS.get(field.name)
+    if reader is not None:
+        return Flag(group, help_text, metavar=metavar, **reader)
+    if field.default is True:
+        return Flag(group, f"do not {help_text}", action="store_true", default=False, convert=not_)
+    if field.default is False:
+        return Flag(group, help_text, action="store_true", default=False)
+    kind = int if isinstance(field.default, int) else None
+    return Flag(group, help_text, type=kind, metavar=metavar, default=field.default)
+
+
 def _services(names: list[str] | None) -> tuple[str, ...]:
-    """`--services` as `mount(services=)` takes them; not named, those safe without credentials."""
+    """`--services` as `MountOptions.services` takes them; not named, those safe
+    without credentials."""
     if names is None:
         return UNAUTHENTICATED_SERVICES
     return tuple(_SERVICE_CHOICES[name] for name in names)
@@ -131,6 +163,59 @@ def _lora_modules(given: list[str]) -> Mapping[str, str]:
     return MappingProxyType(modules)
 
 
+# How the launcher reads the `MountOptions` fields whose flag is no plain
+# number, text or switch; the rest follow from the field (`_option_flag`).
+_OPTION_READERS: dict[str, dict[str, Any]] = {
+    "media_refs": {"action": "store_true", "default": False, "convert": _media_refs},
+    "lora_modules": {"nargs": "+", "default": [], "convert": _lora_modules},
+}
+_SECURITY_OPTIONS = frozenset({"routing_data_for_every_key", "shared_prefix_cache"})
+
+# One flag per `MountOptions` field that has one, declared there once (help,
+# spelling, default), by the flag's argparse name; and the field each sets.
+_OPTION_FIELDS = {
+    spelled[2:].replace("-", "_"): field
+    for field in dataclasses.fields(MountOptions)
+    if (spelled := option_flag(field)) is not None
+}
+_OPTION_FLAGS = {dest: _option_flag(field) for dest, field in _OPTION_FIELDS.items()}
+
+# The protocols are the launcher's to name (short names; the default follows
+# the credentials, `ServeArgs.from_flags`): `MountOptions.services` has no flag.
+_SERVICES_FLAG = {
+    "services": Flag(
+        _SERVING,
+        "the protocols to serve: vllm-engine (vllm.grpc.engine.VllmEngine), "
+        "inference (vLLM's vllm.Inference), pooling (vllm_servicer.v1.Pooling: classify, "
+        "score, rerank), render (vllm_servicer.v1.Render: prompts as the engine runs them) "
+        "and control (vLLM's vllm.Control: adapters, pause, sleep, weight updates, shutdown; "
+        "administrators only when keys are set); default: all of them with API keys or "
+        "--tls-client-ca, else all but control (naming control then serves it to anyone "
+        "who reaches the port, with a warning)",
+        nargs="+",
+        choices=tuple(_SERVICE_CHOICES),
+        default=None,
+    )
+}
+
+
+def _mount_options(flags: argparse.Namespace) -> MountOptions:
+    """`MountOptions` from the parsed flags: each option's, `--services`, the budgets'.
+
+    Raises:
+        ValueError: a value an option's flag or `MountOptions` refuses.
+    """
+    values = {}
+    for dest, declared in _OPTION_FLAGS.items():
+        parsed = getattr(flags, dest)
+        values[_OPTION_FIELDS[dest].name] = declared.convert(parsed) if declared.convert else parsed
+    return MountOptions(
+        services=_services(flags.services),
+        budgets=RequestBudgets(**{name: getattr(flags, name) for name in _BUDGET_FLAGS}),
+        **values,
+    )
+
+
 @dataclass(frozen=True)
 class ServeArgs:
     """What the launcher serves, and how: its options, and vLLM's engine flags.
@@ -143,9 +228,11 @@ class ServeArgs:
     An engine flag reads by its name too, as on vLLM's own parsed arguments:
     `args.max_model_len` is `args.engine["max_model_len"]`.
 
-    `services` defaults to what is safe without credentials (no vllm.Control);
-    `from_flags` widens it to all three when keys or client certificates are
-    set, so a `ServeArgs` built by hand with keys names its services itself.
+    What `mount()` takes is one field, `options` (`MountOptions`, whose
+    fields declare their flags). Its `services` default to what is safe without
+    credentials (no vllm.Control); `from_flags` widens them to every protocol
+    when keys or client certificates are set, so a `ServeArgs` built by hand
+    with keys names its services itself.
 
     Raises:
         ValueError: options that contradict each other; the message names the flags.
@@ -227,28 +314,6 @@ class ServeArgs:
         help="most health, reflection and load-report calls at once on one connection "
         f"(default {_KEYLESS_DEFAULTS.max_keyless_per_connection})",
     )
-    max_kv_subscribers: int = flag(
-        DEFAULT_MAX_KV_SUBSCRIBERS,
-        group=_SERVING,
-        help="most SubscribeKvEvents streams open at once",
-    )
-    grpc_stream_interval: int = flag(
-        1,
-        group=_SERVING,
-        help="new tokens a streamed gRPC generation's message gathers before it is sent "
-        "(the first and the last token go at once): fewer messages cost the serving process "
-        "less per token, and a token waits up to N-1 engine steps; vLLM's --stream-interval "
-        "does the same for every protocol, vLLM's HTTP API included (default 1: every step)",
-        metavar="N",
-    )
-    grpc_stream_interval_min_inflight: int = flag(
-        0,
-        group=_SERVING,
-        help="apply --grpc-stream-interval only to streams that start while at least this "
-        "many engine calls are in flight, so that a lightly loaded server streams every "
-        "step (default 0: always)",
-        metavar="K",
-    )
     max_connection_age: float | None = flag(
         None,
         group=_SERVING,
@@ -260,56 +325,11 @@ class ServeArgs:
         help="accept gzip/deflate-compressed requests (off: UNIMPLEMENTED before any "
         "handler, so no client, with a key or without, can make the server inflate a request)",
     )
-    no_reflection: bool = flag(False, group=_SERVING, help="do not serve reflection")
-    no_load_reports: bool = flag(
-        False,
-        group=_SERVING,
-        help="send balancers no ORCA load reports: neither the endpoint-load-metrics-bin "
-        "trailer on Generate and Embed calls nor xds.service.orca.v3.OpenRcaService (no key "
-        "needed, as health), which gRPC's weighted_round_robin and Envoy read",
-    )
     warm_up: bool = flag(
         False,
         group=_SERVING,
         help="run one short generation before the port opens, so that the first client "
         "does not pay for what the engine initialises on its first request",
-    )
-    enable_media_refs: bool = flag(
-        False,
-        group=_SERVING,
-        help="resolve images that Generate names by URL (media_refs): data: URLs, file: under "
-        "--allowed-local-media-path, http(s): only to --allowed-media-domains",
-    )
-    services: tuple[str, ...] = flag(
-        UNAUTHENTICATED_SERVICES,
-        group=_SERVING,
-        help="the protocols to serve: vllm-engine (vllm.grpc.engine.VllmEngine), "
-        "inference (vLLM's vllm.Inference), pooling (vllm_servicer.v1.Pooling: classify, "
-        "score, rerank), render (vllm_servicer.v1.Render: prompts as the engine runs them) "
-        "and control (vLLM's vllm.Control: adapters, pause, sleep, weight updates, shutdown; "
-        "administrators only when keys are set); default: all of them with API keys or "
-        "--tls-client-ca, else all but control (naming control then serves it to anyone "
-        "who reaches the port, with a warning)",
-        nargs="+",
-        choices=tuple(_SERVICE_CHOICES),
-        parsed_default=None,
-        convert=_services,
-    )
-    lora_modules: Mapping[str, str] = flag(
-        default_factory=lambda: MappingProxyType({}),
-        group=_SERVING,
-        help="LoRA adapters to serve by name from the start (needs --enable-lora); "
-        "more can be loaded through vllm.Control's LoadLora",
-        nargs="+",
-        metavar="NAME=PATH",
-        parsed_default=[],
-        convert=_lora_modules,
-    )
-    enable_shm_tensors: bool = flag(
-        False,
-        group=_SERVING,
-        help="take preprocessed image tensors (mm_inputs) through this host's shared memory "
-        "too, not only inline: only where every caller may read this host's shared memory",
     )
 
     http_port: int | None = flag(
@@ -320,12 +340,6 @@ class ServeArgs:
     )
     http_host: str | None = flag(
         None, group=_HTTP_API, help="address of the HTTP API (default: the same as --host)"
-    )
-    chat_template: str | None = flag(
-        None,
-        group=_SERVING,
-        help="chat template (file or inline Jinja) instead of the model's, for Render and "
-        "the HTTP API's /v1/chat/completions, as vLLM's own",
     )
 
     drain_grace: float = flag(
@@ -388,23 +402,6 @@ class ServeArgs:
         group=_SECURITY,
         help="file of router keys, one per line (re-read when it changes)",
     )
-    routing_data_for_every_key: bool = flag(
-        False,
-        group=_SECURITY,
-        help="let every key read KV events and send kv_transfer_params, not only router and "
-        "admin keys: only where no tenant may be kept from another's prompts (KV events "
-        "carry every tenant's token ids) and every caller may make the engine hold KV blocks "
-        "or connect to a host it names. Without keys everyone may anyway",
-    )
-    shared_prefix_cache: bool = flag(
-        False,
-        group=_SECURITY,
-        help="one prefix cache for every key, as vLLM has it: tenants' prompts are not salted "
-        "by key, so a common system prompt is reused across tenants, and each tenant can "
-        "read from cached token counts whether another's prompts share a prefix it guesses. "
-        "Only where tenants trust each other; admin keys and servers without keys are "
-        "never salted",
-    )
     # vLLM's own server names the same two files --ssl-certfile/--ssl-keyfile.
     tls_cert: str | None = flag(
         None,
@@ -454,10 +451,10 @@ class ServeArgs:
         convert=tuple,
     )
 
-    budgets: RequestBudgets = not_a_flag(RequestBudgets())
-    """What one request may cost (`--max-n`, `--max-request-media-pixels`...): `mount(budgets=)`.
-
-    A flag per `RequestBudgets` field, declared there (`_BUDGET_FLAGS`)."""
+    options: MountOptions = not_a_flag(default_factory=MountOptions)
+    """What `mount()` serves and how: a flag per `MountOptions` field that has
+    one, declared there (`_OPTION_FLAGS`), `--services`, and a flag per
+    `RequestBudgets` field (`_BUDGET_FLAGS`)."""
     services_named: bool = not_a_flag(False)
     """Whether `--services` was given (else `services` follows the credentials)."""
 
@@ -486,7 +483,7 @@ class ServeArgs:
                 raise ValueError(
                     f"{option} is for client certificates without API keys; with keys, give {role}"
                 )
-        if self.lora_modules and set(self.services) <= {SERVICE_NAME}:
+        if self.options.lora_modules and set(self.options.services) <= {SERVICE_NAME}:
             raise ValueError(
                 "--lora-modules are served through vllm.Inference (lora_name), vllm.Control "
                 "and Pooling and Render (model), not VllmEngine: add one of them to --services"
@@ -495,15 +492,6 @@ class ServeArgs:
             raise ValueError("--http-host needs --http-port")
         if self.http_port and self.http_port == self.port and self.http_address == self.host:
             raise ValueError("--http-port must differ from --port")
-        if self.grpc_stream_interval < 1:
-            raise ValueError(
-                f"--grpc-stream-interval must be at least 1, got {self.grpc_stream_interval}"
-            )
-        if self.grpc_stream_interval_min_inflight < 0:
-            raise ValueError(
-                "--grpc-stream-interval-min-inflight must be 0 or more, "
-                f"got {self.grpc_stream_interval_min_inflight}"
-            )
         if self.request_read_timeout <= 0:
             raise ValueError(
                 f"--request-read-timeout must be above 0, got {self.request_read_timeout}"
@@ -516,11 +504,8 @@ class ServeArgs:
     def __reduce__(self) -> tuple[Any, ...]:
         # Handed to each frontend process (--api-server-count): read-only
         # mappings do not pickle, so they travel as dicts.
-        fields = {
-            f.name: dict(value) if isinstance(value, MappingProxyType) else value
-            for f in dataclasses.fields(self)
-            for value in (getattr(self, f.name),)
-        }
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        fields["engine"] = dict(self.engine)
         return (_unpickle_serve_args, (fields,))
 
     def __getattr__(self, name: str) -> Any:
@@ -541,14 +526,15 @@ class ServeArgs:
         values.update(
             engine=_engine_flags(flags),
             tls_client_ca=_client_ca(flags),
-            budgets=RequestBudgets(**{name: getattr(flags, name) for name in _BUDGET_FLAGS}),
+            options=_mount_options(flags),
             services_named=flags.services is not None,
         )
         args = cls(**values)
         if args.services_named or not args.authenticates():
             return args
         # Not named: with credentials, every protocol (vllm.Control for administrators).
-        return dataclasses.replace(args, services=tuple(_SERVICE_CHOICES.values()))
+        every = dataclasses.replace(args.options, services=tuple(_SERVICE_CHOICES.values()))
+        return dataclasses.replace(args, options=every)
 
     @property
     def http_address(self) -> str:
@@ -600,8 +586,7 @@ class ServeArgs:
 
 
 def _unpickle_serve_args(fields: dict[str, Any]) -> ServeArgs:
-    for name in ("engine", "lora_modules"):
-        fields[name] = MappingProxyType(fields[name])
+    fields["engine"] = MappingProxyType(fields["engine"])
     return ServeArgs(**fields)
 
 
@@ -717,4 +702,5 @@ def build_parser(engine_defaults: Mapping[str, Any] | None = None) -> argparse.A
 def _add_launcher_flags(serve: argparse.ArgumentParser) -> None:
     # vLLM's parser rewrites `serve --model X` into `serve X` (its positional form).
     serve.add_argument("model_tag", nargs="?", default=None, help="the model (same as --model)")
-    add_flags(serve, {**declared_flags(ServeArgs), **_VLLM_TLS_FLAGS, **_BUDGET_FLAGS})
+    flags = {**declared_flags(ServeArgs), **_SERVICES_FLAG, **_OPTION_FLAGS}
+    add_flags(serve, {**flags, **_VLLM_TLS_FLAGS, **_BUDGET_FLAGS})

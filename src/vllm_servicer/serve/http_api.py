@@ -98,8 +98,9 @@ _ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 _RESPONSES_PREFIX = "/v1/responses"
 
 
-# The launcher's own flags that vLLM's app reads. The app's host and port are
-# the HTTP API's; the launcher's keys, TLS, limits and other ports stay its own.
+# The mount options (`MountOptions`, flags of the launcher) that vLLM's app
+# reads. The app's host and port are the HTTP API's; the launcher's keys, TLS,
+# limits and other ports stay its own.
 HTTP_APP_FLAGS = ("chat_template",)
 
 
@@ -124,7 +125,7 @@ def frontend_args(args: ServeArgs, host: str, port: int) -> argparse.Namespace:
     served: argparse.Namespace = make_arg_parser(parser_class()).parse_args([])
     vars(served).update(args.engine)
     for name in HTTP_APP_FLAGS:
-        setattr(served, name, getattr(args, name))
+        setattr(served, name, getattr(args.options, name))
     served.host, served.port, served.api_key = host, port, None
     return served
 
@@ -403,10 +404,10 @@ class HttpApi:
             else GuardedEngine(
                 engine,
                 guard,
-                args.budgets,
+                args.options.budgets,
                 authenticated=verifier is not None,
-                routing_for_every_key=args.routing_data_for_every_key,
-                shared_prefix_cache=args.shared_prefix_cache,
+                routing_for_every_key=args.options.routing_data_for_every_key,
+                shared_prefix_cache=args.options.shared_prefix_cache,
             )
         )
         app = await _build_app(client, frontend_args(args, host, port))

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from ..drain import GracefulShutdown, HardStop
+from ..engine import served_model_name
 from ..frontends import FrontendGroup
 from ..guard import EngineGuard
 from ..interceptors import CallInterceptor, MetricsInterceptor, start_metrics_server
@@ -33,7 +34,6 @@ from ..interceptors.auth import Verifier
 from ..interceptors.call_slots import CallSlotsInterceptor
 from ..interceptors.keyless import KeylessLimitInterceptor
 from ..mounting import mount
-from ..multimodal.media import MediaRefOptions
 from ..options import server_options, shared_port
 from ..tls import server_credentials
 from ..vllm_releases import engine_core_died
@@ -88,7 +88,6 @@ async def serve(args: ServeArgs, frontend: Frontend | None = None) -> int:
     group = frontend.group if frontend is not None else None
     # One verifier for both protocols: a key file re-read for one is re-read for both.
     verifier = key_verifier(args)
-    interceptors, metrics = build_interceptors(args, verifier, group=group)
     credentials = server_credentials(*args.tls) if args.tls is not None else None
     if frontend is None and not addresses_usable(args):
         return EXIT_FAILED
@@ -98,6 +97,9 @@ async def serve(args: ServeArgs, frontend: Frontend | None = None) -> int:
     settle_process_for_serving()
     side = _SideServers()
     try:
+        interceptors, metrics = build_interceptors(
+            args, verifier, group=group, model=served_model_name(engine)
+        )
         server, mounted, port = _grpc_server(args, engine, interceptors, credentials, group)
         if port == 0:
             return EXIT_FAILED
@@ -230,21 +232,9 @@ def _grpc_server(
     mounted = mount(
         server,
         engine,
+        args.options,
         interceptors=[KeylessLimitInterceptor(limits), *interceptors],
-        reflection_service=not args.no_reflection,
-        load_reports=not args.no_load_reports,
-        max_kv_subscribers=args.max_kv_subscribers,
-        media_refs=MediaRefOptions() if args.enable_media_refs else None,
-        shm_tensors=args.enable_shm_tensors,
-        services=args.services,
-        lora_modules=args.lora_modules,
         frontends=group,
-        budgets=args.budgets,
-        stream_interval=args.grpc_stream_interval,
-        stream_interval_min_inflight=args.grpc_stream_interval_min_inflight,
-        chat_template=args.chat_template,
-        routing_data_for_every_key=args.routing_data_for_every_key,
-        shared_prefix_cache=args.shared_prefix_cache,
     )
     address = f"{args.host}:{args.port}"
     if credentials is not None:

@@ -57,7 +57,7 @@ def announce_control(args: ServeArgs) -> None:
     """Log why vllm.Control is left out without authentication, or warn that it is served."""
     if authenticates(args):
         return
-    if CONTROL_SERVICE not in args.services:
+    if CONTROL_SERVICE not in args.options.services:
         if not args.services_named:
             logger.info(
                 "vllm.Control is not served: without API keys or --tls-client-ca anyone "

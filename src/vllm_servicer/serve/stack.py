@@ -37,7 +37,11 @@ __all__ = ["authenticates", "build_interceptors", "http_verifier", "key_verifier
 
 
 def build_interceptors(
-    args: ServeArgs, verifier: Verifier | None = None, *, group: FrontendGroup | None = None
+    args: ServeArgs,
+    verifier: Verifier | None = None,
+    *,
+    group: FrontendGroup | None = None,
+    model: str = "",
 ) -> tuple[list[CallInterceptor], MetricsInterceptor | None]:
     """The launcher's interceptor stack, outermost first, and its metrics interceptor.
 
@@ -59,18 +63,16 @@ def build_interceptors(
             (the `--router-tls-subject` ones the router role).
         group: with `--api-server-count` above 1, the frontends' shared state:
             the in-flight count and its limit are theirs together.
+        model: the name the engine serves (`vllm_servicer.engine.served_model_name`),
+            which spans and series carry as vLLM's own `vllm:*` series do.
     """
-    from vllm.config.model import get_served_model_name
-
-    # vLLM's own rule, so spans and our series name the model as its `vllm:*` series do.
-    served = str(get_served_model_name(args.model, args.served_model_name))
     stack: list[CallInterceptor] = []
     tracer_provider = configure_tracing_from_env()
     if tracer_provider is not None:
-        stack.append(TracingInterceptor(tracer_provider=tracer_provider, model=served))
+        stack.append(TracingInterceptor(tracer_provider=tracer_provider, model=model))
     metrics = None
     if args.metrics_port is not None or args.http_port is not None:
-        metrics = MetricsInterceptor(model_name=served)
+        metrics = MetricsInterceptor(model_name=model)
         stack.append(metrics)
     if verifier is None:
         verifier = key_verifier(args)
@@ -78,7 +80,8 @@ def build_interceptors(
         verifier = _certificate_verifier(args)
     if verifier is not None:
         # KV events are a router's unless the operator opens them to every key.
-        permissions = routing_for_every_key if args.routing_data_for_every_key else role_permissions
+        every_key = args.options.routing_data_for_every_key
+        permissions = routing_for_every_key if every_key else role_permissions
         stack.append(AuthInterceptor(verifier, permissions=permissions))
     stack.append(
         CallSlotsInterceptor(

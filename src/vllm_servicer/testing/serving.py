@@ -22,13 +22,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
 
 from ..engine import EngineClient
+from ..frontends import FrontendGroup
 from ..mounting import MountedServices, mount
+from ..options import MountOptions
 
 __all__ = ["Serving", "serving"]
 
@@ -72,10 +74,13 @@ class Serving:
 @contextlib.asynccontextmanager
 async def serving(
     engine: EngineClient,
+    options: MountOptions | None = None,
     *,
     server: grpc.aio.Server | None = None,
     credentials: grpc.ServerCredentials | None = None,
-    **mount_kwargs: Any,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    frontends: FrontendGroup | None = None,
+    **option_fields: Any,
 ) -> AsyncIterator[Serving]:
     """Mount `engine` on a server, start it on loopback, yield it; stop it on exit.
 
@@ -86,8 +91,11 @@ async def serving(
             ``grpc.aio.server()``.
         credentials: serve TLS with these (``grpc.ssl_server_credentials`` or
             `vllm_servicer.tls.server_credentials`); default plaintext.
-        mount_kwargs: passed to `mount()` (``interceptors``, ``health``,
-            ``reflection_service``, ``media_refs``...).
+        options: what `mount()` serves and how (`MountOptions`).
+        interceptors: passed to `mount()`.
+        frontends: passed to `mount()`.
+        option_fields: a shorthand for ``options``: `MountOptions`' fields by
+            name (``health=False``, ``media_refs=...``).
 
     Yields:
         The running server: its port, a channel to it and what `mount()` added.
@@ -96,7 +104,11 @@ async def serving(
         engine is left running.
     """
     server = server if server is not None else grpc.aio.server()
-    mounted = mount(server, engine, **mount_kwargs)
+    if option_fields:
+        if options is not None:
+            raise TypeError("serving() takes options or MountOptions' fields, not both")
+        options = MountOptions(**option_fields)
+    mounted = mount(server, engine, options, interceptors=interceptors, frontends=frontends)
     address = "127.0.0.1:0"
     if credentials is None:
         port = server.add_insecure_port(address)
