@@ -224,7 +224,7 @@ def _stand_in_generate() -> Any:
 async def measure_cost(args: argparse.Namespace) -> list[dict[str, Any]]:
     from vllm_servicer import mount
     from vllm_servicer.interceptors import LoadReportInterceptor
-    from vllm_servicer.load_report import CallRates, EngineLoad, LoadReporter
+    from vllm_servicer.load_reports.report import CallRates, EngineLoad, LoadReporter
     from vllm_servicer.mounting import engine_pipeline
     from vllm_servicer.proto import SERVICE_NAME
     from vllm_servicer.status import error_layer

@@ -38,7 +38,7 @@ from vllm_servicer.interceptors import (
     LoadReportInterceptor,
 )
 from vllm_servicer.interceptors.auth import ApiKeyVerifier
-from vllm_servicer.load_report import (
+from vllm_servicer.load_reports.report import (
     TRAILER_KEY,
     CallRates,
     EngineLoad,

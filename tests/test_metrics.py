@@ -541,7 +541,7 @@ async def test_launcher_endpoint_shows_both_families_per_model(tiny_model_dir: P
 
 def test_the_load_reports_utilization_is_a_gauge_balancers_and_dashboards_agree_on() -> None:
     from vllm_servicer.interceptors.load_reports import LoadReportInterceptor
-    from vllm_servicer.load_report import CallRates, EngineLoad, LoadReporter
+    from vllm_servicer.load_reports.report import CallRates, EngineLoad, LoadReporter
     from vllm_servicer.mounting import engine_pipeline
 
     registry = CollectorRegistry()
