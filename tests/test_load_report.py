@@ -355,7 +355,7 @@ async def test_embed_carries_the_report(embedding_engine: Any) -> None:
     assert set(report.named_metrics) == VLLM_NAMES and report.rps_fractional > 0
 
 
-async def test_the_out_of_band_stream_follows_the_engine(server: Any) -> None:
+async def test_the_out_of_band_stream_follows_the_engine(server: Any, engine: Any) -> None:
     stub = orca_pb2_grpc.OpenRcaServiceStub(server.channel)
     interval = datetime.timedelta(seconds=1)
     call = stub.StreamCoreMetrics(orca_pb2.OrcaLoadReportRequest(report_interval=interval))
@@ -366,9 +366,13 @@ async def test_the_out_of_band_stream_follows_the_engine(server: Any) -> None:
             request(max_tokens=500, ignore_eos=True, stream=True)
         )
         await generate.read()
+        # Frozen mid-stream, the request runs for as long as the reports take: on a
+        # quiet machine the tiny model would finish it before the second report.
+        await engine.pause_generation(mode="keep", clear_cache=False)
         try:
             seen = [await asyncio.wait_for(call.read(), 5) for _ in range(3)]
         finally:
+            await engine.resume_generation()
             generate.cancel()
         assert max(r.named_metrics["num_requests_running"] for r in seen) >= 1
         # At least one of the engine's slots in use: above an idle engine's half slot
