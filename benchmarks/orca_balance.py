@@ -226,7 +226,7 @@ def _cost_server(engine: Any, reports: bool) -> grpc.aio.Server:
     behind the pipeline `mount()` builds; load reports on or off."""
     from vllm_servicer import MountOptions, mount
     from vllm_servicer.interceptors import LoadReportInterceptor
-    from vllm_servicer.load_report import CallRates, EngineLoad, LoadReporter
+    from vllm_servicer.load_reports.report import CallRates, EngineLoad, LoadReporter
     from vllm_servicer.mounting import engine_pipeline
     from vllm_servicer.proto import SERVICE_NAME
     from vllm_servicer.status import error_layer

@@ -50,7 +50,7 @@ from test_tracing_otlp import Collector, _received
 from test_tracing_otlp import collector as collector  # a fixture: an OTLP receiver
 
 from vllm_servicer.health import LIVENESS_SERVICE
-from vllm_servicer.load_report import RATE_WINDOW_SECONDS
+from vllm_servicer.load_reports.report import RATE_WINDOW_SECONDS
 from vllm_servicer.proto import common_pb2, orca_pb2, orca_pb2_grpc, vllm_engine_pb2_grpc
 from vllm_servicer.proto import vllm_engine_pb2 as pb
 

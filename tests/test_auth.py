@@ -295,11 +295,12 @@ async def test_slow_verifier_does_not_stall_a_concurrent_stream(served: Served) 
     await streamer
     assert reply.healthy
     assert ended - started >= 1.0
-    during = [t for t in arrivals if started + 0.1 < t < started + 0.9]
-    # The stream kept making steady progress while the verifier slept.
-    assert len(during) >= 5, f"{len(during)} chunks during the 1 s verification"
-    gaps = [b - a for a, b in zip(during, during[1:], strict=False)]
-    assert max(gaps, default=0) < 0.5
+    # The stream kept making progress while the verifier slept: a verification
+    # that held other calls up leaves its whole second without a chunk, while a
+    # free stream's longest gap is tens of ms, even on a busy machine.
+    points = [started, *(t for t in arrivals if started < t < ended), ended]
+    longest = max(b - a for a, b in zip(points, points[1:], strict=False))
+    assert longest < 0.75, f"no chunk for {longest:.2f} s of the 1 s verification"
 
 
 async def test_rejections_are_logged_without_the_secret(

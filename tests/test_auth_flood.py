@@ -20,9 +20,13 @@ import pytest
 pytestmark = pytest.mark.engine
 
 FLOOD = Path(__file__).resolve().parent.parent / "benchmarks" / "auth_flood.py"
-# On these machines a quiet stream's longest gap is ~50 ms; an inflating flood
-# stretched it past 1.7 s (2.5 s with tracing).
-LONGEST_GAP_MS = 250
+# On these machines a quiet stream's longest gap is ~50 ms, about as much on a
+# busy machine; an inflating flood stretched it past 1.7 s (2.5 s with tracing).
+# Ten times the quiet gap: only a stall like that one breaks it.
+LONGEST_GAP_MS = 500
+# A stalled stream's 300 tokens came in 2 to 18 chunks; a busy machine merges a
+# slow reader's outputs (239 chunks seen), so the floor is a tenth of a token a chunk.
+FEWEST_CHUNKS = 30
 
 
 async def _flood(*flags: str) -> dict[str, Any]:
@@ -65,7 +69,7 @@ async def test_an_unauthenticated_gzip_flood_does_not_stall_a_stream(
     assert figures["flood_calls"] >= 40, figures  # the flood ran all along
     assert "OK" not in codes, figures  # every flood call refused
     assert figures["flooded_tokens"] == 300, figures  # the stream ran to its end
-    # ...a step at a time: a stalled stream's tokens come in a few large chunks
-    # (2 to 18 for 300 tokens before the fix); a busy machine merges a few.
-    assert figures["flooded_chunks"] >= 270, figures
+    # ...a step at a time, not in a few large chunks. How many it takes is the
+    # engine's pacing (benchmarks/auth_flood.py prints it); only a stall breaks these.
+    assert figures["flooded_chunks"] >= FEWEST_CHUNKS, figures
     assert figures["flooded_max_gap_ms"] < LONGEST_GAP_MS, figures

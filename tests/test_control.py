@@ -840,17 +840,19 @@ async def test_kv_event_sources_are_the_zmq_publishers(stub: Any, files: SimpleN
 
 
 class _SlowToStop(StandInEngine):
-    """A stand-in whose shutdown blocks as AsyncLLM's does while its processes stop."""
-
-    STOP_SECONDS = 1.0
+    """A stand-in whose shutdown blocks as AsyncLLM's does while its processes
+    stop: here until the test lets it end (or 30 s, longer than any call's deadline)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.shutdowns: list[int] = []  # the thread each ran in
+        self.release = threading.Event()
+        self.stopped = threading.Event()
 
     def shutdown(self, timeout: float | None = None) -> None:
         self.shutdowns.append(threading.get_ident())
-        time.sleep(self.STOP_SECONDS)
+        self.release.wait(30)
+        self.stopped.set()
 
 
 async def test_shutdown_answers_first_then_stops_the_engine_off_the_event_loop() -> None:
@@ -858,14 +860,16 @@ async def test_shutdown_answers_first_then_stops_the_engine_off_the_event_loop()
     async with serving(engine, services=(CONTROL_SERVICE,)) as running:
         stub = ctl_grpc.ControlStub(running.channel)
         control = running.mounted.control
-        started = time.monotonic()
         await stub.Shutdown(ctl.ShutdownRequest(), timeout=10)
-        assert time.monotonic() - started < engine.STOP_SECONDS / 2  # not waited for
+        assert not engine.stopped.is_set()  # answered, not waited for
         await stub.Shutdown(ctl.ShutdownRequest(), timeout=10)  # acknowledged again
         # The server answers while the engine stops: the event loop is not blocked.
-        await stub.IsPaused(ctl.IsPausedRequest(), timeout=engine.STOP_SECONDS / 2)
+        await stub.IsPaused(ctl.IsPausedRequest(), timeout=10)
+        assert not engine.stopped.is_set()
+        engine.release.set()
         task = control.shutdown_task
         assert task is not None
         await task
+        assert engine.stopped.is_set()
         assert len(engine.shutdowns) == 1
         assert engine.shutdowns[0] != threading.get_ident()

@@ -17,9 +17,9 @@ import grpc
 import pytest
 from support import serving
 
+from vllm_servicer.load_reports import stats_tap
 from vllm_servicer.proto import vllm_engine_pb2 as pb
 from vllm_servicer.proto import vllm_engine_pb2_grpc
-from vllm_servicer.servicer import loads
 from vllm_servicer.testing.stand_in import FaultEngine
 
 
@@ -77,7 +77,7 @@ async def test_get_loads_reports_each_rank(dp: Any) -> None:
     engine, stub = dp
     info = await stub.GetServerInfo(pb.GetServerInfoRequest())
     assert info.data_parallel_size == 2
-    tap = loads.attach(engine)  # the one the servicer attached
+    tap = stats_tap.attach(engine)  # the one the servicer attached
     assert tap is not None and engine.logger_manager.stat_loggers == [tap]
     # Before any stats: no rank is reported as idle, but both are counted.
     empty = await stub.GetLoads(pb.GetLoadsRequest())

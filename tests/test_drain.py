@@ -22,26 +22,22 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from support import request
 from support.launcher import (
+    Launched,
     children,
-    drain_output,
     gone,
     is_alive,
-    spawn,
+    launch,
     stop_and_reap,
-    wait_for_line,
 )
 
 from vllm_servicer.health import LIVENESS_SERVICE
 from vllm_servicer.proto import vllm_engine_pb2_grpc
 
 
-async def _launch(env: dict[str, str], *flags: str, session: bool = False) -> tuple[Any, str]:
+async def _launch(env: dict[str, str], *flags: str, session: bool = False) -> Launched:
     # A long context lets "long" streams outlast any drain timeout here.
-    args = ("-m", "vllm_servicer", "serve", "--port", "0", "--max-model-len", "65536", *flags)
     # `session`: its own session and process group, as a shell job or a service has.
-    proc = await spawn(*args, env=env, new_session=session)
-    match = await wait_for_line(proc, r"listening on (\S+:\d+)")
-    return proc, match.group(1)
+    return await launch("--max-model-len", "65536", *flags, env=env, new_session=session)
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +64,8 @@ async def _stream(stub: Any, max_tokens: int, started: asyncio.Event | None = No
 
 
 async def test_sigterm_drains_then_aborts_stragglers(env: dict[str, str]) -> None:
-    proc, address = await _launch(env, "--shutdown-timeout", "4", "--drain-grace", "0.5")
-    output = asyncio.ensure_future(drain_output(proc))
+    served = await _launch(env, "--shutdown-timeout", "4", "--drain-grace", "0.5")
+    proc, address, output = served.proc, served.address, served.reader
     engine_processes = children(proc.pid)
     assert engine_processes, "the engine runs in child processes"
     try:
@@ -124,8 +120,8 @@ async def test_sigterm_drains_then_aborts_stragglers(env: dict[str, str]) -> Non
 
 
 async def test_second_signal_exits_promptly(env: dict[str, str]) -> None:
-    proc, address = await _launch(env, "--shutdown-timeout", "120", "--drain-grace", "30")
-    output = asyncio.ensure_future(drain_output(proc))
+    served = await _launch(env, "--shutdown-timeout", "120", "--drain-grace", "30")
+    proc, address, output = served.proc, served.address, served.reader
     try:
         async with grpc.aio.insecure_channel(address) as channel:
             stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
@@ -152,8 +148,8 @@ async def test_signal_to_the_whole_process_group_still_drains(
     env: dict[str, str], sig: signal.Signals
 ) -> None:
     """systemd's stop and Ctrl-C signal every process of the group, the engine's too."""
-    proc, address = await _launch(env, "--drain-grace", "0.5", session=True)
-    output = asyncio.ensure_future(drain_output(proc))
+    served = await _launch(env, "--drain-grace", "0.5", session=True)
+    proc, address, output = served.proc, served.address, served.reader
     engine_processes = children(proc.pid)
     try:
         for pid in engine_processes:
@@ -178,8 +174,8 @@ async def test_signal_to_the_whole_process_group_still_drains(
 
 
 async def test_engine_processes_end_when_the_launcher_dies_hard(env: dict[str, str]) -> None:
-    proc, _ = await _launch(env)
-    output = asyncio.ensure_future(drain_output(proc))
+    served = await _launch(env)
+    proc, output = served.proc, served.reader
     engine_processes = children(proc.pid)
     try:
         assert engine_processes
@@ -228,8 +224,8 @@ class _StuckWatch:
 
 
 async def test_a_watch_client_that_never_reads_cannot_hold_the_stop(env: dict[str, str]) -> None:
-    proc, address = await _launch(env, "--shutdown-timeout", "3", "--drain-grace", "0.5")
-    output = asyncio.ensure_future(drain_output(proc))
+    served = await _launch(env, "--shutdown-timeout", "3", "--drain-grace", "0.5")
+    proc, address, output = served.proc, served.address, served.reader
     engine_processes = children(proc.pid)
     stuck = _StuckWatch(address)
     try:
@@ -249,8 +245,8 @@ async def test_a_watch_client_that_never_reads_cannot_hold_the_stop(env: dict[st
 async def test_open_watch_and_reflection_streams_do_not_delay_the_stop(
     env: dict[str, str],
 ) -> None:
-    proc, address = await _launch(env, "--shutdown-timeout", "30", "--drain-grace", "0.5")
-    output = asyncio.ensure_future(drain_output(proc))
+    served = await _launch(env, "--shutdown-timeout", "30", "--drain-grace", "0.5")
+    proc, address, output = served.proc, served.address, served.reader
     engine_processes = children(proc.pid)
     try:
         async with grpc.aio.insecure_channel(address) as channel:
@@ -296,14 +292,14 @@ async def test_a_dead_engine_ends_the_launcher(env: dict[str, str], keep_alive: 
     """As vLLM's HTTP server: once the engine died the process ends (non-zero), so a
     restart policy brings the server back; VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1 keeps it."""
     launch_env = {**env, "VLLM_KEEP_ALIVE_ON_ENGINE_DEATH": "1" if keep_alive else "0"}
-    proc, address = await _launch(launch_env, "--drain-grace", "0.5")
-    lines: list[str] = []
-    output = asyncio.ensure_future(drain_output(proc, lines))
+    served = await _launch(launch_env, "--drain-grace", "0.5")
+    proc, address, output, tail = served.proc, served.address, served.reader, served.output
     engine_processes = children(proc.pid)
     try:
         os.kill(_engine_core(proc.pid), signal.SIGKILL)
         if not keep_alive:
             code = await asyncio.wait_for(proc.wait(), 60)
+            lines = list(tail)
             assert code == 1, "".join(lines[-30:])
             assert any("engine died" in line for line in lines), "".join(lines[-30:])
             return
@@ -316,7 +312,7 @@ async def test_a_dead_engine_ends_the_launcher(env: dict[str, str], keep_alive: 
                 await asyncio.sleep(0.1)
             assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
             await asyncio.sleep(2.0)  # longer than the launcher's watch takes to act
-            assert proc.returncode is None, "".join(lines[-30:])
+            assert proc.returncode is None, "".join(list(tail)[-30:])
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 60) == 0
     finally:

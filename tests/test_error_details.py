@@ -11,8 +11,8 @@ from typing import Any
 import grpc
 import pytest
 from google.rpc import error_details_pb2
-from grpc_status import rpc_status
 from support import collect, request, serving
+from support.calls import detail, status_of
 from vllm.exceptions import VLLMValidationError
 from vllm.v1.engine.exceptions import EngineDeadError
 
@@ -32,17 +32,10 @@ from vllm_servicer.testing.stand_in import FaultEngine, StandInEngine
 
 def _details(err: grpc.aio.AioRpcError) -> tuple[Any, Any, Any]:
     """(status, ErrorInfo, BadRequest or None) from the call's trailers."""
-    status = rpc_status.from_call(err)  # type: ignore[arg-type]
-    assert status is not None, "no google.rpc.Status in the trailers"
+    status = status_of(err)
     assert status.code == err.code().value[0] and status.message == err.details()
-    info = bad = None
-    for detail in status.details:
-        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
-            info = error_details_pb2.ErrorInfo()
-            detail.Unpack(info)
-        elif detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
-            bad = error_details_pb2.BadRequest()
-            detail.Unpack(bad)
+    info = detail(status, error_details_pb2.ErrorInfo)
+    bad = detail(status, error_details_pb2.BadRequest)
     assert info is not None and info.domain == ERROR_DOMAIN
     return status, info, bad
 
@@ -125,9 +118,8 @@ def test_server_side_faults_have_reasons_and_no_violations(
     status = rich_status(exc, rule, message_for(exc, rule.code, "r1"), "Generate")
     assert status.code == code.value[0] and "boom" not in status.message
     assert len(status.details) == 1
-    info = error_details_pb2.ErrorInfo()
-    status.details[0].Unpack(info)
-    assert info.reason == reason
+    info = detail(status, error_details_pb2.ErrorInfo)
+    assert info is not None and info.reason == reason
 
 
 def test_type_errors_are_server_faults_and_keep_their_text_out() -> None:
@@ -174,13 +166,8 @@ def _told(exc: BaseException) -> tuple[str, list[str]]:
     """What a client reads of `exc`: the status message and every violation's description."""
     rule = rule_for(exc)
     status = rich_status(exc, rule, message_for(exc, rule.code, "r5"), "Generate")
-    descriptions = []
-    for detail in status.details:
-        if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
-            bad = error_details_pb2.BadRequest()
-            detail.Unpack(bad)
-            descriptions += [v.description for v in bad.field_violations]
-    return status.message, descriptions
+    bad = detail(status, error_details_pb2.BadRequest)
+    return status.message, [v.description for v in bad.field_violations] if bad else []
 
 
 def _deleted_folder(tmp_path: Path) -> Path:

@@ -22,10 +22,9 @@ import grpc
 import httpx
 import pytest
 from google.protobuf import json_format
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
 from support import (
     bearer,
+    error_info,
     hold_hand_over,
     note_releases,
     request,
@@ -87,14 +86,6 @@ async def streamed(call: Any) -> list[Any]:
 
 def reason(ref: types.ModuleType, name: str) -> int:
     return int(ref.FinishInfo.FinishReason.Value(name))
-
-
-def _error_info(err: grpc.aio.AioRpcError) -> error_details_pb2.ErrorInfo:
-    status = rpc_status.from_call(err)  # type: ignore[arg-type]
-    assert status is not None
-    info = error_details_pb2.ErrorInfo()
-    assert any(d.Unpack(info) for d in status.details if d.Is(info.DESCRIPTOR))
-    return info
 
 
 async def _call(stub: Any, method: str, message: Any, **kwargs: Any) -> Any:
@@ -860,7 +851,7 @@ async def test_a_refused_field_is_refused_with_its_code_and_name(
     details = err.details() or ""
     assert err.code() == expected, details
     assert _unindexed(details).startswith(f"{path}: ") and words in details, details
-    info = _error_info(err)
+    info = error_info(err)
     assert (_unindexed(info.metadata["field"]), info.metadata["method"]) == (path, method)
     assert await wait_until_idle(engine) == 0
 
@@ -955,7 +946,7 @@ async def test_a_running_request_id_is_its_callers_in_both_protocols(
     err = await intruder
     running.cancel()
     assert err.code() == grpc.StatusCode.ALREADY_EXISTS
-    assert _error_info(err).reason == "REQUEST_ID_IN_USE" and rid in (err.details() or "")
+    assert error_info(err).reason == "REQUEST_ID_IN_USE" and rid in (err.details() or "")
     # The owner may reuse it, as vLLM allows, in the other protocol too.
     again = await inference.Generate(
         generate_request(ref, PROMPT, 2, request_id=rid), metadata=bearer(ALICE), timeout=60

@@ -12,7 +12,6 @@ adapters, weight updates) is served only when `--services` names it.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
 import os
@@ -25,7 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from support import bearer, collect, request
 from support.certs import CertificateAuthority
-from support.launcher import START_TIMEOUT, drain_output, spawn, stop, wait_for_line
+from support.launcher import START_TIMEOUT, launch, launched, stop_launched
 
 from vllm_servicer.interceptors.keyless import KeylessLimits
 from vllm_servicer.proto import control_pb2, control_pb2_grpc, vllm_engine_pb2_grpc
@@ -129,19 +128,14 @@ async def test_keyless_streams_take_no_slot_of_a_keyed_call_nor_of_a_probe(
     folder = tmp_path_factory.mktemp("keyless")
     ca = CertificateAuthority("keyless-ca")
     cert, key = ca.server().write(folder, "server")
-    proc = await spawn(
-        "-m", "vllm_servicer", "serve", "--port", "0", "--tls-cert", str(cert),
-        "--tls-key", str(key), "--health-port", "0", "--api-key", KEY,
+    served = await launch(
+        "--tls-cert", str(cert), "--tls-key", str(key), "--health-port", "0", "--api-key", KEY,
         "--max-concurrent-rpcs", str(MAX_CONCURRENT_RPCS), env=_env(tmp_path_factory),
     )  # fmt: skip
-    tail: collections.deque[str] = collections.deque(maxlen=200)
     main = probe = None
     try:
-        probe_address = (await wait_for_line(proc, r"health \(plaintext\) on (\S+:\d+)")).group(1)
-        address = (await wait_for_line(proc, r"listening on (\S+:\d+)")).group(1)
-        output = asyncio.ensure_future(drain_output(proc, tail))
-        main = Connections(address, grpc.ssl_channel_credentials(ca.pem))
-        probe = Connections(probe_address, None)
+        main = Connections(served.address, grpc.ssl_channel_credentials(ca.pem))
+        probe = Connections(served.probe_address, None)
 
         # Main port: more keyless streams than --max-concurrent-rpcs, Watch and
         # reflection, each connection up to its share; then the total is full.
@@ -185,18 +179,12 @@ async def test_keyless_streams_take_no_slot_of_a_keyed_call_nor_of_a_probe(
         for _ in range(3):
             assert await _check(probe.open()) == SERVING
 
-        await main.close()
-        await probe.close()
-        assert await stop(proc) == 0, "".join(tail)
-        await asyncio.wait_for(output, 30)
     finally:
         for connections in (main, probe):
             if connections is not None:
                 with contextlib.suppress(Exception):
                     await connections.close()
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+        await stop_launched(served)
 
 
 async def _control_answers(address: str) -> grpc.StatusCode:
@@ -218,23 +206,9 @@ async def _keyless_launcher(
     env: dict[str, str], flags: tuple[str, ...], says: str
 ) -> tuple[grpc.StatusCode, str]:
     """Start a launcher without keys: how it answers Control, and its line saying why
-    ("" when it served without one)."""
-    proc = await spawn("-m", "vllm_servicer", "serve", "--port", "0", *flags, env=env)
-    tail: collections.deque[str] = collections.deque(maxlen=200)
-    try:
-        # The line comes before the engine starts, so before the port opens.
-        first = await wait_for_line(proc, rf"{says}|listening on (\S+:\d+)")
-        line = "" if first.group(1) else first.string
-        address = first.group(1) or (await wait_for_line(proc, r"listening on (\S+:\d+)")).group(1)
-        output = asyncio.ensure_future(drain_output(proc, tail))
-        code = await _control_answers(address)
-        assert await stop(proc) == 0, "".join(tail)
-        await asyncio.wait_for(output, 30)
-        return code, line
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+    (it comes before the engine starts, so before the port opens)."""
+    async with launched(*flags, env=env, lines={"says": says}) as served:
+        return await _control_answers(served.address), served.said["says"].string
 
 
 async def test_control_is_served_without_keys_only_when_named(

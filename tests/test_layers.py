@@ -225,6 +225,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "frontends",
         "budgets",
         "load_report",
+        "load_reports",
         "shares",
         "prefix_cache",
     ),

@@ -104,7 +104,10 @@ async def test_slow_readers_do_not_stall_others_or_grow_memory(
     assert await settle(lambda: unfinished(engine) == 0, 60), "slow readers held engine capacity"
     with_slow = await _timed_fast_streams(stub)
     print(f"\nslow readers: fast streams {baseline:.2f}s alone, {with_slow:.2f}s beside them")
-    assert with_slow < 3 * baseline + 2.0
+    # Fast streams stalled behind the slow readers would wait out their 90 s;
+    # beside them they take about as long as alone, and a busy machine (another
+    # engine on these cores) stretches either, hence the wide bound.
+    assert with_slow < 10 * baseline + 10.0
     # Read a little more, slowly, then give up on them.
     for _ in range(3):
         for call in slow_calls:

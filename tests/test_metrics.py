@@ -151,7 +151,9 @@ async def test_a_running_stream_shows_up_within_about_a_second(served: Served, e
         loop = asyncio.get_running_loop()
         paused_at = loop.time()
         while delta("vllm_servicer_generation_tokens_total") < received:
-            assert loop.time() - paused_at < 3, "a running stream's tokens were not counted"
+            # Read once a second; ten, for a busy machine, still tells "while it
+            # runs" from "at its end" (the stream is frozen until the check ends).
+            assert loop.time() - paused_at < 10, "a running stream's tokens were not counted"
             await asyncio.sleep(0.05)
         assert delta("vllm_servicer_time_to_first_token_seconds_count") == 1
         assert delta("grpc_server_msg_sent_total", **GENERATE) >= 2
@@ -539,7 +541,7 @@ async def test_launcher_endpoint_shows_both_families_per_model(tiny_model_dir: P
 
 def test_the_load_reports_utilization_is_a_gauge_balancers_and_dashboards_agree_on() -> None:
     from vllm_servicer.interceptors.load_reports import LoadReportInterceptor
-    from vllm_servicer.load_report import CallRates, EngineLoad, LoadReporter
+    from vllm_servicer.load_reports.report import CallRates, EngineLoad, LoadReporter
     from vllm_servicer.mounting import engine_pipeline
 
     registry = CollectorRegistry()

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
-import collections
-import os
-
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from support import request
 from support.certs import CertificateAuthority
-from support.launcher import START_TIMEOUT, drain_output, spawn, stop, wait_for_line
+from support.launcher import START_TIMEOUT, launched, launcher_env
 
 from vllm_servicer.health import LIVENESS_SERVICE
 from vllm_servicer.proto import SERVICE_NAME, vllm_engine_pb2_grpc
@@ -26,17 +22,10 @@ async def test_probes_reach_health_in_plaintext_and_nothing_else(
 ) -> None:
     folder = tmp_path_factory.mktemp("probe-port")
     cert, key = CertificateAuthority("probe-ca").server().write(folder, "server")
-    env = {**os.environ, "VLLM_SERVICER_CACHE": str(tmp_path_factory.mktemp("cache"))}
-    proc = await spawn(
-        "-m", "vllm_servicer", "serve", "--port", "0", "--tls-cert", str(cert),
-        "--tls-key", str(key), "--health-port", "0", env=env,
-    )  # fmt: skip
-    tail: collections.deque[str] = collections.deque(maxlen=200)
-    try:
-        probe = (await wait_for_line(proc, r"health \(plaintext\) on (\S+:\d+)")).group(1)
-        address = (await wait_for_line(proc, r"listening on (\S+:\d+)")).group(1)
-        output = asyncio.ensure_future(drain_output(proc, tail))
-        async with grpc.aio.insecure_channel(probe) as channel:
+    env = launcher_env(tmp_path_factory.mktemp("cache"))
+    flags = ("--tls-cert", str(cert), "--tls-key", str(key), "--health-port", "0")
+    async with launched(*flags, env=env) as served:
+        async with grpc.aio.insecure_channel(served.probe_address) as channel:
             health = health_pb2_grpc.HealthStub(channel)
             for service in ("", SERVICE_NAME, LIVENESS_SERVICE):
                 reply = await health.Check(health_pb2.HealthCheckRequest(service=service))
@@ -50,18 +39,12 @@ async def test_probes_reach_health_in_plaintext_and_nothing_else(
                 )
             assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
         # The main port stays TLS-only: a plaintext probe there fails.
-        async with grpc.aio.insecure_channel(address) as channel:
+        async with grpc.aio.insecure_channel(served.address) as channel:
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await health_pb2_grpc.HealthStub(channel).Check(
                     health_pb2.HealthCheckRequest(), timeout=5
                 )
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert await stop(proc) == 0, "".join(tail)
-        await asyncio.wait_for(output, 30)
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
 
 
 def test_the_probe_port_is_refused_without_tls() -> None:

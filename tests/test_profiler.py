@@ -15,7 +15,6 @@ import collections
 import contextlib
 import dataclasses
 import json
-import os
 import signal
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -29,12 +28,11 @@ from support import bearer, collect, request
 from support.launcher import (
     START_TIMEOUT,
     children,
-    drain_output,
     exit_code,
     gone,
-    spawn,
+    launch,
+    launcher_env,
     stop_and_reap,
-    wait_for_line,
 )
 
 from vllm_servicer.proto import common_pb2, vllm_engine_pb2_grpc
@@ -78,29 +76,20 @@ class Launcher:
 @pytest.fixture(scope="module")
 async def launcher(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Launcher]:
     traces = tmp_path_factory.mktemp("profiler") / "traces"
-    env = {
-        **os.environ,
-        "VLLM_SERVICER_CACHE": str(tmp_path_factory.mktemp("cache")),
-        ADMIN_KEY_ENV: ADMIN,
-        API_KEY_ENV: TENANT,
-    }
+    keys = {ADMIN_KEY_ENV: ADMIN, API_KEY_ENV: TENANT}
+    env = launcher_env(tmp_path_factory.mktemp("cache"), **keys)
     config = json.dumps({"profiler": "torch", "torch_profiler_dir": str(traces)})
-    proc = await spawn(
-        "-m", "vllm_servicer", "serve", "--port", "0", "--profiler-config", config, env=env
-    )
-    tail: collections.deque[str] = collections.deque(maxlen=300)
-    engine_processes: set[int] = set()
-    output: asyncio.Future[None] | None = None
+    served = await launch("--profiler-config", config, env=env)
+    engine_processes = children(served.proc.pid)
     try:
-        match = await wait_for_line(proc, r"listening on (\S+:\d+)")
-        engine_processes = children(proc.pid)
-        output = asyncio.ensure_future(drain_output(proc, tail))
-        async with grpc.aio.insecure_channel(match.group(1)) as channel:
-            yield Launcher(proc, match.group(1), traces, engine_processes, tail, channel)
+        async with grpc.aio.insecure_channel(served.address) as channel:
+            yield Launcher(
+                served.proc, served.address, traces, engine_processes, served.output, channel
+            )
     finally:
-        if output is None:
-            output = asyncio.ensure_future(drain_output(proc))
-        await stop_and_reap(proc, output, engine_processes | children(proc.pid))
+        await stop_and_reap(
+            served.proc, served.reader, engine_processes | children(served.proc.pid)
+        )
 
 
 def _stub(channel: grpc.aio.Channel, kind: str) -> tuple[Any, Any]:

@@ -21,9 +21,7 @@ from typing import Any
 import grpc
 import pytest
 from google.protobuf.descriptor import Descriptor
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
-from support import collect, completes, request, serving, wait_until_idle
+from support import collect, completes, error_info, request, serving, wait_until_idle
 from support.kv_echo_connector import FINISHED_LOG
 
 from vllm_servicer import vllm_releases
@@ -215,14 +213,6 @@ REFUSALS_ELSEWHERE = {
 }
 
 
-def _error_info(err: grpc.aio.AioRpcError) -> error_details_pb2.ErrorInfo:
-    status = rpc_status.from_call(err)  # type: ignore[arg-type]
-    assert status is not None
-    info = error_details_pb2.ErrorInfo()
-    assert any(d.Unpack(info) for d in status.details if d.Is(info.DESCRIPTOR))
-    return info
-
-
 def _unindexed(path: str) -> str:
     return re.sub(r"\[\d+\]", "", path)
 
@@ -251,7 +241,7 @@ async def test_a_refused_field_is_refused_with_its_code_and_name(
     details = err.value.details() or ""
     # The message names the item of a repeated field ("extra_mm_inputs[0]..."); the table does not.
     assert _unindexed(details).startswith(f"{path}: ") and words in details, details
-    info = _error_info(err.value)
+    info = error_info(err.value)
     assert (_unindexed(info.metadata["field"]), info.metadata["method"]) == (path, method)
     assert await wait_until_idle(engine) == 0
 

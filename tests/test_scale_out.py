@@ -27,7 +27,7 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from support import free_port, request
-from support.launcher import EXAMPLES, START_TIMEOUT, children, drain_output, spawn
+from support.launcher import EXAMPLES, START_TIMEOUT, children, launch
 
 from vllm_servicer.proto import vllm_engine_pb2_grpc
 
@@ -64,35 +64,10 @@ class Cluster:
 
 
 async def _launch(env: dict[str, str], *flags: str) -> Replica:
-    """Start a launcher and wait for both its metrics and listening lines."""
-    proc = await spawn(
-        "-m", "vllm_servicer", "serve", "--port", "0", "--metrics-port", "0", *flags, env=env
-    )
-    assert proc.stdout is not None
-    seen: list[str] = []
-    found: dict[str, str] = {}
-
-    async def scan() -> None:
-        while "listen" not in found or "metrics" not in found:
-            line = (await proc.stdout.readline()).decode(errors="replace")  # type: ignore[union-attr]
-            if not line:
-                raise AssertionError("launcher ended before it served:\n" + "".join(seen[-40:]))
-            seen.append(line)
-            if m := re.search(r"listening on (\S+:\d+)", line):
-                found["listen"] = m.group(1)
-            if m := re.search(r"metrics on (http://\S+)", line):
-                found["metrics"] = m.group(1)
-
-    try:
-        await asyncio.wait_for(scan(), START_TIMEOUT)
-    except BaseException:
-        output = asyncio.ensure_future(drain_output(proc))
-        await _stop(proc, 30)
-        output.cancel()
-        raise
-    log: collections.deque[str] = collections.deque(seen[-40:], maxlen=2000)
-    output = asyncio.ensure_future(drain_output(proc, log))
-    return Replica(proc, found["listen"], found["metrics"], output, log)
+    """Start a launcher serving its metrics too; its output's last 2,000 lines kept."""
+    served = await launch("--metrics-port", "0", *flags, env=env, keep=2000)
+    assert served.reader is not None
+    return Replica(served.proc, served.address, served.metrics_url, served.reader, served.output)
 
 
 def _render(prefix: Path, listen: str, upstreams: list[str]) -> Path:

@@ -8,7 +8,6 @@ drain are checked on both sides.
 from __future__ import annotations
 
 import asyncio
-import collections
 import os
 import re
 import signal
@@ -24,7 +23,7 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from support import bearer, free_port, request
-from support.launcher import ROOT, Launched, drain_output, launched, spawn, wait_for_line
+from support.launcher import ROOT, Launched, launch, launched
 
 from vllm_servicer.proto import vllm_engine_pb2 as pb
 from vllm_servicer.proto import vllm_engine_pb2_grpc
@@ -42,13 +41,6 @@ CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
 def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     environ = {k: v for k, v in os.environ.items() if k != "VLLM_API_KEY"}
     return {**environ, "VLLM_SERVICER_CACHE": str(tmp_path_factory.mktemp("cache"))}
-
-
-async def _serve_both(*flags: str, env: dict[str, str]) -> Any:
-    """A launcher serving gRPC and the HTTP API, each on a free port."""
-    return await spawn(
-        "-m", "vllm_servicer", "serve", "--port", "0", "--http-port", "0", *flags, env=env
-    )
 
 
 @pytest.fixture(scope="module")
@@ -301,22 +293,18 @@ async def _stream_http(
 async def test_sigterm_drains_both_protocols_and_exits_zero(env: dict[str, str]) -> None:
     """Streams on both sides in flight when both stop accepting finish; exit 0."""
     tokens = 600  # seconds of streaming here: past the grace period
-    proc = await _serve_both(
-        "--max-model-len",
-        "1024",
-        "--drain-grace",
-        "0.5",
+    flags = ("--http-port", "0", "--max-model-len", "1024", "--drain-grace", "0.5")
+    served = await launch(
+        *flags,
         "--shutdown-timeout",
         "60",
         env={**env, "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"},
+        keep=None,  # all of it: the drain's lines
     )
-    tail: collections.deque[str] = collections.deque()  # all of it: the drain's lines
+    proc, url, tail = served.proc, served.http_url, served.output
     try:
-        address = (await wait_for_line(proc, r"listening on (\S+:\d+)")).group(1)
-        url = (await wait_for_line(proc, r"http on (http://\S+:\d+)")).group(1)
-        output = asyncio.ensure_future(drain_output(proc, tail))
         async with (
-            grpc.aio.insecure_channel(address) as channel,
+            grpc.aio.insecure_channel(served.address) as channel,
             openai.AsyncOpenAI(
                 base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120
             ) as client,
@@ -340,7 +328,8 @@ async def test_sigterm_drains_both_protocols_and_exits_zero(env: dict[str, str])
                 await http.get(f"{url}/health")
         assert await asyncio.wait_for(proc.wait(), 60) == 0, "".join(tail)
         await asyncio.sleep(0.5)
-        output.cancel()
+        assert served.reader is not None
+        served.reader.cancel()
         log = "".join(tail)
         # Both were still streaming when both stopped accepting (one count for both).
         assert re.search(r"refusing new calls; waiting up to [\d.]+ s for 2 in flight", log), log

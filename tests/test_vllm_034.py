@@ -21,10 +21,8 @@ from typing import Any
 
 import grpc
 import pytest
-from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_status import rpc_status
-from support import collect, request, serving
+from support import collect, error_info, request, serving
 
 from vllm_servicer import vllm_releases
 from vllm_servicer.health import LIVENESS_SERVICE
@@ -61,11 +59,7 @@ CheckpointState = _checkpoint_state_class()
 
 
 def _reason(err: grpc.aio.AioRpcError) -> str:
-    status = rpc_status.from_call(err)
-    assert status is not None
-    info = error_details_pb2.ErrorInfo()
-    assert any(d.Unpack(info) for d in status.details if d.Is(info.DESCRIPTOR))
-    return str(info.reason)
+    return str(error_info(err).reason)
 
 
 # ----- seeded sampling: no rewind, no hazard, no CPU default ---------------------

@@ -18,8 +18,8 @@ from typing import Any
 import grpc
 import pytest
 from google.rpc import error_details_pb2
-from grpc_status import rpc_status
 from support import collect, completes, request, wait_until_idle
+from support.calls import detail, status_of
 
 from vllm_servicer import vllm_releases
 from vllm_servicer.errors import InvalidRequestError
@@ -125,11 +125,10 @@ async def test_stack_and_shapes_reach_a_profiler_that_takes_them_per_session() -
 
 
 def _retry_hint(err: grpc.aio.AioRpcError) -> tuple[str, int]:
-    status = rpc_status.from_call(err)  # type: ignore[arg-type]
-    assert status is not None
-    info, retry = error_details_pb2.ErrorInfo(), error_details_pb2.RetryInfo()
-    assert any(d.Unpack(info) for d in status.details if d.Is(info.DESCRIPTOR))
-    assert any(d.Unpack(retry) for d in status.details if d.Is(retry.DESCRIPTOR))
+    status = status_of(err)
+    info = detail(status, error_details_pb2.ErrorInfo)
+    retry = detail(status, error_details_pb2.RetryInfo)
+    assert info is not None and retry is not None, status
     pushback = dict(err.trailing_metadata() or ()).get("grpc-retry-pushback-ms")
     assert pushback == str(retry.retry_delay.ToMilliseconds())
     return info.reason, retry.retry_delay.ToMilliseconds()

@@ -358,7 +358,7 @@ class FrontendGroup:
         self._share_records = ctx.RawArray(_ShareRecord, max(1, share_records))
         self._share_used = ctx.RawValue(ctypes.c_int64, 0)
         # Engine calls ended in each process, and how many failed: the rates
-        # a load report gives for the engine as a whole (load_report.CallRates).
+        # a load report gives for the engine as a whole (load_reports.report.CallRates).
         # Each process adds to its own slot only, so no lock is taken.
         self._ended = ctx.RawArray(ctypes.c_int64, count)
         self._failed = ctx.RawArray(ctypes.c_int64, count)

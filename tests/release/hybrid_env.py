@@ -92,6 +92,7 @@ PROBE_MODULES = (
     "vllm_servicer.servicer.vllm_engine",
     "vllm_servicer.servicer.kv_events",
     "vllm_servicer.servicer.loads",
+    "vllm_servicer.load_reports.stats_tap",
 )
 
 

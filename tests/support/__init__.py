@@ -3,7 +3,8 @@
 The everyday names are importable from the package itself
 (``from support import request, serving``); the rest from their modules:
 
-- `calls`: GenerateRequests to send, and reading what a call answered.
+- `calls`: GenerateRequests to send, and reading what a call answered (a refusal's
+  google.rpc.Status and its details too: `error_info`, `detail`, `status_of`).
 - `probes`: polling a condition, the requests an engine still holds, memory.
 - `servers`: `serving` (an engine mounted on loopback), interceptor placements,
   bearer metadata, free ports.
@@ -20,7 +21,7 @@ it on `sys.path` when it imports `conftest.py`; the engine processes vLLM
 spawns inherit that path, so they can load `support.kv_echo_connector`.
 """
 
-from .calls import collect, completes, next_kv_event, request, streamed_tokens
+from .calls import collect, completes, error_info, next_kv_event, request, streamed_tokens
 from .probes import hold_hand_over, note_releases, rss_kb, settle, unfinished, wait_until_idle
 from .servers import PLACEMENTS, Serving, bearer, free_port, placed, serving
 
@@ -30,6 +31,7 @@ __all__ = [
     "bearer",
     "collect",
     "completes",
+    "error_info",
     "next_kv_event",
     "free_port",
     "hold_hand_over",

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import Message
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
 
 from vllm_servicer.proto import vllm_engine_pb2 as pb
+
+DetailT = TypeVar("DetailT", bound=Message)
 
 _ids = itertools.count(1)
 
@@ -74,3 +79,30 @@ async def next_kv_event(call: Any, kind: str, timeout: float = 20.0) -> tuple[An
                     return batch, event
 
     return await asyncio.wait_for(scan(), timeout)
+
+
+# ----- a refusal's details ------------------------------------------------------------
+
+
+def status_of(err: grpc.aio.AioRpcError) -> status_pb2.Status:
+    """The google.rpc.Status a failed call carries in its trailers."""
+    status = rpc_status.from_call(err)  # type: ignore[arg-type]
+    assert status is not None, "no google.rpc.Status in the trailers"
+    return status
+
+
+def detail(status: status_pb2.Status, kind: type[DetailT]) -> DetailT | None:
+    """The detail of `kind` (ErrorInfo, BadRequest, RetryInfo, ...) in `status`, if any."""
+    for packed in status.details:
+        if packed.Is(kind.DESCRIPTOR):
+            found = kind()
+            packed.Unpack(found)
+            return found
+    return None
+
+
+def error_info(err: grpc.aio.AioRpcError) -> error_details_pb2.ErrorInfo:
+    """The ErrorInfo of a failed call (its reason, domain and metadata); it must have one."""
+    info = detail(status_of(err), error_details_pb2.ErrorInfo)
+    assert info is not None, "no ErrorInfo in the status details"
+    return info

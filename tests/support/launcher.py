@@ -107,7 +107,8 @@ ANNOUNCED = {
 
 @dataclass
 class Launched:
-    """A launcher serving: its process, what it announced, its output's tail."""
+    """A launcher serving: its process, what it announced, the other start-up lines
+    waited for (`said`, by name), its output's tail."""
 
     proc: asyncio.subprocess.Process
     address: str
@@ -115,6 +116,7 @@ class Launched:
     metrics_url: str = ""
     probe_address: str = ""
     pids: tuple[int, ...] = ()
+    said: dict[str, re.Match[str]] = field(default_factory=dict)
     output: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=400))
     reader: asyncio.Future[None] | None = field(default=None, repr=False)
 
@@ -134,9 +136,17 @@ def launcher_env(
     return {**env, "VLLM_SERVICER_CACHE": str(cache), **extra}
 
 
-async def launch(*flags: str, env: dict[str, str], new_session: bool = False) -> Launched:
+async def launch(
+    *flags: str,
+    env: dict[str, str],
+    new_session: bool = False,
+    lines: dict[str, str] | None = None,
+    keep: int | None = 400,
+) -> Launched:
     """`python -m vllm_servicer serve --port 0 *flags`, once it serves (its output
-    then read into `output`; `stop_launched` ends it)."""
+    then read into `output`, the last `keep` lines, every one with None;
+    `stop_launched` ends it). `lines`: start-up lines to wait for besides what it
+    announces, each pattern by name; their matches are in `said`."""
     proc = await spawn(
         "-m", "vllm_servicer", "serve", "--port", "0", *flags, env=env, new_session=new_session
     )
@@ -149,16 +159,19 @@ async def launch(*flags: str, env: dict[str, str], new_session: bool = False) ->
         for name, (flag, pattern) in ANNOUNCED.items()
         if name == "address" or flag in given
     }
+    extra = {f"said:{name}": pattern for name, pattern in (lines or {}).items()}
     try:
-        found = await wait_for_lines(proc, wanted)
+        found = await wait_for_lines(proc, {**wanted, **extra})
     except BaseException:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
         raise
-    said = {name: match.group(1) for name, match in found.items()}
-    pids = tuple(int(p) for p in said.pop("pids", "").split())
-    served = Launched(proc, pids=pids, **said)
+    announced = {name: found[name].group(1) for name in wanted}
+    pids = tuple(int(p) for p in announced.pop("pids", "").split())
+    said = {name: found[f"said:{name}"] for name in lines or {}}
+    served = Launched(proc, pids=pids, said=said, **announced)
+    served.output = collections.deque(maxlen=keep)
     served.reader = asyncio.ensure_future(drain_output(proc, served.output))
     return served
 
@@ -183,10 +196,15 @@ async def stop_launched(served: Launched, *, expect: int | None = 0) -> int:
 
 @contextlib.asynccontextmanager
 async def launched(
-    *flags: str, env: dict[str, str], new_session: bool = False, expect: int | None = 0
+    *flags: str,
+    env: dict[str, str],
+    new_session: bool = False,
+    expect: int | None = 0,
+    lines: dict[str, str] | None = None,
 ) -> AsyncIterator[Launched]:
-    """A launcher from start-up to its stop, whose exit status must be `expect`."""
-    served = await launch(*flags, env=env, new_session=new_session)
+    """A launcher from start-up to its stop, whose exit status must be `expect`
+    (`lines` as `launch` takes them)."""
+    served = await launch(*flags, env=env, new_session=new_session, lines=lines)
     try:
         yield served
     finally:

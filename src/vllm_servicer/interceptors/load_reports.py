@@ -5,7 +5,7 @@ or an Envoy with client-side weighted round robin, reads the trailer
 `endpoint-load-metrics-bin` of each call it sent an endpoint and weighs the
 endpoint by what it says, so that new calls go to the less-loaded replica.
 `LoadReportInterceptor` adds that trailer (a serialized
-`xds.data.orca.v3.OrcaLoadReport`, `load_report.LoadReporter`'s cached one) to
+`xds.data.orca.v3.OrcaLoadReport`, `load_reports.report.LoadReporter`'s cached one) to
 every engine call (Generate and Embed, vllm.Inference's Generate and
 GenerateStream) that ends OK, and counts each engine call's end, and whether it
 failed by the server's fault, for the report's `rps_fractional` and `eps`. Only an engine call's end
@@ -23,7 +23,7 @@ from __future__ import annotations
 import grpc
 
 from ..context import caller_at_fault
-from ..load_report import LoadReporter
+from ..load_reports.report import LoadReporter
 from ._base import CallInterceptor, MethodFilter
 from ._call import Call
 from .inflight import ENGINE_REQUESTS

@@ -39,7 +39,6 @@ from ..proto import common_pb2
 from ..proto import vllm_engine_pb2 as pb
 from .decoded import RequestMedia
 
-ENABLE_FLAG = "--enable-media-refs"
 DEFAULT_MAX_ITEM_BYTES = 16 * 1024 * 1024
 # Pillow's own warning threshold for decompression bombs.
 DEFAULT_MAX_IMAGE_PIXELS = 89_478_485

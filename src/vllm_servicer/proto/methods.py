@@ -99,12 +99,8 @@ def _with(*roles: MethodRole) -> frozenset[str]:
     return frozenset(method for method, role in METHOD_ROLES.items() if role in roles)
 
 
-GENERATE_METHOD: str = f"/{VLLM_ENGINE_SERVICE}/Generate"
-EMBED_METHOD: str = f"/{VLLM_ENGINE_SERVICE}/Embed"
 GENERATION_METHODS: frozenset[str] = _with(MethodRole.GENERATION)
 """The generation calls of every protocol."""
-ENGINE_METHODS: frozenset[str] = _with(MethodRole.GENERATION, MethodRole.EMBEDDING)
-"""The calls that run on the engine (generation, embedding and pooling)."""
 COUNTED_METHODS: frozenset[str] = _with(
     MethodRole.GENERATION, MethodRole.EMBEDDING, MethodRole.RENDERING
 )

@@ -6,7 +6,7 @@ that arrives at one process for a request another runs is handed over: each
 process answers its peers on a Unix socket in the group's private directory.
 The process the Abort arrived at has already authenticated the caller and
 kept only the ids it may abort (`RunningRequests.abort`); its peer aborts
-them. GetLoads merges every process's figures (`loads.SchedulerStatsTap.window`).
+them. GetLoads merges every process's figures (`stats_tap.SchedulerStatsTap.window`).
 
 What crosses the socket is data, one JSON line each way per connection (a
 request, then its answer), never pickle: a reply is read as numbers and
@@ -29,7 +29,7 @@ import struct
 from typing import Any, NamedTuple
 
 from ..frontends import FrontendGroup
-from ..servicer import loads
+from ..load_reports import stats_tap
 
 logger = logging.getLogger("vllm_servicer.serve")
 
@@ -40,7 +40,7 @@ _TIMEOUT = 5.0  # seconds: a peer that does not answer is stopping or gone
 # by default) with room for JSON's quoting.
 _MAX_LINE = 80 * 1024 * 1024
 _CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
-# The SchedulerStats fields GetLoads reads (loads.load_report); nothing else crosses.
+# The SchedulerStats fields GetLoads reads (servicer/loads.load_report); nothing else crosses.
 _STATS_FIELDS = ("num_running_reqs", "num_waiting_reqs", "num_skipped_waiting_reqs")
 
 
@@ -78,7 +78,7 @@ def _parent_of(pid: int) -> int | None:
         return None
 
 
-def _windows_to_json(windows: dict[int, loads.RankWindow]) -> dict[str, Any]:
+def _windows_to_json(windows: dict[int, stats_tap.RankWindow]) -> dict[str, Any]:
     encoded: dict[str, Any] = {}
     for rank, window in windows.items():
         stats = window.stats
@@ -97,12 +97,12 @@ def _windows_to_json(windows: dict[int, loads.RankWindow]) -> dict[str, Any]:
     return encoded
 
 
-def _windows_from_json(encoded: dict[str, Any]) -> dict[int, loads.RankWindow]:
+def _windows_from_json(encoded: dict[str, Any]) -> dict[int, stats_tap.RankWindow]:
     """A peer's windows, each figure converted to its type (ValueError, TypeError, KeyError)."""
     windows = {}
     for rank, window in encoded.items():
         stats = window["stats"]
-        windows[int(rank)] = loads.RankWindow(
+        windows[int(rank)] = stats_tap.RankWindow(
             None
             if stats is None
             else _PeerStats(
@@ -125,7 +125,7 @@ class Peers:
     def __init__(self, group: FrontendGroup, engine: Any) -> None:
         self._group = group
         self._engine = engine
-        self._tap = loads.attach(engine)
+        self._tap = stats_tap.attach(engine)
         self._server: asyncio.AbstractServer | None = None
 
     async def start(self) -> None:
@@ -204,7 +204,7 @@ class Peers:
             # Abort is idempotent: a peer that is gone has no request left to stop.
             logger.warning("frontend %d did not take an abort: %r", index, failed)
 
-    async def loads_elsewhere(self) -> list[dict[int, loads.RankWindow]]:
+    async def loads_elsewhere(self) -> list[dict[int, stats_tap.RankWindow]]:
         others = [i for i in range(self._group.count) if i != self._group.index]
         replies = await asyncio.gather(
             *(asyncio.wait_for(self._ask(i, {"op": "loads"}), _TIMEOUT) for i in others),

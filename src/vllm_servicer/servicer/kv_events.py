@@ -44,9 +44,9 @@ from ..errors import (
     FieldOutOfRangeError,
     NotEnabledError,
 )
+from ..load_reports.stats_tap import managed_ranks
 from ..proto import common_pb2
 from ..vllm_releases import BLOCK_STORED_LOOKAHEAD
-from .loads import managed_ranks
 
 logger = logging.getLogger("vllm_servicer")
 

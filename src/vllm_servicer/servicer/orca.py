@@ -1,18 +1,6 @@
-"""ORCA's out-of-band load reports (`xds.service.orca.v3.OpenRcaService`), and
-the engine's load as every load report reads it.
+"""ORCA's out-of-band load reports (`xds.service.orca.v3.OpenRcaService`).
 
-`EngineLoadReader` reads what GetLoads reads: the latest `SchedulerStats` of
-each data-parallel rank (`loads.SchedulerStatsTap`, a dictionary, no engine
-call), merged with the other frontend processes' (`serve --api-server-count`:
-vLLM hands each engine step's stats to one frontend). Their figures are
-fetched at most once per `load_report.REFRESH_SECONDS`: in the background
-for a call's trailer, which never waits on a peer (it takes the figures last
-fetched, a report's life old under traffic), and awaited by the out-of-band
-stream, whose reports come seconds apart. Without stats
-(`--disable-log-stats`) the engine calls in flight stand for the running
-requests.
-
-`OpenRcaServicer.StreamCoreMetrics` sends the report (`load_report.LoadReporter`)
+`OpenRcaServicer.StreamCoreMetrics` sends the report (`load_reports.report.LoadReporter`)
 every `report_interval` the client asks for, at least `MIN_REPORT_INTERVAL_SECONDS`
 apart (gRFC A51 lets a server hold a client to a minimum). gRPC's
 `weighted_round_robin` asks for it with `"enableOobLoadReport": true`, one
@@ -23,114 +11,19 @@ calls too: long streams end seldom, and a per-call report comes only when one do
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import logging
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from ..engine import EngineClient
-from ..frontends import FrontendGroup
-from ..load_report import REFRESH_SECONDS, EngineLoad, LoadReporter
+from ..load_reports.report import LoadReporter
 from ..proto import orca_load_report_pb2, orca_pb2, orca_pb2_grpc
-from . import loads
 
 if TYPE_CHECKING:
     import grpc.aio
 
     Context = grpc.aio.ServicerContext[Any, Any]
 
-logger = logging.getLogger("vllm_servicer")
-
 MIN_REPORT_INTERVAL_SECONDS = 1.0
 """The shortest time between two reports on one out-of-band stream."""
-
-# How long a report waits for the other processes' figures (they answer in
-# milliseconds; a peer that is stopping takes the peers socket's 5 s).
-_PEERS_WAIT_SECONDS = 1.0
-
-
-class EngineLoadReader:
-    """The engine's load now (`EngineLoad`), all its ranks together; cheap to call.
-
-    Args:
-        engine: the engine served.
-        in_flight: the engine calls in flight (the mount's count), read when
-            the engine keeps no stats or has not stepped yet.
-        frontends: the frontend processes sharing the engine, or None.
-        refresh: seconds between two fetches of the other processes' figures.
-    """
-
-    def __init__(
-        self,
-        engine: EngineClient,
-        in_flight: Callable[[], int],
-        *,
-        frontends: FrontendGroup | None = None,
-        refresh: float = REFRESH_SECONDS,
-    ) -> None:
-        self._tap = loads.attach(engine)
-        self._ranks = loads.managed_ranks(engine)
-        scheduler = getattr(engine.vllm_config, "scheduler_config", None)
-        self._max_num_seqs = int(getattr(scheduler, "max_num_seqs", 0) or 0) * len(self._ranks)
-        self._in_flight = in_flight
-        self._group = frontends
-        self._refresh = refresh
-        self._elsewhere: list[dict[int, loads.RankWindow]] = []
-        self._asked_at = float("-inf")
-        self._asking: asyncio.Task[None] | None = None
-
-    def __call__(self) -> EngineLoad:
-        tap = self._tap
-        if tap is None:  # no stats: the calls in flight are what is known
-            return EngineLoad(self._in_flight(), 0, self._max_num_seqs)
-        self._ask_peers()
-        running = waiting = 0
-        usage: list[float] = []
-        for rank in self._ranks:
-            figures = tap.snapshot(rank, self._elsewhere)
-            if figures is None:
-                continue
-            stats = figures[0]
-            running += int(stats.num_running_reqs)
-            waiting += int(stats.num_waiting_reqs) + int(stats.num_skipped_waiting_reqs)
-            usage.append(float(stats.kv_cache_usage))
-        if not usage:  # no engine step seen yet
-            return EngineLoad(self._in_flight(), 0, self._max_num_seqs)
-        # Every rank has a KV cache of the same size: the mean is the engine's share.
-        return EngineLoad(running, waiting, self._max_num_seqs, sum(usage) / len(usage))
-
-    async def update(self) -> bool:
-        """Fetch the other frontend processes' figures when due (or await the fetch
-        under way); whether one was awaited, so that a report is made anew."""
-        asking = self._ask_peers()
-        if asking is None:
-            return False
-        # A peer that is slow to answer holds no report back for long.
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(asking), _PEERS_WAIT_SECONDS)
-        return True
-
-    def _ask_peers(self) -> asyncio.Task[None] | None:
-        """The fetch of the other processes' figures under way, started when due."""
-        ask = self._group.loads_elsewhere if self._group is not None else None
-        if ask is None or self._asking is not None:
-            return self._asking
-        now = time.monotonic()
-        if now - self._asked_at < self._refresh:
-            return None
-        self._asked_at = now
-        with contextlib.suppress(RuntimeError):  # no running loop: the last figures stand
-            self._asking = asyncio.get_running_loop().create_task(self._fetch(ask))
-        return self._asking
-
-    async def _fetch(self, ask: Callable[[], Awaitable[list[Any]]]) -> None:
-        try:
-            self._elsewhere = await ask()
-        except Exception:  # a peer stopping: its figures are left out, as GetLoads does
-            logger.debug("load report: the other frontends' figures not had", exc_info=True)
-        finally:
-            self._asking = None
 
 
 class OpenRcaServicer(orca_pb2_grpc.OpenRcaServiceServicer):

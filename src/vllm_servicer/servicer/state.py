@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING, Protocol
 
 from ..engine import EngineClient
 from ..frontends import FrontendGroup
-from ..load_report import CallRates, LoadReporter
+from ..load_reports.engine_load import EngineLoadReader
+from ..load_reports.report import CallRates, LoadReporter
 from ..multimodal.decoded import DecodedMedia
 from ..multimodal.media import MediaResolver
 from .engine_call import EngineCallSteps
 from .lora import LoraRegistry
-from .orca import EngineLoadReader
 from .tenancy import RunningRequests
 from .vllm_app import VllmHandlers
 
