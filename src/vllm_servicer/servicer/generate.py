@@ -16,6 +16,7 @@ from ..multimodal import tensors as mm_tensors
 from ..multimodal.decoded import RequestMedia
 from ..multimodal.media import MediaResolver
 from ..proto import vllm_engine_pb2 as pb
+from ..ranks import engine_index, engine_index_if_served
 from ..wire import convert, fields
 from .engine_call import EngineCallSteps
 
@@ -106,7 +107,7 @@ class Generation:
         elif not isinstance(prompt, str) and not images and not tensors:
             prompt = steps.render_tokens(prompt)
         if request.HasField("data_parallel_rank"):
-            kwargs["data_parallel_rank"] = request.data_parallel_rank
+            kwargs["data_parallel_rank"] = engine_index(self._engine, request.data_parallel_rank)
         trace = engine_trace_headers(context)
         if trace is not None:
             kwargs["trace_headers"] = trace
@@ -145,4 +146,5 @@ class Generation:
         """Tell the KV connector a remote-prefill request failed before the engine ran it
         (`EngineCallSteps.kv_transfer_rejected`)."""
         rank = request.data_parallel_rank if request.HasField("data_parallel_rank") else None
+        rank = engine_index_if_served(self._engine, rank)
         await self._steps.kv_transfer_rejected(request_id, kv_transfer, rank)
