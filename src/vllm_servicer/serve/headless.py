@@ -50,12 +50,8 @@ def serve_headless(args: ServeArgs) -> int:
         engine ended on its own or the configuration starts none here.
     """
     from vllm.usage.usage_lib import UsageContext
-    from vllm.utils.network_utils import get_tcp_uri
-    from vllm.v1.engine.utils import CoreEngineProcManager
-    from vllm.v1.executor import Executor
 
-    engine_args = args.engine_args()
-    config = engine_args.create_engine_config(
+    config = args.engine_args().create_engine_config(
         usage_context=UsageContext.OPENAI_API_SERVER, headless=True
     )
     parallel = config.parallel_config
@@ -70,10 +66,6 @@ def serve_headless(args: ServeArgs) -> int:
             "`vllm serve --headless` starts"
         )
         return EXIT_FAILED
-    first = int(parallel.data_parallel_rank)
-    ranks = range(first, first + count)
-    head = get_tcp_uri(parallel.data_parallel_master_ip, parallel.data_parallel_rpc_port)
-
     stop = threading.Event()
 
     def stop_requested(signum: int, frame: Any) -> None:
@@ -81,19 +73,34 @@ def serve_headless(args: ServeArgs) -> int:
 
     signal.signal(signal.SIGTERM, stop_requested)
     signal.signal(signal.SIGINT, stop_requested)
+    # Held as long as the engines run: each process starts through the block's
+    # stand-in executable whenever the system gets to it.
     with apart_from_stop_signals():
-        engines = CoreEngineProcManager(
-            local_engine_count=count,
-            start_index=first,
-            local_start_index=0,
-            vllm_config=config,
-            local_client=False,
-            handshake_address=head,
-            executor_class=Executor.get_class(config),
-            log_stats=not engine_args.disable_log_stats,
-        )
+        return _run_engines(args, config, count, stop)
+
+
+def _run_engines(args: ServeArgs, config: Any, count: int, stop: threading.Event) -> int:
+    """Start the engines, wait for a stop signal or an engine's end, stop the rest."""
+    from vllm.utils.network_utils import get_tcp_uri
+    from vllm.v1.engine.utils import CoreEngineProcManager
+    from vllm.v1.executor import Executor
+
+    parallel = config.parallel_config
+    first = int(parallel.data_parallel_rank)
+    head = get_tcp_uri(parallel.data_parallel_master_ip, parallel.data_parallel_rpc_port)
+    engines = CoreEngineProcManager(
+        local_engine_count=count,
+        start_index=first,
+        local_start_index=0,
+        vllm_config=config,
+        local_client=False,
+        handshake_address=head,
+        executor_class=Executor.get_class(config),
+        log_stats=not args.engine.get("disable_log_stats", False),
+    )
+    ranks = describe(range(first, first + count))
     # Printed (not only logged) so scripts and tests can read that it started.
-    print(f"vllm-servicer headless: {describe(ranks)} started for the head at {head}", flush=True)
+    print(f"vllm-servicer headless: {ranks} started for the head at {head}", flush=True)
     finished: dict[str, int] = {}
     try:
         if not _wait_for_an_end(engines.sentinels(), stop):
