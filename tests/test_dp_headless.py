@@ -169,10 +169,27 @@ def _listening(pid: int) -> set[int]:
     return sockets & listening
 
 
-async def test_the_headless_node_exits_non_zero_when_its_engine_dies(nodes: TwoNodes) -> None:
+async def test_a_dead_remote_engine_ends_the_node_and_the_head(nodes: TwoNodes) -> None:
     engines = [pid for pid, line in named(children(nodes.node.pid)).items() if "EngineCore" in line]
     assert engines, "no engine process under the headless node"
-    for pid in engines:
-        os.kill(pid, signal.SIGKILL)
-    code = await asyncio.wait_for(exit_code(nodes.node), 60)
-    assert code == 1, "".join(nodes.node_output)
+    async with grpc.aio.insecure_channel(nodes.head.address) as channel:
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+        stream = stub.Generate(
+            _pinned(1, max_tokens=400, ignore_eos=True, stream=True), timeout=120
+        )
+        assert (await stream.read()).WhichOneof("response") == "chunk"
+        killed = asyncio.get_running_loop().time()
+        for pid in engines:
+            os.kill(pid, signal.SIGKILL)
+        # The headless node exits non-zero, for its supervisor to restart it.
+        code = await asyncio.wait_for(exit_code(nodes.node), 60)
+        assert code == 1, "".join(nodes.node_output)
+        # The head counts the silent engine dead: the pinned stream ends
+        # UNAVAILABLE, long before its deadline, and the head stops with 1.
+        with pytest.raises(grpc.aio.AioRpcError) as ended:
+            while await stream.read() is not grpc.aio.EOF:
+                pass
+        assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert asyncio.get_running_loop().time() - killed < 60
+    assert await asyncio.wait_for(exit_code(nodes.head.proc), 90) == 1
+    assert any("did not answer" in line for line in nodes.head.output)
