@@ -4,9 +4,11 @@ The head serves two data-parallel ranks (`--data-parallel-size 2
 --data-parallel-size-local 1`): rank 0 its own engine, rank 1 the headless
 node's, which registers with the head at `--data-parallel-address`:
 `--data-parallel-rpc-port`. Calls pinned to either rank run there (GetLoads
-shows them); the headless node binds no port, and when its engine dies it
-exits non-zero, so that a supervisor restarts it. The layout is started once
-for the module; the engine's death is its last test.
+shows them); the headless node binds no port. When its engine dies, the node
+exits 1 (a supervisor restarts it), and the head, whose question the engine
+no longer answers, ends the call pinned to it UNAVAILABLE and exits 1. The
+layout is started once for the module; the engine's death is its last test.
+A headless node alone shows the stop: SIGTERM ends it and its engines with 0.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from support.launcher import (
     children,
     drain_output,
     exit_code,
+    gone,
     launch,
     launcher_env,
     named,
@@ -126,6 +129,37 @@ async def _until_running(stub: Any, rank: int, wanted: int, timeout: float = 30)
     while (running := await _running(stub, rank)) != wanted and loop.time() < deadline:  # noqa: ASYNC110 - GetLoads has no event to wait on
         await asyncio.sleep(0.2)
     return running
+
+
+async def test_a_headless_node_stops_with_0_on_sigterm(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """No head needed: its engines wait for one, and a stop signal ends them and the node."""
+    env = launcher_env(tmp_path_factory.mktemp("alone"), VLLM_CPU_KVCACHE_SPACE="1")
+    node = await spawn(
+        "-m",
+        "vllm_servicer",
+        "serve",
+        "--headless",
+        "--data-parallel-start-rank",
+        "1",
+        *_dp_flags(free_port()),
+        env=env,
+    )
+    try:
+        await wait_for_line(node, r"vllm-servicer headless: rank 1 started")
+        reader = asyncio.ensure_future(drain_output(node))
+        started = children(node.pid)
+        assert started, "no engine process under the headless node"
+        node.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(exit_code(node), 90) == 0
+        reader.cancel()
+        # Its engines went with it.
+        assert not await gone(started, 30)
+    finally:
+        if node.returncode is None:
+            node.kill()
+            await node.wait()
 
 
 @pytest.mark.parametrize("rank", [1, 0])
