@@ -1,10 +1,10 @@
 """Data parallelism inside one server: rank pinning and per-rank loads.
 
-Two data-parallel ranks do not run usefully on a 2-core CPU machine, so this
-uses a stand-in engine (vllm_servicer.testing.stand_in) that claims two ranks; the
-mapping under test is the servicer's: `GenerateRequest.data_parallel_rank`
-reaches `engine.generate`, and GetLoads reports each rank from the
-SchedulerStats the engine's output loop hands to stat loggers.
+A stand-in engine (vllm_servicer.testing.stand_in) that claims two ranks, for
+the servicer's part alone: `GenerateRequest.data_parallel_rank` reaches
+`engine.generate`, and GetLoads reports each rank from the SchedulerStats the
+engine's output loop hands to stat loggers. The real engine's layouts are in
+test_dp_layouts.py and test_dp_headless.py; the rank numbering in test_ranks.py.
 """
 
 from __future__ import annotations

@@ -92,6 +92,17 @@ def test_the_launcher_serves_every_protocol_unless_told(
         assert says in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "serving", [["--http-port", "8000"], ["--metrics-port", "9000"], ["--api-server-count", "2"]]
+)
+def test_a_headless_node_takes_no_serving_flags(serving: list[str], capsys: Any) -> None:
+    assert parse_args(["serve", "--model", "m", "--headless"]).headless
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["serve", "--model", "m", "--headless", *serving])
+    assert exit_.value.code == 2
+    assert f"--headless serves nothing here: {serving[0]} has no use" in capsys.readouterr().err
+
+
 def test_safe_defaults() -> None:
     args = parse_args(["serve", "--model", "m"])
     assert args.host == "127.0.0.1"

@@ -330,6 +330,17 @@ def engine_with_frontends(
     yield EngineWithFrontends(list(manager.processes), launch.engine_manager, coordinator)
 
 
+async def ask_engine_core(engine: Any, index: int) -> None:
+    """One cheap question (`is_sleeping`, an attribute read in the engine core)
+    to the frontend's engine at `index` (in rank order), answered between two
+    of its steps; alike in 0.31 to 0.34 (`AsyncMPClient._call_utility_async`
+    and its `core_engines` identities). Raises what the call raises; an engine
+    that is gone never answers.
+    """
+    core = engine.engine_core
+    await core._call_utility_async("is_sleeping", engine=core.core_engines[index])
+
+
 def engine_core_died(engine: Any) -> None:
     """Do what vLLM's client does when it sees its engine core's process end
     (`MPClient.monitor_engine_cores`, alike in 0.31 to 0.33): mark the engine

@@ -325,6 +325,15 @@ class ServeArgs:
         help="accept gzip/deflate-compressed requests (off: UNIMPLEMENTED before any "
         "handler, so no client, with a key or without, can make the server inflate a request)",
     )
+    headless: bool = flag(
+        False,
+        group=_SERVING,
+        help="start this node's data-parallel engines for a head launcher elsewhere, as "
+        "vLLM's `serve --headless` does, and serve nothing here (no port is bound): with "
+        "--data-parallel-size N --data-parallel-size-local L --data-parallel-start-rank S "
+        "--data-parallel-address HEAD --data-parallel-rpc-port P; exits 1 when an engine ends "
+        "without being asked to (see docs/scale-out.md)",
+    )
     warm_up: bool = flag(
         False,
         group=_SERVING,
@@ -461,6 +470,16 @@ class ServeArgs:
     def __post_init__(self) -> None:
         if self.api_server_count < 1:
             raise ValueError(f"--api-server-count must be at least 1, got {self.api_server_count}")
+        if self.headless:
+            for given, option in (
+                (self.api_server_count > 1, "--api-server-count"),
+                (self.http_port is not None, "--http-port"),
+                (self.health_port is not None, "--health-port"),
+                (self.metrics_port is not None, "--metrics-port"),
+                (self.warm_up, "--warm-up"),
+            ):
+                if given:
+                    raise ValueError(f"--headless serves nothing here: {option} has no use")
         if self.api_key and self.api_key_file:
             raise ValueError("give --api-key or --api-key-file, not both")
         if self.admin_api_key and self.admin_api_key_file:

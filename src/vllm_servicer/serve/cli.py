@@ -1,10 +1,12 @@
 """The process entry: `python -m vllm_servicer serve [vLLM engine flags]`.
 
 Parses the command line (`args.py`), sets up logging, then hands the process
-to one of the two launchers below it, as vLLM's `vllm serve` hands its
-process to one API server or to several: `launcher.py` serves in this
-process; with `--api-server-count` above 1, `api_servers.py` starts the
-engine and that many serving processes. Nothing below imports this module.
+to one of the launchers below it, as vLLM's `vllm serve` hands its
+process to one API server, to several, or to a headless node's engines:
+`launcher.py` serves in this process; with `--api-server-count` above 1,
+`api_servers.py` starts the engine and that many serving processes; with
+`--headless`, `headless.py` starts this node's engines for a head
+elsewhere. Nothing below imports this module.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import NoReturn
 
 from .api_servers import serve_frontends
 from .args import parse_args
+from .headless import serve_headless
 from .kv_publisher import warn_if_publisher_exposed
 from .launcher import serve
 from .process import configure_logging, end_process, run_until_done
@@ -30,6 +33,8 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     args = parse_args(argv)
     configure_logging(args)
     warn_if_publisher_exposed(args.engine)
+    if args.headless:
+        end_process(serve_headless(args))
     if args.api_server_count > 1:
         end_process(serve_frontends(args))
     end_process(run_until_done(serve(args)))

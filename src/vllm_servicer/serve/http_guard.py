@@ -19,7 +19,9 @@ Each request's prompt is salted for its tenant's part of the prefix cache
 generation's sampling parameters meet the per-request budgets the gRPC
 protocols check on their own messages (the stop strings, vLLM having parsed
 `stop` of completions and chat alike; `n` against `--max-n`), before the
-engine sees them.
+engine sees them. A rank pinned by `X-data-parallel-rank` is a global rank,
+as the gRPC protocols' pins are (`ranks.py`): translated for the engine, and
+a 400 naming the ranks served when this server does not serve it.
 
 Refusals take vLLM's own error mapping: an id another caller runs is a
 `GracefulHTTPError` with 409 Conflict (gRPC's ALREADY_EXISTS), the in-flight
@@ -46,6 +48,7 @@ from ..context import Identity, current_identity, may_route
 from ..errors import ROUTER_ROLE_HINT, InvalidRequestError, RequestIdInUseError, TableFullError
 from ..guard import EngineGuard, ServerBusyError
 from ..prefix_cache import salted
+from ..ranks import engine_index, engine_index_if_served
 
 __all__ = ["HTTP_CALLER", "GuardedEngine"]
 
@@ -60,6 +63,9 @@ class RequestIdConflictError(GracefulHTTPError):
     def __init__(self, message: str) -> None:
         super().__init__(message, HTTPStatus.CONFLICT)
 
+
+# The header vLLM's routes read a pinned data-parallel rank from.
+RANK_HEADER = "X-data-parallel-rank"
 
 # What vLLM's routes hand the engine for its connectors (KV, encoder cache).
 _ROUTING_FIELDS = ("kv_transfer_params", "ec_transfer_params")
@@ -170,6 +176,10 @@ class GuardedEngine:
             # (Beam search never comes here with its width: vLLM runs each
             # beam as a generation of its own, each taking its own slot.)
             self._budgets.check_n("n", getattr(sampling_params, "n", None) or 1)
+            # A pinned rank is a global one, as the gRPC protocols take it (`ranks.py`).
+            rank = kwargs.get("data_parallel_rank")
+            if rank is not None:
+                kwargs["data_parallel_rank"] = engine_index(self._engine, rank, RANK_HEADER)
         # vLLM hands the rendered prompt with the body's `cache_salt` in it.
         prompt = salted(prompt, self._shared_cache)
         start = functools.partial(
@@ -192,6 +202,9 @@ class GuardedEngine:
         """vLLM tells the connector of a request refused before the engine ran it;
         a tenant's parameters were refused here, so there is nothing to tell (the
         connector would act on what the tenant wrote)."""
+        if "data_parallel_rank" in kwargs:
+            rank = kwargs["data_parallel_rank"]
+            kwargs["data_parallel_rank"] = engine_index_if_served(self._engine, rank)
         if may_route(self._routing_open):
             await self._engine.notify_kv_transfer_request_rejected(
                 request_id, kv_transfer_params, *args, **kwargs

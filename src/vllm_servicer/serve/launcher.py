@@ -44,6 +44,7 @@ from .peers import Peers, start_peers
 from .preflight import addresses_usable
 from .probe_port import start_probe_port
 from .process import EXIT_FAILED, EXIT_STOPPED
+from .remote_engines import watch_remote_engines
 from .stack import build_interceptors, http_verifier, key_verifier
 
 if TYPE_CHECKING:
@@ -342,10 +343,13 @@ async def _serve_until_stopped(
 ) -> int:
     """Serve until a stop request or the engine's death, then drain; the exit code."""
     watchdog = asyncio.ensure_future(stop_when_engine_dies(engine, shutdown.request_stop, group))
+    # Engines on other nodes: one that stops answering counts as the engine's death.
+    remote = asyncio.ensure_future(watch_remote_engines(engine))
     await shutdown.wait_for_stop_request()
     # Died first, or stopped by a signal (that may reach the engine's processes too).
     died = watchdog.done() and not watchdog.cancelled() and watchdog.result()
     watchdog.cancel()
+    remote.cancel()
     await shutdown.run()
     return EXIT_FAILED if died else EXIT_STOPPED
 

@@ -33,6 +33,7 @@ from ..multimodal import inference_media
 from ..multimodal.decoded import RequestMedia
 from ..proto import INFERENCE_SERVICE, inference_pb2_grpc
 from ..proto import inference_pb2 as pb
+from ..ranks import engine_index
 from ..wire import fields
 from ..wire import inference as wire
 from ..wire.usage import RequestSummary
@@ -186,7 +187,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         kwargs: dict[str, Any] = {}
         rank = data_parallel_rank(context)
         if rank is not None:
-            kwargs["data_parallel_rank"] = rank
+            kwargs["data_parallel_rank"] = engine_index(
+                self._engine, rank, DATA_PARALLEL_RANK_HEADER
+            )
         extra_args, kv_transfer = self._transfer_params(request.kv)
         sampling = wire.sampling_params_from_request(
             request, stream=stream, defaults=self._defaults, extra_args=extra_args
@@ -219,7 +222,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         if adapter.request is not None:
             kwargs["lora_request"] = adapter.request
         # The KV connector is told of a failure from here on (the engine's).
-        frame.kv_transfer, frame.rank = kv_transfer, rank
+        frame.kv_transfer, frame.rank = kv_transfer, kwargs.get("data_parallel_rank")
         return EngineCall(prompt, sampling, kwargs, builder, adapter)
 
     def _released_fields(

@@ -34,6 +34,7 @@ from ..errors import (
 from ..multimodal import tensors as mm_tensors
 from ..proto import VLLM_ENGINE_SERVICE, common_pb2, vllm_engine_pb2_grpc
 from ..proto import vllm_engine_pb2 as pb
+from ..ranks import engine_index, engine_index_if_served
 from ..wire import fields
 from ..wire import vllm_engine as wire
 from ..wire.usage import RequestSummary
@@ -215,9 +216,12 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         steps = self._steps
         fields.refuse_unserved(VLLM_ENGINE_SERVICE, "Generate", request)
         kv_transfer = wire.kv_transfer_params(request)
+        # A pin names a global rank (`ranks.py`); the engine takes its own index.
         rank = request.data_parallel_rank if request.HasField("data_parallel_rank") else None
         # The KV connector is told of a failure from here on.
-        frame.kv_transfer, frame.rank = kv_transfer, rank
+        frame.kv_transfer, frame.rank = kv_transfer, engine_index_if_served(self._engine, rank)
+        if rank is not None:
+            rank = engine_index(self._engine, rank)
         params = request.sampling_params
         self._check_budgets(params)
         if kv_transfer is not None:

@@ -1,0 +1,229 @@
+"""A head launcher and a headless node (`serve --headless`), two nodes on one machine.
+
+The head serves two data-parallel ranks (`--data-parallel-size 2
+--data-parallel-size-local 1`): rank 0 its own engine, rank 1 the headless
+node's, which registers with the head at `--data-parallel-address`:
+`--data-parallel-rpc-port`. Calls pinned to either rank run there (GetLoads
+shows them); the headless node binds no port. When its engine dies, the node
+exits 1 (a supervisor restarts it), and the head, whose question the engine
+no longer answers, ends the call pinned to it UNAVAILABLE and exits 1. The
+layout is started once for the module; the engine's death is its last test.
+A headless node alone shows the stop: SIGTERM ends it and its engines with 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import os
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from support import collect, free_port, request
+from support.launcher import (
+    START_TIMEOUT,
+    Launched,
+    children,
+    drain_output,
+    exit_code,
+    gone,
+    launch,
+    launcher_env,
+    named,
+    spawn,
+    stop_launched,
+    wait_for_line,
+)
+
+from vllm_servicer.proto import vllm_engine_pb2 as pb
+from vllm_servicer.proto import vllm_engine_pb2_grpc
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(2 * START_TIMEOUT + 300)]
+
+
+class TwoNodes:
+    """The head launcher and the headless node's process (its output kept)."""
+
+    def __init__(self, head: Launched, node: asyncio.subprocess.Process) -> None:
+        self.head = head
+        self.node = node
+        self.node_output: list[str] = []
+        self.reader: asyncio.Future[None] | None = None
+
+
+def _dp_flags(rpc_port: int) -> list[str]:
+    return [
+        "--data-parallel-size",
+        "2",
+        "--data-parallel-size-local",
+        "1",
+        "--data-parallel-address",
+        "127.0.0.1",
+        "--data-parallel-rpc-port",
+        str(rpc_port),
+    ]
+
+
+@pytest.fixture(scope="module")
+async def nodes(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[TwoNodes]:
+    env = launcher_env(
+        tmp_path_factory.mktemp("cache"),
+        VLLM_CPU_OMP_THREADS_BIND="nobind",
+        VLLM_CPU_KVCACHE_SPACE="1",
+    )
+    port = free_port()
+    node = await spawn(
+        "-m",
+        "vllm_servicer",
+        "serve",
+        "--headless",
+        "--data-parallel-start-rank",
+        "1",
+        *_dp_flags(port),
+        env=env,
+    )
+    head: Launched | None = None
+    try:
+        await wait_for_line(node, r"vllm-servicer headless: rank 1 started for the head at")
+        both = TwoNodes(await launch(*_dp_flags(port), env=env), node)
+        head = both.head
+        tail: Any = both.node_output
+        both.reader = asyncio.ensure_future(_keep(node, tail))
+        yield both
+    finally:
+        if head is not None:
+            with contextlib.suppress(TimeoutError):
+                await stop_launched(head, expect=None)
+        if node.returncode is None:
+            node.kill()
+            await node.wait()
+
+
+async def _keep(proc: asyncio.subprocess.Process, lines: list[str]) -> None:
+    tail: collections.deque[str] = collections.deque(maxlen=400)
+    try:
+        await drain_output(proc, tail)
+    finally:
+        lines.extend(tail)
+
+
+def _pinned(rank: int, **sampling: Any) -> pb.GenerateRequest:
+    message = request(**sampling)
+    message.data_parallel_rank = rank
+    return message
+
+
+async def _running(stub: Any, rank: int) -> int:
+    loads = await stub.GetLoads(pb.GetLoadsRequest(dp_rank=rank))
+    return loads.loads[0].num_running_reqs if loads.loads else -1
+
+
+async def _until_running(stub: Any, rank: int, wanted: int, timeout: float = 30) -> int:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while (running := await _running(stub, rank)) != wanted and loop.time() < deadline:  # noqa: ASYNC110 - GetLoads has no event to wait on
+        await asyncio.sleep(0.2)
+    return running
+
+
+async def test_a_headless_node_stops_with_0_on_sigterm(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """No head needed: its engines wait for one, and a stop signal ends them and the node."""
+    env = launcher_env(tmp_path_factory.mktemp("alone"), VLLM_CPU_KVCACHE_SPACE="1")
+    node = await spawn(
+        "-m",
+        "vllm_servicer",
+        "serve",
+        "--headless",
+        "--data-parallel-start-rank",
+        "1",
+        *_dp_flags(free_port()),
+        env=env,
+    )
+    try:
+        await wait_for_line(node, r"vllm-servicer headless: rank 1 started")
+        reader = asyncio.ensure_future(drain_output(node))
+        started = children(node.pid)
+        assert started, "no engine process under the headless node"
+        node.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(exit_code(node), 90) == 0
+        reader.cancel()
+        # Its engines went with it.
+        assert not await gone(started, 30)
+    finally:
+        if node.returncode is None:
+            node.kill()
+            await node.wait()
+
+
+@pytest.mark.parametrize("rank", [1, 0])
+async def test_a_call_pinned_to_a_rank_runs_on_its_node(nodes: TwoNodes, rank: int) -> None:
+    async with grpc.aio.insecure_channel(nodes.head.address) as channel:
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+        loads = await stub.GetLoads(pb.GetLoadsRequest())
+        assert loads.dp_rank_count == 2
+        done = await collect(stub.Generate(_pinned(rank, max_tokens=4), timeout=60))
+        assert done[-1].complete.completion_tokens == 4
+        stream = stub.Generate(
+            _pinned(rank, max_tokens=400, ignore_eos=True, stream=True), timeout=120
+        )
+        try:
+            assert (await stream.read()).WhichOneof("response") == "chunk"
+            assert await _until_running(stub, rank, 1) == 1
+            assert await _running(stub, 1 - rank) in (-1, 0)
+        finally:
+            stream.cancel()
+        assert await _until_running(stub, rank, 0) == 0
+
+
+async def test_the_headless_node_binds_no_port(nodes: TwoNodes) -> None:
+    assert not _listening(nodes.node.pid)
+
+
+def _listening(pid: int) -> set[int]:
+    """The inodes of the sockets process `pid` listens on (TCP)."""
+    listening = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A":  # LISTEN
+                listening.add(int(fields[9]))
+    sockets = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                sockets.add(int(target[8:-1]))
+    return sockets & listening
+
+
+async def test_a_dead_remote_engine_ends_the_node_and_the_head(nodes: TwoNodes) -> None:
+    engines = [pid for pid, line in named(children(nodes.node.pid)).items() if "EngineCore" in line]
+    assert engines, "no engine process under the headless node"
+    async with grpc.aio.insecure_channel(nodes.head.address) as channel:
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+        stream = stub.Generate(
+            _pinned(1, max_tokens=400, ignore_eos=True, stream=True), timeout=120
+        )
+        assert (await stream.read()).WhichOneof("response") == "chunk"
+        killed = asyncio.get_running_loop().time()
+        for pid in engines:
+            os.kill(pid, signal.SIGKILL)
+        # The headless node exits non-zero, for its supervisor to restart it.
+        code = await asyncio.wait_for(exit_code(nodes.node), 60)
+        assert code == 1, "".join(nodes.node_output)
+        # The head counts the silent engine dead: the pinned stream ends
+        # UNAVAILABLE, long before its deadline, and the head stops with 1.
+        with pytest.raises(grpc.aio.AioRpcError) as ended:
+            while await stream.read() is not grpc.aio.EOF:
+                pass
+        assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert asyncio.get_running_loop().time() - killed < 60
+    assert await asyncio.wait_for(exit_code(nodes.head.proc), 90) == 1
+    assert any("did not answer" in line for line in nodes.head.output)

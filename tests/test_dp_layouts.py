@@ -1,0 +1,249 @@
+"""vLLM's data-parallel layouts with a launcher per node or rank, on the real engine.
+
+Two launchers as users start them on one machine, sharing vLLM's own
+coordination (`--data-parallel-address`, `--data-parallel-rpc-port`):
+
+- hybrid: a launcher per node, four ranks, two each (`--data-parallel-size 4
+  --data-parallel-size-local 2 --data-parallel-start-rank 0|2`; any model);
+- external: a launcher per rank (`--data-parallel-size 2
+  --data-parallel-rank 0|1`); vLLM takes it only for a mixture-of-experts
+  model, and the tiny Llama's config here declares experts, which sends it
+  down the whole external path.
+
+A router pins a call by the rank GetLoads names (the global one); vLLM's
+`AsyncLLM` takes an index among the frontend's own engines, which the
+launcher translates (`ranks.py`). Each layout is started once, its launchers
+together; the ranks share the two cores (`VLLM_CPU_OMP_THREADS_BIND=nobind`,
+a small KV cache each).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from support import collect, free_port, request
+from support.launcher import START_TIMEOUT, Launched, launch, launcher_env, stop_launched
+
+from vllm_servicer.proto import inference_pb2, inference_pb2_grpc, vllm_engine_pb2_grpc
+from vllm_servicer.proto import vllm_engine_pb2 as pb
+from vllm_servicer.testing.tiny_model import tiny_engine_flags, write_tiny_model
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(2 * START_TIMEOUT + 300)]
+
+LAYOUTS: dict[str, tuple[range, range]] = {
+    # Four ranks, two per launcher (a launcher of one rank would be the external layout).
+    "hybrid": (range(0, 2), range(2, 4)),
+    "external": (range(0, 1), range(1, 2)),
+}
+"""Each layout's launchers, by the ranks each serves."""
+
+
+class Node:
+    """A launcher and the ranks it serves."""
+
+    def __init__(self, launched: Launched, ranks: range) -> None:
+        self.launched = launched
+        self.ranks = ranks
+
+
+def _experts_model(directory: Path) -> Path:
+    """The tiny Llama, its config declaring experts (vLLM then counts it a MoE model)."""
+    model = write_tiny_model(directory)
+    config_path = model / "config.json"
+    config = json.loads(config_path.read_text())
+    config.update(num_local_experts=2, num_experts_per_tok=1)
+    config_path.write_text(json.dumps(config))
+    return model
+
+
+def _flags(layout: str, ranks: range, size: int, rpc_port: int, model: Path | None) -> list[str]:
+    flags = [
+        "--data-parallel-size",
+        str(size),
+        "--data-parallel-address",
+        "127.0.0.1",
+        "--data-parallel-rpc-port",
+        str(rpc_port),
+    ]
+    if layout == "hybrid":
+        flags += ["--data-parallel-size-local", str(len(ranks))]
+        flags += ["--data-parallel-start-rank", str(ranks.start)]
+    else:
+        flags += ["--data-parallel-rank", str(ranks.start)]
+    if model is not None:
+        flags += ["--model", str(model), *tiny_engine_flags()]
+    return flags
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+async def nodes(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[list[Node]]:
+    """The layout's launchers, in rank order, started together."""
+    layout = request.param
+    env = launcher_env(
+        tmp_path_factory.mktemp("cache"),
+        VLLM_CPU_OMP_THREADS_BIND="nobind",
+        VLLM_CPU_KVCACHE_SPACE="1",
+    )
+    model = None
+    if layout == "external":
+        model = _experts_model(tmp_path_factory.mktemp("moe") / "model")
+    served_ranks = LAYOUTS[layout]
+    size = sum(len(r) for r in served_ranks)
+    port = free_port()
+    started = await asyncio.gather(
+        *(launch(*_flags(layout, r, size, port, model), env=env) for r in served_ranks),
+        return_exceptions=True,
+    )
+    served = [s for s in started if isinstance(s, Launched)]
+    try:
+        for failed in started:
+            if isinstance(failed, BaseException):
+                raise failed
+        yield [Node(s, r) for s, r in zip(served, served_ranks, strict=True)]
+    finally:
+        # The first launcher's last: it runs the coordinator the others use.
+        for launched in reversed(served):
+            await stop_launched(launched, expect=None)
+
+
+@contextlib.asynccontextmanager
+async def _channel(launched: Launched) -> AsyncIterator[grpc.aio.Channel]:
+    channel = grpc.aio.insecure_channel(launched.address)
+    try:
+        yield channel
+    finally:
+        await channel.close()
+
+
+def _pinned(rank: int, **sampling: Any) -> pb.GenerateRequest:
+    message = request(**sampling)
+    message.data_parallel_rank = rank
+    return message
+
+
+async def _running(stub: Any, rank: int) -> int:
+    """The running requests GetLoads reports for `rank` (-1: no figures yet)."""
+    loads = await stub.GetLoads(pb.GetLoadsRequest(dp_rank=rank))
+    return loads.loads[0].num_running_reqs if loads.loads else -1
+
+
+async def _until_running(stub: Any, rank: int, wanted: int, timeout: float = 30) -> int:
+    deadline = asyncio.get_running_loop().time() + timeout
+    running = await _running(stub, rank)
+    while running != wanted and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.2)
+        running = await _running(stub, rank)
+    return running
+
+
+def _describe(ranks: range) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]}"
+
+
+@pytest.mark.parametrize("node", [0, 1])
+async def test_a_call_pinned_by_its_global_rank_runs_on_that_rank(
+    nodes: list[Node], node: int
+) -> None:
+    served = nodes[node]
+    async with _channel(served.launched) as channel:
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+        # The launcher names its ranks globally, as vLLM's metrics do.
+        loads = await stub.GetLoads(pb.GetLoadsRequest())
+        assert loads.dp_rank_count == len(served.ranks)
+        assert {load.dp_rank for load in loads.loads} <= set(served.ranks)
+        for rank in served.ranks:
+            done = await collect(stub.Generate(_pinned(rank, max_tokens=4), timeout=60))
+            assert done[-1].complete.completion_tokens == 4
+        # A long stream pinned to a rank is what GetLoads shows running there, and
+        # nowhere else.
+        for rank in served.ranks:
+            stream = stub.Generate(
+                _pinned(rank, max_tokens=400, ignore_eos=True, stream=True), timeout=120
+            )
+            try:
+                assert (await stream.read()).WhichOneof("response") == "chunk"
+                assert await _until_running(stub, rank, 1) == 1
+                for other in served.ranks:
+                    if other != rank:
+                        assert await _running(stub, other) in (-1, 0)
+            finally:
+                stream.cancel()
+            assert await _until_running(stub, rank, 0) == 0
+
+
+@pytest.mark.parametrize("node", [0, 1])
+async def test_a_rank_another_launcher_serves_is_refused_naming_this_ones(
+    nodes: list[Node], node: int
+) -> None:
+    served, elsewhere = nodes[node], nodes[1 - node]
+    other = elsewhere.ranks[-1]
+    expected = f"rank {other} is not served here: this server serves {_describe(served.ranks)}"
+    async with _channel(served.launched) as channel:
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await collect(stub.Generate(_pinned(other), timeout=60))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert refused.value.details() == f"data_parallel_rank: {expected}"
+        inference = inference_pb2_grpc.InferenceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await inference.Generate(
+                _inference_request(), metadata=(("x-data-parallel-rank", str(other)),), timeout=60
+            )
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert refused.value.details() == f"x-data-parallel-rank: {expected}"
+
+
+def _inference_request(max_new_tokens: int = 4, **fields: Any) -> inference_pb2.GenerateRequest:
+    return inference_pb2.GenerateRequest(
+        token_ids=inference_pb2.TokenIds(ids=[5, 17, 42, 99]),
+        temperature=0.0,
+        stopping=inference_pb2.StoppingCriteria(max_new_tokens=max_new_tokens, ignore_eos=True),
+        **fields,
+    )
+
+
+@pytest.mark.parametrize("node", [0, 1])
+async def test_vllm_inference_pins_by_the_global_rank(nodes: list[Node], node: int) -> None:
+    served = nodes[node]
+    async with _channel(served.launched) as channel:
+        inference = inference_pb2_grpc.InferenceStub(channel)
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+        rank = served.ranks[-1]
+        call = inference.GenerateStream(
+            _inference_request(400),
+            metadata=(("x-data-parallel-rank", str(rank)),),
+            timeout=120,
+        )
+        try:
+            await call.read()
+            assert await _until_running(stub, rank, 1) == 1
+        finally:
+            call.cancel()
+        assert await _until_running(stub, rank, 0) == 0
+
+
+async def test_abort_ends_a_stream_pinned_to_a_rank_of_the_second_launcher(
+    nodes: list[Node],
+) -> None:
+    served = nodes[1]
+    rank = served.ranks[-1]
+    async with _channel(served.launched) as channel:
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+        message = _pinned(rank, max_tokens=400, ignore_eos=True, stream=True, request_id="pinned")
+        stream = stub.Generate(message, timeout=120)
+        assert (await stream.read()).WhichOneof("response") == "chunk"
+        await stub.Abort(pb.AbortRequest(request_ids=["pinned"]), timeout=30)
+        rest = []
+        while (message := await stream.read()) is not grpc.aio.EOF:
+            rest.append(message)
+        assert rest[-1].complete.finish_reason == "abort"
+        assert await _until_running(stub, rank, 0) == 0
