@@ -226,6 +226,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "budgets",
         "load_report",
         "load_reports",
+        "ranks",
         "shares",
         "prefix_cache",
     ),
