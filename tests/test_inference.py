@@ -1017,6 +1017,7 @@ async def test_a_burst_through_the_launchers_full_stack_all_completes(
     stack the launcher builds with tracing on (tracing, metrics, auth, the keyed call
     slots, the in-flight limit, in its order): every one completes, and nothing stays
     in flight."""
+    from vllm_servicer.engine import served_model_name
     from vllm_servicer.interceptors import (
         AuthInterceptor,
         InflightInterceptor,
@@ -1031,7 +1032,8 @@ async def test_a_burst_through_the_launchers_full_stack_all_completes(
     # Spans go to an OTLP exporter as in production; nothing listens on port 9.
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")
     argv = ["serve", "--model", "m", "--api-key", key, "--metrics-port", "0"]
-    stack, metrics = build_interceptors(parse_args(argv))
+    # As the launcher builds it: the model name is the engine's.
+    stack, metrics = build_interceptors(parse_args(argv), model=served_model_name(engine))
     assert metrics is not None
     kinds = [type(i) for i in stack]
     assert kinds == [
@@ -1068,6 +1070,6 @@ async def test_a_burst_through_the_launchers_full_stack_all_completes(
         assert await asyncio.gather(*(one(i) for i in range(300))) == [8] * 300
         assert served.mounted.inflight.limited_total == 0
         # Both protocols' tokens are counted (from the usage record each servicer keeps).
-        generated = metrics.generation_tokens.labels("m")._value.get()
+        generated = metrics.generation_tokens.labels(served_model_name(engine))._value.get()
         assert generated == 300 * 8
     await wait_until_idle(engine)
