@@ -224,7 +224,6 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "_registration",
         "frontends",
         "budgets",
-        "load_report",
         "load_reports",
         "ranks",
         "shares",

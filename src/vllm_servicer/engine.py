@@ -147,7 +147,7 @@ class EngineClient(Protocol):
     # ----- present, but varying by vLLM release or engine configuration ----
 
     # vllm.v1.metrics.loggers.StatLoggerManager, or None when the engine
-    # collects no stats (--disable-log-stats): `loads.attach` handles None.
+    # collects no stats (--disable-log-stats): `stats_tap.attach` handles None.
     logger_manager: Any
 
     async def start_profile(self, profile_prefix: str | None = None) -> None:

@@ -45,7 +45,7 @@ from ._call import Call, ReadDeadline
 from ._wrapping import HandlerCache, Layers, Segment, wrap
 
 if TYPE_CHECKING:
-    from ..load_report import LoadReporter
+    from ..load_reports.report import LoadReporter
     from .inflight import InflightInterceptor
 
 logger = logging.getLogger("vllm_servicer.interceptors")

@@ -41,7 +41,7 @@ from ._base import CallInterceptor, MethodFilter, MountContext, all_methods
 from ._call import Call
 
 if TYPE_CHECKING:
-    from ..load_report import LoadReporter
+    from ..load_reports.report import LoadReporter
     from .inflight import InflightInterceptor
 
 GRPC_TYPES = {

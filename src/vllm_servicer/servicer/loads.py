@@ -20,11 +20,10 @@ import vllm
 
 from ..engine import EngineClient
 from ..errors import InvalidRequestError
-from ..load_reports.stats_tap import RankWindow, SchedulerStatsTap, attach, managed_ranks
+from ..load_reports.stats_tap import RankWindow, SchedulerStatsTap, managed_ranks
 from ..proto import vllm_engine_pb2 as pb
 
-# `attach` is named here for the VllmEngine servicer, which attaches the tap it reads.
-__all__ = ["MISSING_RANKS_KEY", "VLLM_VERSION", "LoadReport", "attach", "load_report"]
+__all__ = ["MISSING_RANKS_KEY", "VLLM_VERSION", "LoadReport", "load_report"]
 
 VLLM_VERSION: str = getattr(vllm, "__version__", "")
 # Trailing-metadata key listing the ranks GetLoads had no figures for.

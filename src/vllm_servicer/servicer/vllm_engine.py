@@ -31,6 +31,7 @@ from ..errors import (
     UnimplementedFieldError,
     UnsupportedError,
 )
+from ..load_reports import stats_tap
 from ..multimodal import tensors as mm_tensors
 from ..proto import VLLM_ENGINE_SERVICE, common_pb2, vllm_engine_pb2_grpc
 from ..proto import vllm_engine_pb2 as pb
@@ -85,7 +86,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self._model_info: pb.GetModelInfoResponse | None = None
         self._supported_tasks: tuple[str, ...] | None = None
         # Reads the engine's own per-step scheduler stats for GetLoads.
-        self._stats_tap = loads.attach(engine)
+        self._stats_tap = stats_tap.attach(engine)
         self._tokenizer_bundle: TokenizerBundle | None = None
         self._reported_missing: frozenset[int] = frozenset()
 
