@@ -45,7 +45,12 @@ serve: setup
 WORKERS ?= 2
 PARALLEL = $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadfile)
 test: setup system-deps
-	$(PY) -m pytest -m "not bench" $(PARALLEL) --durations=30 $(ARGS)
+	$(PY) -m pytest -m "not bench and not data_parallel" $(PARALLEL) --durations=30 $(ARGS)
+
+# vLLM's data-parallel layouts (several engine cores each), one test at a time.
+.PHONY: test-dp
+test-dp: setup system-deps
+	$(PY) -m pytest -m data_parallel --durations=10 $(ARGS)
 
 # The edit-test loop: every test that starts no engine nor launcher (minutes).
 test-fast: setup

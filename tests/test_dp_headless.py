@@ -43,7 +43,13 @@ from support.launcher import (
 from vllm_servicer.proto import vllm_engine_pb2 as pb
 from vllm_servicer.proto import vllm_engine_pb2_grpc
 
-pytestmark = [pytest.mark.engine, pytest.mark.timeout(2 * START_TIMEOUT + 300)]
+# Several engine cores per layout: run apart from the suite's other worker
+# (make test-dp), where they have the machine's cores to themselves.
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.data_parallel,
+    pytest.mark.timeout(2 * START_TIMEOUT + 300),
+]
 
 
 class TwoNodes:

@@ -35,7 +35,13 @@ from vllm_servicer.proto import inference_pb2, inference_pb2_grpc, vllm_engine_p
 from vllm_servicer.proto import vllm_engine_pb2 as pb
 from vllm_servicer.testing.tiny_model import tiny_engine_flags, write_tiny_model
 
-pytestmark = [pytest.mark.engine, pytest.mark.timeout(2 * START_TIMEOUT + 300)]
+# Several engine cores per layout: run apart from the suite's other worker
+# (make test-dp), where they have the machine's cores to themselves.
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.data_parallel,
+    pytest.mark.timeout(2 * START_TIMEOUT + 300),
+]
 
 LAYOUTS: dict[str, tuple[range, range]] = {
     # Four ranks, two per launcher (a launcher of one rank would be the external layout).
