@@ -20,13 +20,10 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import html.parser
 import re
 import subprocess
 import sys
 import tempfile
-import urllib.parse
-import urllib.request
 import zipfile
 from pathlib import Path
 
@@ -43,18 +40,9 @@ REFERENCE = fetch_vllm.DEFAULT_DEST
 
 def released_versions(index: str, project: str) -> list[Version]:
     """The final releases of `project` on one simple index (sdists and wheels)."""
-    page = f"{index}/{project}/"
-    address = page + "index.html" if page.startswith("file:") else page
-    try:
-        with urllib.request.urlopen(address, timeout=60) as response:  # noqa: S310 - pip's index
-            text = response.read().decode("utf-8", "replace")
-    except (OSError, ValueError):
-        return []
-    links = _Names()
-    links.feed(text)
     stem = project.replace("-", "[-_]")
     found = set()
-    for name in links.names:
+    for name in fetch_vllm.project_files(index, project):
         match = re.match(rf"{stem}-([^-]+?)(?:\.tar\.gz|-.*\.whl)$", name, re.I)
         if match:
             try:
@@ -64,17 +52,6 @@ def released_versions(index: str, project: str) -> list[Version]:
             if not version.is_prerelease and not version.is_devrelease:
                 found.add(version)
     return sorted(found)
-
-
-class _Names(html.parser.HTMLParser):
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
-
-    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
-        href = dict(attrs).get("href") if tag == "a" else None
-        if href:
-            self.names.append(urllib.parse.unquote(href.split("#")[0].rsplit("/", 1)[-1]))
 
 
 def fetch_schema(indexes: list[str], version: str, dest: Path) -> Path:

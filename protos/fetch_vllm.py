@@ -95,24 +95,33 @@ class _Links(html.parser.HTMLParser):
                 self.hrefs.append(href)
 
 
-def sdist_url(index: str, version: str) -> str | None:
-    """The address of `vllm-VERSION.tar.gz` on one simple index (None: not there)."""
-    page = f"{index}/vllm/"
+def project_files(index: str, project: str) -> dict[str, str]:
+    """Each file of `project` on one simple index: its name, and its address
+    (with the index's `#sha256=` fragment). Empty when the index has no page."""
+    page = f"{index}/{project}/"
     # A file-based index is directories with an index.html each, as pip reads them.
     address = page + "index.html" if page.startswith("file:") else page
     try:
         with urllib.request.urlopen(address, timeout=60) as response:  # noqa: S310 - pip's index
             text = response.read().decode("utf-8", "replace")
     except (OSError, ValueError):
-        return None
+        return {}
     links = _Links()
     links.feed(text)
+    return {
+        urllib.parse.unquote(href.split("#")[0].rsplit("/", 1)[-1]): urllib.parse.urljoin(
+            page, href
+        )
+        for href in links.hrefs
+    }
+
+
+def sdist_url(index: str, version: str) -> str | None:
+    """The address of `vllm-VERSION.tar.gz` on one simple index (None: not there)."""
     wanted = f"vllm-{version}.tar.gz"
-    for href in links.hrefs:
-        name = urllib.parse.unquote(href.split("#")[0].rsplit("/", 1)[-1])
-        if name.lower() == wanted:
-            return urllib.parse.urljoin(page, href)
-    return None
+    return next(
+        (url for name, url in project_files(index, "vllm").items() if name.lower() == wanted), None
+    )
 
 
 def download(url: str, into: Path) -> Path:
