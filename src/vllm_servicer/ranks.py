@@ -87,10 +87,10 @@ def engine_index_if_served(engine: Any, rank: int | None) -> int | None:
     For notices that go to whichever engine is at hand when the pin was bad
     (a KV connector told of a request refused before any engine ran it).
     """
-    ranks = served_ranks(engine)
-    if rank is None or rank not in ranks:
+    if rank is None:  # every unpinned call: no read of the configuration
         return None
-    return rank - ranks.start
+    ranks = served_ranks(engine)
+    return rank - ranks.start if rank in ranks else None
 
 
 def _int(config: Any, name: str, default: int) -> int:
