@@ -37,7 +37,7 @@ import asyncio
 import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import grpc
 
@@ -51,9 +51,6 @@ from ._call import (
     ended_code,
     pending_read_of_this_call,
 )
-
-if TYPE_CHECKING:
-    from ._base import CallInterceptor
 
 logger = logging.getLogger("vllm_servicer.interceptors")
 
@@ -247,12 +244,30 @@ def _read_deadline(segments: Sequence[Segment], method: str) -> ReadDeadline | N
     return min(found, key=lambda d: d.seconds) if found else None
 
 
+class Hooks(Protocol):
+    """What the wrapper uses of an interceptor of a run (a `CallInterceptor`):
+    its hooks, which of them it overrides, and its questions."""
+
+    has_admit_hook: bool
+    has_request_hook: bool
+    has_response_hook: bool
+    fails_closed: bool
+
+    async def on_admit(self, method: str, metadata: Any, context: Any) -> None: ...
+    async def on_start(self, call: Call) -> None: ...
+    def on_request(self, call: Call, message: Any) -> None: ...
+    def on_response(self, call: Call, message: Any) -> None: ...
+    def reads_responses(self, call: Call) -> bool: ...
+    def finish(self, call: Call, code: grpc.StatusCode) -> None: ...
+    def read_deadline(self, method: str) -> ReadDeadline | None: ...
+
+
 class Layers:
     """The `CallInterceptor`s of one run that apply to one method, and their hooks."""
 
     __slots__ = ("interceptors", "request_hooks", "response_hooks")
 
-    def __init__(self, interceptors: Sequence[CallInterceptor]) -> None:
+    def __init__(self, interceptors: Sequence[Hooks]) -> None:
         self.interceptors = tuple(interceptors)
         self.request_hooks = tuple(i for i in self.interceptors if i.has_request_hook)
         self.response_hooks = tuple(i for i in self.interceptors if i.has_response_hook)
@@ -345,7 +360,7 @@ class _HookedContext:
 
 
 async def _admit(
-    layers: Sequence[CallInterceptor], method: str, metadata: Any, context: Any
+    layers: Sequence[Hooks], method: str, metadata: Any, context: Any
 ) -> tuple[int, Refusal | None]:
     """How many interceptors take part in the call, and the refusal that cut it short."""
     for index, interceptor in enumerate(layers):
@@ -387,7 +402,7 @@ def _fused(
         streams_responses and response_hooked
     )
 
-    async def begin(context: Any, started: list[tuple[CallInterceptor, Call]]) -> None:
+    async def begin(context: Any, started: list[tuple[Hooks, Call]]) -> None:
         """Admit and start the call, filling `started`; abort if it is refused."""
         metadata = context.invocation_metadata()
         cut, refusal = await _admit(interceptors, method, metadata, context)
@@ -399,7 +414,7 @@ def _fused(
             await refusal.abort(context, method)
 
     async def prepare(
-        request: Any, context: Any, started: list[tuple[CallInterceptor, Call]]
+        request: Any, context: Any, started: list[tuple[Hooks, Call]]
     ) -> tuple[Any, Any]:
         """The request and the context the handler gets."""
         if reads_request:
@@ -432,7 +447,7 @@ def _fused(
         await errors(context, error, method)
         raise error  # pragma: no cover - the error layer aborts
 
-    def finish(started: list[tuple[CallInterceptor, Call]], context: Any, exc: Any) -> None:
+    def finish(started: list[tuple[Hooks, Call]], context: Any, exc: Any) -> None:
         if not started:
             return
         code = ended_code(context, exc, started[0][1].started)
@@ -443,7 +458,7 @@ def _fused(
 
         async def unary_response(request: Any, context: Any) -> Any:
             exc: BaseException | None = None
-            started: list[tuple[CallInterceptor, Call]] = []
+            started: list[tuple[Hooks, Call]] = []
             try:
                 await begin(context, started)
                 request, inner = await prepare(request, context, started)
@@ -466,7 +481,7 @@ def _fused(
 
     async def streaming_response(request: Any, context: Any) -> AsyncIterator[Any]:
         exc: BaseException | None = None
-        started: list[tuple[CallInterceptor, Call]] = []
+        started: list[tuple[Hooks, Call]] = []
         result: Any = None
         try:
             await begin(context, started)
@@ -574,7 +589,7 @@ def _relay(interceptor: grpc.aio.ServerInterceptor, inner: Any, method: str, kin
     return _registered(kind, method, kind, streaming_response, inner, inner.request_deserializer)
 
 
-def _reads_responses(interceptor: CallInterceptor, call: Call) -> bool:
+def _reads_responses(interceptor: Hooks, call: Call) -> bool:
     try:
         return interceptor.reads_responses(call)
     except Exception:
@@ -591,7 +606,7 @@ async def _counted(requests: Any, hooks: list[tuple[Any, Call]]) -> AsyncIterato
 
 
 def _hooked(
-    context: Any, started: list[tuple[CallInterceptor, Call]], streams_requests: bool
+    context: Any, started: list[tuple[Hooks, Call]], streams_requests: bool
 ) -> _HookedContext:
     request_hooks = [(i.on_request, c) for i, c in started if i.has_request_hook]
     response_hooks = [(i.on_response, c) for i, c in started if i.has_response_hook]
