@@ -37,7 +37,7 @@ import asyncio
 import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import grpc
 
@@ -388,11 +388,39 @@ def _fused(
     request is a stream of one message, hooked as it is read.
     """
     physical = kind_of(handler)
-    behaviour = behaviour_of(handler)
-    reads_request = physical[0] == "u"
     deserializer = handler.request_deserializer
-    if reads_request and deserializer is not None:
+    if physical[0] == "u" and deserializer is not None:
         deserializer = tolerant(deserializer)
+    steps = _steps(physical, method, kind, layers, errors, deadline)
+    build = _streaming_response if kind.endswith("stream") else _unary_response
+    wrapper = build(behaviour_of(handler), steps, bool(layers.response_hooks))
+    return _registered(physical, method, kind, wrapper, handler, deserializer)
+
+
+Started = list[tuple[Hooks, Call]]
+"""The interceptors that started a call, outermost first, each with its `Call`."""
+
+
+class _Steps(NamedTuple):
+    """The steps every fused wrapper of one method takes, built once (`_steps`)."""
+
+    begin: Callable[[Any, Started], Awaitable[None]]
+    prepare: Callable[[Any, Any, Started], Awaitable[tuple[Any, Any]]]
+    fail: Callable[[Any, Exception], Awaitable[None]]
+    finish: Callable[[Started, Any, Any], None]
+
+
+def _steps(
+    physical: str,
+    method: str,
+    kind: str,
+    layers: Layers,
+    errors: ErrorLayer | None,
+    deadline: ReadDeadline | None,
+) -> _Steps:
+    """The steps of the fused wrapper of a `physical` handler of `method` (whose
+    clients see `kind`): the same for a unary and a streamed response."""
+    reads_request = physical[0] == "u"
     interceptors = layers.interceptors
     watch = _ReadWatch(deadline) if reads_request and deadline is not None else None
     streams_requests = physical[0] == "s"
@@ -402,7 +430,7 @@ def _fused(
         streams_responses and response_hooked
     )
 
-    async def begin(context: Any, started: list[tuple[Hooks, Call]]) -> None:
+    async def begin(context: Any, started: Started) -> None:
         """Admit and start the call, filling `started`; abort if it is refused."""
         metadata = context.invocation_metadata()
         cut, refusal = await _admit(interceptors, method, metadata, context)
@@ -413,9 +441,7 @@ def _fused(
         if refusal is not None:
             await refusal.abort(context, method)
 
-    async def prepare(
-        request: Any, context: Any, started: list[tuple[Hooks, Call]]
-    ) -> tuple[Any, Any]:
+    async def prepare(request: Any, context: Any, started: Started) -> tuple[Any, Any]:
         """The request and the context the handler gets."""
         if reads_request:
             if watch is None:
@@ -447,41 +473,53 @@ def _fused(
         await errors(context, error, method)
         raise error  # pragma: no cover - the error layer aborts
 
-    def finish(started: list[tuple[Hooks, Call]], context: Any, exc: Any) -> None:
+    def finish(started: Started, context: Any, exc: Any) -> None:
+        """`on_finish` of each started interceptor, innermost first, with the code."""
         if not started:
             return
         code = ended_code(context, exc, started[0][1].started)
         for interceptor, call in reversed(started):
             interceptor.finish(call, code)
 
-    if not streams_responses:
+    return _Steps(begin, prepare, fail, finish)
 
-        async def unary_response(request: Any, context: Any) -> Any:
-            exc: BaseException | None = None
-            started: list[tuple[Hooks, Call]] = []
+
+def _unary_response(behaviour: Any, steps: _Steps, response_hooked: bool) -> Any:
+    """The fused wrapper of a handler returning one response: `behaviour` within `steps`."""
+    begin, prepare, fail, finish = steps
+
+    async def unary_response(request: Any, context: Any) -> Any:
+        exc: BaseException | None = None
+        started: Started = []
+        try:
+            await begin(context, started)
+            request, inner = await prepare(request, context, started)
             try:
-                await begin(context, started)
-                request, inner = await prepare(request, context, started)
-                try:
-                    response = await behaviour(request, inner)
-                except Exception as error:
-                    await fail(context, error)
-                if response_hooked and response is not None:
-                    for interceptor, call in started:
-                        if interceptor.has_response_hook:
-                            interceptor.on_response(call, response)
-                return response
-            except BaseException as error:
-                exc = error
-                raise
-            finally:
-                finish(started, context, exc)
+                response = await behaviour(request, inner)
+            except Exception as error:
+                await fail(context, error)
+            if response_hooked and response is not None:
+                for interceptor, call in started:
+                    if interceptor.has_response_hook:
+                        interceptor.on_response(call, response)
+            return response
+        except BaseException as error:
+            exc = error
+            raise
+        finally:
+            finish(started, context, exc)
 
-        return _registered(physical, method, kind, unary_response, handler, deserializer)
+    return unary_response
+
+
+def _streaming_response(behaviour: Any, steps: _Steps, response_hooked: bool) -> Any:
+    """The fused wrapper of a handler streaming its responses, by `yield` or by
+    `context.write`: `behaviour` within `steps`."""
+    begin, prepare, fail, finish = steps
 
     async def streaming_response(request: Any, context: Any) -> AsyncIterator[Any]:
         exc: BaseException | None = None
-        started: list[tuple[Hooks, Call]] = []
+        started: Started = []
         result: Any = None
         try:
             await begin(context, started)
@@ -528,7 +566,7 @@ def _fused(
             finally:
                 finish(started, context, exc)
 
-    return _registered(physical, method, kind, streaming_response, handler, deserializer)
+    return streaming_response
 
 
 def _returning(handler: Any) -> Callable[[grpc.HandlerCallDetails], Awaitable[Any]]:
