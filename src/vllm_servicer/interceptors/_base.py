@@ -37,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 
@@ -46,7 +46,6 @@ from ._wrapping import HandlerCache, Layers, Segment, wrap
 
 if TYPE_CHECKING:
     from ..load_reports.report import LoadReporter
-    from .inflight import InflightInterceptor
 
 logger = logging.getLogger("vllm_servicer.interceptors")
 
@@ -77,6 +76,15 @@ def only_methods(*methods: str) -> MethodFilter:
     return names.__contains__
 
 
+class InflightCount(Protocol):
+    """What the interceptors of a mount read of its in-flight count (an
+    `InflightInterceptor`)."""
+
+    @property
+    def limited_total(self) -> int:
+        """Limited calls in flight, in this process."""
+
+
 @dataclasses.dataclass(frozen=True)
 class MountContext:
     """What `mount()` keeps that the interceptors of its stack may read (`on_mount`).
@@ -88,7 +96,7 @@ class MountContext:
             None when the mount sends no load reports.
     """
 
-    inflight: InflightInterceptor
+    inflight: InflightCount
     load_reporter: LoadReporter | None = None
 
 

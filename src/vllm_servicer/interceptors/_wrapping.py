@@ -37,7 +37,7 @@ import asyncio
 import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, NamedTuple, Protocol
 
 import grpc
 
@@ -51,9 +51,6 @@ from ._call import (
     ended_code,
     pending_read_of_this_call,
 )
-
-if TYPE_CHECKING:
-    from ._base import CallInterceptor
 
 logger = logging.getLogger("vllm_servicer.interceptors")
 
@@ -247,12 +244,30 @@ def _read_deadline(segments: Sequence[Segment], method: str) -> ReadDeadline | N
     return min(found, key=lambda d: d.seconds) if found else None
 
 
+class Hooks(Protocol):
+    """What the wrapper uses of an interceptor of a run (a `CallInterceptor`):
+    its hooks, which of them it overrides, and its questions."""
+
+    has_admit_hook: bool
+    has_request_hook: bool
+    has_response_hook: bool
+    fails_closed: bool
+
+    async def on_admit(self, method: str, metadata: Any, context: Any) -> None: ...
+    async def on_start(self, call: Call) -> None: ...
+    def on_request(self, call: Call, message: Any) -> None: ...
+    def on_response(self, call: Call, message: Any) -> None: ...
+    def reads_responses(self, call: Call) -> bool: ...
+    def finish(self, call: Call, code: grpc.StatusCode) -> None: ...
+    def read_deadline(self, method: str) -> ReadDeadline | None: ...
+
+
 class Layers:
     """The `CallInterceptor`s of one run that apply to one method, and their hooks."""
 
     __slots__ = ("interceptors", "request_hooks", "response_hooks")
 
-    def __init__(self, interceptors: Sequence[CallInterceptor]) -> None:
+    def __init__(self, interceptors: Sequence[Hooks]) -> None:
         self.interceptors = tuple(interceptors)
         self.request_hooks = tuple(i for i in self.interceptors if i.has_request_hook)
         self.response_hooks = tuple(i for i in self.interceptors if i.has_response_hook)
@@ -345,7 +360,7 @@ class _HookedContext:
 
 
 async def _admit(
-    layers: Sequence[CallInterceptor], method: str, metadata: Any, context: Any
+    layers: Sequence[Hooks], method: str, metadata: Any, context: Any
 ) -> tuple[int, Refusal | None]:
     """How many interceptors take part in the call, and the refusal that cut it short."""
     for index, interceptor in enumerate(layers):
@@ -373,11 +388,39 @@ def _fused(
     request is a stream of one message, hooked as it is read.
     """
     physical = kind_of(handler)
-    behaviour = behaviour_of(handler)
-    reads_request = physical[0] == "u"
     deserializer = handler.request_deserializer
-    if reads_request and deserializer is not None:
+    if physical[0] == "u" and deserializer is not None:
         deserializer = tolerant(deserializer)
+    steps = _steps(physical, method, kind, layers, errors, deadline)
+    build = _streaming_response if kind.endswith("stream") else _unary_response
+    wrapper = build(behaviour_of(handler), steps, bool(layers.response_hooks))
+    return _registered(physical, method, kind, wrapper, handler, deserializer)
+
+
+Started = list[tuple[Hooks, Call]]
+"""The interceptors that started a call, outermost first, each with its `Call`."""
+
+
+class _Steps(NamedTuple):
+    """The steps every fused wrapper of one method takes, built once (`_steps`)."""
+
+    begin: Callable[[Any, Started], Awaitable[None]]
+    prepare: Callable[[Any, Any, Started], Awaitable[tuple[Any, Any]]]
+    fail: Callable[[Any, Exception], Awaitable[None]]
+    finish: Callable[[Started, Any, Any], None]
+
+
+def _steps(
+    physical: str,
+    method: str,
+    kind: str,
+    layers: Layers,
+    errors: ErrorLayer | None,
+    deadline: ReadDeadline | None,
+) -> _Steps:
+    """The steps of the fused wrapper of a `physical` handler of `method` (whose
+    clients see `kind`): the same for a unary and a streamed response."""
+    reads_request = physical[0] == "u"
     interceptors = layers.interceptors
     watch = _ReadWatch(deadline) if reads_request and deadline is not None else None
     streams_requests = physical[0] == "s"
@@ -387,7 +430,7 @@ def _fused(
         streams_responses and response_hooked
     )
 
-    async def begin(context: Any, started: list[tuple[CallInterceptor, Call]]) -> None:
+    async def begin(context: Any, started: Started) -> None:
         """Admit and start the call, filling `started`; abort if it is refused."""
         metadata = context.invocation_metadata()
         cut, refusal = await _admit(interceptors, method, metadata, context)
@@ -398,9 +441,7 @@ def _fused(
         if refusal is not None:
             await refusal.abort(context, method)
 
-    async def prepare(
-        request: Any, context: Any, started: list[tuple[CallInterceptor, Call]]
-    ) -> tuple[Any, Any]:
+    async def prepare(request: Any, context: Any, started: Started) -> tuple[Any, Any]:
         """The request and the context the handler gets."""
         if reads_request:
             if watch is None:
@@ -432,41 +473,53 @@ def _fused(
         await errors(context, error, method)
         raise error  # pragma: no cover - the error layer aborts
 
-    def finish(started: list[tuple[CallInterceptor, Call]], context: Any, exc: Any) -> None:
+    def finish(started: Started, context: Any, exc: Any) -> None:
+        """`on_finish` of each started interceptor, innermost first, with the code."""
         if not started:
             return
         code = ended_code(context, exc, started[0][1].started)
         for interceptor, call in reversed(started):
             interceptor.finish(call, code)
 
-    if not streams_responses:
+    return _Steps(begin, prepare, fail, finish)
 
-        async def unary_response(request: Any, context: Any) -> Any:
-            exc: BaseException | None = None
-            started: list[tuple[CallInterceptor, Call]] = []
+
+def _unary_response(behaviour: Any, steps: _Steps, response_hooked: bool) -> Any:
+    """The fused wrapper of a handler returning one response: `behaviour` within `steps`."""
+    begin, prepare, fail, finish = steps
+
+    async def unary_response(request: Any, context: Any) -> Any:
+        exc: BaseException | None = None
+        started: Started = []
+        try:
+            await begin(context, started)
+            request, inner = await prepare(request, context, started)
             try:
-                await begin(context, started)
-                request, inner = await prepare(request, context, started)
-                try:
-                    response = await behaviour(request, inner)
-                except Exception as error:
-                    await fail(context, error)
-                if response_hooked and response is not None:
-                    for interceptor, call in started:
-                        if interceptor.has_response_hook:
-                            interceptor.on_response(call, response)
-                return response
-            except BaseException as error:
-                exc = error
-                raise
-            finally:
-                finish(started, context, exc)
+                response = await behaviour(request, inner)
+            except Exception as error:
+                await fail(context, error)
+            if response_hooked and response is not None:
+                for interceptor, call in started:
+                    if interceptor.has_response_hook:
+                        interceptor.on_response(call, response)
+            return response
+        except BaseException as error:
+            exc = error
+            raise
+        finally:
+            finish(started, context, exc)
 
-        return _registered(physical, method, kind, unary_response, handler, deserializer)
+    return unary_response
+
+
+def _streaming_response(behaviour: Any, steps: _Steps, response_hooked: bool) -> Any:
+    """The fused wrapper of a handler streaming its responses, by `yield` or by
+    `context.write`: `behaviour` within `steps`."""
+    begin, prepare, fail, finish = steps
 
     async def streaming_response(request: Any, context: Any) -> AsyncIterator[Any]:
         exc: BaseException | None = None
-        started: list[tuple[CallInterceptor, Call]] = []
+        started: Started = []
         result: Any = None
         try:
             await begin(context, started)
@@ -513,7 +566,7 @@ def _fused(
             finally:
                 finish(started, context, exc)
 
-    return _registered(physical, method, kind, streaming_response, handler, deserializer)
+    return streaming_response
 
 
 def _returning(handler: Any) -> Callable[[grpc.HandlerCallDetails], Awaitable[Any]]:
@@ -574,7 +627,7 @@ def _relay(interceptor: grpc.aio.ServerInterceptor, inner: Any, method: str, kin
     return _registered(kind, method, kind, streaming_response, inner, inner.request_deserializer)
 
 
-def _reads_responses(interceptor: CallInterceptor, call: Call) -> bool:
+def _reads_responses(interceptor: Hooks, call: Call) -> bool:
     try:
         return interceptor.reads_responses(call)
     except Exception:
@@ -591,7 +644,7 @@ async def _counted(requests: Any, hooks: list[tuple[Any, Call]]) -> AsyncIterato
 
 
 def _hooked(
-    context: Any, started: list[tuple[CallInterceptor, Call]], streams_requests: bool
+    context: Any, started: list[tuple[Hooks, Call]], streams_requests: bool
 ) -> _HookedContext:
     request_hooks = [(i.on_request, c) for i, c in started if i.has_request_hook]
     response_hooks = [(i.on_response, c) for i, c in started if i.has_response_hook]

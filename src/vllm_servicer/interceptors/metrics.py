@@ -37,12 +37,11 @@ from prometheus_client.exposition import start_http_server
 from ..context import shared_usage
 from ..proto import COUNTED_METHODS, GENERATION_METHODS
 from ..wire import usage as generation_usage
-from ._base import CallInterceptor, MethodFilter, MountContext, all_methods
+from ._base import CallInterceptor, InflightCount, MethodFilter, MountContext, all_methods
 from ._call import Call
 
 if TYPE_CHECKING:
     from ..load_reports.report import LoadReporter
-    from .inflight import InflightInterceptor
 
 GRPC_TYPES = {
     "unary_unary": "unary",
@@ -376,7 +375,7 @@ class MetricsInterceptor(CallInterceptor):
         if mount.load_reporter is not None:
             self.read_load_reports_from(mount.load_reporter)
 
-    def read_in_flight_from(self, inflight: InflightInterceptor) -> None:
+    def read_in_flight_from(self, inflight: InflightCount) -> None:
         """Report the calls `inflight` counts as in flight instead of counting them again.
 
         `mount()` does this (`on_mount`) with the count it keeps, which the drain,
