@@ -44,6 +44,16 @@ class RenderStub:
                 request_serializer=vllm__servicer_dot_v1_dot_render__pb2.RenderCompletionRequest.SerializeToString,
                 response_deserializer=vllm__servicer_dot_v1_dot_render__pb2.RenderCompletionResponse.FromString,
                 _registered_method=True)
+        self.DerenderChat = channel.unary_unary(
+                '/vllm_servicer.v1.Render/DerenderChat',
+                request_serializer=vllm__servicer_dot_v1_dot_render__pb2.DerenderChatRequest.SerializeToString,
+                response_deserializer=vllm__servicer_dot_v1_dot_render__pb2.DerenderChatResponse.FromString,
+                _registered_method=True)
+        self.DerenderCompletion = channel.unary_unary(
+                '/vllm_servicer.v1.Render/DerenderCompletion',
+                request_serializer=vllm__servicer_dot_v1_dot_render__pb2.DerenderCompletionRequest.SerializeToString,
+                response_deserializer=vllm__servicer_dot_v1_dot_render__pb2.DerenderCompletionResponse.FromString,
+                _registered_method=True)
 
 
 class RenderServicer:
@@ -61,6 +71,20 @@ class RenderServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DerenderChat(self, request, context):
+        """Generated token ids of a chat as the chat completion's choices.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DerenderCompletion(self, request, context):
+        """Generated token ids of completion prompts as the completion's choices.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RenderServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -73,6 +97,16 @@ def add_RenderServicer_to_server(servicer, server):
                     servicer.RenderCompletion,
                     request_deserializer=vllm__servicer_dot_v1_dot_render__pb2.RenderCompletionRequest.FromString,
                     response_serializer=vllm__servicer_dot_v1_dot_render__pb2.RenderCompletionResponse.SerializeToString,
+            ),
+            'DerenderChat': grpc.unary_unary_rpc_method_handler(
+                    servicer.DerenderChat,
+                    request_deserializer=vllm__servicer_dot_v1_dot_render__pb2.DerenderChatRequest.FromString,
+                    response_serializer=vllm__servicer_dot_v1_dot_render__pb2.DerenderChatResponse.SerializeToString,
+            ),
+            'DerenderCompletion': grpc.unary_unary_rpc_method_handler(
+                    servicer.DerenderCompletion,
+                    request_deserializer=vllm__servicer_dot_v1_dot_render__pb2.DerenderCompletionRequest.FromString,
+                    response_serializer=vllm__servicer_dot_v1_dot_render__pb2.DerenderCompletionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -129,6 +163,60 @@ class Render:
             '/vllm_servicer.v1.Render/RenderCompletion',
             vllm__servicer_dot_v1_dot_render__pb2.RenderCompletionRequest.SerializeToString,
             vllm__servicer_dot_v1_dot_render__pb2.RenderCompletionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DerenderChat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/vllm_servicer.v1.Render/DerenderChat',
+            vllm__servicer_dot_v1_dot_render__pb2.DerenderChatRequest.SerializeToString,
+            vllm__servicer_dot_v1_dot_render__pb2.DerenderChatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DerenderCompletion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/vllm_servicer.v1.Render/DerenderCompletion',
+            vllm__servicer_dot_v1_dot_render__pb2.DerenderCompletionRequest.SerializeToString,
+            vllm__servicer_dot_v1_dot_render__pb2.DerenderCompletionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,8 +1,12 @@
-"""`RenderServicer`: vllm_servicer.v1.Render (RenderChat, RenderCompletion).
+"""`RenderServicer`: vllm_servicer.v1.Render (RenderChat, RenderCompletion,
+DerenderChat, DerenderCompletion).
 
 A prompt as the engine would run it, from vLLM's own render handler (the one
 behind /v1/chat/completions/render and /v1/completions/render) on the mount's
 engine: the engine's renderer, tokenizer and chat template, no engine step.
+And the way back: generated token ids as an OpenAI client's answer, from
+vLLM's own derender handler (/v1/chat/completions/derender,
+/v1/completions/derender) with the parsers the server was started with.
 Images come inline only (`data:` URLs), counted against the media budgets
 from their headers before vLLM decodes them: this service fetches nothing.
 """
@@ -12,6 +16,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import uuid
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +27,14 @@ from ..proto import render_pb2 as pb
 from ..wire import render as wire
 from ..wire.fields import REFUSED
 from .state import MountState
-from .vllm_app import VllmHandlers, note_prompt_tokens, note_request, rendered, vllm_request
+from .vllm_app import (
+    VllmHandlers,
+    answer_body,
+    note_prompt_tokens,
+    note_request,
+    rendered,
+    vllm_request,
+)
 
 if TYPE_CHECKING:
     import grpc.aio
@@ -85,8 +97,60 @@ class RenderServicer(render_pb2_grpc.RenderServicer):
         note_prompt_tokens(sum(len(prompt.token_ids) for prompt in reply.prompts))
         return reply
 
+    async def DerenderChat(
+        self, request: pb.DerenderChatRequest, context: Context
+    ) -> pb.DerenderChatResponse:
+        note_request("derender_chat")
+        handlers = self._handlers
+        handlers.check_model("chat.model", request.chat.model)
+        self._budgets.check_n("choices", len(request.choices))
+        self._budgets.check_derender_tokens("choices", wire.derender_token_count(request))
+        self._budgets.check_render_items("chat.messages", _chat_items(request.chat))
+        self._budgets.check_render_chars("chat.messages", wire.chat_size(request.chat))
+        derender = await handlers.handler("serving_derender", "generate", "derender outputs")
+        body = wire.derender_chat_body(
+            request, handlers.limits(), handlers.vocabulary(), _request_id()
+        )
+        answer = await derender.derender_chat_response(vllm_request("derender_chat", body))
+        reply = wire.derendered_chat(_derendered(answer))
+        note_prompt_tokens(len(request.prompt_token_ids))
+        return reply
+
+    async def DerenderCompletion(
+        self, request: pb.DerenderCompletionRequest, context: Context
+    ) -> pb.DerenderCompletionResponse:
+        note_request("derender_completion")
+        handlers = self._handlers
+        handlers.check_model("model", request.model)
+        self._budgets.check_render_items("prompts", len(request.prompts))
+        self._budgets.check_n("prompts.choices", sum(len(p.choices) for p in request.prompts))
+        self._budgets.check_derender_tokens("prompts", wire.derender_token_count(request))
+        derender = await handlers.handler("serving_derender", "generate", "derender outputs")
+        body = wire.derender_completion_body(
+            request, handlers.limits(), handlers.vocabulary(), _request_id()
+        )
+        answer = await derender.derender_completion_response(
+            vllm_request("derender_completion", body)
+        )
+        reply = wire.derendered_completion(_derendered(answer))
+        note_prompt_tokens(sum(len(prompt.prompt_token_ids) for prompt in request.prompts))
+        return reply
+
     def _rendered(self, answer: Mapping[str, Any]) -> pb.RenderedPrompt:
         return wire.rendered_prompt(answer, self._handlers.text_of(answer["token_ids"]))
+
+
+def _request_id() -> str:
+    # The id of vLLM's answer, which the reply does not carry: no engine request has it.
+    return f"derender-{uuid.uuid4().hex}"
+
+
+def _derendered(answer: Any) -> Any:
+    """The JSON body of vLLM's derender answer (a response model); its error
+    (an `ErrorResponse`) raised as `answer_body` raises it."""
+    if getattr(answer, "error", None) is not None:
+        return answer_body(answer)
+    return answer.model_dump(mode="json")
 
 
 def _chat_items(request: pb.RenderChatRequest) -> int:
