@@ -237,9 +237,7 @@ async def test_derender_chat_is_vllms_http_derender(
         choice["logprobs"] = {"content": _logprobs(generated)}
 
     answer = await render.DerenderChat(
-        pb.DerenderChatRequest(
-            chat=chat, prompt_token_ids=prompt, choices=[_sequence(pb, choice)]
-        ),
+        pb.DerenderChatRequest(chat=chat, prompt_token_ids=prompt, choices=[_sequence(pb, choice)]),
         metadata=AUTH,
     )
     expected = await post_json(
@@ -281,7 +279,9 @@ async def test_derender_completion_is_vllms_http_derender(
 ) -> None:
     pb = stubs[0]
     prompts = ["The quick brown", "Café au lait, s'il vous plaît:"]
-    rendered = await render.RenderCompletion(pb.RenderCompletionRequest(prompt=prompts), metadata=AUTH)
+    rendered = await render.RenderCompletion(
+        pb.RenderCompletionRequest(prompt=prompts), metadata=AUTH
+    )
     prompt_ids = [list(p.token_ids) for p in rendered.prompts]
     # A leading space the first token carries after the prompt; a multi-byte
     # character (é, ☕) split across byte tokens; two choices of one prompt.
@@ -290,8 +290,12 @@ async def test_derender_completion_is_vllms_http_derender(
     third = await _ids(render, pb, " yes")
     generations = [
         [
-            {"index": 0, "token_ids": first, "finish_reason": "length",
-             "logprobs": {"content": _logprobs(first)}},
+            {
+                "index": 0,
+                "token_ids": first,
+                "finish_reason": "length",
+                "logprobs": {"content": _logprobs(first)},
+            },
         ],
         [
             {"index": 0, "token_ids": second, "finish_reason": "stop", "stop_reason": "!"},
@@ -304,7 +308,7 @@ async def test_derender_completion_is_vllms_http_derender(
                 pb.PromptGeneration(
                     prompt_token_ids=ids, choices=[_sequence(pb, c) for c in choices]
                 )
-                for ids, choices in zip(prompt_ids, generations)
+                for ids, choices in zip(prompt_ids, generations, strict=True)
             ]
         ),
         metadata=AUTH,
@@ -314,8 +318,7 @@ async def test_derender_completion_is_vllms_http_derender(
         "/v1/completions/derender",
         {
             "generate_responses": [
-                {"request_id": f"r{i}", "choices": choices}
-                for i, choices in enumerate(generations)
+                {"request_id": f"r{i}", "choices": choices} for i, choices in enumerate(generations)
             ],
             "prompt_token_ids": prompt_ids,
         },
@@ -327,7 +330,7 @@ async def test_derender_completion_is_vllms_http_derender(
     ]
     assert answer.completion_tokens == expected["usage"]["completion_tokens"]
     assert len(answer.choices) == len(expected["choices"]) == 3
-    for got, want in zip(answer.choices, expected["choices"]):
+    for got, want in zip(answer.choices, expected["choices"], strict=True):
         assert (got.index, got.text, got.finish_reason, _stop(got)) == (
             want["index"],
             want["text"],
@@ -356,33 +359,66 @@ def _chat(pb: Any, **fields: Any) -> Any:
 @pytest.mark.parametrize(
     ("build", "code", "field"),
     [
-        (lambda pb: pb.DerenderChatRequest(
-            choices=[pb.GeneratedSequence(token_ids=[5])]), "INVALID_ARGUMENT", "chat"),
+        (
+            lambda pb: pb.DerenderChatRequest(choices=[pb.GeneratedSequence(token_ids=[5])]),
+            "INVALID_ARGUMENT",
+            "chat",
+        ),
         (lambda pb: pb.DerenderChatRequest(chat=_chat(pb).chat), "INVALID_ARGUMENT", "choices"),
-        (lambda pb: pb.DerenderChatRequest(
-            chat=_chat(pb).chat, choices=[pb.GeneratedSequence()]),
-         "INVALID_ARGUMENT", "choices[0].token_ids"),
-        (lambda pb: pb.DerenderChatRequest(
-            chat=_chat(pb).chat, choices=[pb.GeneratedSequence(token_ids=[5, 10**6])]),
-         "INVALID_ARGUMENT", "choices[0].token_ids[1]"),
-        (lambda pb: _chat(pb, prompt_token_ids=[1, 10**6]),
-         "INVALID_ARGUMENT", "prompt_token_ids[1]"),
-        (lambda pb: pb.DerenderChatRequest(
-            chat=_chat(pb).chat,
-            choices=[pb.GeneratedSequence(
-                token_ids=[5, 6], logprobs=[pb.GeneratedLogprob(token_id=5)])]),
-         "INVALID_ARGUMENT", "choices[0].logprobs"),
+        (
+            lambda pb: pb.DerenderChatRequest(
+                chat=_chat(pb).chat, choices=[pb.GeneratedSequence()]
+            ),
+            "INVALID_ARGUMENT",
+            "choices[0].token_ids",
+        ),
+        (
+            lambda pb: pb.DerenderChatRequest(
+                chat=_chat(pb).chat, choices=[pb.GeneratedSequence(token_ids=[5, 10**6])]
+            ),
+            "INVALID_ARGUMENT",
+            "choices[0].token_ids[1]",
+        ),
+        (
+            lambda pb: _chat(pb, prompt_token_ids=[1, 10**6]),
+            "INVALID_ARGUMENT",
+            "prompt_token_ids[1]",
+        ),
+        (
+            lambda pb: pb.DerenderChatRequest(
+                chat=_chat(pb).chat,
+                choices=[
+                    pb.GeneratedSequence(
+                        token_ids=[5, 6], logprobs=[pb.GeneratedLogprob(token_id=5)]
+                    )
+                ],
+            ),
+            "INVALID_ARGUMENT",
+            "choices[0].logprobs",
+        ),
         (lambda pb: _chat(pb, tool_choice="get_weather"), "INVALID_ARGUMENT", "tool_choice"),
-        (lambda pb: pb.DerenderChatRequest(
-            chat=pb.RenderChatRequest(), choices=[pb.GeneratedSequence(token_ids=[5])]),
-         "INVALID_ARGUMENT", "chat.messages"),
-        (lambda pb: pb.DerenderChatRequest(
-            chat=pb.RenderChatRequest(
-                messages=[pb.ChatMessage(role="user", content="Hi")], model="elsewhere"),
-            choices=[pb.GeneratedSequence(token_ids=[5])]),
-         "NOT_FOUND", "chat.model"),
-        (lambda pb: _chat(pb, prompt_token_ids=[5] * MAX_DERENDER_TOKENS),
-         "INVALID_ARGUMENT", "choices"),
+        (
+            lambda pb: pb.DerenderChatRequest(
+                chat=pb.RenderChatRequest(), choices=[pb.GeneratedSequence(token_ids=[5])]
+            ),
+            "INVALID_ARGUMENT",
+            "chat.messages",
+        ),
+        (
+            lambda pb: pb.DerenderChatRequest(
+                chat=pb.RenderChatRequest(
+                    messages=[pb.ChatMessage(role="user", content="Hi")], model="elsewhere"
+                ),
+                choices=[pb.GeneratedSequence(token_ids=[5])],
+            ),
+            "NOT_FOUND",
+            "chat.model",
+        ),
+        (
+            lambda pb: _chat(pb, prompt_token_ids=[5] * MAX_DERENDER_TOKENS),
+            "INVALID_ARGUMENT",
+            "choices",
+        ),
     ],
     ids=[
         "no chat",

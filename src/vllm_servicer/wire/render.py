@@ -330,9 +330,7 @@ def _generated(sequences: Any, field: str, request_id: str, vocabulary: int) -> 
 
 
 def _sequence_tokens(sequence: Any) -> int:
-    return len(sequence.token_ids) + sum(
-        1 + len(entry.top_logprobs) for entry in sequence.logprobs
-    )
+    return len(sequence.token_ids) + sum(1 + len(entry.top_logprobs) for entry in sequence.logprobs)
 
 
 def derender_token_count(
@@ -396,9 +394,7 @@ def derender_completion_body(
             )
             for index, prompt in enumerate(request.prompts)
         ],
-        "prompt_token_ids": [
-            list(prompt.prompt_token_ids) or None for prompt in request.prompts
-        ],
+        "prompt_token_ids": [list(prompt.prompt_token_ids) or None for prompt in request.prompts],
     }
 
 
@@ -466,24 +462,25 @@ def derendered_chat(answer: Mapping[str, Any]) -> render_pb.DerenderChatResponse
 def _completion_logprobs(
     logprobs: Mapping[str, Any] | None,
 ) -> list[render_pb.TokenLogprobText]:
+    """OpenAI's completion logprobs (parallel lists, candidates by text) as entries."""
     if not logprobs:
         return []
-    tops = logprobs.get("top_logprobs") or []
-    offsets = logprobs.get("text_offset") or []
+    tokens = logprobs.get("tokens") or []
+    values = logprobs.get("token_logprobs") or [None] * len(tokens)
+    offsets = logprobs.get("text_offset") or [0] * len(tokens)
+    tops = logprobs.get("top_logprobs") or [None] * len(tokens)
     return [
         render_pb.TokenLogprobText(
             token=token,
-            logprob=logprob if logprob is not None else 0.0,
+            logprob=value if value is not None else 0.0,
             bytes=token.encode(),
-            text_offset=offsets[index] if index < len(offsets) else 0,
+            text_offset=offset,
             top_logprobs=[
-                render_pb.LogprobText(token=text, logprob=value, bytes=text.encode())
-                for text, value in ((tops[index] or {}) if index < len(tops) else {}).items()
+                render_pb.LogprobText(token=text, logprob=candidate, bytes=text.encode())
+                for text, candidate in (top or {}).items()
             ],
         )
-        for index, (token, logprob) in enumerate(
-            zip(logprobs.get("tokens") or [], logprobs.get("token_logprobs") or [])
-        )
+        for token, value, offset, top in zip(tokens, values, offsets, tops, strict=True)
     ]
 
 
