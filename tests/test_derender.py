@@ -7,8 +7,10 @@ One launcher as users run it, on a copy of the tiny model whose tokenizer has
 the same engine. Called over gRPC with stubs compiled from the shipped
 render.proto and over HTTP (/v1/chat/completions/derender,
 /v1/completions/derender): text, reasoning, tool calls, finish and stop
-reasons and logprobs must be the same, and bad input is refused naming the
-field. The token ids come from the service's own RenderCompletion.
+reasons and logprobs must be the same, a streamed derender the same as the
+route's chunk for chunk (its stream state carried by the test) and, put
+together, the batch's; bad input is refused naming the field. The token ids
+come from the service's own RenderCompletion.
 """
 
 from __future__ import annotations
@@ -473,3 +475,179 @@ async def test_derender_completion_needs_a_key_and_its_prompts(render: Any, stub
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert (err.value.details() or "").startswith(f"{field}: "), err.value.details()
     assert (await render.DerenderCompletion(one, metadata=AUTH)).choices[0].text
+
+
+def _split(token_ids: list[int], sizes: tuple[int, ...]) -> list[list[int]]:
+    """`token_ids` in chunks of `sizes` (cycled), the last one what is left."""
+    chunks, at, turn = [], 0, 0
+    while at < len(token_ids):
+        size = sizes[turn % len(sizes)]
+        chunks.append(token_ids[at : at + size])
+        at, turn = at + size, turn + 1
+    return chunks
+
+
+def _delta(pb: Any, delta: Any) -> dict[str, Any]:
+    return {
+        "content": delta.content if delta.HasField("content") else None,
+        "reasoning": delta.reasoning if delta.HasField("reasoning") else None,
+        "tool_calls": [(c.index, c.name, c.arguments) for c in delta.tool_calls],
+        "finish_reason": delta.finish_reason or None,
+    }
+
+
+def _http_delta(chunk: dict[str, Any]) -> dict[str, Any]:
+    (choice,) = chunk["choices"] or [{"delta": {}, "finish_reason": None}]
+    message = choice["delta"]
+    return {
+        "content": message.get("content"),
+        "reasoning": message.get("reasoning"),
+        "tool_calls": [
+            (
+                c.get("index", 0),
+                (c.get("function") or {}).get("name") or "",
+                (c.get("function") or {}).get("arguments") or "",
+            )
+            for c in message.get("tool_calls") or ()
+        ],
+        "finish_reason": choice.get("finish_reason"),
+    }
+
+
+# Each case: the generated text, whether the chat has the tool, the chunk sizes.
+STREAM_CASES: dict[str, tuple[str, bool, tuple[int, ...]]] = {
+    # One token at a time: byte tokens split é, ☕ and ° between chunks.
+    "reasoning and multi-byte characters, a token at a time": (
+        "<think>Café ☕ first.</think>It is 21 °C in Paris.",
+        False,
+        (1,),
+    ),
+    # `<think>` alone in the first chunk, as an engine streaming every step
+    # sends it: vLLM's deepseek_r1 parser keeps `<think>` in the streamed
+    # reasoning when it arrives with other tokens (over HTTP alike).
+    "a tool call split inside its name and arguments": (
+        '<think>Ask the tool.</think>[get_weather(city="Paris")]',
+        True,
+        (1, 2, 3),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(STREAM_CASES))
+async def test_streamed_derender_is_vllms_chunk_for_chunk_and_ends_as_the_batch(
+    render: Any, stubs: Any, http: httpx.AsyncClient, case: str
+) -> None:
+    pb = stubs[0]
+    text, with_tool, sizes = STREAM_CASES[case]
+    chat = pb.RenderChatRequest(
+        messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in MESSAGES]
+    )
+    http_chat: dict[str, Any] = {"messages": MESSAGES}
+    if with_tool:
+        chat.tools.append(
+            pb.Tool(name="get_weather", description="the weather", parameters=json.dumps(WEATHER))
+        )
+        http_chat |= {"tools": [HTTP_TOOL], "tool_choice": "auto"}
+    prompt = list((await render.RenderChat(chat, metadata=AUTH)).token_ids)
+    generated = await _ids(render, pb, text)
+    chunks = _split(generated, sizes)
+    finishes = [None] * (len(chunks) - 1) + ["stop"]
+
+    async def messages() -> AsyncIterator[Any]:
+        start = pb.DerenderChatStart(chat=chat, prompt_token_ids=prompt)
+        for number, (ids, finish) in enumerate(zip(chunks, finishes, strict=True)):
+            chunk = pb.GeneratedSequence(token_ids=ids, finish_reason=finish or "")
+            yield (
+                pb.DerenderChatStreamRequest(start=start, chunk=chunk)
+                if number == 0
+                else (pb.DerenderChatStreamRequest(chunk=chunk))
+            )
+
+    deltas = [
+        _delta(pb, delta) async for delta in render.DerenderChatStream(messages(), metadata=AUTH)
+    ]
+    expected, state = [], None
+    for ids, finish in zip(chunks, finishes, strict=True):
+        answer = await post_json(
+            http,
+            "/v1/chat/completions/derender",
+            {
+                "stream": True,
+                "generate_chunk": {
+                    "request_id": "r",
+                    "choices": [{"index": 0, "token_ids": ids, "finish_reason": finish}],
+                },
+                "stream_state": state,
+                "chat_request": http_chat,
+                "prompt_token_ids": prompt,
+            },
+        )
+        expected.append(_http_delta(answer["chunk"]))
+        state = answer["stream_state"]
+    assert deltas == expected
+
+    # Put together, the deltas are the batch derender's answer.
+    batch = await render.DerenderChat(
+        pb.DerenderChatRequest(
+            chat=chat,
+            prompt_token_ids=prompt,
+            choices=[pb.GeneratedSequence(token_ids=generated)],
+        ),
+        metadata=AUTH,
+    )
+    (whole,) = batch.choices
+    content = "".join(d["content"] or "" for d in deltas)
+    reasoning = "".join(d["reasoning"] or "" for d in deltas)
+    assert content == (whole.content if whole.HasField("content") else "")
+    assert reasoning == whole.reasoning
+    calls: dict[int, list[str]] = {}
+    for delta in deltas:
+        for index, name, arguments in delta["tool_calls"]:
+            calls.setdefault(index, ["", ""])
+            calls[index][0] += name
+            calls[index][1] += arguments
+    assert [(name, json.loads(arguments)) for name, arguments in calls.values()] == [
+        (c.name, json.loads(c.arguments)) for c in whole.tool_calls
+    ]
+    if with_tool:
+        assert [c.name for c in whole.tool_calls] == ["get_weather"]
+    else:
+        assert (reasoning, content) == ("Café ☕ first.", "It is 21 °C in Paris.")
+    # vLLM's streamed derender reports a finish after tool calls as
+    # "tool_calls", as its chat completions do; the batch one keeps the
+    # generation's ("stop", over HTTP alike).
+    assert deltas[-1]["finish_reason"] == ("tool_calls" if with_tool else "stop")
+    assert whole.finish_reason == "stop"
+
+
+async def test_a_stream_needs_a_key_opens_with_the_chat_and_sends_tokens(
+    render: Any, stubs: Any
+) -> None:
+    pb = stubs[0]
+
+    async def without_start() -> AsyncIterator[Any]:
+        yield pb.DerenderChatStreamRequest(chunk=pb.GeneratedSequence(token_ids=[5]))
+
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for _ in render.DerenderChatStream(without_start()):
+            pass
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for _ in render.DerenderChatStream(without_start(), metadata=AUTH):
+            pass
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (err.value.details() or "").startswith("start: "), err.value.details()
+
+    async def empty_chunk() -> AsyncIterator[Any]:
+        chat = pb.RenderChatRequest(messages=[pb.ChatMessage(role="user", content="Hi")])
+        start = pb.DerenderChatStart(chat=chat, prompt_token_ids=[1, 5])
+        yield pb.DerenderChatStreamRequest(start=start, chunk=pb.GeneratedSequence(token_ids=[5]))
+        yield pb.DerenderChatStreamRequest(chunk=pb.GeneratedSequence())
+
+    answers = []
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for answer in render.DerenderChatStream(empty_chunk(), metadata=AUTH):
+            answers.append(answer)
+    assert len(answers) == 1
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (err.value.details() or "").startswith("chunk.token_ids: "), err.value.details()

@@ -118,7 +118,8 @@ class RequestBudgets:
         max_render_chars: most characters one RenderChat or RenderCompletion
             gives the template and the tokenizer, all its prompts or messages together.
         max_derender_tokens: most token ids one DerenderChat or DerenderCompletion
-            carries: generated ids, prompt ids and logprob candidates together.
+            carries, or one DerenderChatStream in all its chunks: generated ids,
+            prompt ids and logprob candidates together.
         max_stop_strings: most stop strings one generation carries, on every
             protocol and vLLM's HTTP API.
         max_stop_bytes: most bytes of one generation's stop strings together.
@@ -198,8 +199,9 @@ class RequestBudgets:
     max_derender_tokens: int = dataclasses.field(
         default=DEFAULT_MAX_DERENDER_TOKENS,
         metadata=_flag(
-            "most token ids one DerenderChat or DerenderCompletion turns into text: generated "
-            "ids, prompt ids and logprob candidates together"
+            "most token ids one DerenderChat or DerenderCompletion turns into text, or one "
+            "DerenderChatStream in all its chunks: generated ids, prompt ids and logprob "
+            "candidates together"
         ),
     )
 

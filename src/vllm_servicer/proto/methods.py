@@ -77,6 +77,7 @@ METHOD_ROLES: Mapping[str, MethodRole] = MappingProxyType(
             "RenderCompletion",
             "DerenderChat",
             "DerenderCompletion",
+            "DerenderChatStream",
         ),
         # vLLM's Control: everything but discovery and Abort (which touches the
         # caller's own requests only) changes the engine for everyone.

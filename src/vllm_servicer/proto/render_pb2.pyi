@@ -246,3 +246,53 @@ class DerenderCompletionResponse(_message.Message):
     choices: _containers.RepeatedCompositeFieldContainer[DerenderedCompletionChoice]
     completion_tokens: int
     def __init__(self, choices: _Optional[_Iterable[_Union[DerenderedCompletionChoice, _Mapping]]] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
+
+class DerenderChatStart(_message.Message):
+    __slots__ = ("chat", "tool_choice", "prompt_token_ids")
+    CHAT_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    chat: RenderChatRequest
+    tool_choice: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, chat: _Optional[_Union[RenderChatRequest, _Mapping]] = ..., tool_choice: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DerenderChatStreamRequest(_message.Message):
+    __slots__ = ("start", "chunk")
+    START_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    start: DerenderChatStart
+    chunk: GeneratedSequence
+    def __init__(self, start: _Optional[_Union[DerenderChatStart, _Mapping]] = ..., chunk: _Optional[_Union[GeneratedSequence, _Mapping]] = ...) -> None: ...
+
+class ToolCallDelta(_message.Message):
+    __slots__ = ("index", "id", "name", "arguments")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    id: str
+    name: str
+    arguments: str
+    def __init__(self, index: _Optional[int] = ..., id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
+
+class DerenderChatDelta(_message.Message):
+    __slots__ = ("content", "reasoning", "tool_calls", "finish_reason", "stop_string", "stop_token_id", "logprobs", "index")
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    REASONING_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STOP_STRING_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    content: str
+    reasoning: str
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCallDelta]
+    finish_reason: str
+    stop_string: str
+    stop_token_id: int
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobText]
+    index: int
+    def __init__(self, content: _Optional[str] = ..., reasoning: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCallDelta, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobText, _Mapping]]] = ..., index: _Optional[int] = ...) -> None: ...

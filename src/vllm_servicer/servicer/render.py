@@ -1,5 +1,5 @@
 """`RenderServicer`: vllm_servicer.v1.Render (RenderChat, RenderCompletion,
-DerenderChat, DerenderCompletion).
+DerenderChat, DerenderCompletion, DerenderChatStream).
 
 A prompt as the engine would run it, from vLLM's own render handler (the one
 behind /v1/chat/completions/render and /v1/completions/render) on the mount's
@@ -17,7 +17,7 @@ import base64
 import binascii
 import io
 import uuid
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidRequestError
@@ -135,6 +135,56 @@ class RenderServicer(render_pb2_grpc.RenderServicer):
         reply = wire.derendered_completion(_derendered(answer))
         note_prompt_tokens(sum(len(prompt.prompt_token_ids) for prompt in request.prompts))
         return reply
+
+    async def DerenderChatStream(
+        self, requests: AsyncIterator[pb.DerenderChatStreamRequest], context: Context
+    ) -> AsyncIterator[pb.DerenderChatDelta]:
+        note_request("derender_chat_stream")
+        handlers = self._handlers
+        first = await anext(aiter(requests), None)
+        if first is None or not first.HasField("start"):
+            raise InvalidRequestError("start", "the first message carries the chat (start)")
+        start = first.start
+        handlers.check_model("start.chat.model", start.chat.model)
+        self._budgets.check_render_items("start.chat.messages", _chat_items(start.chat))
+        self._budgets.check_render_chars("start.chat.messages", wire.chat_size(start.chat))
+        tokens = len(start.prompt_token_ids)
+        self._budgets.check_derender_tokens("start.prompt_token_ids", tokens)
+        derender = await handlers.handler("serving_derender", "generate", "derender outputs")
+        vocabulary = handlers.vocabulary()
+        chat, prompt_token_ids = wire.derender_chat_start(start, handlers.limits(), vocabulary)
+        # Validated once: each chunk's request takes the same objects.
+        chat_request = vllm_request("render_chat", chat)
+        note_prompt_tokens(tokens)
+        request_id, state = _request_id(), None
+        message: pb.DerenderChatStreamRequest | None = first
+        stream = aiter(requests)
+        while message is not None:
+            if message is not first and message.HasField("start"):
+                raise InvalidRequestError("start", "only the first message carries the chat")
+            if message.HasField("chunk"):
+                # vLLM replays the whole sequence through the parsers on every
+                # chunk: the ids of the whole stream count against the budget.
+                tokens += wire.derender_chunk_tokens(message.chunk)
+                self._budgets.check_derender_tokens("chunk.token_ids", tokens)
+                body = {
+                    "stream": True,
+                    "model": handlers.served_model,
+                    "generate_chunk": wire.derender_chat_chunk(
+                        message.chunk, vocabulary, request_id
+                    ),
+                    "stream_state": state,
+                    "chat_request": chat_request,
+                    "prompt_token_ids": prompt_token_ids,
+                }
+                answer = await derender.derender_chat_stream_response(
+                    vllm_request("derender_chat_stream", body)
+                )
+                if getattr(answer, "error", None) is not None:
+                    answer_body(answer)
+                chunk, state = answer
+                yield wire.chat_delta(chunk.model_dump(mode="json"))
+            message = await anext(stream, None)
 
     def _rendered(self, answer: Mapping[str, Any]) -> pb.RenderedPrompt:
         return wire.rendered_prompt(answer, self._handlers.text_of(answer["token_ids"]))

@@ -370,6 +370,12 @@ def _request_model(kind: str) -> Any:
         )
 
         return DerenderCompletionRequest
+    if kind == "derender_chat_stream":
+        from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
+            DerenderChatStreamRequest,
+        )
+
+        return DerenderChatStreamRequest
     raise ValueError(f"no vLLM request model for {kind!r}")
 
 

@@ -457,6 +457,18 @@ _RENDER_HONOURED["DerenderChat"] = frozenset(
         *(f"choices.{name}" for name in _GENERATED),
     }
 )
+_RENDER_HONOURED["DerenderChatStream"] = frozenset(
+    {
+        "start",
+        "start.chat",
+        "start.chat.messages.parts.image_url",
+        *(f"start.chat.{name}" for name in _RENDER_HONOURED["RenderChat"]),
+        "start.tool_choice",
+        "start.prompt_token_ids",
+        "chunk",
+        *(f"chunk.{name}" for name in _GENERATED),
+    }
+)
 _RENDER_HONOURED["DerenderCompletion"] = frozenset(
     {
         "prompts",

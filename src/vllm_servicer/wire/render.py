@@ -24,7 +24,11 @@ from ..proto import render_pb2 as render_pb
 from .pooling import ModelLimits, non_empty, truncation
 
 __all__ = [
+    "chat_delta",
     "chat_size",
+    "derender_chat_chunk",
+    "derender_chat_start",
+    "derender_chunk_tokens",
     "derender_chat_body",
     "derender_completion_body",
     "derender_token_count",
@@ -255,12 +259,12 @@ def rendered_prompt(rendered: Mapping[str, Any], text: str) -> render_pb.Rendere
 _TOOL_CHOICE_MODES = frozenset({"auto", "none", "required"})
 
 
-def _tool_choice(request: render_pb.DerenderChatRequest) -> str | dict[str, Any]:
-    """OpenAI's tool_choice for the request's, checked against its tools."""
-    choice = request.tool_choice or "auto"
+def _tool_choice(chat: render_pb.RenderChatRequest, choice: str) -> str | dict[str, Any]:
+    """OpenAI's tool_choice for `choice` ("": auto), checked against the chat's tools."""
+    choice = choice or "auto"
     if choice in _TOOL_CHOICE_MODES:
         return choice
-    names = [tool.name for tool in request.chat.tools]
+    names = [tool.name for tool in chat.tools]
     if choice not in names:
         raise InvalidRequestError(
             "tool_choice",
@@ -289,44 +293,53 @@ def _generated(sequences: Any, field: str, request_id: str, vocabulary: int) -> 
         at = f"{field}[{number}]"
         if not sequence.token_ids:
             raise InvalidRequestError(f"{at}.token_ids", "at least one generated token id")
-        _check_ids(f"{at}.token_ids", sequence.token_ids, vocabulary)
-        for position, entry in enumerate(sequence.logprobs):
-            _check_ids(f"{at}.logprobs[{position}].token_id", [entry.token_id], vocabulary)
-            _check_ids(
-                f"{at}.logprobs[{position}].top_logprobs",
-                [top.token_id for top in entry.top_logprobs],
-                vocabulary,
-            )
-        choice: dict[str, Any] = {
-            "index": sequence.index,
-            "token_ids": list(sequence.token_ids),
-            "finish_reason": sequence.finish_reason or "stop",
-        }
-        which = sequence.WhichOneof("stop_reason")
-        if which is not None:
-            choice["stop_reason"] = getattr(sequence, which)
-        if sequence.logprobs:
-            if len(sequence.logprobs) != len(sequence.token_ids):
-                raise InvalidRequestError(
-                    f"{at}.logprobs",
-                    f"{len(sequence.logprobs)} positions for {len(sequence.token_ids)} "
-                    "token ids; one per generated token",
-                )
-            choice["logprobs"] = {
-                "content": [
-                    {
-                        "token_id": entry.token_id,
-                        "logprob": entry.logprob,
-                        "top_logprobs": [
-                            {"token_id": top.token_id, "logprob": top.logprob}
-                            for top in entry.top_logprobs
-                        ],
-                    }
-                    for entry in sequence.logprobs
-                ]
-            }
-        choices.append(choice)
+        # A whole sequence without a finish reason stopped, as vLLM takes it.
+        choices.append(_choice(sequence, at, vocabulary, "stop"))
     return {"request_id": request_id, "output_mode": "tokens", "choices": choices}
+
+
+def _choice(
+    sequence: render_pb.GeneratedSequence, at: str, vocabulary: int, unfinished: str | None
+) -> dict[str, Any]:
+    """vLLM's token-id choice for one sequence (or one chunk of it), checked;
+    `unfinished` is its finish reason when the sequence gives none."""
+    _check_ids(f"{at}.token_ids", sequence.token_ids, vocabulary)
+    for position, entry in enumerate(sequence.logprobs):
+        _check_ids(f"{at}.logprobs[{position}].token_id", [entry.token_id], vocabulary)
+        _check_ids(
+            f"{at}.logprobs[{position}].top_logprobs",
+            [top.token_id for top in entry.top_logprobs],
+            vocabulary,
+        )
+    choice: dict[str, Any] = {
+        "index": sequence.index,
+        "token_ids": list(sequence.token_ids),
+        "finish_reason": sequence.finish_reason or unfinished,
+    }
+    which = sequence.WhichOneof("stop_reason")
+    if which is not None:
+        choice["stop_reason"] = getattr(sequence, which)
+    if sequence.logprobs:
+        if len(sequence.logprobs) != len(sequence.token_ids):
+            raise InvalidRequestError(
+                f"{at}.logprobs",
+                f"{len(sequence.logprobs)} positions for {len(sequence.token_ids)} "
+                "token ids; one per generated token",
+            )
+        choice["logprobs"] = {
+            "content": [
+                {
+                    "token_id": entry.token_id,
+                    "logprob": entry.logprob,
+                    "top_logprobs": [
+                        {"token_id": top.token_id, "logprob": top.logprob}
+                        for top in entry.top_logprobs
+                    ],
+                }
+                for entry in sequence.logprobs
+            ]
+        }
+    return choice
 
 
 def _sequence_tokens(sequence: Any) -> int:
@@ -347,6 +360,22 @@ def derender_token_count(
     )
 
 
+def _chat_request(
+    chat: render_pb.RenderChatRequest, tool_choice: str, limits: ModelLimits, field: str
+) -> dict[str, Any]:
+    """The chat as vLLM's ChatCompletionRequest body (the parsers' context);
+    `field` names the chat in refusals."""
+    try:
+        body = render_chat_body(chat, limits)
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(f"{field}.{exc.field}", exc.reason) from None
+    if chat.tools:
+        body["tool_choice"] = _tool_choice(chat, tool_choice)
+    elif tool_choice and tool_choice != "none":
+        raise InvalidRequestError("tool_choice", "the chat has no tools to choose from")
+    return body
+
+
 def derender_chat_body(
     request: render_pb.DerenderChatRequest, limits: ModelLimits, vocabulary: int, request_id: str
 ) -> dict[str, Any]:
@@ -355,14 +384,7 @@ def derender_chat_body(
     generate response; `vocabulary` is the tokenizer's size."""
     if not request.HasField("chat"):
         raise InvalidRequestError("chat", "required: the chat as it was rendered")
-    try:
-        chat = render_chat_body(request.chat, limits)
-    except InvalidRequestError as exc:
-        raise InvalidRequestError(f"chat.{exc.field}", exc.reason) from None
-    if request.chat.tools:
-        chat["tool_choice"] = _tool_choice(request)
-    elif request.tool_choice and request.tool_choice != "none":
-        raise InvalidRequestError("tool_choice", "the chat has no tools to choose from")
+    chat = _chat_request(request.chat, request.tool_choice, limits, "chat")
     body: dict[str, Any] = {
         "model": limits.served_model,
         "generate_response": _generated(request.choices, "choices", request_id, vocabulary),
@@ -372,6 +394,64 @@ def derender_chat_body(
     if request.prompt_token_ids:
         body["prompt_token_ids"] = list(request.prompt_token_ids)
     return body
+
+
+def derender_chat_start(
+    start: render_pb.DerenderChatStart, limits: ModelLimits, vocabulary: int
+) -> tuple[dict[str, Any], list[int] | None]:
+    """A streamed chat derender's context: the chat's ChatCompletionRequest
+    body and the prompt's token ids (None when not given)."""
+    if not start.HasField("chat"):
+        raise InvalidRequestError("start.chat", "required: the chat as it was rendered")
+    chat = _chat_request(start.chat, start.tool_choice, limits, "start.chat")
+    _check_ids("start.prompt_token_ids", start.prompt_token_ids, vocabulary)
+    return chat, list(start.prompt_token_ids) or None
+
+
+def derender_chat_chunk(
+    chunk: render_pb.GeneratedSequence, vocabulary: int, request_id: str
+) -> dict[str, Any]:
+    """vLLM's token-id stream chunk (`GenerateTokensStreamResponse`) for one
+    chunk of a sequence."""
+    if not chunk.token_ids and not chunk.finish_reason:
+        raise InvalidRequestError(
+            "chunk.token_ids", "empty; a chunk carries token ids, or the finish reason"
+        )
+    choice = _choice(chunk, "chunk", vocabulary, None)
+    return {"request_id": request_id, "output_mode": "tokens", "choices": [choice]}
+
+
+def derender_chunk_tokens(chunk: render_pb.GeneratedSequence) -> int:
+    """The token ids one chunk asks to decode, its logprob candidates included."""
+    return _sequence_tokens(chunk)
+
+
+def chat_delta(answer: Mapping[str, Any]) -> render_pb.DerenderChatDelta:
+    """DerenderChatDelta from vLLM's streamed derender answer (its ChatCompletionStreamResponse)."""
+    delta = render_pb.DerenderChatDelta()
+    for choice in answer.get("choices") or ():
+        message = choice.get("delta") or {}
+        delta.index = choice["index"]
+        delta.finish_reason = choice.get("finish_reason") or ""
+        for name, value in _stop_reason(choice).items():
+            setattr(delta, name, value)
+        if message.get("content") is not None:
+            delta.content = message["content"]
+        reasoning = message.get("reasoning", message.get("reasoning_content"))
+        if reasoning is not None:
+            delta.reasoning = reasoning
+        for call in message.get("tool_calls") or ():
+            function = call.get("function") or {}
+            delta.tool_calls.append(
+                render_pb.ToolCallDelta(
+                    index=call.get("index") or 0,
+                    id=call.get("id") or "",
+                    name=function.get("name") or "",
+                    arguments=function.get("arguments") or "",
+                )
+            )
+        delta.logprobs.extend(_chat_logprobs(choice.get("logprobs")))
+    return delta
 
 
 def derender_completion_body(
