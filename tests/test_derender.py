@@ -628,10 +628,10 @@ async def test_a_stream_needs_a_key_opens_with_the_chat_and_sends_tokens(
     async def without_start() -> AsyncIterator[Any]:
         yield pb.DerenderChatStreamRequest(chunk=pb.GeneratedSequence(token_ids=[5]))
 
-    with pytest.raises(grpc.aio.AioRpcError) as err:
-        async for _ in render.DerenderChatStream(without_start()):
-            pass
-    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    # Refused before a message is read: nothing written, so that the client's
+    # own write does not race the refusal.
+    unauthenticated = render.DerenderChatStream()
+    assert await unauthenticated.code() == grpc.StatusCode.UNAUTHENTICATED
     with pytest.raises(grpc.aio.AioRpcError) as err:
         async for _ in render.DerenderChatStream(without_start(), metadata=AUTH):
             pass
