@@ -167,16 +167,12 @@ class RenderServicer(render_pb2_grpc.RenderServicer):
                 # chunk: the ids of the whole stream count against the budget.
                 tokens += wire.derender_chunk_tokens(message.chunk)
                 self._budgets.check_derender_tokens("chunk.token_ids", tokens)
-                body = {
-                    "stream": True,
-                    "model": handlers.served_model,
-                    "generate_chunk": wire.derender_chat_chunk(
-                        message.chunk, vocabulary, request_id
-                    ),
-                    "stream_state": state,
-                    "chat_request": chat_request,
-                    "prompt_token_ids": prompt_token_ids,
-                }
+                body = wire.derender_chat_chunk_body(
+                    message.chunk,
+                    vocabulary,
+                    request_id,
+                    context=(handlers.served_model, chat_request, prompt_token_ids, state),
+                )
                 answer = await derender.derender_chat_stream_response(
                     vllm_request("derender_chat_stream", body)
                 )

@@ -26,7 +26,7 @@ from .pooling import ModelLimits, non_empty, truncation
 __all__ = [
     "chat_delta",
     "chat_size",
-    "derender_chat_chunk",
+    "derender_chat_chunk_body",
     "derender_chat_start",
     "derender_chunk_tokens",
     "derender_chat_body",
@@ -408,17 +408,32 @@ def derender_chat_start(
     return chat, list(start.prompt_token_ids) or None
 
 
-def derender_chat_chunk(
-    chunk: render_pb.GeneratedSequence, vocabulary: int, request_id: str
+def derender_chat_chunk_body(
+    chunk: render_pb.GeneratedSequence,
+    vocabulary: int,
+    request_id: str,
+    *,
+    context: tuple[str, Any, list[int] | None, Any],
 ) -> dict[str, Any]:
-    """vLLM's token-id stream chunk (`GenerateTokensStreamResponse`) for one
-    chunk of a sequence."""
+    """The streaming /v1/chat/completions/derender body for one chunk of a
+    sequence: its token-id stream chunk (`GenerateTokensStreamResponse`) in
+    the stream's `context` (the served model's name, vLLM's validated
+    ChatCompletionRequest, the prompt's token ids, and the stream state
+    vLLM's previous answer handed back, None at first)."""
     if not chunk.token_ids and not chunk.finish_reason:
         raise InvalidRequestError(
             "chunk.token_ids", "empty; a chunk carries token ids, or the finish reason"
         )
+    model, chat_request, prompt_token_ids, state = context
     choice = _choice(chunk, "chunk", vocabulary, None)
-    return {"request_id": request_id, "output_mode": "tokens", "choices": [choice]}
+    return {
+        "stream": True,
+        "model": model,
+        "generate_chunk": {"request_id": request_id, "output_mode": "tokens", "choices": [choice]},
+        "stream_state": state,
+        "chat_request": chat_request,
+        "prompt_token_ids": prompt_token_ids,
+    }
 
 
 def derender_chunk_tokens(chunk: render_pb.GeneratedSequence) -> int:
