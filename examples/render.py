@@ -1,5 +1,5 @@
 """Render a chat and two completion prompts through vllm_servicer.v1.Render: the token ids
-the engine would run, with no generation.
+the engine would run, with no generation; and derender token ids back into text.
 
     python examples/render.py 127.0.0.1:50051
     python examples/render.py HOST:PORT --api-key KEY   # default: $VLLM_API_KEY
@@ -10,6 +10,11 @@ name and its result as JSON:
 
     render_chat: {"token_ids":[1,523,...],"text":"<|system|>..."}
     render_completion: [{"token_ids":[1,...],"text":"..."},{"token_ids":[1,...],"text":"..."}]
+    derender_completion: [{"text":"Hello, world","finish_reason":"length"}]
+
+The derender takes the first prompt's tokens (without the BOS) as if the engine had
+generated them after the second prompt: what a router that generates by token ids
+(vllm.Inference, VllmEngine) does with the ids it gets back.
 """
 
 from __future__ import annotations
@@ -75,6 +80,25 @@ def main(args: argparse.Namespace) -> None:
         )
         completion = stub.RenderCompletion(request, timeout=60, metadata=metadata)
         show("render_completion", [as_json(p) for p in completion.prompts])
+
+        first, second = completion.prompts
+        request = render_pb2.DerenderCompletionRequest(
+            prompts=[
+                render_pb2.PromptGeneration(
+                    prompt_token_ids=second.token_ids,
+                    choices=[
+                        render_pb2.GeneratedSequence(
+                            token_ids=first.token_ids[1:], finish_reason="length"
+                        )
+                    ],
+                )
+            ]
+        )
+        derendered = stub.DerenderCompletion(request, timeout=60, metadata=metadata)
+        show(
+            "derender_completion",
+            [{"text": c.text, "finish_reason": c.finish_reason} for c in derendered.choices],
+        )
 
 
 if __name__ == "__main__":

@@ -181,6 +181,11 @@ _OPTION_ARGV = {
     "stream_interval": (["--grpc-stream-interval", "4"], 4),
     "stream_interval_min_inflight": (["--grpc-stream-interval-min-inflight", "2"], 2),
     "chat_template": (["--chat-template", "x"], "x"),
+    "tool_call_parser": (["--tool-call-parser", "pythonic"], "pythonic"),
+    "enable_auto_tool_choice": (
+        ["--enable-auto-tool-choice", "--tool-call-parser", "pythonic"],
+        True,
+    ),
     "routing_data_for_every_key": (["--routing-data-for-every-key"], True),
     "shared_prefix_cache": (["--shared-prefix-cache"], True),
 }

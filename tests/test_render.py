@@ -542,7 +542,9 @@ async def test_the_examples_render_the_same_in_python_and_node(
     code, output = await run_node("render.js", launcher.address, KEY)
     assert code == 0, output
     node = _lines(output)
-    assert python == node and set(python) == {"render_chat", "render_completion"}
+    assert python == node
+    assert set(python) == {"render_chat", "render_completion", "derender_completion"}
+    assert python["derender_completion"] == [{"text": "Hello, world", "finish_reason": "length"}]
     prompts = python["render_completion"]
     tokenized = await post_json(http, "/tokenize", {"model": model, "prompt": "Hello, world"})
     assert prompts[0]["token_ids"] == tokenized["tokens"]

@@ -1,6 +1,7 @@
 // Renders a chat and two completion prompts through vllm_servicer.v1.Render
 // on a vllm-servicer server: the token ids the engine would run, with no
-// generation. Uses the .proto files the package ships, with @grpc/grpc-js and
+// generation; and derenders token ids back into text (the first prompt's
+// tokens, without the BOS, as if generated after the second). Uses the .proto files the package ships, with @grpc/grpc-js and
 // @grpc/proto-loader.
 //
 //   npm install && node render.js 127.0.0.1:50051 [api_key]   # key default: $VLLM_API_KEY
@@ -8,6 +9,7 @@
 // Prints one line per call, the call's name and its result as JSON:
 //   render_chat: {"token_ids":[1,523,...],"text":"<|system|>..."}
 //   render_completion: [{"token_ids":[1,...],"text":"..."},{"token_ids":[1,...],"text":"..."}]
+//   derender_completion: [{"text":"Hello, world","finish_reason":"length"}]
 "use strict";
 
 const path = require("path");
@@ -70,6 +72,22 @@ async function main() {
     prompt: ["Hello, world", "The capital of France is"],
   });
   console.log("render_completion:", JSON.stringify(completion.prompts.map(asJson)));
+
+  const [first, second] = completion.prompts;
+  const derendered = await call("DerenderCompletion", {
+    prompts: [
+      {
+        prompt_token_ids: second.token_ids,
+        choices: [{ token_ids: first.token_ids.slice(1), finish_reason: "length" }],
+      },
+    ],
+  });
+  console.log(
+    "derender_completion:",
+    JSON.stringify(
+      derendered.choices.map((c) => ({ text: c.text, finish_reason: c.finish_reason })),
+    ),
+  );
 }
 
 main()

@@ -53,6 +53,12 @@ DEFAULT_MAX_RENDER_ITEMS = 2048
 # so the sum, not only each prompt, must be bounded. A million-token context
 # is about 4 MB of text: the longest one render can usefully fill.
 DEFAULT_MAX_RENDER_CHARS = 4 * 1024 * 1024
+# Token ids one derender turns into text: every choice's generated ids, the
+# prompt ids it seeds from (a reasoning parser rescans them whole) and the
+# logprob candidates, each decoded on the serving process with no engine step
+# to bound it. vLLM checks each sequence against the context but not their
+# sum over many choices; a 128K context with a few choices and logprobs fits.
+DEFAULT_MAX_DERENDER_TOKENS = 1 << 20
 # Stop strings: vLLM matches every one against every new token's text on the
 # serving event loop (1 M of them, 11 MB, stalled every other stream and the
 # health Check for 5.6 s). OpenAI's API takes 4; routers and agent frameworks
@@ -111,6 +117,9 @@ class RequestBudgets:
             one RenderChat lays out, or prompts one RenderCompletion renders.
         max_render_chars: most characters one RenderChat or RenderCompletion
             gives the template and the tokenizer, all its prompts or messages together.
+        max_derender_tokens: most token ids one DerenderChat or DerenderCompletion
+            carries, or one DerenderChatStream in all its chunks: generated ids,
+            prompt ids and logprob candidates together.
         max_stop_strings: most stop strings one generation carries, on every
             protocol and vLLM's HTTP API.
         max_stop_bytes: most bytes of one generation's stop strings together.
@@ -184,6 +193,15 @@ class RequestBudgets:
         metadata=_flag(
             "most characters one RenderChat or RenderCompletion gives the tokenizer, all its "
             "messages or prompts together"
+        ),
+    )
+
+    max_derender_tokens: int = dataclasses.field(
+        default=DEFAULT_MAX_DERENDER_TOKENS,
+        metadata=_flag(
+            "most token ids one DerenderChat or DerenderCompletion turns into text, or one "
+            "DerenderChatStream in all its chunks: generated ids, prompt ids and logprob "
+            "candidates together"
         ),
     )
 
@@ -262,6 +280,15 @@ class RequestBudgets:
                 f"{count} characters to render, more than this server's budget of "
                 f"{self.max_render_chars} per call (--max-render-chars); send fewer or "
                 "shorter prompts",
+            )
+
+    def check_derender_tokens(self, field: str, count: int) -> None:
+        """Refuse a derender of more token ids than `max_derender_tokens`."""
+        if count > self.max_derender_tokens:
+            raise InvalidRequestError(
+                field,
+                f"{count} token ids to derender, more than this server's budget of "
+                f"{self.max_derender_tokens} per call (--max-derender-tokens)",
             )
 
     def check_stop(self, field: str, stop: Sequence[str]) -> None:

@@ -165,6 +165,17 @@ class MountOptions:
         help="chat template (a file or inline Jinja) instead of the model's, for Render and "
         "the launcher's HTTP API (/v1/chat/completions), as vLLM's own --chat-template",
     )
+    tool_call_parser: str | None = _option(
+        None,
+        help="vLLM's tool-call parser by name (hermes, pythonic, ...), as vLLM's own "
+        "--tool-call-parser: Render's DerenderChat parses tool calls with it, and so does the "
+        "launcher's HTTP API; the engine's --reasoning-parser splits reasoning for both",
+    )
+    enable_auto_tool_choice: bool = _option(
+        False,
+        help="let the model choose to call tools (tool_choice auto) and parse its calls with "
+        "--tool-call-parser, as vLLM's own --enable-auto-tool-choice",
+    )
     routing_data_for_every_key: bool = _option(
         False,
         help="take KV transfer parameters (kv_transfer_params: they make a prefill engine "
@@ -191,6 +202,11 @@ class MountOptions:
         if unknown or not self.services:
             raise ValueError(
                 f"services must be some of {', '.join(SERVICES)}; got {unknown or 'none'}"
+            )
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ValueError(
+                "enable_auto_tool_choice needs a tool_call_parser "
+                "(the launcher's --enable-auto-tool-choice needs --tool-call-parser)"
             )
         if self.stream_interval < 1:
             raise ValueError(

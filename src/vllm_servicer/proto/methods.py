@@ -47,7 +47,7 @@ class MethodRole(enum.Enum):
     EMBEDDING = "embedding"
     """Runs `engine.encode`; its servicer keeps the call's record too."""
     RENDERING = "rendering"
-    """Runs the engine's renderer (template, tokenizer), no engine step; counted
+    """Runs the engine's renderer (template, tokenizer, output parsers), no engine step; counted
     in flight as the engine calls are, its servicer keeps the call's record."""
     ADMIN = "admin"
     """Changes the server for everyone or exposes its internals: administrators only."""
@@ -70,7 +70,15 @@ METHOD_ROLES: Mapping[str, MethodRole] = MappingProxyType(
         **_methods(_CONTROL, MethodRole.ROUTING, "GetKvEventSources"),
         **_methods(_INFERENCE, MethodRole.GENERATION, "Generate", "GenerateStream"),
         **_methods(_POOLING, MethodRole.EMBEDDING, "Classify", "Score", "Rerank"),
-        **_methods(_RENDER, MethodRole.RENDERING, "RenderChat", "RenderCompletion"),
+        **_methods(
+            _RENDER,
+            MethodRole.RENDERING,
+            "RenderChat",
+            "RenderCompletion",
+            "DerenderChat",
+            "DerenderCompletion",
+            "DerenderChatStream",
+        ),
         # vLLM's Control: everything but discovery and Abort (which touches the
         # caller's own requests only) changes the engine for everyone.
         **_methods(

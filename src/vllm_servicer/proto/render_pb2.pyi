@@ -108,3 +108,191 @@ class RenderCompletionResponse(_message.Message):
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     prompts: _containers.RepeatedCompositeFieldContainer[RenderedPrompt]
     def __init__(self, prompts: _Optional[_Iterable[_Union[RenderedPrompt, _Mapping]]] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
+
+class GeneratedLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob", "top_logprobs")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+
+class GeneratedSequence(_message.Message):
+    __slots__ = ("index", "token_ids", "finish_reason", "stop_string", "stop_token_id", "logprobs")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STOP_STRING_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    finish_reason: str
+    stop_string: str
+    stop_token_id: int
+    logprobs: _containers.RepeatedCompositeFieldContainer[GeneratedLogprob]
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[GeneratedLogprob, _Mapping]]] = ...) -> None: ...
+
+class DerenderChatRequest(_message.Message):
+    __slots__ = ("chat", "tool_choice", "prompt_token_ids", "choices")
+    CHAT_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CHOICES_FIELD_NUMBER: _ClassVar[int]
+    chat: RenderChatRequest
+    tool_choice: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    choices: _containers.RepeatedCompositeFieldContainer[GeneratedSequence]
+    def __init__(self, chat: _Optional[_Union[RenderChatRequest, _Mapping]] = ..., tool_choice: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., choices: _Optional[_Iterable[_Union[GeneratedSequence, _Mapping]]] = ...) -> None: ...
+
+class LogprobText(_message.Message):
+    __slots__ = ("token", "logprob", "bytes")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    logprob: float
+    bytes: bytes
+    def __init__(self, token: _Optional[str] = ..., logprob: _Optional[float] = ..., bytes: _Optional[bytes] = ...) -> None: ...
+
+class TokenLogprobText(_message.Message):
+    __slots__ = ("token", "logprob", "bytes", "top_logprobs", "text_offset")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    logprob: float
+    bytes: bytes
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[LogprobText]
+    text_offset: int
+    def __init__(self, token: _Optional[str] = ..., logprob: _Optional[float] = ..., bytes: _Optional[bytes] = ..., top_logprobs: _Optional[_Iterable[_Union[LogprobText, _Mapping]]] = ..., text_offset: _Optional[int] = ...) -> None: ...
+
+class DerenderedChatChoice(_message.Message):
+    __slots__ = ("index", "content", "reasoning", "tool_calls", "finish_reason", "stop_string", "stop_token_id", "logprobs")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    REASONING_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STOP_STRING_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    content: str
+    reasoning: str
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    finish_reason: str
+    stop_string: str
+    stop_token_id: int
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobText]
+    def __init__(self, index: _Optional[int] = ..., content: _Optional[str] = ..., reasoning: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobText, _Mapping]]] = ...) -> None: ...
+
+class DerenderChatResponse(_message.Message):
+    __slots__ = ("choices", "completion_tokens")
+    CHOICES_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    choices: _containers.RepeatedCompositeFieldContainer[DerenderedChatChoice]
+    completion_tokens: int
+    def __init__(self, choices: _Optional[_Iterable[_Union[DerenderedChatChoice, _Mapping]]] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
+
+class PromptGeneration(_message.Message):
+    __slots__ = ("prompt_token_ids", "choices")
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CHOICES_FIELD_NUMBER: _ClassVar[int]
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    choices: _containers.RepeatedCompositeFieldContainer[GeneratedSequence]
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., choices: _Optional[_Iterable[_Union[GeneratedSequence, _Mapping]]] = ...) -> None: ...
+
+class DerenderCompletionRequest(_message.Message):
+    __slots__ = ("prompts", "model")
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    prompts: _containers.RepeatedCompositeFieldContainer[PromptGeneration]
+    model: str
+    def __init__(self, prompts: _Optional[_Iterable[_Union[PromptGeneration, _Mapping]]] = ..., model: _Optional[str] = ...) -> None: ...
+
+class DerenderedCompletionChoice(_message.Message):
+    __slots__ = ("index", "text", "finish_reason", "stop_string", "stop_token_id", "logprobs")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STOP_STRING_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    text: str
+    finish_reason: str
+    stop_string: str
+    stop_token_id: int
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobText]
+    def __init__(self, index: _Optional[int] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobText, _Mapping]]] = ...) -> None: ...
+
+class DerenderCompletionResponse(_message.Message):
+    __slots__ = ("choices", "completion_tokens")
+    CHOICES_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    choices: _containers.RepeatedCompositeFieldContainer[DerenderedCompletionChoice]
+    completion_tokens: int
+    def __init__(self, choices: _Optional[_Iterable[_Union[DerenderedCompletionChoice, _Mapping]]] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
+
+class DerenderChatStart(_message.Message):
+    __slots__ = ("chat", "tool_choice", "prompt_token_ids")
+    CHAT_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    chat: RenderChatRequest
+    tool_choice: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, chat: _Optional[_Union[RenderChatRequest, _Mapping]] = ..., tool_choice: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DerenderChatStreamRequest(_message.Message):
+    __slots__ = ("start", "chunk")
+    START_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    start: DerenderChatStart
+    chunk: GeneratedSequence
+    def __init__(self, start: _Optional[_Union[DerenderChatStart, _Mapping]] = ..., chunk: _Optional[_Union[GeneratedSequence, _Mapping]] = ...) -> None: ...
+
+class ToolCallDelta(_message.Message):
+    __slots__ = ("index", "id", "name", "arguments")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    id: str
+    name: str
+    arguments: str
+    def __init__(self, index: _Optional[int] = ..., id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
+
+class DerenderChatDelta(_message.Message):
+    __slots__ = ("content", "reasoning", "tool_calls", "finish_reason", "stop_string", "stop_token_id", "logprobs", "index")
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    REASONING_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STOP_STRING_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    content: str
+    reasoning: str
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCallDelta]
+    finish_reason: str
+    stop_string: str
+    stop_token_id: int
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobText]
+    index: int
+    def __init__(self, content: _Optional[str] = ..., reasoning: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCallDelta, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobText, _Mapping]]] = ..., index: _Optional[int] = ...) -> None: ...

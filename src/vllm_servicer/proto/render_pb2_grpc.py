@@ -44,6 +44,21 @@ class RenderStub:
                 request_serializer=vllm__servicer_dot_v1_dot_render__pb2.RenderCompletionRequest.SerializeToString,
                 response_deserializer=vllm__servicer_dot_v1_dot_render__pb2.RenderCompletionResponse.FromString,
                 _registered_method=True)
+        self.DerenderChat = channel.unary_unary(
+                '/vllm_servicer.v1.Render/DerenderChat',
+                request_serializer=vllm__servicer_dot_v1_dot_render__pb2.DerenderChatRequest.SerializeToString,
+                response_deserializer=vllm__servicer_dot_v1_dot_render__pb2.DerenderChatResponse.FromString,
+                _registered_method=True)
+        self.DerenderCompletion = channel.unary_unary(
+                '/vllm_servicer.v1.Render/DerenderCompletion',
+                request_serializer=vllm__servicer_dot_v1_dot_render__pb2.DerenderCompletionRequest.SerializeToString,
+                response_deserializer=vllm__servicer_dot_v1_dot_render__pb2.DerenderCompletionResponse.FromString,
+                _registered_method=True)
+        self.DerenderChatStream = channel.stream_stream(
+                '/vllm_servicer.v1.Render/DerenderChatStream',
+                request_serializer=vllm__servicer_dot_v1_dot_render__pb2.DerenderChatStreamRequest.SerializeToString,
+                response_deserializer=vllm__servicer_dot_v1_dot_render__pb2.DerenderChatDelta.FromString,
+                _registered_method=True)
 
 
 class RenderServicer:
@@ -61,6 +76,31 @@ class RenderServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DerenderChat(self, request, context):
+        """Generated token ids of a chat as the chat completion's choices.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DerenderCompletion(self, request, context):
+        """Generated token ids of completion prompts as the completion's choices.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DerenderChatStream(self, request_iterator, context):
+        """DerenderChat as the tokens arrive, for one generated sequence: the first
+        message carries the chat (`start`), each message the next chunk of token
+        ids; each chunk is answered with its delta. What vLLM's HTTP route hands
+        its client to send back with the next chunk (the stream state) stays in
+        the call.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RenderServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -73,6 +113,21 @@ def add_RenderServicer_to_server(servicer, server):
                     servicer.RenderCompletion,
                     request_deserializer=vllm__servicer_dot_v1_dot_render__pb2.RenderCompletionRequest.FromString,
                     response_serializer=vllm__servicer_dot_v1_dot_render__pb2.RenderCompletionResponse.SerializeToString,
+            ),
+            'DerenderChat': grpc.unary_unary_rpc_method_handler(
+                    servicer.DerenderChat,
+                    request_deserializer=vllm__servicer_dot_v1_dot_render__pb2.DerenderChatRequest.FromString,
+                    response_serializer=vllm__servicer_dot_v1_dot_render__pb2.DerenderChatResponse.SerializeToString,
+            ),
+            'DerenderCompletion': grpc.unary_unary_rpc_method_handler(
+                    servicer.DerenderCompletion,
+                    request_deserializer=vllm__servicer_dot_v1_dot_render__pb2.DerenderCompletionRequest.FromString,
+                    response_serializer=vllm__servicer_dot_v1_dot_render__pb2.DerenderCompletionResponse.SerializeToString,
+            ),
+            'DerenderChatStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.DerenderChatStream,
+                    request_deserializer=vllm__servicer_dot_v1_dot_render__pb2.DerenderChatStreamRequest.FromString,
+                    response_serializer=vllm__servicer_dot_v1_dot_render__pb2.DerenderChatDelta.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -129,6 +184,87 @@ class Render:
             '/vllm_servicer.v1.Render/RenderCompletion',
             vllm__servicer_dot_v1_dot_render__pb2.RenderCompletionRequest.SerializeToString,
             vllm__servicer_dot_v1_dot_render__pb2.RenderCompletionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DerenderChat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/vllm_servicer.v1.Render/DerenderChat',
+            vllm__servicer_dot_v1_dot_render__pb2.DerenderChatRequest.SerializeToString,
+            vllm__servicer_dot_v1_dot_render__pb2.DerenderChatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DerenderCompletion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/vllm_servicer.v1.Render/DerenderCompletion',
+            vllm__servicer_dot_v1_dot_render__pb2.DerenderCompletionRequest.SerializeToString,
+            vllm__servicer_dot_v1_dot_render__pb2.DerenderCompletionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DerenderChatStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/vllm_servicer.v1.Render/DerenderChatStream',
+            vllm__servicer_dot_v1_dot_render__pb2.DerenderChatStreamRequest.SerializeToString,
+            vllm__servicer_dot_v1_dot_render__pb2.DerenderChatDelta.FromString,
             options,
             channel_credentials,
             insecure,

@@ -350,6 +350,13 @@ class ServeArgs:
     http_host: str | None = flag(
         None, group=_HTTP_API, help="address of the HTTP API (default: the same as --host)"
     )
+    enable_scale_out: bool = flag(
+        False,
+        group=_HTTP_API,
+        help="serve vLLM's scale-out routes on the HTTP API too (/v1/.../render, "
+        "/v1/.../derender, /inference/v1/generate), as vLLM's own --enable-scale-out; "
+        "gRPC's Render serves rendering and derendering without it",
+    )
 
     drain_grace: float = flag(
         2.0,
@@ -509,6 +516,8 @@ class ServeArgs:
             )
         if self.http_port is None and self.http_host:
             raise ValueError("--http-host needs --http-port")
+        if self.http_port is None and self.enable_scale_out:
+            raise ValueError("--enable-scale-out needs --http-port (gRPC's Render needs no flag)")
         if self.http_port and self.http_port == self.port and self.http_address == self.host:
             raise ValueError("--http-port must differ from --port")
         if self.request_read_timeout <= 0:

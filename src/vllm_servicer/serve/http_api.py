@@ -55,6 +55,7 @@ from ..context import Identity, current_identity
 from ..guard import EngineGuard
 from ..interceptors.auth import AuthError, Unauthenticated
 from ..interceptors.call_slots import CallSlotsInterceptor, CallSlotsRefused
+from ..servicer.vllm_app import with_engine_parsers
 from . import http_request_ids as request_ids
 from .args import ServeArgs
 from .http_guard import HTTP_CALLER, GuardedEngine
@@ -101,15 +102,17 @@ _RESPONSES_PREFIX = "/v1/responses"
 # The mount options (`MountOptions`, flags of the launcher) that vLLM's app
 # reads. The app's host and port are the HTTP API's; the launcher's keys, TLS,
 # limits and other ports stay its own.
-HTTP_APP_FLAGS = ("chat_template",)
+HTTP_APP_FLAGS = ("chat_template", "tool_call_parser", "enable_auto_tool_choice")
 
 
 def frontend_args(args: ServeArgs, host: str, port: int) -> argparse.Namespace:
     """vLLM's serve arguments: its frontend defaults, the launcher's engine settings.
 
-    The HTTP side takes vLLM's defaults for every frontend option (CORS, tool
-    parsers...) but `HTTP_APP_FLAGS` (`--chat-template`); every engine flag,
-    model names included, comes from the launcher. vLLM's own key middleware
+    The HTTP side takes vLLM's defaults for every frontend option (CORS...) but
+    `HTTP_APP_FLAGS` (`--chat-template`, the tool-call parser) and
+    `--enable-scale-out` (vLLM's render, derender and token-id routes); every
+    engine flag, model names and the reasoning parser included, comes from the
+    launcher. vLLM's own key middleware
     and TLS options stay off: this module does both.
 
     Args:
@@ -126,6 +129,7 @@ def frontend_args(args: ServeArgs, host: str, port: int) -> argparse.Namespace:
     vars(served).update(args.engine)
     for name in HTTP_APP_FLAGS:
         setattr(served, name, getattr(args.options, name))
+    served.enable_scale_out = args.enable_scale_out
     served.host, served.port, served.api_key = host, port, None
     return served
 
@@ -154,6 +158,7 @@ async def _build_app(engine: Any, served: argparse.Namespace) -> Any:
         from vllm.entrypoints.launchers.app import build_app
 
         tasks = await engine.get_supported_tasks()
+        with_engine_parsers(served, engine)
         app = build_app(served, tasks, engine.model_config)
         await init_app_state(engine, app.state, served, tasks)
     return app

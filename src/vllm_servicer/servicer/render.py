@@ -1,8 +1,12 @@
-"""`RenderServicer`: vllm_servicer.v1.Render (RenderChat, RenderCompletion).
+"""`RenderServicer`: vllm_servicer.v1.Render (RenderChat, RenderCompletion,
+DerenderChat, DerenderCompletion, DerenderChatStream).
 
 A prompt as the engine would run it, from vLLM's own render handler (the one
 behind /v1/chat/completions/render and /v1/completions/render) on the mount's
 engine: the engine's renderer, tokenizer and chat template, no engine step.
+And the way back: generated token ids as an OpenAI client's answer, from
+vLLM's own derender handler (/v1/chat/completions/derender,
+/v1/completions/derender) with the parsers the server was started with.
 Images come inline only (`data:` URLs), counted against the media budgets
 from their headers before vLLM decodes them: this service fetches nothing.
 """
@@ -12,7 +16,8 @@ from __future__ import annotations
 import base64
 import binascii
 import io
-from collections.abc import Mapping
+import uuid
+from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidRequestError
@@ -22,7 +27,14 @@ from ..proto import render_pb2 as pb
 from ..wire import render as wire
 from ..wire.fields import REFUSED
 from .state import MountState
-from .vllm_app import VllmHandlers, note_prompt_tokens, note_request, rendered, vllm_request
+from .vllm_app import (
+    VllmHandlers,
+    answer_body,
+    note_prompt_tokens,
+    note_request,
+    rendered,
+    vllm_request,
+)
 
 if TYPE_CHECKING:
     import grpc.aio
@@ -85,8 +97,106 @@ class RenderServicer(render_pb2_grpc.RenderServicer):
         note_prompt_tokens(sum(len(prompt.token_ids) for prompt in reply.prompts))
         return reply
 
+    async def DerenderChat(
+        self, request: pb.DerenderChatRequest, context: Context
+    ) -> pb.DerenderChatResponse:
+        note_request("derender_chat")
+        handlers = self._handlers
+        handlers.check_model("chat.model", request.chat.model)
+        self._budgets.check_n("choices", len(request.choices))
+        self._budgets.check_derender_tokens("choices", wire.derender_token_count(request))
+        self._budgets.check_render_items("chat.messages", _chat_items(request.chat))
+        self._budgets.check_render_chars("chat.messages", wire.chat_size(request.chat))
+        derender = await handlers.handler("serving_derender", "generate", "derender outputs")
+        body = wire.derender_chat_body(
+            request, handlers.limits(), handlers.vocabulary(), _request_id()
+        )
+        answer = await derender.derender_chat_response(vllm_request("derender_chat", body))
+        reply = wire.derendered_chat(_derendered(answer))
+        note_prompt_tokens(len(request.prompt_token_ids))
+        return reply
+
+    async def DerenderCompletion(
+        self, request: pb.DerenderCompletionRequest, context: Context
+    ) -> pb.DerenderCompletionResponse:
+        note_request("derender_completion")
+        handlers = self._handlers
+        handlers.check_model("model", request.model)
+        self._budgets.check_render_items("prompts", len(request.prompts))
+        self._budgets.check_n("prompts.choices", sum(len(p.choices) for p in request.prompts))
+        self._budgets.check_derender_tokens("prompts", wire.derender_token_count(request))
+        derender = await handlers.handler("serving_derender", "generate", "derender outputs")
+        body = wire.derender_completion_body(
+            request, handlers.limits(), handlers.vocabulary(), _request_id()
+        )
+        answer = await derender.derender_completion_response(
+            vllm_request("derender_completion", body)
+        )
+        reply = wire.derendered_completion(_derendered(answer))
+        note_prompt_tokens(sum(len(prompt.prompt_token_ids) for prompt in request.prompts))
+        return reply
+
+    async def DerenderChatStream(
+        self, requests: AsyncIterator[pb.DerenderChatStreamRequest], context: Context
+    ) -> AsyncIterator[pb.DerenderChatDelta]:
+        note_request("derender_chat_stream")
+        handlers = self._handlers
+        first = await anext(aiter(requests), None)
+        if first is None or not first.HasField("start"):
+            raise InvalidRequestError("start", "the first message carries the chat (start)")
+        start = first.start
+        handlers.check_model("start.chat.model", start.chat.model)
+        self._budgets.check_render_items("start.chat.messages", _chat_items(start.chat))
+        self._budgets.check_render_chars("start.chat.messages", wire.chat_size(start.chat))
+        tokens = len(start.prompt_token_ids)
+        self._budgets.check_derender_tokens("start.prompt_token_ids", tokens)
+        derender = await handlers.handler("serving_derender", "generate", "derender outputs")
+        vocabulary = handlers.vocabulary()
+        chat, prompt_token_ids = wire.derender_chat_start(start, handlers.limits(), vocabulary)
+        # Validated once: each chunk's request takes the same objects.
+        chat_request = vllm_request("render_chat", chat)
+        note_prompt_tokens(tokens)
+        request_id, state = _request_id(), None
+        message: pb.DerenderChatStreamRequest | None = first
+        stream = aiter(requests)
+        while message is not None:
+            if message is not first and message.HasField("start"):
+                raise InvalidRequestError("start", "only the first message carries the chat")
+            if message.HasField("chunk"):
+                # vLLM replays the whole sequence through the parsers on every
+                # chunk: the ids of the whole stream count against the budget.
+                tokens += wire.derender_chunk_tokens(message.chunk)
+                self._budgets.check_derender_tokens("chunk.token_ids", tokens)
+                body = wire.derender_chat_chunk_body(
+                    message.chunk,
+                    vocabulary,
+                    request_id,
+                    context=(handlers.served_model, chat_request, prompt_token_ids, state),
+                )
+                answer = await derender.derender_chat_stream_response(
+                    vllm_request("derender_chat_stream", body)
+                )
+                if getattr(answer, "error", None) is not None:
+                    answer_body(answer)
+                chunk, state = answer
+                yield wire.chat_delta(chunk.model_dump(mode="json"))
+            message = await anext(stream, None)
+
     def _rendered(self, answer: Mapping[str, Any]) -> pb.RenderedPrompt:
         return wire.rendered_prompt(answer, self._handlers.text_of(answer["token_ids"]))
+
+
+def _request_id() -> str:
+    # The id of vLLM's answer, which the reply does not carry: no engine request has it.
+    return f"derender-{uuid.uuid4().hex}"
+
+
+def _derendered(answer: Any) -> Any:
+    """The JSON body of vLLM's derender answer (a response model); its error
+    (an `ErrorResponse`) raised as `answer_body` raises it."""
+    if getattr(answer, "error", None) is not None:
+        return answer_body(answer)
+    return answer.model_dump(mode="json")
 
 
 def _chat_items(request: pb.RenderChatRequest) -> int:

@@ -128,6 +128,8 @@ class MountState:
                 loras,
                 options.chat_template,
                 shared_prefix_cache=options.shared_prefix_cache,
+                tool_call_parser=options.tool_call_parser,
+                enable_auto_tool_choice=options.enable_auto_tool_choice,
             ),
             inflight,
             frontends,

@@ -168,6 +168,9 @@ class VllmHandlers:
             instead of the model's, as vLLM's `--chat-template`.
         shared_prefix_cache: leave tenants' prompts unsalted
             (`MountOptions.shared_prefix_cache`).
+        tool_call_parser: vLLM's tool-call parser by name, as its `--tool-call-parser`
+            (the reasoning parser is the engine's own, `--reasoning-parser`).
+        enable_auto_tool_choice: as vLLM's `--enable-auto-tool-choice`.
     """
 
     def __init__(
@@ -178,11 +181,15 @@ class VllmHandlers:
         chat_template: str | None = None,
         *,
         shared_prefix_cache: bool = False,
+        tool_call_parser: str | None = None,
+        enable_auto_tool_choice: bool = False,
     ) -> None:
         self._engine = engine
         self._running = running
         self._loras = loras
         self._chat_template = chat_template
+        self._tool_call_parser = tool_call_parser
+        self._enable_auto_tool_choice = enable_auto_tool_choice
         self._state: Any = None
         self._tasks: tuple[str, ...] = ()
         self._lock = asyncio.Lock()
@@ -191,6 +198,7 @@ class VllmHandlers:
         )
         self.served_model = served_model_name(engine)
         self._limits: ModelLimits | None = None
+        self._vocabulary: int | None = None
 
     def limits(self) -> ModelLimits:
         """The served model's limits, read once (the longest token from its vocabulary)."""
@@ -272,6 +280,12 @@ class VllmHandlers:
             return str(backend.decode(token_ids, skip_special_tokens=False))
         return str(tokenizer.decode(token_ids, skip_special_tokens=False))
 
+    def vocabulary(self) -> int:
+        """How many tokens the engine's tokenizer has (its added ones included), read once."""
+        if self._vocabulary is None:
+            self._vocabulary = len(self.tokenizer())
+        return self._vocabulary
+
     def tokenizer(self) -> Any:
         """The engine's tokenizer (the renderer's own)."""
         # vLLM's whole renderer, not only the part `EngineClient` declares.
@@ -299,6 +313,9 @@ class VllmHandlers:
         args.model = config.model
         args.served_model_name = [self.served_model]
         args.chat_template = self._chat_template
+        args.tool_call_parser = self._tool_call_parser
+        args.enable_auto_tool_choice = self._enable_auto_tool_choice
+        with_engine_parsers(args, self._engine)
         self._tasks = tuple(await self._engine.get_supported_tasks())
         state = State()
         engine: Any = self.claiming
@@ -308,6 +325,15 @@ class VllmHandlers:
             "vLLM's handlers for Pooling and Render built (tasks: %s)", ", ".join(self._tasks)
         )
         return state
+
+
+def with_engine_parsers(args: Any, engine: Any) -> None:
+    """Give vLLM's parsed serve arguments the engine's own structured-output
+    settings (its `--reasoning-parser` among them), which vLLM's handlers read
+    from the arguments rather than from the engine."""
+    config = getattr(getattr(engine, "vllm_config", None), "structured_outputs_config", None)
+    if config is not None:
+        args.structured_outputs_config = config
 
 
 def _request_model(kind: str) -> Any:
@@ -334,6 +360,22 @@ def _request_model(kind: str) -> Any:
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
         return CompletionRequest
+    if kind == "derender_chat":
+        from vllm.entrypoints.scale_out.token_in_token_out.protocol import DerenderChatRequest
+
+        return DerenderChatRequest
+    if kind == "derender_completion":
+        from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
+            DerenderCompletionRequest,
+        )
+
+        return DerenderCompletionRequest
+    if kind == "derender_chat_stream":
+        from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
+            DerenderChatStreamRequest,
+        )
+
+        return DerenderChatStreamRequest
     raise ValueError(f"no vLLM request model for {kind!r}")
 
 

@@ -430,6 +430,54 @@ _RENDER_HONOURED = {
         {"prompt", "add_special_tokens", "model", "truncate_prompt_tokens"}
     ),
 }
+# A generated sequence, as the derenders take it (wire/render.py).
+_GENERATED = (
+    "index",
+    "token_ids",
+    "finish_reason",
+    "stop_string",
+    "stop_token_id",
+    "logprobs",
+    "logprobs.token_id",
+    "logprobs.logprob",
+    "logprobs.top_logprobs",
+    "logprobs.top_logprobs.token_id",
+    "logprobs.top_logprobs.logprob",
+)
+_RENDER_HONOURED["DerenderChat"] = frozenset(
+    {
+        "chat",
+        # The chat is the parsers' context, never rendered again: an image in it
+        # is neither fetched nor decoded.
+        "chat.messages.parts.image_url",
+        *(f"chat.{name}" for name in _RENDER_HONOURED["RenderChat"]),
+        "tool_choice",
+        "prompt_token_ids",
+        "choices",
+        *(f"choices.{name}" for name in _GENERATED),
+    }
+)
+_RENDER_HONOURED["DerenderChatStream"] = frozenset(
+    {
+        "start",
+        "start.chat",
+        "start.chat.messages.parts.image_url",
+        *(f"start.chat.{name}" for name in _RENDER_HONOURED["RenderChat"]),
+        "start.tool_choice",
+        "start.prompt_token_ids",
+        "chunk",
+        *(f"chunk.{name}" for name in _GENERATED),
+    }
+)
+_RENDER_HONOURED["DerenderCompletion"] = frozenset(
+    {
+        "prompts",
+        "prompts.prompt_token_ids",
+        "prompts.choices",
+        *(f"prompts.choices.{name}" for name in _GENERATED),
+        "model",
+    }
+)
 _RENDER_REFUSED = {
     "RenderChat": {
         # Honoured as a data: URL (counted against the media budgets from its header).

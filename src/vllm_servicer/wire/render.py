@@ -1,7 +1,8 @@
 """vllm_servicer.v1's Render messages as vLLM's HTTP bodies, and back.
 
 Each request becomes the JSON body vLLM's HTTP server would take for the same
-call (/v1/chat/completions/render, /v1/completions/render), and each answer is
+call (/v1/chat/completions/render, /v1/completions/render, and their
+/derender twins), and each answer is
 read from the body vLLM would send: the tokens are vLLM's own, and only this
 mapping is ours. Every field of the request messages is read here
 (`wire/fields.py` lists them); the model's limits are Pooling's
@@ -23,7 +24,16 @@ from ..proto import render_pb2 as render_pb
 from .pooling import ModelLimits, non_empty, truncation
 
 __all__ = [
+    "chat_delta",
     "chat_size",
+    "derender_chat_chunk_body",
+    "derender_chat_start",
+    "derender_chunk_tokens",
+    "derender_chat_body",
+    "derender_completion_body",
+    "derender_token_count",
+    "derendered_chat",
+    "derendered_completion",
     "render_chat_body",
     "render_completion_body",
     "rendered_prompt",
@@ -243,4 +253,345 @@ def rendered_prompt(rendered: Mapping[str, Any], text: str) -> render_pb.Rendere
             )
     return render_pb.RenderedPrompt(
         token_ids=rendered["token_ids"], text=text, placeholders=placeholders
+    )
+
+
+_TOOL_CHOICE_MODES = frozenset({"auto", "none", "required"})
+
+
+def _tool_choice(chat: render_pb.RenderChatRequest, choice: str) -> str | dict[str, Any]:
+    """OpenAI's tool_choice for `choice` ("": auto), checked against the chat's tools."""
+    choice = choice or "auto"
+    if choice in _TOOL_CHOICE_MODES:
+        return choice
+    names = [tool.name for tool in chat.tools]
+    if choice not in names:
+        raise InvalidRequestError(
+            "tool_choice",
+            f"{choice!r} is neither auto, none, required nor one of the chat's tools "
+            f"({', '.join(repr(name) for name in names) or 'it has none'})",
+        )
+    return {"type": "function", "function": {"name": choice}}
+
+
+def _check_ids(field: str, token_ids: Any, vocabulary: int) -> None:
+    """Refuse a token id the tokenizer has no token for, naming where it is."""
+    for index, token_id in enumerate(token_ids):
+        if token_id >= vocabulary:
+            raise InvalidRequestError(
+                f"{field}[{index}]",
+                f"token id {token_id} is not in the model's vocabulary of {vocabulary}",
+            )
+
+
+def _generated(sequences: Any, field: str, request_id: str, vocabulary: int) -> dict[str, Any]:
+    """vLLM's token-id generate response (`GenerateTokensResponse`) for `sequences`."""
+    if not sequences:
+        raise InvalidRequestError(field, "at least one generated sequence is required")
+    choices = []
+    for number, sequence in enumerate(sequences):
+        at = f"{field}[{number}]"
+        if not sequence.token_ids:
+            raise InvalidRequestError(f"{at}.token_ids", "at least one generated token id")
+        # A whole sequence without a finish reason stopped, as vLLM takes it.
+        choices.append(_choice(sequence, at, vocabulary, "stop"))
+    return {"request_id": request_id, "output_mode": "tokens", "choices": choices}
+
+
+def _choice(
+    sequence: render_pb.GeneratedSequence, at: str, vocabulary: int, unfinished: str | None
+) -> dict[str, Any]:
+    """vLLM's token-id choice for one sequence (or one chunk of it), checked;
+    `unfinished` is its finish reason when the sequence gives none."""
+    _check_ids(f"{at}.token_ids", sequence.token_ids, vocabulary)
+    for position, entry in enumerate(sequence.logprobs):
+        _check_ids(f"{at}.logprobs[{position}].token_id", [entry.token_id], vocabulary)
+        _check_ids(
+            f"{at}.logprobs[{position}].top_logprobs",
+            [top.token_id for top in entry.top_logprobs],
+            vocabulary,
+        )
+    choice: dict[str, Any] = {
+        "index": sequence.index,
+        "token_ids": list(sequence.token_ids),
+        "finish_reason": sequence.finish_reason or unfinished,
+    }
+    which = sequence.WhichOneof("stop_reason")
+    if which is not None:
+        choice["stop_reason"] = getattr(sequence, which)
+    if sequence.logprobs:
+        if len(sequence.logprobs) != len(sequence.token_ids):
+            raise InvalidRequestError(
+                f"{at}.logprobs",
+                f"{len(sequence.logprobs)} positions for {len(sequence.token_ids)} "
+                "token ids; one per generated token",
+            )
+        choice["logprobs"] = {
+            "content": [
+                {
+                    "token_id": entry.token_id,
+                    "logprob": entry.logprob,
+                    "top_logprobs": [
+                        {"token_id": top.token_id, "logprob": top.logprob}
+                        for top in entry.top_logprobs
+                    ],
+                }
+                for entry in sequence.logprobs
+            ]
+        }
+    return choice
+
+
+def _sequence_tokens(sequence: Any) -> int:
+    return len(sequence.token_ids) + sum(1 + len(entry.top_logprobs) for entry in sequence.logprobs)
+
+
+def derender_token_count(
+    request: render_pb.DerenderChatRequest | render_pb.DerenderCompletionRequest,
+) -> int:
+    """The token ids a derender decodes: generated, prompt and logprob candidates."""
+    if isinstance(request, render_pb.DerenderChatRequest):
+        generations: list[tuple[Any, Any]] = [(request.prompt_token_ids, request.choices)]
+    else:
+        generations = [(prompt.prompt_token_ids, prompt.choices) for prompt in request.prompts]
+    return sum(
+        len(prompt_ids) + sum(_sequence_tokens(sequence) for sequence in sequences)
+        for prompt_ids, sequences in generations
+    )
+
+
+def _chat_request(
+    chat: render_pb.RenderChatRequest, tool_choice: str, limits: ModelLimits, field: str
+) -> dict[str, Any]:
+    """The chat as vLLM's ChatCompletionRequest body (the parsers' context);
+    `field` names the chat in refusals."""
+    try:
+        body = render_chat_body(chat, limits)
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(f"{field}.{exc.field}", exc.reason) from None
+    if chat.tools:
+        body["tool_choice"] = _tool_choice(chat, tool_choice)
+    elif tool_choice and tool_choice != "none":
+        raise InvalidRequestError("tool_choice", "the chat has no tools to choose from")
+    return body
+
+
+def derender_chat_body(
+    request: render_pb.DerenderChatRequest, limits: ModelLimits, vocabulary: int, request_id: str
+) -> dict[str, Any]:
+    """The /v1/chat/completions/derender body for `request`: the chat as its
+    ChatCompletionRequest (the parsers' context), the sequences as a token-id
+    generate response; `vocabulary` is the tokenizer's size."""
+    if not request.HasField("chat"):
+        raise InvalidRequestError("chat", "required: the chat as it was rendered")
+    chat = _chat_request(request.chat, request.tool_choice, limits, "chat")
+    body: dict[str, Any] = {
+        "model": limits.served_model,
+        "generate_response": _generated(request.choices, "choices", request_id, vocabulary),
+        "chat_request": chat,
+    }
+    _check_ids("prompt_token_ids", request.prompt_token_ids, vocabulary)
+    if request.prompt_token_ids:
+        body["prompt_token_ids"] = list(request.prompt_token_ids)
+    return body
+
+
+def derender_chat_start(
+    start: render_pb.DerenderChatStart, limits: ModelLimits, vocabulary: int
+) -> tuple[dict[str, Any], list[int] | None]:
+    """A streamed chat derender's context: the chat's ChatCompletionRequest
+    body and the prompt's token ids (None when not given)."""
+    if not start.HasField("chat"):
+        raise InvalidRequestError("start.chat", "required: the chat as it was rendered")
+    chat = _chat_request(start.chat, start.tool_choice, limits, "start.chat")
+    _check_ids("start.prompt_token_ids", start.prompt_token_ids, vocabulary)
+    return chat, list(start.prompt_token_ids) or None
+
+
+def derender_chat_chunk_body(
+    chunk: render_pb.GeneratedSequence,
+    vocabulary: int,
+    request_id: str,
+    *,
+    context: tuple[str, Any, list[int] | None, Any],
+) -> dict[str, Any]:
+    """The streaming /v1/chat/completions/derender body for one chunk of a
+    sequence: its token-id stream chunk (`GenerateTokensStreamResponse`) in
+    the stream's `context` (the served model's name, vLLM's validated
+    ChatCompletionRequest, the prompt's token ids, and the stream state
+    vLLM's previous answer handed back, None at first)."""
+    if not chunk.token_ids and not chunk.finish_reason:
+        raise InvalidRequestError(
+            "chunk.token_ids", "empty; a chunk carries token ids, or the finish reason"
+        )
+    model, chat_request, prompt_token_ids, state = context
+    choice = _choice(chunk, "chunk", vocabulary, None)
+    return {
+        "stream": True,
+        "model": model,
+        "generate_chunk": {"request_id": request_id, "output_mode": "tokens", "choices": [choice]},
+        "stream_state": state,
+        "chat_request": chat_request,
+        "prompt_token_ids": prompt_token_ids,
+    }
+
+
+def derender_chunk_tokens(chunk: render_pb.GeneratedSequence) -> int:
+    """The token ids one chunk asks to decode, its logprob candidates included."""
+    return _sequence_tokens(chunk)
+
+
+def chat_delta(answer: Mapping[str, Any]) -> render_pb.DerenderChatDelta:
+    """DerenderChatDelta from vLLM's streamed derender answer (its ChatCompletionStreamResponse)."""
+    delta = render_pb.DerenderChatDelta()
+    for choice in answer.get("choices") or ():
+        message = choice.get("delta") or {}
+        delta.index = choice["index"]
+        delta.finish_reason = choice.get("finish_reason") or ""
+        for name, value in _stop_reason(choice).items():
+            setattr(delta, name, value)
+        if message.get("content") is not None:
+            delta.content = message["content"]
+        reasoning = message.get("reasoning", message.get("reasoning_content"))
+        if reasoning is not None:
+            delta.reasoning = reasoning
+        for call in message.get("tool_calls") or ():
+            function = call.get("function") or {}
+            delta.tool_calls.append(
+                render_pb.ToolCallDelta(
+                    index=call.get("index") or 0,
+                    id=call.get("id") or "",
+                    name=function.get("name") or "",
+                    arguments=function.get("arguments") or "",
+                )
+            )
+        delta.logprobs.extend(_chat_logprobs(choice.get("logprobs")))
+    return delta
+
+
+def derender_completion_body(
+    request: render_pb.DerenderCompletionRequest,
+    limits: ModelLimits,
+    vocabulary: int,
+    request_id: str,
+) -> dict[str, Any]:
+    """The /v1/completions/derender body for `request`: one token-id generate
+    response per prompt; `vocabulary` is the tokenizer's size."""
+    if not request.prompts:
+        raise InvalidRequestError("prompts", "at least one prompt's generation is required")
+    for index, prompt in enumerate(request.prompts):
+        _check_ids(f"prompts[{index}].prompt_token_ids", prompt.prompt_token_ids, vocabulary)
+    return {
+        "model": limits.served_model,
+        "generate_responses": [
+            _generated(
+                prompt.choices, f"prompts[{index}].choices", f"{request_id}-{index}", vocabulary
+            )
+            for index, prompt in enumerate(request.prompts)
+        ],
+        "prompt_token_ids": [list(prompt.prompt_token_ids) or None for prompt in request.prompts],
+    }
+
+
+def _stop_reason(choice: Mapping[str, Any]) -> dict[str, Any]:
+    reason = choice.get("stop_reason")
+    if reason is None:
+        return {}
+    if isinstance(reason, int):
+        return {"stop_token_id": reason}
+    return {"stop_string": str(reason)}
+
+
+def _text(text: Any) -> bytes:
+    return bytes(text) if text is not None else b""
+
+
+def _chat_logprobs(logprobs: Mapping[str, Any] | None) -> list[render_pb.TokenLogprobText]:
+    return [
+        render_pb.TokenLogprobText(
+            token=entry["token"],
+            logprob=entry["logprob"],
+            bytes=_text(entry.get("bytes")),
+            top_logprobs=[
+                render_pb.LogprobText(
+                    token=top["token"], logprob=top["logprob"], bytes=_text(top.get("bytes"))
+                )
+                for top in entry.get("top_logprobs") or ()
+            ],
+        )
+        for entry in (logprobs or {}).get("content") or ()
+    ]
+
+
+def derendered_chat(answer: Mapping[str, Any]) -> render_pb.DerenderChatResponse:
+    """DerenderChatResponse from vLLM's derender answer (its ChatCompletionResponse body)."""
+    choices = []
+    for choice in answer["choices"]:
+        message = choice["message"]
+        out = render_pb.DerenderedChatChoice(
+            index=choice["index"],
+            finish_reason=choice.get("finish_reason") or "",
+            tool_calls=[
+                render_pb.ToolCall(
+                    id=call["id"],
+                    name=call["function"]["name"],
+                    arguments=call["function"].get("arguments") or "",
+                )
+                for call in message.get("tool_calls") or ()
+            ],
+            logprobs=_chat_logprobs(choice.get("logprobs")),
+            **_stop_reason(choice),
+        )
+        if message.get("content") is not None:
+            out.content = message["content"]
+        reasoning = message.get("reasoning", message.get("reasoning_content"))
+        if reasoning is not None:
+            out.reasoning = reasoning
+        choices.append(out)
+    usage = answer.get("usage") or {}
+    return render_pb.DerenderChatResponse(
+        choices=choices, completion_tokens=usage.get("completion_tokens") or 0
+    )
+
+
+def _completion_logprobs(
+    logprobs: Mapping[str, Any] | None,
+) -> list[render_pb.TokenLogprobText]:
+    """OpenAI's completion logprobs (parallel lists, candidates by text) as entries."""
+    if not logprobs:
+        return []
+    tokens = logprobs.get("tokens") or []
+    values = logprobs.get("token_logprobs") or [None] * len(tokens)
+    offsets = logprobs.get("text_offset") or [0] * len(tokens)
+    tops = logprobs.get("top_logprobs") or [None] * len(tokens)
+    return [
+        render_pb.TokenLogprobText(
+            token=token,
+            logprob=value if value is not None else 0.0,
+            bytes=token.encode(),
+            text_offset=offset,
+            top_logprobs=[
+                render_pb.LogprobText(token=text, logprob=candidate, bytes=text.encode())
+                for text, candidate in (top or {}).items()
+            ],
+        )
+        for token, value, offset, top in zip(tokens, values, offsets, tops, strict=True)
+    ]
+
+
+def derendered_completion(answer: Mapping[str, Any]) -> render_pb.DerenderCompletionResponse:
+    """DerenderCompletionResponse from vLLM's derender answer (its CompletionResponse body)."""
+    usage = answer.get("usage") or {}
+    return render_pb.DerenderCompletionResponse(
+        choices=[
+            render_pb.DerenderedCompletionChoice(
+                index=choice["index"],
+                text=choice["text"],
+                finish_reason=choice.get("finish_reason") or "",
+                logprobs=_completion_logprobs(choice.get("logprobs")),
+                **_stop_reason(choice),
+            )
+            for choice in answer["choices"]
+        ],
+        completion_tokens=usage.get("completion_tokens") or 0,
     )
