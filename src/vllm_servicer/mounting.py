@@ -179,9 +179,7 @@ def mount(
     # for the whole server ("") and each protocol served.
     health = EngineHealthServicer(engine, services=("", *served)) if options.health else None
     recheck = health.recheck if health is not None else None
-    servicers: dict[str, Any] = {
-        name: _PROTOCOLS[name].build(state, options, recheck) for name in served
-    }
+    servicers: dict[str, Any] = {name: _PROTOCOLS[name].build(state, recheck) for name in served}
     recorder = HandlerRecorder()
     for name, servicer in servicers.items():
         _PROTOCOLS[name].add(servicer, recorder)
@@ -274,29 +272,29 @@ StateChanged = Callable[[], Awaitable[None]] | None
 class _Protocol(NamedTuple):
     """How `mount()` builds one protocol's servicer and adds it to a server."""
 
-    build: Callable[[MountState, MountOptions, StateChanged], Any]
+    build: Callable[[MountState, StateChanged], Any]
     add: Callable[[Any, Any], None]
 
 
 _PROTOCOLS: dict[str, _Protocol] = {
     SERVICE_NAME: _Protocol(
-        lambda state, options, _: VllmEngineServicer(state, options),
+        lambda state, _: VllmEngineServicer(state),
         vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server,
     ),
     INFERENCE_SERVICE: _Protocol(
-        lambda state, options, _: InferenceServicer(state, options),
+        lambda state, _: InferenceServicer(state),
         inference_pb2_grpc.add_InferenceServicer_to_server,
     ),
     CONTROL_SERVICE: _Protocol(
-        lambda state, options, changed: ControlServicer(state, options, on_state_change=changed),
+        lambda state, changed: ControlServicer(state, on_state_change=changed),
         control_pb2_grpc.add_ControlServicer_to_server,
     ),
     POOLING_SERVICE: _Protocol(
-        lambda state, options, _: PoolingServicer(state, options),
+        lambda state, _: PoolingServicer(state),
         pooling_pb2_grpc.add_PoolingServicer_to_server,
     ),
     RENDER_SERVICE: _Protocol(
-        lambda state, options, _: RenderServicer(state, options),
+        lambda state, _: RenderServicer(state),
         render_pb2_grpc.add_RenderServicer_to_server,
     ),
 }

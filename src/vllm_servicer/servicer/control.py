@@ -44,8 +44,6 @@ from .state import MountState
 if TYPE_CHECKING:
     import grpc.aio
 
-    from ..options import MountOptions
-
     Context = grpc.aio.ServicerContext[Any, Any]
 
 logger = logging.getLogger("vllm_servicer")
@@ -134,7 +132,6 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
             own), the count in flight, the LoRA adapters served by name (which
             `vllm.Inference` resolves `lora_name` through), the frontend
             processes sharing the engine (with several, Shutdown stops them all).
-        options: the mount's options (ids per Abort).
         on_state_change: awaited after each call that may change whether the
             engine accepts requests (pause, resume, sleep, wake, weight
             updates): the health service re-reads readiness.
@@ -143,7 +140,6 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
     def __init__(
         self,
         state: MountState,
-        options: MountOptions,
         *,
         on_state_change: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
@@ -152,7 +148,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         self._state = state
         self._group = state.frontends
         self._on_state_change = on_state_change
-        self._budgets = options.budgets
+        self._budgets = state.options.budgets
         # The RL and adapter calls are AsyncLLM's, beyond the EngineClient protocol.
         self._llm: Any = engine
         self._running = state.running

@@ -45,8 +45,6 @@ if TYPE_CHECKING:
     import grpc.aio
     from vllm.sampling_params import SamplingParams
 
-    from ..options import MountOptions
-
     Context = grpc.aio.ServicerContext[Any, Any]
 
 logger = logging.getLogger("vllm_servicer")
@@ -83,14 +81,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         state: what the mount's servicers share: the engine, its running
             requests (an id is its caller's whichever protocol started it),
             the LoRA adapters `lora_name` names (vllm.Control loads them).
-        options: the mount's options (images by URL, budgets).
     """
 
-    def __init__(self, state: MountState, options: MountOptions) -> None:
+    def __init__(self, state: MountState) -> None:
         engine = state.engine
         require_engine(engine)
         self._engine = engine
-        self._budgets = options.budgets
+        self._budgets = state.options.budgets
         self._steps = state.steps
         self.loras: LoraRegistry = state.loras
         self._media = state.media

@@ -29,8 +29,6 @@ from .vllm_app import (
 if TYPE_CHECKING:
     import grpc.aio
 
-    from ..options import MountOptions
-
     Context = grpc.aio.ServicerContext[Any, Any]
 
 
@@ -39,12 +37,11 @@ class PoolingServicer(pooling_pb2_grpc.PoolingServicer):
 
     Args:
         state: the mount's shared state (its engine, running ids and vLLM's handlers).
-        options: the mount's options (the budgets).
     """
 
-    def __init__(self, state: MountState, options: MountOptions) -> None:
+    def __init__(self, state: MountState) -> None:
         self._handlers: VllmHandlers = state.handlers
-        self._budgets = options.budgets
+        self._budgets = state.options.budgets
 
     async def Classify(self, request: pb.ClassifyRequest, context: Context) -> pb.ClassifyResponse:
         body = await self._answer(_CLASSIFY, request, context)

@@ -39,8 +39,6 @@ from .vllm_app import (
 if TYPE_CHECKING:
     import grpc.aio
 
-    from ..options import MountOptions
-
     Context = grpc.aio.ServicerContext[Any, Any]
 
 
@@ -49,13 +47,12 @@ class RenderServicer(render_pb2_grpc.RenderServicer):
 
     Args:
         state: the mount's shared state (its engine, vLLM's handlers, decoded media).
-        options: the mount's options (the budgets).
     """
 
-    def __init__(self, state: MountState, options: MountOptions) -> None:
+    def __init__(self, state: MountState) -> None:
         self._handlers: VllmHandlers = state.handlers
         self._decoded_media: DecodedMedia = state.decoded_media
-        self._budgets = options.budgets
+        self._budgets = state.options.budgets
 
     async def RenderChat(
         self, request: pb.RenderChatRequest, context: Context

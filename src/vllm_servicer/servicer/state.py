@@ -51,6 +51,7 @@ class MountState:
 
     Attributes:
         engine: the engine served.
+        options: what the mount serves and how; the servicers read theirs here.
         running: the requests running now, by id and owner, every protocol's.
         steps: the engine call's preparation every protocol takes, over `running`.
         loras: the LoRA adapters served, by name.
@@ -67,6 +68,7 @@ class MountState:
     """
 
     engine: EngineClient
+    options: MountOptions
     running: RunningRequests
     steps: EngineCallSteps
     loras: LoraRegistry
@@ -118,6 +120,7 @@ class MountState:
             reporter = LoadReporter(reader, CallRates(frontends), update=reader.update)
         return cls(
             engine,
+            options,
             running,
             steps,
             loras,

@@ -49,7 +49,6 @@ if TYPE_CHECKING:
     import grpc.aio
 
     from ..multimodal.decoded import DecodedMedia, RequestMedia
-    from ..options import MountOptions
 
     Context = grpc.aio.ServicerContext[Any, Any]
 
@@ -62,12 +61,12 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     Args:
         state: what the mount's servicers share: the engine (usually
             `vllm.v1.engine.async_llm.AsyncLLM`), its running requests, the
-            count in flight (`MountState.build` makes one for a servicer alone).
-        options: the mount's options (KV-event streams, images by URL,
-            shared-memory tensors, budgets).
+            count in flight, the mount's options (`MountState.build(engine,
+            options)` makes one for a servicer alone).
     """
 
-    def __init__(self, state: MountState, options: MountOptions) -> None:
+    def __init__(self, state: MountState) -> None:
+        options = state.options
         engine = state.engine
         require_engine(engine)
         self._engine = engine
