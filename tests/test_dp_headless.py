@@ -24,6 +24,7 @@ from typing import Any
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc  # type: ignore[import-untyped]
 from support import collect, free_port, request
 from support.launcher import (
     START_TIMEOUT,
@@ -40,6 +41,7 @@ from support.launcher import (
     wait_for_line,
 )
 
+from vllm_servicer.health import SERVING
 from vllm_servicer.proto import vllm_engine_pb2 as pb
 from vllm_servicer.proto import vllm_engine_pb2_grpc
 
@@ -207,6 +209,43 @@ def _listening(pid: int) -> set[int]:
             if target.startswith("socket:["):
                 sockets.add(int(target[8:-1]))
     return sockets & listening
+
+
+async def test_a_remote_engine_that_stops_answering_is_not_ready_until_it_answers(
+    nodes: TwoNodes,
+) -> None:
+    engines = [pid for pid, line in named(children(nodes.node.pid)).items() if "EngineCore" in line]
+    assert engines, "no engine process under the headless node"
+    async with grpc.aio.insecure_channel(nodes.head.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+
+        async def status(service: str) -> int:
+            reply = await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            return int(reply.status)
+
+        assert await status("data_parallel_rank/1") == SERVING
+        # A hung engine (stopped, not dead): its rank misses the head's next
+        # question and is not ready, while the server and rank 0 still are.
+        for pid in engines:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            deadline = asyncio.get_running_loop().time() + 20
+            while await status("data_parallel_rank/1") == SERVING:
+                assert asyncio.get_running_loop().time() < deadline, "rank 1 stayed SERVING"
+                await asyncio.sleep(0.2)
+            assert await status("data_parallel_rank/0") == SERVING
+            assert await status("") == SERVING
+        finally:
+            for pid in engines:
+                os.kill(pid, signal.SIGCONT)
+        # Answering again, it is ready again (before misses enough to count it dead).
+        deadline = asyncio.get_running_loop().time() + 20
+        while await status("data_parallel_rank/1") != SERVING:
+            assert asyncio.get_running_loop().time() < deadline, "rank 1 stayed NOT_SERVING"
+            await asyncio.sleep(0.2)
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+        done = await collect(stub.Generate(_pinned(1, max_tokens=4), timeout=60))
+        assert done[-1].complete.completion_tokens == 4
 
 
 async def test_a_dead_remote_engine_ends_the_node_and_the_head(nodes: TwoNodes) -> None:

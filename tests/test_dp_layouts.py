@@ -28,10 +28,17 @@ from typing import Any
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc  # type: ignore[import-untyped]
 from support import collect, free_port, request
 from support.launcher import START_TIMEOUT, Launched, launch, launcher_env, stop_launched
 
-from vllm_servicer.proto import inference_pb2, inference_pb2_grpc, vllm_engine_pb2_grpc
+from vllm_servicer.load_reports.report import TRAILER_KEY
+from vllm_servicer.proto import (
+    inference_pb2,
+    inference_pb2_grpc,
+    orca_load_report_pb2,
+    vllm_engine_pb2_grpc,
+)
 from vllm_servicer.proto import vllm_engine_pb2 as pb
 from vllm_servicer.testing.tiny_model import tiny_engine_flags, write_tiny_model
 
@@ -253,3 +260,56 @@ async def test_abort_ends_a_stream_pinned_to_a_rank_of_the_second_launcher(
             rest.append(message)
         assert rest[-1].complete.finish_reason == "abort"
         assert await _until_running(stub, rank, 0) == 0
+
+
+def _rank_figures(trailer: Any) -> dict[int, dict[str, float]]:
+    """The ORCA report's per-rank figures in a call's trailer, by rank."""
+    report = orca_load_report_pb2.OrcaLoadReport.FromString(dict(trailer)[TRAILER_KEY])
+    ranks: dict[int, dict[str, float]] = {}
+    for key, value in report.named_metrics.items():
+        if key.startswith("rank."):
+            _, rank, name = key.split(".", 2)
+            ranks.setdefault(int(rank), {})[name] = value
+    return ranks
+
+
+@pytest.mark.parametrize("node", [0, 1])
+async def test_readiness_and_load_reports_name_each_rank_this_launcher_serves(
+    nodes: list[Node], node: int
+) -> None:
+    served, elsewhere = nodes[node], nodes[1 - node]
+    busy = served.ranks[-1]
+    async with _channel(served.launched) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for rank in served.ranks:
+            check = await health.Check(
+                health_pb2.HealthCheckRequest(service=f"data_parallel_rank/{rank}")
+            )
+            assert check.status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.aio.AioRpcError) as unknown:
+            await health.Check(
+                health_pb2.HealthCheckRequest(service=f"data_parallel_rank/{elsewhere.ranks[0]}")
+            )
+        assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+        # A stream running on one rank shows in that rank's figures and no other's.
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+        stream = stub.Generate(
+            _pinned(busy, max_tokens=400, ignore_eos=True, stream=True), timeout=120
+        )
+        try:
+            assert (await stream.read()).WhichOneof("response") == "chunk"
+            assert await _until_running(stub, busy, 1) == 1
+            deadline = asyncio.get_running_loop().time() + 30
+            while True:
+                call = stub.Generate(_pinned(served.ranks[0], max_tokens=1), timeout=60)
+                await collect(call)
+                figures = _rank_figures(await call.trailing_metadata())
+                if figures.get(busy, {}).get("num_requests_running") == 1.0:
+                    break
+                assert asyncio.get_running_loop().time() < deadline, figures
+                await asyncio.sleep(0.5)
+            assert set(figures) <= set(served.ranks)
+            for rank in set(figures) - {busy}:
+                assert figures[rank]["num_requests_running"] == 0.0
+        finally:
+            stream.cancel()

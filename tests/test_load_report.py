@@ -43,6 +43,7 @@ from vllm_servicer.load_reports.report import (
     CallRates,
     EngineLoad,
     LoadReporter,
+    RankLoad,
     report_of,
     utilization,
 )
@@ -108,6 +109,21 @@ def test_the_report_names_its_figures_as_vllm_does() -> None:
     }
     # Without the engine's stats the KV cache is unknown: left out, not zero.
     assert "kv_cache_usage_perc" not in report_of(EngineLoad(1, 0, 8), 0, 0).named_metrics
+
+
+def test_a_data_parallel_engine_reports_each_rank_by_its_global_number() -> None:
+    # A launcher serving ranks 2 and 3 of four (the hybrid layout).
+    ranks = (RankLoad(2, 3, 1, 0.25), RankLoad(3, 0, 0, 0.75))
+    named = dict(report_of(EngineLoad(3, 1, 8, 0.5, ranks), 0, 0).named_metrics)
+    assert named["num_requests_running"] == 3.0
+    assert {key: value for key, value in named.items() if key.startswith("rank.")} == {
+        "rank.2.num_requests_running": 3.0,
+        "rank.2.num_requests_waiting": 1.0,
+        "rank.2.kv_cache_usage_perc": 0.25,
+        "rank.3.num_requests_running": 0.0,
+        "rank.3.num_requests_waiting": 0.0,
+        "rank.3.kv_cache_usage_perc": 0.75,
+    }
 
 
 def test_rates_cover_the_recent_window_however_seldom_read() -> None:

@@ -13,7 +13,9 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from grpc_health.v1 import health_pb2  # type: ignore[import-untyped]
 
+from vllm_servicer.health import NOT_SERVING, SERVING, EngineHealthServicer, rank_service
 from vllm_servicer.serve.remote_engines import remote_ranks, watch_remote_engines
 
 
@@ -115,3 +117,63 @@ async def test_a_slow_answer_within_the_misses_allowed_is_no_death() -> None:
     assert not watch.done() and not engine.errored
     assert len(core.asked) >= 5
     watch.cancel()
+
+
+async def test_a_rank_that_misses_a_question_is_not_ready_until_it_answers() -> None:
+    core = _Core(silent={1})
+    engine = _Engine(core)
+    health = EngineHealthServicer(engine, services=("",))
+    # Every rank served has its own service, by its global number.
+    assert await _status(health, rank_service(0)) == SERVING
+    assert await _status(health, rank_service(1)) == SERVING
+    watch = asyncio.ensure_future(
+        watch_remote_engines(
+            engine,
+            interval=0.01,
+            timeout=0.05,
+            misses_allowed=100,
+            on_answer=health.rank_answered,
+        )
+    )
+    for _ in range(100):
+        await asyncio.sleep(0.02)
+        if await _status(health, rank_service(1)) == NOT_SERVING:
+            break
+    # The silent rank is not ready; the server and the other rank still are.
+    assert await _status(health, rank_service(1)) == NOT_SERVING
+    assert await _status(health, "") == SERVING
+    assert await _status(health, rank_service(0)) == SERVING
+    core.silent.clear()
+    for _ in range(100):
+        await asyncio.sleep(0.02)
+        if await _status(health, rank_service(1)) == SERVING:
+            break
+    assert await _status(health, rank_service(1)) == SERVING
+    watch.cancel()
+    assert not engine.errored
+
+
+async def test_an_engine_of_one_rank_has_no_rank_services() -> None:
+    engine = SimpleNamespace(
+        errored=False, vllm_config=SimpleNamespace(parallel_config=_parallel())
+    )
+    health = EngineHealthServicer(engine, services=("",))
+    assert await _status(health, "") == SERVING
+    with pytest.raises(_Aborted, match="NOT_FOUND"):
+        await _status(health, rank_service(0))
+
+
+class _Aborted(Exception):
+    pass
+
+
+class _Context:
+    """What Check uses of a call's context: its abort."""
+
+    async def abort(self, code: Any, details: str = "") -> None:
+        raise _Aborted(code.name)
+
+
+async def _status(health: EngineHealthServicer, service: str) -> int:
+    reply = await health.Check(health_pb2.HealthCheckRequest(service=service), _Context())
+    return int(reply.status)

@@ -9,6 +9,13 @@ not draining. Routers stop sending to a replica that is not ready. The
 liveness probe restarts neither a server that is draining its streams nor a
 paused or sleeping engine.
 
+A data-parallel engine has a service per rank this server serves, named by its
+global number (`rank_service`: "data_parallel_rank/2"): ready as the server
+is, and NOT_SERVING while that rank's engine, on another node, leaves the
+head's questions unanswered (`rank_answered`, from the launcher's watch over
+remote engines); a router pinning calls to ranks stops sending to that one
+before enough misses count the whole engine dead.
+
 Check reads the engine's death on every call (one attribute read) and its
 paused or asleep state at most once per `poll_interval`, however many Check
 calls arrive (a probe flood costs the engine nothing more); a control call
@@ -35,6 +42,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc  # type: ignore[import-un
 
 from . import vllm_releases
 from .engine import EngineClient
+from .ranks import served_ranks
 
 if TYPE_CHECKING:
     import grpc.aio
@@ -48,6 +56,13 @@ logger = logging.getLogger("vllm_servicer")
 LIVENESS_SERVICE = "liveness"
 """The service name for a liveness probe: SERVING until the engine dies, draining too."""
 
+RANK_SERVICE_PREFIX = "data_parallel_rank/"
+
+
+def rank_service(rank: int) -> str:
+    """The health service name of a data-parallel rank (its global number)."""
+    return f"{RANK_SERVICE_PREFIX}{rank}"
+
 
 # grpcio-health-checking ships no type information: its base class is Any to mypy.
 class EngineHealthServicer(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
@@ -56,7 +71,8 @@ class EngineHealthServicer(health_pb2_grpc.HealthServicer):  # type: ignore[misc
     Args:
         engine: the engine whose liveness decides SERVING / NOT_SERVING.
         services: service names to report readiness for ("" is the whole
-            server); `LIVENESS_SERVICE` is reported besides them.
+            server); `LIVENESS_SERVICE` is reported besides them, and each
+            rank served (`rank_service`) when the engine is data-parallel.
         poll_interval: seconds between engine checks while anyone watches.
     """
 
@@ -64,7 +80,9 @@ class EngineHealthServicer(health_pb2_grpc.HealthServicer):  # type: ignore[misc
         self, engine: EngineClient, services: tuple[str, ...], poll_interval: float = 0.5
     ) -> None:
         self._engine = engine
-        self._services = services
+        self._services = (*services, *_rank_services(engine))
+        # Services of ranks whose remote engine left the last question unanswered.
+        self._silent: set[str] = set()
         self._poll_interval = poll_interval
         self._draining = False
         # Whether the engine accepts requests (not paused or asleep), as last read.
@@ -77,7 +95,7 @@ class EngineHealthServicer(health_pb2_grpc.HealthServicer):  # type: ignore[misc
         # Set, then replaced, on every change: watchers wait on the current one
         # and hold nothing that a status change would need.
         self._changed = asyncio.Event()
-        for service in (*services, LIVENESS_SERVICE):
+        for service in (*self._services, LIVENESS_SERVICE):
             self._status[service] = self._engine_status(service)
 
     def _engine_status(self, service: str) -> int:
@@ -85,7 +103,19 @@ class EngineHealthServicer(health_pb2_grpc.HealthServicer):  # type: ignore[misc
             return NOT_SERVING
         if service != LIVENESS_SERVICE and (self._draining or not self._accepting):
             return NOT_SERVING
-        return SERVING
+        return NOT_SERVING if service in self._silent else SERVING
+
+    def rank_answered(self, rank: int, answered: bool) -> None:
+        """Whether `rank`'s engine on another node answered the head's last
+        question: its service is NOT_SERVING until it answers again."""
+        service = rank_service(rank)
+        if service not in self._status:
+            return
+        if answered:
+            self._silent.discard(service)
+        else:
+            self._silent.add(service)
+        self._publish(service, self._engine_status(service))
 
     async def _read_engine_state(self) -> None:
         """Re-read whether the engine accepts requests, at most once per poll interval.
@@ -199,3 +229,11 @@ class EngineHealthServicer(health_pb2_grpc.HealthServicer):  # type: ignore[misc
             if self._closed:
                 return
             await changed.wait()
+
+
+def _rank_services(engine: EngineClient) -> tuple[str, ...]:
+    """A service per rank served when the engine has several ranks in all."""
+    parallel = getattr(getattr(engine, "vllm_config", None), "parallel_config", None)
+    if int(getattr(parallel, "data_parallel_size", 1) or 1) <= 1:
+        return ()
+    return tuple(rank_service(rank) for rank in served_ranks(engine))

@@ -22,7 +22,7 @@ from typing import Any
 
 from ..engine import EngineClient
 from ..frontends import FrontendGroup
-from .report import REFRESH_SECONDS, EngineLoad
+from .report import REFRESH_SECONDS, EngineLoad, RankLoad
 from .stats_tap import RankWindow, attach, managed_ranks
 
 logger = logging.getLogger("vllm_servicer")
@@ -53,6 +53,10 @@ class EngineLoadReader:
     ) -> None:
         self._tap = attach(engine)
         self._ranks = managed_ranks(engine)
+        parallel = getattr(engine.vllm_config, "parallel_config", None)
+        # Each rank's figures too when there are several ranks in all (this
+        # launcher may serve one of them): routers tell the ranks apart.
+        self._per_rank = int(getattr(parallel, "data_parallel_size", 1) or 1) > 1
         scheduler = getattr(engine.vllm_config, "scheduler_config", None)
         self._max_num_seqs = int(getattr(scheduler, "max_num_seqs", 0) or 0) * len(self._ranks)
         self._in_flight = in_flight
@@ -67,20 +71,30 @@ class EngineLoadReader:
         if tap is None:  # no stats: the calls in flight are what is known
             return EngineLoad(self._in_flight(), 0, self._max_num_seqs)
         self._ask_peers()
-        running = waiting = 0
-        usage: list[float] = []
+        ranks: list[RankLoad] = []
         for rank in self._ranks:
             figures = tap.snapshot(rank, self._elsewhere)
             if figures is None:
                 continue
             stats = figures[0]
-            running += int(stats.num_running_reqs)
-            waiting += int(stats.num_waiting_reqs) + int(stats.num_skipped_waiting_reqs)
-            usage.append(float(stats.kv_cache_usage))
-        if not usage:  # no engine step seen yet
+            ranks.append(
+                RankLoad(
+                    rank,
+                    int(stats.num_running_reqs),
+                    int(stats.num_waiting_reqs) + int(stats.num_skipped_waiting_reqs),
+                    float(stats.kv_cache_usage),
+                )
+            )
+        if not ranks:  # no engine step seen yet
             return EngineLoad(self._in_flight(), 0, self._max_num_seqs)
         # Every rank has a KV cache of the same size: the mean is the engine's share.
-        return EngineLoad(running, waiting, self._max_num_seqs, sum(usage) / len(usage))
+        return EngineLoad(
+            sum(r.running for r in ranks),
+            sum(r.waiting for r in ranks),
+            self._max_num_seqs,
+            sum(r.kv_cache_usage for r in ranks) / len(ranks),
+            tuple(ranks) if self._per_rank else (),
+        )
 
     async def update(self) -> bool:
         """Fetch the other frontend processes' figures when due (or await the fetch

@@ -47,6 +47,15 @@ _MIN_RATE_SPAN_SECONDS = 1.0
 _IDLE_SLOTS = 0.5
 
 
+class RankLoad(NamedTuple):
+    """One data-parallel rank's load, by its global number (`ranks.py`)."""
+
+    rank: int
+    running: int
+    waiting: int
+    kv_cache_usage: float
+
+
 class EngineLoad(NamedTuple):
     """The engine's load, all its data-parallel ranks together.
 
@@ -57,12 +66,16 @@ class EngineLoad(NamedTuple):
         kv_cache_usage: the KV cache's used share, 0 to 1 (`kv_cache_usage_perc`,
             a fraction despite its name); None when the engine keeps no stats
             (`--disable-log-stats`: `running` is then the calls in flight).
+        ranks: each rank's own figures when the engine is data-parallel (a
+            router in front of several launchers tells ranks apart by them);
+            empty otherwise.
     """
 
     running: int
     waiting: int
     max_num_seqs: int
     kv_cache_usage: float | None = None
+    ranks: tuple[RankLoad, ...] = ()
 
 
 def utilization(load: EngineLoad) -> float:
@@ -85,13 +98,19 @@ def utilization(load: EngineLoad) -> float:
 
 
 def report_of(load: EngineLoad, rps: float, eps: float) -> orca_load_report_pb2.OrcaLoadReport:
-    """The ORCA report for `load` and the rates of calls and errors, with vLLM's metric names."""
+    """The ORCA report for `load` and the rates of calls and errors, with vLLM's metric names
+    (and each rank's, prefixed `rank.N.`, when the engine is data-parallel)."""
     named = {
         "num_requests_running": float(load.running),
         "num_requests_waiting": float(load.waiting),
     }
     if load.kv_cache_usage is not None:
         named["kv_cache_usage_perc"] = load.kv_cache_usage
+    for rank in load.ranks:  # "rank.2.num_requests_running": rank 2's own figure
+        prefix = f"rank.{rank.rank}."
+        named[prefix + "num_requests_running"] = float(rank.running)
+        named[prefix + "num_requests_waiting"] = float(rank.waiting)
+        named[prefix + "kv_cache_usage_perc"] = rank.kv_cache_usage
     return orca_load_report_pb2.OrcaLoadReport(
         application_utilization=utilization(load),
         rps_fractional=rps,

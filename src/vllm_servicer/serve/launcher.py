@@ -29,6 +29,7 @@ from ..drain import GracefulShutdown, HardStop
 from ..engine import served_model_name
 from ..frontends import FrontendGroup
 from ..guard import EngineGuard
+from ..health import EngineHealthServicer
 from ..interceptors import CallInterceptor, MetricsInterceptor, start_metrics_server
 from ..interceptors.auth import Verifier
 from ..interceptors.call_slots import CallSlotsInterceptor
@@ -124,7 +125,7 @@ async def serve(args: ServeArgs, frontend: Frontend | None = None) -> int:
             if side.http is not None:
                 url = f"{side.http.scheme}://{args.http_address}:{side.http.port}"
                 print(f"vllm-servicer http on {url}", flush=True)
-        return await _serve_until_stopped(engine, shutdown, group)
+        return await _serve_until_stopped(engine, shutdown, group, mounted.health)
     finally:
         await side.close(engine)
 
@@ -339,12 +340,17 @@ def _shutdown(
 
 
 async def _serve_until_stopped(
-    engine: AsyncLLM, shutdown: GracefulShutdown, group: FrontendGroup | None = None
+    engine: AsyncLLM,
+    shutdown: GracefulShutdown,
+    group: FrontendGroup | None = None,
+    health: EngineHealthServicer | None = None,
 ) -> int:
     """Serve until a stop request or the engine's death, then drain; the exit code."""
     watchdog = asyncio.ensure_future(stop_when_engine_dies(engine, shutdown.request_stop, group))
-    # Engines on other nodes: one that stops answering counts as the engine's death.
-    remote = asyncio.ensure_future(watch_remote_engines(engine))
+    # Engines on other nodes: one that stops answering counts as the engine's
+    # death; one that misses a question makes its rank's health NOT_SERVING.
+    on_answer = health.rank_answered if health is not None else None
+    remote = asyncio.ensure_future(watch_remote_engines(engine, on_answer=on_answer))
     await shutdown.wait_for_stop_request()
     # Died first, or stopped by a signal (that may reach the engine's processes too).
     died = watchdog.done() and not watchdog.cancelled() and watchdog.result()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from ..ranks import describe, served_ranks
@@ -60,9 +61,13 @@ async def watch_remote_engines(
     interval: float = PROBE_INTERVAL,
     timeout: float = PROBE_TIMEOUT,
     misses_allowed: int = MISSES_ALLOWED,
+    on_answer: Callable[[int, bool], None] | None = None,
 ) -> None:
     """Ask each remote engine until one stops answering (then mark the engine
-    dead) or the engine dies otherwise; returns at once when none is remote."""
+    dead) or the engine dies otherwise; returns at once when none is remote.
+
+    `on_answer(rank, answered)` is told each rank's answer (the health
+    service's `rank_answered`: a rank that misses one is not ready)."""
     remote = remote_ranks(engine)
     if not remote:
         return
@@ -75,6 +80,8 @@ async def watch_remote_engines(
         )
         for rank, answered in zip(remote, answers, strict=True):
             missed[rank] = 0 if answered else missed[rank] + 1
+            if on_answer is not None:
+                on_answer(rank, answered)
         silent = [rank for rank in remote if missed[rank] > misses_allowed]
         if silent and not engine.errored:
             logger.error(
