@@ -42,8 +42,8 @@ from support.launcher import (
 )
 
 from vllm_servicer.health import SERVING
+from vllm_servicer.proto import inference_pb2, inference_pb2_grpc, vllm_engine_pb2_grpc
 from vllm_servicer.proto import vllm_engine_pb2 as pb
-from vllm_servicer.proto import vllm_engine_pb2_grpc
 
 # Several engine cores per layout: run apart from the suite's other worker
 # (make test-dp), where they have the machine's cores to themselves.
@@ -77,12 +77,11 @@ def _dp_flags(rpc_port: int) -> list[str]:
     ]
 
 
-@pytest.fixture(scope="module")
-async def nodes(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[TwoNodes]:
+@contextlib.asynccontextmanager
+async def _two_nodes(cache: Path, **env_extra: str) -> AsyncIterator[TwoNodes]:
+    """A headless node serving rank 1, then a head serving both ranks (rank 0 its own)."""
     env = launcher_env(
-        tmp_path_factory.mktemp("cache"),
-        VLLM_CPU_OMP_THREADS_BIND="nobind",
-        VLLM_CPU_KVCACHE_SPACE="1",
+        cache, VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_CPU_KVCACHE_SPACE="1", **env_extra
     )
     port = free_port()
     node = await spawn(
@@ -110,6 +109,12 @@ async def nodes(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[TwoNo
         if node.returncode is None:
             node.kill()
             await node.wait()
+
+
+@pytest.fixture(scope="module")
+async def nodes(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[TwoNodes]:
+    async with _two_nodes(tmp_path_factory.mktemp("cache")) as both:
+        yield both
 
 
 async def _keep(proc: asyncio.subprocess.Process, lines: list[str]) -> None:
@@ -188,6 +193,42 @@ async def test_a_call_pinned_to_a_rank_runs_on_its_node(nodes: TwoNodes, rank: i
         finally:
             stream.cancel()
         assert await _until_running(stub, rank, 0) == 0
+
+
+async def test_the_remote_rank_is_pinned_and_aborted_on_both_protocols(nodes: TwoNodes) -> None:
+    async with grpc.aio.insecure_channel(nodes.head.address) as channel:
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+        inference = inference_pb2_grpc.InferenceStub(channel)
+        # vllm.Inference pins by the same number, in its metadata.
+        call = inference.GenerateStream(
+            inference_pb2.GenerateRequest(
+                token_ids=inference_pb2.TokenIds(ids=[5, 17, 42, 99]),
+                stopping=inference_pb2.StoppingCriteria(max_new_tokens=400, ignore_eos=True),
+            ),
+            metadata=(("x-data-parallel-rank", "1"),),
+            timeout=120,
+        )
+        try:
+            await call.read()
+            assert await _until_running(stub, 1, 1) == 1
+        finally:
+            call.cancel()
+        assert await _until_running(stub, 1, 0) == 0
+        # Abort reaches the engine on the other node.
+        message = _pinned(1, max_tokens=400, ignore_eos=True, stream=True, request_id="remote")
+        stream = stub.Generate(message, timeout=120)
+        assert (await stream.read()).WhichOneof("response") == "chunk"
+        await stub.Abort(pb.AbortRequest(request_ids=["remote"]), timeout=30)
+        rest = []
+        while (reply := await stream.read()) is not grpc.aio.EOF:
+            rest.append(reply)
+        assert rest[-1].complete.finish_reason == "abort"
+        assert await _until_running(stub, 1, 0) == 0
+        # A rank past the engine's is refused, naming those served.
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await collect(stub.Generate(_pinned(2), timeout=60))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "this server serves ranks 0-1" in (refused.value.details() or "")
 
 
 async def test_the_headless_node_binds_no_port(nodes: TwoNodes) -> None:
@@ -272,3 +313,38 @@ async def test_a_dead_remote_engine_ends_the_node_and_the_head(nodes: TwoNodes) 
         assert asyncio.get_running_loop().time() - killed < 60
     assert await asyncio.wait_for(exit_code(nodes.head.proc), 90) == 1
     assert any("did not answer" in line for line in nodes.head.output)
+
+
+async def test_kept_alive_the_head_marks_a_dead_remote_engine_and_keeps_running(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """`VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1` on the head: it serves on, NOT_SERVING."""
+    cache = tmp_path_factory.mktemp("kept")
+    async with _two_nodes(cache, VLLM_KEEP_ALIVE_ON_ENGINE_DEATH="1") as pair:
+        engines = [
+            pid for pid, line in named(children(pair.node.pid)).items() if "EngineCore" in line
+        ]
+        assert engines, "no engine process under the headless node"
+        async with grpc.aio.insecure_channel(pair.head.address) as channel:
+            stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+            stream = stub.Generate(
+                _pinned(1, max_tokens=400, ignore_eos=True, stream=True), timeout=120
+            )
+            assert (await stream.read()).WhichOneof("response") == "chunk"
+            for pid in engines:
+                os.kill(pid, signal.SIGKILL)
+            assert await asyncio.wait_for(exit_code(pair.node), 60) == 1
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
+                while await stream.read() is not grpc.aio.EOF:
+                    pass
+            assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+            health = health_pb2_grpc.HealthStub(channel)
+            for service in ("", "liveness", "data_parallel_rank/0", "data_parallel_rank/1"):
+                reply = await health.Check(health_pb2.HealthCheckRequest(service=service))
+                assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING, service
+            # Still running and answering: a new call is refused, not left waiting.
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await collect(stub.Generate(_pinned(0, max_tokens=4), timeout=30))
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert pair.head.proc.returncode is None
+        assert any("did not answer" in line for line in pair.head.output)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -32,11 +33,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc  # type: ignore[import-un
 from support import collect, free_port, request
 from support.launcher import START_TIMEOUT, Launched, launch, launcher_env, stop_launched
 
-from vllm_servicer.load_reports.report import TRAILER_KEY
 from vllm_servicer.proto import (
     inference_pb2,
     inference_pb2_grpc,
-    orca_load_report_pb2,
+    orca_pb2,
+    orca_pb2_grpc,
     vllm_engine_pb2_grpc,
 )
 from vllm_servicer.proto import vllm_engine_pb2 as pb
@@ -262,9 +263,8 @@ async def test_abort_ends_a_stream_pinned_to_a_rank_of_the_second_launcher(
         assert await _until_running(stub, rank, 0) == 0
 
 
-def _rank_figures(trailer: Any) -> dict[int, dict[str, float]]:
-    """The ORCA report's per-rank figures in a call's trailer, by rank."""
-    report = orca_load_report_pb2.OrcaLoadReport.FromString(dict(trailer)[TRAILER_KEY])
+def _rank_figures(report: Any) -> dict[int, dict[str, float]]:
+    """An ORCA report's per-rank figures, by rank."""
     ranks: dict[int, dict[str, float]] = {}
     for key, value in report.named_metrics.items():
         if key.startswith("rank."):
@@ -282,34 +282,32 @@ async def test_readiness_and_load_reports_name_each_rank_this_launcher_serves(
     async with _channel(served.launched) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         for rank in served.ranks:
-            check = await health.Check(
-                health_pb2.HealthCheckRequest(service=f"data_parallel_rank/{rank}")
-            )
+            service = f"data_parallel_rank/{rank}"
+            check = await health.Check(health_pb2.HealthCheckRequest(service=service))
             assert check.status == health_pb2.HealthCheckResponse.SERVING
         with pytest.raises(grpc.aio.AioRpcError) as unknown:
-            await health.Check(
-                health_pb2.HealthCheckRequest(service=f"data_parallel_rank/{elsewhere.ranks[0]}")
-            )
+            other = f"data_parallel_rank/{elsewhere.ranks[0]}"
+            await health.Check(health_pb2.HealthCheckRequest(service=other))
         assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
         # A stream running on one rank shows in that rank's figures and no other's.
         stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
         stream = stub.Generate(
             _pinned(busy, max_tokens=400, ignore_eos=True, stream=True), timeout=120
         )
+        reports = orca_pb2_grpc.OpenRcaServiceStub(channel).StreamCoreMetrics(
+            orca_pb2.OrcaLoadReportRequest(report_interval=datetime.timedelta(seconds=1))
+        )
         try:
             assert (await stream.read()).WhichOneof("response") == "chunk"
             assert await _until_running(stub, busy, 1) == 1
-            deadline = asyncio.get_running_loop().time() + 30
-            while True:
-                call = stub.Generate(_pinned(served.ranks[0], max_tokens=1), timeout=60)
-                await collect(call)
-                figures = _rank_figures(await call.trailing_metadata())
+            for _ in range(30):
+                figures = _rank_figures(await asyncio.wait_for(reports.read(), 10))
                 if figures.get(busy, {}).get("num_requests_running") == 1.0:
                     break
-                assert asyncio.get_running_loop().time() < deadline, figures
-                await asyncio.sleep(0.5)
+            assert figures[busy]["num_requests_running"] == 1.0, figures
             assert set(figures) <= set(served.ranks)
             for rank in set(figures) - {busy}:
                 assert figures[rank]["num_requests_running"] == 0.0
         finally:
             stream.cancel()
+            reports.cancel()

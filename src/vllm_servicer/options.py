@@ -73,8 +73,8 @@ class MountOptions:
     Each field carries its help in its metadata (`dataclasses.fields`), which
     the launcher shows as the help of the flag that sets it (`option_flag`):
     a serving option is a field here plus the code that reads it. `mount()`
-    reads the services, health and reflection; every servicer it builds gets
-    this object whole and reads its own fields.
+    reads the services, health and reflection; the servicers it builds read
+    their own fields from the state they share (`MountState.options`).
 
     Raises:
         ValueError: `services` names none, or a service this package does not
