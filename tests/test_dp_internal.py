@@ -1,0 +1,166 @@
+"""vLLM's internal data-parallel layout: one launcher, two ranks, both its own engines.
+
+`--data-parallel-size 2`: the launcher starts both engine cores and vLLM
+balances unpinned calls between them. A call pinned to a rank runs there, on
+both protocols (GetLoads shows it); Abort ends a pinned stream; a rank past
+the engine's is refused naming those served; each rank has its readiness.
+When one rank's engine dies, the launcher ends the call on it UNAVAILABLE and
+exits 1 within seconds, as with one engine. The layout is started once for
+the module; the engine's death is its last test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc  # type: ignore[import-untyped]
+from support import collect, request
+from support.launcher import (
+    START_TIMEOUT,
+    Launched,
+    children,
+    exit_code,
+    launch,
+    launcher_env,
+    named,
+    stop_launched,
+)
+
+from vllm_servicer.proto import inference_pb2, inference_pb2_grpc, vllm_engine_pb2_grpc
+from vllm_servicer.proto import vllm_engine_pb2 as pb
+
+# Several engine cores: run apart from the suite's other worker (make test-dp).
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.data_parallel,
+    pytest.mark.timeout(START_TIMEOUT + 300),
+]
+
+
+@pytest.fixture(scope="module")
+async def launched(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Launched]:
+    env = launcher_env(
+        tmp_path_factory.mktemp("cache"),
+        VLLM_CPU_OMP_THREADS_BIND="nobind",
+        VLLM_CPU_KVCACHE_SPACE="1",
+    )
+    served = await launch("--data-parallel-size", "2", env=env)
+    try:
+        yield served
+    finally:
+        # Also after the last test's engine death ended it: its output read to the end.
+        with contextlib.suppress(TimeoutError):
+            await stop_launched(served, expect=None)
+
+
+def _pinned(rank: int, **sampling: Any) -> pb.GenerateRequest:
+    message = request(**sampling)
+    message.data_parallel_rank = rank
+    return message
+
+
+async def _running(stub: Any, rank: int) -> int:
+    loads = await stub.GetLoads(pb.GetLoadsRequest(dp_rank=rank))
+    return loads.loads[0].num_running_reqs if loads.loads else -1
+
+
+async def _until_running(stub: Any, rank: int, wanted: int, timeout: float = 30) -> int:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while (running := await _running(stub, rank)) != wanted and loop.time() < deadline:  # noqa: ASYNC110 - GetLoads has no event to wait on
+        await asyncio.sleep(0.2)
+    return running
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+async def test_a_call_pinned_to_a_rank_runs_there_on_both_protocols(
+    launched: Launched, rank: int
+) -> None:
+    async with grpc.aio.insecure_channel(launched.address) as channel:
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+        other = 1 - rank
+        stream = stub.Generate(
+            _pinned(rank, max_tokens=400, ignore_eos=True, stream=True), timeout=120
+        )
+        try:
+            assert (await stream.read()).WhichOneof("response") == "chunk"
+            assert await _until_running(stub, rank, 1) == 1
+            assert await _running(stub, other) in (-1, 0)
+        finally:
+            stream.cancel()
+        assert await _until_running(stub, rank, 0) == 0
+        call = inference_pb2_grpc.InferenceStub(channel).GenerateStream(
+            inference_pb2.GenerateRequest(
+                token_ids=inference_pb2.TokenIds(ids=[5, 17, 42, 99]),
+                stopping=inference_pb2.StoppingCriteria(max_new_tokens=400, ignore_eos=True),
+            ),
+            metadata=(("x-data-parallel-rank", str(rank)),),
+            timeout=120,
+        )
+        try:
+            await call.read()
+            assert await _until_running(stub, rank, 1) == 1
+            assert await _running(stub, other) in (-1, 0)
+        finally:
+            call.cancel()
+        assert await _until_running(stub, rank, 0) == 0
+
+
+async def test_abort_ends_a_pinned_stream_and_a_rank_not_served_is_refused(
+    launched: Launched,
+) -> None:
+    async with grpc.aio.insecure_channel(launched.address) as channel:
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+        message = _pinned(1, max_tokens=400, ignore_eos=True, stream=True, request_id="pinned")
+        stream = stub.Generate(message, timeout=120)
+        assert (await stream.read()).WhichOneof("response") == "chunk"
+        await stub.Abort(pb.AbortRequest(request_ids=["pinned"]), timeout=30)
+        rest = []
+        while (reply := await stream.read()) is not grpc.aio.EOF:
+            rest.append(reply)
+        assert rest[-1].complete.finish_reason == "abort"
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await collect(stub.Generate(_pinned(2), timeout=60))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert refused.value.details() == (
+            "data_parallel_rank: rank 2 is not served here: this server serves ranks 0-1"
+        )
+        health = health_pb2_grpc.HealthStub(channel)
+        for rank in (0, 1):
+            reply = await health.Check(
+                health_pb2.HealthCheckRequest(service=f"data_parallel_rank/{rank}")
+            )
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_a_dead_rank_ends_its_calls_and_the_launcher(launched: Launched) -> None:
+    engines = {
+        pid: line
+        for pid, line in named(children(launched.proc.pid)).items()
+        if "EngineCore" in line
+    }
+    # vLLM names each engine core's process by its rank (EngineCore_DP1).
+    rank_1 = [pid for pid, line in engines.items() if "DP1" in line] or list(engines)[-1:]
+    assert rank_1, f"no engine process under the launcher: {engines}"
+    async with grpc.aio.insecure_channel(launched.address) as channel:
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+        stream = stub.Generate(
+            _pinned(1, max_tokens=400, ignore_eos=True, stream=True), timeout=120
+        )
+        assert (await stream.read()).WhichOneof("response") == "chunk"
+        killed = asyncio.get_running_loop().time()
+        for pid in rank_1:
+            os.kill(pid, signal.SIGKILL)
+        with pytest.raises(grpc.aio.AioRpcError) as ended:
+            while await stream.read() is not grpc.aio.EOF:
+                pass
+        assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert asyncio.get_running_loop().time() - killed < 30
+    assert await asyncio.wait_for(exit_code(launched.proc), 90) == 1
