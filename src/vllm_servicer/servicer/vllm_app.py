@@ -376,6 +376,12 @@ def _request_model(kind: str) -> Any:
         )
 
         return DerenderChatStreamRequest
+    if kind == "derender_completion_stream":
+        from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
+            DerenderCompletionStreamRequest,
+        )
+
+        return DerenderCompletionStreamRequest
     raise ValueError(f"no vLLM request model for {kind!r}")
 
 

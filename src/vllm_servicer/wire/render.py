@@ -26,11 +26,14 @@ from .pooling import ModelLimits, non_empty, truncation
 __all__ = [
     "chat_delta",
     "chat_size",
+    "completion_delta",
     "derender_chat_chunk_body",
     "derender_chat_start",
     "derender_chunk_tokens",
     "derender_chat_body",
     "derender_completion_body",
+    "derender_completion_chunk_body",
+    "derender_completion_start",
     "derender_token_count",
     "derendered_chat",
     "derendered_completion",
@@ -408,6 +411,19 @@ def derender_chat_start(
     return chat, list(start.prompt_token_ids) or None
 
 
+def _stream_chunk(
+    chunk: render_pb.GeneratedSequence, vocabulary: int, request_id: str
+) -> dict[str, Any]:
+    """vLLM's token-id stream chunk (`GenerateTokensStreamResponse`) for one
+    chunk of a sequence, checked."""
+    if not chunk.token_ids and not chunk.finish_reason:
+        raise InvalidRequestError(
+            "chunk.token_ids", "empty; a chunk carries token ids, or the finish reason"
+        )
+    choice = _choice(chunk, "chunk", vocabulary, None)
+    return {"request_id": request_id, "output_mode": "tokens", "choices": [choice]}
+
+
 def derender_chat_chunk_body(
     chunk: render_pb.GeneratedSequence,
     vocabulary: int,
@@ -420,18 +436,41 @@ def derender_chat_chunk_body(
     the stream's `context` (the served model's name, vLLM's validated
     ChatCompletionRequest, the prompt's token ids, and the stream state
     vLLM's previous answer handed back, None at first)."""
-    if not chunk.token_ids and not chunk.finish_reason:
-        raise InvalidRequestError(
-            "chunk.token_ids", "empty; a chunk carries token ids, or the finish reason"
-        )
     model, chat_request, prompt_token_ids, state = context
-    choice = _choice(chunk, "chunk", vocabulary, None)
     return {
         "stream": True,
         "model": model,
-        "generate_chunk": {"request_id": request_id, "output_mode": "tokens", "choices": [choice]},
+        "generate_chunk": _stream_chunk(chunk, vocabulary, request_id),
         "stream_state": state,
         "chat_request": chat_request,
+        "prompt_token_ids": prompt_token_ids,
+    }
+
+
+def derender_completion_start(
+    start: render_pb.DerenderCompletionStart, vocabulary: int
+) -> list[int] | None:
+    """A streamed completion derender's prompt token ids (None when not given), checked."""
+    _check_ids("start.prompt_token_ids", start.prompt_token_ids, vocabulary)
+    return list(start.prompt_token_ids) or None
+
+
+def derender_completion_chunk_body(
+    chunk: render_pb.GeneratedSequence,
+    vocabulary: int,
+    request_id: str,
+    *,
+    context: tuple[str, list[int] | None, Any],
+) -> dict[str, Any]:
+    """The streaming /v1/completions/derender body for one chunk of a sequence
+    in the stream's `context` (the served model's name, the prompt's token
+    ids, the stream state vLLM's previous answer handed back, None at first)."""
+    model, prompt_token_ids, state = context
+    return {
+        "stream": True,
+        "model": model,
+        "generate_chunk": _stream_chunk(chunk, vocabulary, request_id),
+        "stream_state": state,
         "prompt_token_ids": prompt_token_ids,
     }
 
@@ -577,6 +616,20 @@ def _completion_logprobs(
         )
         for token, value, offset, top in zip(tokens, values, offsets, tops, strict=True)
     ]
+
+
+def completion_delta(answer: Mapping[str, Any]) -> render_pb.DerenderCompletionDelta:
+    """DerenderCompletionDelta from vLLM's streamed derender answer (its
+    CompletionStreamResponse)."""
+    delta = render_pb.DerenderCompletionDelta()
+    for choice in answer.get("choices") or ():
+        delta.index = choice["index"]
+        delta.text += choice.get("text") or ""
+        delta.finish_reason = choice.get("finish_reason") or ""
+        for name, value in _stop_reason(choice).items():
+            setattr(delta, name, value)
+        delta.logprobs.extend(_completion_logprobs(choice.get("logprobs")))
+    return delta
 
 
 def derendered_completion(answer: Mapping[str, Any]) -> render_pb.DerenderCompletionResponse:
