@@ -109,10 +109,14 @@ class RenderServicer(render_pb2_grpc.RenderServicer):
         self._budgets.check_render_chars("chat.messages", wire.chat_size(request.chat))
         derender = await handlers.handler("serving_derender", "generate", "derender outputs")
         body = wire.derender_chat_body(
-            request, handlers.limits(), handlers.vocabulary(), _request_id()
+            request, handlers.limits(), handlers.vocabulary(), _request_id(), handlers.eos_ids()
         )
         answer = await derender.derender_chat_response(vllm_request("derender_chat", body))
-        reply = wire.derendered_chat(_derendered(answer))
+        reply = wire.derendered_chat(
+            _derendered(answer), request.tool_choice if request.chat.tools else "none"
+        )
+        # Every generated id, a stop token left out of the text included.
+        reply.completion_tokens = sum(len(choice.token_ids) for choice in request.choices)
         note_prompt_tokens(len(request.prompt_token_ids))
         return reply
 
@@ -127,12 +131,15 @@ class RenderServicer(render_pb2_grpc.RenderServicer):
         self._budgets.check_derender_tokens("prompts", wire.derender_token_count(request))
         derender = await handlers.handler("serving_derender", "generate", "derender outputs")
         body = wire.derender_completion_body(
-            request, handlers.limits(), handlers.vocabulary(), _request_id()
+            request, handlers.limits(), handlers.vocabulary(), _request_id(), handlers.eos_ids()
         )
         answer = await derender.derender_completion_response(
             vllm_request("derender_completion", body)
         )
         reply = wire.derendered_completion(_derendered(answer))
+        reply.completion_tokens = sum(
+            len(choice.token_ids) for prompt in request.prompts for choice in prompt.choices
+        )
         note_prompt_tokens(sum(len(prompt.prompt_token_ids) for prompt in request.prompts))
         return reply
 
@@ -164,6 +171,7 @@ class RenderServicer(render_pb2_grpc.RenderServicer):
                 vocabulary,
                 request_id,
                 context=(handlers.served_model, chat_request, prompt_token_ids, state),
+                eos_ids=handlers.eos_ids(),
             )
             answer = await derender.derender_chat_stream_response(
                 vllm_request("derender_chat_stream", body)
@@ -197,6 +205,7 @@ class RenderServicer(render_pb2_grpc.RenderServicer):
                 vocabulary,
                 request_id,
                 context=(handlers.served_model, prompt_token_ids, state),
+                eos_ids=handlers.eos_ids(),
             )
             answer = await derender.derender_completion_stream_response(
                 vllm_request("derender_completion_stream", body)
