@@ -297,7 +297,8 @@ class VllmHandlers:
             if isinstance(eos, int):
                 ids.add(eos)
             config = getattr(self._engine, "model_config", None)
-            generation = config.try_get_generation_config() if config is not None else None
+            read = getattr(config, "try_get_generation_config", None)
+            generation = read() if callable(read) else None
             configured = (generation or {}).get("eos_token_id")
             if isinstance(configured, int):
                 ids.add(configured)
