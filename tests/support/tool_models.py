@@ -116,7 +116,9 @@ def _sentencepiece_tokenizer() -> Any:
     vocab = {token: index for index, token in enumerate(specials + byte_tokens)}
     for token, _ in sorted(learned["vocab"].items(), key=lambda item: item[1]):
         vocab.setdefault(token, len(vocab))
-    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in learned["merges"]]
+    # tokenizers writes a merge as "a b" or, in newer releases, as ["a", "b"].
+    pairs = [m.split(" ") if isinstance(m, str) else m for m in learned["merges"]]
+    merges = [(str(left), str(right)) for left, right in pairs]
     tokenizer = Tokenizer(
         models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True)
     )
