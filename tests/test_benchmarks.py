@@ -209,6 +209,39 @@ def test_pooling_vs_http_benchmark_measures_every_pair_on_both_protocols(tmp_pat
     assert all(b["errors"] == 0 for b in data["bursts"])
 
 
+@pytest.mark.timeout(600)
+def test_derender_vs_http_benchmark_measures_both_protocols_on_one_launcher(
+    tmp_path: Path,
+) -> None:
+    import subprocess
+
+    out = tmp_path / "derender-vs-http.json"
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "derender_vs_http.py"), "--quick", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    data = json.loads(out.read_text())
+    # Both answers were compared before timing, and agreed: the reasoning, the
+    # content and the parsed tool call.
+    agreement = data["agreement"]["derender-chat"]
+    assert data["all_agree"] is True and data["problems"] == []
+    reasoning, _, calls = agreement["grpc"]
+    assert reasoning and calls == [["get_weather", {"city": "Paris"}]]
+    assert agreement["grpc"] == agreement["http"]
+    assert set(data["summary"]) == {"c16"}
+    entry = data["summary"]["c16"]
+    for side in ("grpc", "http"):
+        assert entry[side]["calls_per_s"]["median"] > 0
+        assert entry[side]["launcher_cpu_us_per_call"]["median"] > 0
+        assert entry[side]["latency_p50_ms_all"] > 0
+    assert entry["ratio_grpc_over_http"]["launcher_cpu_us_per_call"]["median"] > 0
+    # One round of A B B A, every call answered.
+    assert len(data["bursts"]) == 4 and all(b["errors"] == 0 for b in data["bursts"])
+
+
 def test_call_slots_benchmark_prices_a_unary_call_through_both_trees_stacks() -> None:
     import subprocess
 

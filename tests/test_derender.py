@@ -16,10 +16,8 @@ come from the service's own RenderCompletion.
 from __future__ import annotations
 
 import json
-import shutil
 import types
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -27,14 +25,16 @@ import httpx
 import pytest
 from support import bearer
 from support.launcher import Launched, launched, launcher_env
+from support.tool_models import thinking_model
 from support.vllm_http import post_json
 from support.vllm_protocol import shipped_modules
 
-from vllm_servicer.testing.tiny_model import ensure_tiny_model, tiny_engine_flags
+from vllm_servicer.testing.tiny_model import tiny_engine_flags
 
 KEY = "derender-tenant-0123456789abcdef0123"
 AUTH = bearer(KEY)
 MAX_DERENDER_TOKENS = 2048
+MAX_DERENDER_CHUNKS = 256
 WEATHER = {
     "type": "object",
     "properties": {"city": {"type": "string", "description": "a city"}},
@@ -50,22 +50,6 @@ MESSAGES = [
 ]
 
 
-def _thinking_model(directory: Path) -> Path:
-    """The tiny model with `<think>` and `</think>` as tokens of its own (what a
-    reasoning parser looks for), its vocabulary grown to match."""
-    from transformers import AutoTokenizer
-
-    shutil.copytree(ensure_tiny_model(), directory, dirs_exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(directory)
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<think>", "</think>"]})
-    tokenizer.save_pretrained(directory)
-    config_path = directory / "config.json"
-    config = json.loads(config_path.read_text())
-    config["vocab_size"] = len(tokenizer)
-    config_path.write_text(json.dumps(config, indent=2))
-    return directory
-
-
 @pytest.fixture(scope="module")
 def stubs() -> tuple[types.ModuleType, types.ModuleType]:
     return shipped_modules("render")
@@ -74,12 +58,13 @@ def stubs() -> tuple[types.ModuleType, types.ModuleType]:
 @pytest.fixture(scope="module")
 async def launcher(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Launched]:
     cache = tmp_path_factory.mktemp("derender-cache")
-    model = _thinking_model(tmp_path_factory.mktemp("models") / "thinking-llama")
+    model = thinking_model(tmp_path_factory.mktemp("models") / "thinking-llama")
     flags = ("--model", str(model), *tiny_engine_flags())
     flags += ("--http-port", "0", "--enable-scale-out", "--api-key", KEY)
     flags += ("--reasoning-parser", "deepseek_r1")
     flags += ("--tool-call-parser", "pythonic", "--enable-auto-tool-choice")
     flags += ("--max-derender-tokens", str(MAX_DERENDER_TOKENS))
+    flags += ("--max-derender-chunks", str(MAX_DERENDER_CHUNKS))
     async with launched(*flags, env=launcher_env(cache)) as served:
         yield served
 
@@ -262,7 +247,11 @@ async def test_derender_chat_is_vllms_http_derender(
         (c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls") or ()
     ]
     assert all(c.id for c in got.tool_calls)
-    assert got.finish_reason == want["finish_reason"]
+    # After tool calls the model chose to make, the finish is "tool_calls", as
+    # vLLM's chat completions say it; vLLM's derender keeps the generation's.
+    assert got.finish_reason == (
+        "tool_calls" if message.get("tool_calls") else want["finish_reason"]
+    )
     assert _stop(got) == want["stop_reason"]
     assert _chat_logprobs(got) == _http_chat_logprobs(want["logprobs"])
     # What the parsers made of it, so that equal answers are not equally empty.
@@ -613,11 +602,11 @@ async def test_streamed_derender_is_vllms_chunk_for_chunk_and_ends_as_the_batch(
         assert [c.name for c in whole.tool_calls] == ["get_weather"]
     else:
         assert (reasoning, content) == ("Café ☕ first.", "It is 21 °C in Paris.")
-    # vLLM's streamed derender reports a finish after tool calls as
-    # "tool_calls", as its chat completions do; the batch one keeps the
-    # generation's ("stop", over HTTP alike).
+    # A finish after tool calls is "tool_calls", as vLLM's chat completions
+    # say it: streamed (vLLM's derender, over HTTP alike) and batch (where
+    # vLLM's derender keeps the generation's "stop" and the service does not).
     assert deltas[-1]["finish_reason"] == ("tool_calls" if with_tool else "stop")
-    assert whole.finish_reason == "stop"
+    assert whole.finish_reason == ("tool_calls" if with_tool else "stop")
 
 
 async def test_a_stream_needs_a_key_opens_with_the_chat_and_sends_tokens(
@@ -651,3 +640,230 @@ async def test_a_stream_needs_a_key_opens_with_the_chat_and_sends_tokens(
     assert len(answers) == 1
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert (err.value.details() or "").startswith("chunk.token_ids: "), err.value.details()
+
+
+async def test_streamed_completion_derender_is_vllms_chunk_for_chunk_and_ends_as_the_batch(
+    render: Any, stubs: Any, http: httpx.AsyncClient
+) -> None:
+    pb = stubs[0]
+    rendered = await render.RenderCompletion(
+        pb.RenderCompletionRequest(prompt=["Café au lait, s'il vous plaît:"]), metadata=AUTH
+    )
+    prompt = list(rendered.prompts[0].token_ids)
+    # A leading space after the prompt, then characters of two and three
+    # bytes (é, à, ☕) that the tokenizer splits into byte tokens: one token a
+    # chunk splits each between chunks.
+    generated = await _ids(render, pb, " déjà vu ☕ è.")
+    logprobs = _logprobs(generated)
+    chunks = _split(list(range(len(generated))), (1,))
+    finishes = [None] * (len(chunks) - 1) + ["length"]
+
+    def chunk(positions: list[int], finish: str | None) -> dict[str, Any]:
+        return {
+            "index": 0,
+            "token_ids": [generated[i] for i in positions],
+            "finish_reason": finish,
+            "logprobs": {"content": [logprobs[i] for i in positions]},
+        }
+
+    async def messages() -> AsyncIterator[Any]:
+        start = pb.DerenderCompletionStart(prompt_token_ids=prompt)
+        for number, (positions, finish) in enumerate(zip(chunks, finishes, strict=True)):
+            sequence = _sequence(pb, chunk(positions, finish))
+            yield (
+                pb.DerenderCompletionStreamRequest(start=start, chunk=sequence)
+                if number == 0
+                else pb.DerenderCompletionStreamRequest(chunk=sequence)
+            )
+
+    deltas = [delta async for delta in render.DerenderCompletionStream(messages(), metadata=AUTH)]
+    assert len(deltas) == len(chunks)
+    expected, state = [], None
+    for positions, finish in zip(chunks, finishes, strict=True):
+        answer = await post_json(
+            http,
+            "/v1/completions/derender",
+            {
+                "stream": True,
+                "generate_chunk": {"request_id": "r", "choices": [chunk(positions, finish)]},
+                "stream_state": state,
+                "prompt_token_ids": prompt,
+            },
+        )
+        expected.append(answer["chunk"]["choices"][0])
+        state = answer["stream_state"]
+    for got, want in zip(deltas, expected, strict=True):
+        assert (got.index, got.text, got.finish_reason or None) == (
+            want["index"],
+            want["text"],
+            want["finish_reason"],
+        )
+        assert [e.token for e in got.logprobs] == want["logprobs"]["tokens"]
+        assert [e.logprob for e in got.logprobs] == want["logprobs"]["token_logprobs"]
+        assert [e.text_offset for e in got.logprobs] == want["logprobs"]["text_offset"]
+    # A chunk that ends inside a character adds no text; the next one adds it whole.
+    assert any(d.text == "" for d in deltas[:-1])
+
+    batch = await render.DerenderCompletion(
+        pb.DerenderCompletionRequest(
+            prompts=[
+                pb.PromptGeneration(
+                    prompt_token_ids=prompt,
+                    choices=[pb.GeneratedSequence(token_ids=generated, finish_reason="length")],
+                )
+            ]
+        ),
+        metadata=AUTH,
+    )
+    assert "".join(d.text for d in deltas) == batch.choices[0].text == " déjà vu ☕ è."
+    assert deltas[-1].finish_reason == batch.choices[0].finish_reason == "length"
+
+
+async def _stream_error(call: Any) -> tuple[list[Any], grpc.aio.AioRpcError]:
+    """What a stream answered before it failed, and its failure."""
+    answers = []
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for answer in call:
+            answers.append(answer)
+    return answers, err.value
+
+
+async def test_a_completion_stream_needs_a_key_and_keeps_to_its_budgets(
+    render: Any, stubs: Any
+) -> None:
+    pb = stubs[0]
+    start = pb.DerenderCompletionStart(prompt_token_ids=[1, 5])
+
+    # Refused before a message is read.
+    assert await render.DerenderCompletionStream().code() == grpc.StatusCode.UNAUTHENTICATED
+
+    def stream(*messages: Any) -> Any:
+        async def send() -> AsyncIterator[Any]:
+            for message in messages:
+                yield message
+
+        return render.DerenderCompletionStream(send(), metadata=AUTH)
+
+    one = pb.GeneratedSequence(token_ids=[5])
+    cases = [
+        # (the messages, the answers before the refusal, the field named)
+        ([pb.DerenderCompletionStreamRequest(chunk=one)], 0, "start"),
+        (
+            [pb.DerenderCompletionStreamRequest(start=pb.DerenderCompletionStart(model="x"))],
+            0,
+            "start.model",
+        ),
+        (
+            [
+                pb.DerenderCompletionStreamRequest(
+                    start=pb.DerenderCompletionStart(prompt_token_ids=[1, 10**6])
+                )
+            ],
+            0,
+            "start.prompt_token_ids[1]",
+        ),
+        (
+            [
+                pb.DerenderCompletionStreamRequest(start=start, chunk=one),
+                pb.DerenderCompletionStreamRequest(start=start, chunk=one),
+            ],
+            1,
+            "start",
+        ),
+        (
+            [
+                pb.DerenderCompletionStreamRequest(start=start, chunk=one),
+                pb.DerenderCompletionStreamRequest(),
+            ],
+            1,
+            "chunk",
+        ),
+        (
+            [
+                pb.DerenderCompletionStreamRequest(start=start),
+                pb.DerenderCompletionStreamRequest(
+                    chunk=pb.GeneratedSequence(token_ids=[5, 10**6])
+                ),
+            ],
+            0,
+            "chunk.token_ids[1]",
+        ),
+        # Nothing after the finish: a finish without tokens, sent again and
+        # again, would have vLLM replay the sequence on each.
+        (
+            [
+                pb.DerenderCompletionStreamRequest(start=start, chunk=one),
+                pb.DerenderCompletionStreamRequest(
+                    chunk=pb.GeneratedSequence(finish_reason="stop")
+                ),
+                pb.DerenderCompletionStreamRequest(
+                    chunk=pb.GeneratedSequence(finish_reason="stop")
+                ),
+            ],
+            2,
+            "chunk",
+        ),
+        (
+            [pb.DerenderCompletionStreamRequest(start=start)]
+            + [pb.DerenderCompletionStreamRequest(chunk=one)] * (MAX_DERENDER_CHUNKS + 1),
+            MAX_DERENDER_CHUNKS,
+            "chunk",
+        ),
+        (
+            [
+                pb.DerenderCompletionStreamRequest(
+                    start=start, chunk=pb.GeneratedSequence(token_ids=[5] * 1000)
+                ),
+                pb.DerenderCompletionStreamRequest(
+                    chunk=pb.GeneratedSequence(token_ids=[5] * (MAX_DERENDER_TOKENS - 1000))
+                ),
+            ],
+            1,
+            "chunk.token_ids",
+        ),
+    ]
+    for messages, answered, field in cases:
+        answers, error = await _stream_error(stream(*messages))
+        assert (
+            error.code()
+            == grpc.StatusCode["NOT_FOUND" if field == "start.model" else "INVALID_ARGUMENT"]
+        ), (field, error.details())
+        assert (error.details() or "").startswith(f"{field}: "), error.details()
+        assert len(answers) == answered, field
+
+
+async def test_a_chat_stream_ends_with_its_finish_and_keeps_to_its_chunk_budget(
+    render: Any, stubs: Any
+) -> None:
+    pb = stubs[0]
+    chat = pb.RenderChatRequest(messages=[pb.ChatMessage(role="user", content="Hi")])
+    start = pb.DerenderChatStart(chat=chat, prompt_token_ids=[1, 5])
+    one = pb.GeneratedSequence(token_ids=[5])
+
+    def stream(*messages: Any) -> Any:
+        async def send() -> AsyncIterator[Any]:
+            for message in messages:
+                yield message
+
+        return render.DerenderChatStream(send(), metadata=AUTH)
+
+    finish = pb.GeneratedSequence(finish_reason="stop")
+    answers, error = await _stream_error(
+        stream(
+            pb.DerenderChatStreamRequest(start=start, chunk=one),
+            pb.DerenderChatStreamRequest(chunk=finish),
+            pb.DerenderChatStreamRequest(chunk=finish),
+        )
+    )
+    assert len(answers) == 2 and answers[-1].finish_reason == "stop"
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (error.details() or "").startswith("chunk: "), error.details()
+    answers, error = await _stream_error(
+        stream(
+            pb.DerenderChatStreamRequest(start=start),
+            *[pb.DerenderChatStreamRequest(chunk=one)] * (MAX_DERENDER_CHUNKS + 1),
+        )
+    )
+    assert len(answers) == MAX_DERENDER_CHUNKS
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "--max-derender-chunks" in (error.details() or ""), error.details()

@@ -543,8 +543,30 @@ async def test_the_examples_render_the_same_in_python_and_node(
     assert code == 0, output
     node = _lines(output)
     assert python == node
-    assert set(python) == {"render_chat", "render_completion", "derender_completion"}
+    assert set(python) == {"render_chat", "render_completion", "derender_completion", "router_loop"}
     assert python["derender_completion"] == [{"text": "Hello, world", "finish_reason": "length"}]
+    # The router's loop (render, generate by ids, derender) is vLLM's chat
+    # completion of the same chat: the same ids, text and finish.
+    loop = python["router_loop"]
+    expected = await post_json(
+        http,
+        "/v1/chat/completions",
+        {
+            "model": model,
+            "messages": [
+                {"role": "system", "content": "You are a helpful assistant."},
+                {"role": "user", "content": "Say hello."},
+            ],
+            "temperature": 0,
+            "max_tokens": 8,
+            "return_token_ids": True,
+        },
+    )
+    (choice,) = expected["choices"]
+    assert loop["token_ids"] == choice["token_ids"] and loop["token_ids"]
+    assert loop["content"] == choice["message"]["content"] and loop["content"]
+    assert loop["finish_reason"] == choice["finish_reason"]
+    assert loop["completion_tokens"] == expected["usage"]["completion_tokens"]
     prompts = python["render_completion"]
     tokenized = await post_json(http, "/tokenize", {"model": model, "prompt": "Hello, world"})
     assert prompts[0]["token_ids"] == tokenized["tokens"]

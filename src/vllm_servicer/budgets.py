@@ -59,6 +59,14 @@ DEFAULT_MAX_RENDER_CHARS = 4 * 1024 * 1024
 # to bound it. vLLM checks each sequence against the context but not their
 # sum over many choices; a 128K context with a few choices and logprobs fits.
 DEFAULT_MAX_DERENDER_TOKENS = 1 << 20
+# Chunks one streamed derender answers. With a tool-call or reasoning parser
+# vLLM rebuilds the parser on every chunk and replays every earlier chunk
+# through it (its stream state cannot hold a parser), so a stream's cost grows
+# with the square of its chunks, not with its tokens: a sequence sent a token
+# at a time costs thousands of times what it costs in a few chunks. An engine
+# streaming every step of a 4K-token answer sends 4,096; a router with longer
+# answers sends several tokens a chunk (or raises the budget).
+DEFAULT_MAX_DERENDER_CHUNKS = 4096
 # Stop strings: vLLM matches every one against every new token's text on the
 # serving event loop (1 M of them, 11 MB, stalled every other stream and the
 # health Check for 5.6 s). OpenAI's API takes 4; routers and agent frameworks
@@ -118,8 +126,10 @@ class RequestBudgets:
         max_render_chars: most characters one RenderChat or RenderCompletion
             gives the template and the tokenizer, all its prompts or messages together.
         max_derender_tokens: most token ids one DerenderChat or DerenderCompletion
-            carries, or one DerenderChatStream in all its chunks: generated ids,
-            prompt ids and logprob candidates together.
+            carries, or one DerenderChatStream or DerenderCompletionStream in all
+            its chunks: generated ids, prompt ids and logprob candidates together.
+        max_derender_chunks: most chunks one DerenderChatStream or
+            DerenderCompletionStream answers.
         max_stop_strings: most stop strings one generation carries, on every
             protocol and vLLM's HTTP API.
         max_stop_bytes: most bytes of one generation's stop strings together.
@@ -200,8 +210,16 @@ class RequestBudgets:
         default=DEFAULT_MAX_DERENDER_TOKENS,
         metadata=_flag(
             "most token ids one DerenderChat or DerenderCompletion turns into text, or one "
-            "DerenderChatStream in all its chunks: generated ids, prompt ids and logprob "
-            "candidates together"
+            "DerenderChatStream or DerenderCompletionStream in all its chunks: generated ids, "
+            "prompt ids and logprob candidates together"
+        ),
+    )
+
+    max_derender_chunks: int = dataclasses.field(
+        default=DEFAULT_MAX_DERENDER_CHUNKS,
+        metadata=_flag(
+            "most chunks one DerenderChatStream or DerenderCompletionStream answers (with a "
+            "parser vLLM replays every earlier chunk on each one)"
         ),
     )
 
@@ -289,6 +307,16 @@ class RequestBudgets:
                 field,
                 f"{count} token ids to derender, more than this server's budget of "
                 f"{self.max_derender_tokens} per call (--max-derender-tokens)",
+            )
+
+    def check_derender_chunks(self, field: str, count: int) -> None:
+        """Refuse a derender stream's chunk past `max_derender_chunks`."""
+        if count > self.max_derender_chunks:
+            raise InvalidRequestError(
+                field,
+                f"chunk {count} of a derender stream, more than this server's budget of "
+                f"{self.max_derender_chunks} per stream (--max-derender-chunks); send "
+                "several token ids a chunk",
             )
 
     def check_stop(self, field: str, stop: Sequence[str]) -> None:

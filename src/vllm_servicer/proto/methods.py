@@ -78,6 +78,7 @@ METHOD_ROLES: Mapping[str, MethodRole] = MappingProxyType(
             "DerenderChat",
             "DerenderCompletion",
             "DerenderChatStream",
+            "DerenderCompletionStream",
         ),
         # vLLM's Control: everything but discovery and Abort (which touches the
         # caller's own requests only) changes the engine for everyone.

@@ -296,3 +296,35 @@ class DerenderChatDelta(_message.Message):
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobText]
     index: int
     def __init__(self, content: _Optional[str] = ..., reasoning: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCallDelta, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobText, _Mapping]]] = ..., index: _Optional[int] = ...) -> None: ...
+
+class DerenderCompletionStart(_message.Message):
+    __slots__ = ("model", "prompt_token_ids")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DerenderCompletionStreamRequest(_message.Message):
+    __slots__ = ("start", "chunk")
+    START_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    start: DerenderCompletionStart
+    chunk: GeneratedSequence
+    def __init__(self, start: _Optional[_Union[DerenderCompletionStart, _Mapping]] = ..., chunk: _Optional[_Union[GeneratedSequence, _Mapping]] = ...) -> None: ...
+
+class DerenderCompletionDelta(_message.Message):
+    __slots__ = ("text", "finish_reason", "stop_string", "stop_token_id", "logprobs", "index")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STOP_STRING_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    finish_reason: str
+    stop_string: str
+    stop_token_id: int
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobText]
+    index: int
+    def __init__(self, text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobText, _Mapping]]] = ..., index: _Optional[int] = ...) -> None: ...

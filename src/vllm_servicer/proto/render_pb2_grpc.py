@@ -59,6 +59,11 @@ class RenderStub:
                 request_serializer=vllm__servicer_dot_v1_dot_render__pb2.DerenderChatStreamRequest.SerializeToString,
                 response_deserializer=vllm__servicer_dot_v1_dot_render__pb2.DerenderChatDelta.FromString,
                 _registered_method=True)
+        self.DerenderCompletionStream = channel.stream_stream(
+                '/vllm_servicer.v1.Render/DerenderCompletionStream',
+                request_serializer=vllm__servicer_dot_v1_dot_render__pb2.DerenderCompletionStreamRequest.SerializeToString,
+                response_deserializer=vllm__servicer_dot_v1_dot_render__pb2.DerenderCompletionDelta.FromString,
+                _registered_method=True)
 
 
 class RenderServicer:
@@ -101,6 +106,16 @@ class RenderServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DerenderCompletionStream(self, request_iterator, context):
+        """DerenderCompletion as the tokens arrive, for one generated sequence of
+        one prompt: the first message carries the prompt (`start`), each message
+        the next chunk of token ids; each chunk is answered with the text it
+        adds. The stream state stays in the call, as DerenderChatStream's.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RenderServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -128,6 +143,11 @@ def add_RenderServicer_to_server(servicer, server):
                     servicer.DerenderChatStream,
                     request_deserializer=vllm__servicer_dot_v1_dot_render__pb2.DerenderChatStreamRequest.FromString,
                     response_serializer=vllm__servicer_dot_v1_dot_render__pb2.DerenderChatDelta.SerializeToString,
+            ),
+            'DerenderCompletionStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.DerenderCompletionStream,
+                    request_deserializer=vllm__servicer_dot_v1_dot_render__pb2.DerenderCompletionStreamRequest.FromString,
+                    response_serializer=vllm__servicer_dot_v1_dot_render__pb2.DerenderCompletionDelta.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -265,6 +285,33 @@ class Render:
             '/vllm_servicer.v1.Render/DerenderChatStream',
             vllm__servicer_dot_v1_dot_render__pb2.DerenderChatStreamRequest.SerializeToString,
             vllm__servicer_dot_v1_dot_render__pb2.DerenderChatDelta.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DerenderCompletionStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/vllm_servicer.v1.Render/DerenderCompletionStream',
+            vllm__servicer_dot_v1_dot_render__pb2.DerenderCompletionStreamRequest.SerializeToString,
+            vllm__servicer_dot_v1_dot_render__pb2.DerenderCompletionDelta.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,5 +1,5 @@
 """`RenderServicer`: vllm_servicer.v1.Render (RenderChat, RenderCompletion,
-DerenderChat, DerenderCompletion, DerenderChatStream).
+DerenderChat, DerenderCompletion, DerenderChatStream, DerenderCompletionStream).
 
 A prompt as the engine would run it, from vLLM's own render handler (the one
 behind /v1/chat/completions/render and /v1/completions/render) on the mount's
@@ -106,10 +106,14 @@ class RenderServicer(render_pb2_grpc.RenderServicer):
         self._budgets.check_render_chars("chat.messages", wire.chat_size(request.chat))
         derender = await handlers.handler("serving_derender", "generate", "derender outputs")
         body = wire.derender_chat_body(
-            request, handlers.limits(), handlers.vocabulary(), _request_id()
+            request, handlers.limits(), handlers.vocabulary(), _request_id(), handlers.eos_ids()
         )
         answer = await derender.derender_chat_response(vllm_request("derender_chat", body))
-        reply = wire.derendered_chat(_derendered(answer))
+        reply = wire.derendered_chat(
+            _derendered(answer), request.tool_choice if request.chat.tools else "none"
+        )
+        # Every generated id, a stop token left out of the text included.
+        reply.completion_tokens = sum(len(choice.token_ids) for choice in request.choices)
         note_prompt_tokens(len(request.prompt_token_ids))
         return reply
 
@@ -124,12 +128,15 @@ class RenderServicer(render_pb2_grpc.RenderServicer):
         self._budgets.check_derender_tokens("prompts", wire.derender_token_count(request))
         derender = await handlers.handler("serving_derender", "generate", "derender outputs")
         body = wire.derender_completion_body(
-            request, handlers.limits(), handlers.vocabulary(), _request_id()
+            request, handlers.limits(), handlers.vocabulary(), _request_id(), handlers.eos_ids()
         )
         answer = await derender.derender_completion_response(
             vllm_request("derender_completion", body)
         )
         reply = wire.derendered_completion(_derendered(answer))
+        reply.completion_tokens = sum(
+            len(choice.token_ids) for prompt in request.prompts for choice in prompt.choices
+        )
         note_prompt_tokens(sum(len(prompt.prompt_token_ids) for prompt in request.prompts))
         return reply
 
@@ -138,7 +145,8 @@ class RenderServicer(render_pb2_grpc.RenderServicer):
     ) -> AsyncIterator[pb.DerenderChatDelta]:
         note_request("derender_chat_stream")
         handlers = self._handlers
-        first = await anext(aiter(requests), None)
+        stream = aiter(requests)
+        first = await anext(stream, None)
         if first is None or not first.HasField("start"):
             raise InvalidRequestError("start", "the first message carries the chat (start)")
         start = first.start
@@ -154,29 +162,85 @@ class RenderServicer(render_pb2_grpc.RenderServicer):
         chat_request = vllm_request("render_chat", chat)
         note_prompt_tokens(tokens)
         request_id, state = _request_id(), None
-        message: pb.DerenderChatStreamRequest | None = first
+        async for chunk in self._chunks(first, stream, tokens):
+            body = wire.derender_chat_chunk_body(
+                chunk,
+                vocabulary,
+                request_id,
+                context=(handlers.served_model, chat_request, prompt_token_ids, state),
+                eos_ids=handlers.eos_ids(),
+            )
+            answer = await derender.derender_chat_stream_response(
+                vllm_request("derender_chat_stream", body)
+            )
+            if getattr(answer, "error", None) is not None:
+                answer_body(answer)
+            delta, state = answer
+            yield wire.chat_delta(delta.model_dump(mode="json"))
+
+    async def DerenderCompletionStream(
+        self, requests: AsyncIterator[pb.DerenderCompletionStreamRequest], context: Context
+    ) -> AsyncIterator[pb.DerenderCompletionDelta]:
+        note_request("derender_completion_stream")
+        handlers = self._handlers
         stream = aiter(requests)
+        first = await anext(stream, None)
+        if first is None or not first.HasField("start"):
+            raise InvalidRequestError("start", "the first message carries the prompt (start)")
+        start = first.start
+        handlers.check_model("start.model", start.model)
+        tokens = len(start.prompt_token_ids)
+        self._budgets.check_derender_tokens("start.prompt_token_ids", tokens)
+        derender = await handlers.handler("serving_derender", "generate", "derender outputs")
+        vocabulary = handlers.vocabulary()
+        prompt_token_ids = wire.derender_completion_start(start, vocabulary)
+        note_prompt_tokens(tokens)
+        request_id, state = _request_id(), None
+        async for chunk in self._chunks(first, stream, tokens):
+            body = wire.derender_completion_chunk_body(
+                chunk,
+                vocabulary,
+                request_id,
+                context=(handlers.served_model, prompt_token_ids, state),
+                eos_ids=handlers.eos_ids(),
+            )
+            answer = await derender.derender_completion_stream_response(
+                vllm_request("derender_completion_stream", body)
+            )
+            if getattr(answer, "error", None) is not None:
+                answer_body(answer)
+            delta, state = answer
+            yield wire.completion_delta(delta.model_dump(mode="json"))
+
+    async def _chunks(
+        self, first: Any, stream: AsyncIterator[Any], tokens: int
+    ) -> AsyncIterator[pb.GeneratedSequence]:
+        """A derender stream's chunks, from its first message on, each counted
+        against the budgets before it is decoded; `tokens` are the ids its
+        start carries. A message after the first carries a chunk, and none
+        comes after the one that carried the finish."""
+        chunks, finished = 0, False
+        message: Any = first
         while message is not None:
-            if message is not first and message.HasField("start"):
-                raise InvalidRequestError("start", "only the first message carries the chat")
+            if message is not first:
+                if message.HasField("start"):
+                    raise InvalidRequestError("start", "only the first message carries it")
+                if not message.HasField("chunk"):
+                    raise InvalidRequestError("chunk", "required on every message after the first")
             if message.HasField("chunk"):
-                # vLLM replays the whole sequence through the parsers on every
-                # chunk: the ids of the whole stream count against the budget.
-                tokens += wire.derender_chunk_tokens(message.chunk)
+                if finished:
+                    raise InvalidRequestError(
+                        "chunk", "the sequence finished with an earlier chunk (its finish_reason)"
+                    )
+                chunk = message.chunk
+                chunks += 1
+                self._budgets.check_derender_chunks("chunk", chunks)
+                # With a parser vLLM replays the whole sequence on every chunk:
+                # the ids of the whole stream count against the budget.
+                tokens += wire.derender_chunk_tokens(chunk)
                 self._budgets.check_derender_tokens("chunk.token_ids", tokens)
-                body = wire.derender_chat_chunk_body(
-                    message.chunk,
-                    vocabulary,
-                    request_id,
-                    context=(handlers.served_model, chat_request, prompt_token_ids, state),
-                )
-                answer = await derender.derender_chat_stream_response(
-                    vllm_request("derender_chat_stream", body)
-                )
-                if getattr(answer, "error", None) is not None:
-                    answer_body(answer)
-                chunk, state = answer
-                yield wire.chat_delta(chunk.model_dump(mode="json"))
+                finished = bool(chunk.finish_reason)
+                yield chunk
             message = await anext(stream, None)
 
     def _rendered(self, answer: Mapping[str, Any]) -> pb.RenderedPrompt:

@@ -199,6 +199,7 @@ class VllmHandlers:
         self.served_model = served_model_name(engine)
         self._limits: ModelLimits | None = None
         self._vocabulary: int | None = None
+        self._eos_ids: frozenset[int] | None = None
 
     def limits(self) -> ModelLimits:
         """The served model's limits, read once (the longest token from its vocabulary)."""
@@ -285,6 +286,26 @@ class VllmHandlers:
         if self._vocabulary is None:
             self._vocabulary = len(self.tokenizer())
         return self._vocabulary
+
+    def eos_ids(self) -> frozenset[int]:
+        """The ids that end a generation as its EOS (no stop reason): the
+        tokenizer's EOS and the generation config's, as the engine stops on
+        them; read once."""
+        if self._eos_ids is None:
+            ids: set[int] = set()
+            eos = getattr(self.tokenizer(), "eos_token_id", None)
+            if isinstance(eos, int):
+                ids.add(eos)
+            config = getattr(self._engine, "model_config", None)
+            read = getattr(config, "try_get_generation_config", None)
+            generation = read() if callable(read) else None
+            configured = (generation or {}).get("eos_token_id")
+            if isinstance(configured, int):
+                ids.add(configured)
+            elif isinstance(configured, list):
+                ids.update(i for i in configured if isinstance(i, int))
+            self._eos_ids = frozenset(ids)
+        return self._eos_ids
 
     def tokenizer(self) -> Any:
         """The engine's tokenizer (the renderer's own)."""
@@ -376,6 +397,12 @@ def _request_model(kind: str) -> Any:
         )
 
         return DerenderChatStreamRequest
+    if kind == "derender_completion_stream":
+        from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
+            DerenderCompletionStreamRequest,
+        )
+
+        return DerenderCompletionStreamRequest
     raise ValueError(f"no vLLM request model for {kind!r}")
 
 

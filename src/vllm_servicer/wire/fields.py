@@ -469,6 +469,15 @@ _RENDER_HONOURED["DerenderChatStream"] = frozenset(
         *(f"chunk.{name}" for name in _GENERATED),
     }
 )
+_RENDER_HONOURED["DerenderCompletionStream"] = frozenset(
+    {
+        "start",
+        "start.model",
+        "start.prompt_token_ids",
+        "chunk",
+        *(f"chunk.{name}" for name in _GENERATED),
+    }
+)
 _RENDER_HONOURED["DerenderCompletion"] = frozenset(
     {
         "prompts",

@@ -26,11 +26,14 @@ from .pooling import ModelLimits, non_empty, truncation
 __all__ = [
     "chat_delta",
     "chat_size",
+    "completion_delta",
     "derender_chat_chunk_body",
     "derender_chat_start",
     "derender_chunk_tokens",
     "derender_chat_body",
     "derender_completion_body",
+    "derender_completion_chunk_body",
+    "derender_completion_start",
     "derender_token_count",
     "derendered_chat",
     "derendered_completion",
@@ -284,7 +287,9 @@ def _check_ids(field: str, token_ids: Any, vocabulary: int) -> None:
             )
 
 
-def _generated(sequences: Any, field: str, request_id: str, vocabulary: int) -> dict[str, Any]:
+def _generated(
+    sequences: Any, field: str, request_id: str, vocabulary: int, eos_ids: frozenset[int]
+) -> dict[str, Any]:
     """vLLM's token-id generate response (`GenerateTokensResponse`) for `sequences`."""
     if not sequences:
         raise InvalidRequestError(field, "at least one generated sequence is required")
@@ -294,15 +299,50 @@ def _generated(sequences: Any, field: str, request_id: str, vocabulary: int) -> 
         if not sequence.token_ids:
             raise InvalidRequestError(f"{at}.token_ids", "at least one generated token id")
         # A whole sequence without a finish reason stopped, as vLLM takes it.
-        choices.append(_choice(sequence, at, vocabulary, "stop"))
+        choices.append(_choice(sequence, at, vocabulary, "stop", eos_ids, keep_one=True))
     return {"request_id": request_id, "output_mode": "tokens", "choices": choices}
 
 
+def _text_ids(
+    sequence: render_pb.GeneratedSequence,
+    finish_reason: str | None,
+    eos_ids: frozenset[int],
+    *,
+    keep_one: bool,
+) -> list[int]:
+    """The ids of `sequence` whose text the answer carries: all but the stop
+    token a sequence ends with when it stopped on one (an EOS, or its
+    `stop_token_id`). The engine never puts that token's text in a chat or
+    completion answer, but vLLM's derender decodes every id it is given, and
+    keeps special tokens when a parser reads them: `</s>` or `<|im_end|>`
+    would end the content. `keep_one`: never leave a sequence without ids
+    (vLLM's derender refuses one; a chunk carrying the finish may be empty)."""
+    token_ids = list(sequence.token_ids)
+    if finish_reason != "stop" or not token_ids or (keep_one and len(token_ids) == 1):
+        return token_ids
+    which = sequence.WhichOneof("stop_reason")
+    last = token_ids[-1]
+    if (which == "stop_token_id" and last == sequence.stop_token_id) or (
+        which is None and last in eos_ids
+    ):
+        return token_ids[:-1]
+    return token_ids
+
+
 def _choice(
-    sequence: render_pb.GeneratedSequence, at: str, vocabulary: int, unfinished: str | None
+    sequence: render_pb.GeneratedSequence,
+    at: str,
+    vocabulary: int,
+    unfinished: str | None,
+    eos_ids: frozenset[int],
+    *,
+    keep_one: bool,
 ) -> dict[str, Any]:
     """vLLM's token-id choice for one sequence (or one chunk of it), checked;
-    `unfinished` is its finish reason when the sequence gives none."""
+    `unfinished` is its finish reason when the sequence gives none. A stop
+    token it ends with is left out of the ids to decode (`_text_ids`), not
+    out of its logprobs: vLLM resolves each position's on its own, and a
+    chat completion's logprobs have the stop token's."""
     _check_ids(f"{at}.token_ids", sequence.token_ids, vocabulary)
     for position, entry in enumerate(sequence.logprobs):
         _check_ids(f"{at}.logprobs[{position}].token_id", [entry.token_id], vocabulary)
@@ -311,10 +351,11 @@ def _choice(
             [top.token_id for top in entry.top_logprobs],
             vocabulary,
         )
+    finish_reason = sequence.finish_reason or unfinished
     choice: dict[str, Any] = {
         "index": sequence.index,
-        "token_ids": list(sequence.token_ids),
-        "finish_reason": sequence.finish_reason or unfinished,
+        "token_ids": _text_ids(sequence, finish_reason, eos_ids, keep_one=keep_one),
+        "finish_reason": finish_reason,
     }
     which = sequence.WhichOneof("stop_reason")
     if which is not None:
@@ -377,17 +418,24 @@ def _chat_request(
 
 
 def derender_chat_body(
-    request: render_pb.DerenderChatRequest, limits: ModelLimits, vocabulary: int, request_id: str
+    request: render_pb.DerenderChatRequest,
+    limits: ModelLimits,
+    vocabulary: int,
+    request_id: str,
+    eos_ids: frozenset[int] = frozenset(),
 ) -> dict[str, Any]:
     """The /v1/chat/completions/derender body for `request`: the chat as its
     ChatCompletionRequest (the parsers' context), the sequences as a token-id
-    generate response; `vocabulary` is the tokenizer's size."""
+    generate response; `vocabulary` is the tokenizer's size, `eos_ids` the
+    ids the engine stops on as EOS."""
     if not request.HasField("chat"):
         raise InvalidRequestError("chat", "required: the chat as it was rendered")
     chat = _chat_request(request.chat, request.tool_choice, limits, "chat")
     body: dict[str, Any] = {
         "model": limits.served_model,
-        "generate_response": _generated(request.choices, "choices", request_id, vocabulary),
+        "generate_response": _generated(
+            request.choices, "choices", request_id, vocabulary, eos_ids
+        ),
         "chat_request": chat,
     }
     _check_ids("prompt_token_ids", request.prompt_token_ids, vocabulary)
@@ -408,30 +456,68 @@ def derender_chat_start(
     return chat, list(start.prompt_token_ids) or None
 
 
+def _stream_chunk(
+    chunk: render_pb.GeneratedSequence, vocabulary: int, request_id: str, eos_ids: frozenset[int]
+) -> dict[str, Any]:
+    """vLLM's token-id stream chunk (`GenerateTokensStreamResponse`) for one
+    chunk of a sequence, checked."""
+    if not chunk.token_ids and not chunk.finish_reason:
+        raise InvalidRequestError(
+            "chunk.token_ids", "empty; a chunk carries token ids, or the finish reason"
+        )
+    choice = _choice(chunk, "chunk", vocabulary, None, eos_ids, keep_one=False)
+    return {"request_id": request_id, "output_mode": "tokens", "choices": [choice]}
+
+
 def derender_chat_chunk_body(
     chunk: render_pb.GeneratedSequence,
     vocabulary: int,
     request_id: str,
     *,
     context: tuple[str, Any, list[int] | None, Any],
+    eos_ids: frozenset[int] = frozenset(),
 ) -> dict[str, Any]:
     """The streaming /v1/chat/completions/derender body for one chunk of a
     sequence: its token-id stream chunk (`GenerateTokensStreamResponse`) in
     the stream's `context` (the served model's name, vLLM's validated
     ChatCompletionRequest, the prompt's token ids, and the stream state
     vLLM's previous answer handed back, None at first)."""
-    if not chunk.token_ids and not chunk.finish_reason:
-        raise InvalidRequestError(
-            "chunk.token_ids", "empty; a chunk carries token ids, or the finish reason"
-        )
     model, chat_request, prompt_token_ids, state = context
-    choice = _choice(chunk, "chunk", vocabulary, None)
     return {
         "stream": True,
         "model": model,
-        "generate_chunk": {"request_id": request_id, "output_mode": "tokens", "choices": [choice]},
+        "generate_chunk": _stream_chunk(chunk, vocabulary, request_id, eos_ids),
         "stream_state": state,
         "chat_request": chat_request,
+        "prompt_token_ids": prompt_token_ids,
+    }
+
+
+def derender_completion_start(
+    start: render_pb.DerenderCompletionStart, vocabulary: int
+) -> list[int] | None:
+    """A streamed completion derender's prompt token ids (None when not given), checked."""
+    _check_ids("start.prompt_token_ids", start.prompt_token_ids, vocabulary)
+    return list(start.prompt_token_ids) or None
+
+
+def derender_completion_chunk_body(
+    chunk: render_pb.GeneratedSequence,
+    vocabulary: int,
+    request_id: str,
+    *,
+    context: tuple[str, list[int] | None, Any],
+    eos_ids: frozenset[int] = frozenset(),
+) -> dict[str, Any]:
+    """The streaming /v1/completions/derender body for one chunk of a sequence
+    in the stream's `context` (the served model's name, the prompt's token
+    ids, the stream state vLLM's previous answer handed back, None at first)."""
+    model, prompt_token_ids, state = context
+    return {
+        "stream": True,
+        "model": model,
+        "generate_chunk": _stream_chunk(chunk, vocabulary, request_id, eos_ids),
+        "stream_state": state,
         "prompt_token_ids": prompt_token_ids,
     }
 
@@ -474,6 +560,7 @@ def derender_completion_body(
     limits: ModelLimits,
     vocabulary: int,
     request_id: str,
+    eos_ids: frozenset[int] = frozenset(),
 ) -> dict[str, Any]:
     """The /v1/completions/derender body for `request`: one token-id generate
     response per prompt; `vocabulary` is the tokenizer's size."""
@@ -485,7 +572,11 @@ def derender_completion_body(
         "model": limits.served_model,
         "generate_responses": [
             _generated(
-                prompt.choices, f"prompts[{index}].choices", f"{request_id}-{index}", vocabulary
+                prompt.choices,
+                f"prompts[{index}].choices",
+                f"{request_id}-{index}",
+                vocabulary,
+                eos_ids,
             )
             for index, prompt in enumerate(request.prompts)
         ],
@@ -523,14 +614,29 @@ def _chat_logprobs(logprobs: Mapping[str, Any] | None) -> list[render_pb.TokenLo
     ]
 
 
-def derendered_chat(answer: Mapping[str, Any]) -> render_pb.DerenderChatResponse:
-    """DerenderChatResponse from vLLM's derender answer (its ChatCompletionResponse body)."""
+def _finish_reason(choice: Mapping[str, Any], tool_choice: str) -> str:
+    """A derendered choice's finish reason as vLLM's chat completions give it:
+    "tool_calls" after tool calls the model chose to make (tool_choice auto)
+    or had to (required, when it stopped); vLLM's derender keeps the
+    generation's."""
+    reason = choice.get("finish_reason") or ""
+    called = bool((choice.get("message") or {}).get("tool_calls"))
+    if (called and tool_choice in ("", "auto")) or (tool_choice == "required" and reason == "stop"):
+        return "tool_calls"
+    return reason
+
+
+def derendered_chat(
+    answer: Mapping[str, Any], tool_choice: str = ""
+) -> render_pb.DerenderChatResponse:
+    """DerenderChatResponse from vLLM's derender answer (its ChatCompletionResponse
+    body) for a request of `tool_choice` (DerenderChatRequest's)."""
     choices = []
     for choice in answer["choices"]:
         message = choice["message"]
         out = render_pb.DerenderedChatChoice(
             index=choice["index"],
-            finish_reason=choice.get("finish_reason") or "",
+            finish_reason=_finish_reason(choice, tool_choice),
             tool_calls=[
                 render_pb.ToolCall(
                     id=call["id"],
@@ -577,6 +683,20 @@ def _completion_logprobs(
         )
         for token, value, offset, top in zip(tokens, values, offsets, tops, strict=True)
     ]
+
+
+def completion_delta(answer: Mapping[str, Any]) -> render_pb.DerenderCompletionDelta:
+    """DerenderCompletionDelta from vLLM's streamed derender answer (its
+    CompletionStreamResponse)."""
+    delta = render_pb.DerenderCompletionDelta()
+    for choice in answer.get("choices") or ():
+        delta.index = choice["index"]
+        delta.text += choice.get("text") or ""
+        delta.finish_reason = choice.get("finish_reason") or ""
+        for name, value in _stop_reason(choice).items():
+            setattr(delta, name, value)
+        delta.logprobs.extend(_completion_logprobs(choice.get("logprobs")))
+    return delta
 
 
 def derendered_completion(answer: Mapping[str, Any]) -> render_pb.DerenderCompletionResponse:
