@@ -58,7 +58,7 @@ STARTS: dict[str, int] = {
     "test_fair_shares.py": 2,
     "test_kv_events.py": 2,
     "test_load_balancing.py": 2,
-    "test_one_guard.py": 2,
+    "test_one_guard.py": 1,
     "test_prefix_cache_salt.py": 2,
     "test_routing_data.py": 2,
     "test_two_protocols.py": 2,
