@@ -123,6 +123,12 @@ def kv_echo_storage(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("kv-echo")
 
 
+ENGINE_STOP_SECONDS = 1.0
+"""How long a session engine's processes get to exit at the session's end before
+vLLM kills them. Idle then, they spend the 5 s vLLM allows by default in their
+interpreters' teardown, and are killed at its end all the same."""
+
+
 @contextlib.asynccontextmanager
 async def _running(model_dir: Path, **settings: Any) -> AsyncIterator[Any]:
     """An engine on `model_dir` with `settings` over the tiny ones; shut down on exit."""
@@ -130,7 +136,7 @@ async def _running(model_dir: Path, **settings: Any) -> AsyncIterator[Any]:
     try:
         yield llm
     finally:
-        llm.shutdown()
+        llm.shutdown(timeout=ENGINE_STOP_SECONDS)
 
 
 @pytest.fixture(scope="session")
