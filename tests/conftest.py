@@ -18,7 +18,9 @@ real engine (one of these fixtures, an engine of its own, or a launcher
 process); `bench` marks the benchmarks' brief runs. `make test-fast` runs
 neither, `make test` all but `bench` (on two workers, pytest-xdist's
 `--dist loadfile`: a module's tests on one worker, so that a launcher the
-module shares starts once), `make test-bench` the rest.
+module shares starts once; support/schedule.py hands the heaviest out first
+and keeps a rarely used session engine's modules on one worker), `make
+test-bench` the rest.
 """
 
 from __future__ import annotations
