@@ -3,9 +3,9 @@
 Most of the suite's time is engine starts: a launcher process or an engine of
 a module's own (~50 s each on two busy cores), and each session engine
 (conftest.py) once in every worker that uses it. xdist's own order, modules
-with the most tests first, left the modules that start a launcher per test
-(few tests, minutes each) to the end, where one worker ran the last of them
-while the other stood idle. `HeaviestFirst` keeps xdist's rule, each module on
+with the most tests first, leaves the modules that start a launcher per test
+(few tests, minutes each) to the end, where the last of them can keep one
+worker busy for minutes after the other has run out of work. `HeaviestFirst` keeps xdist's rule, each module on
 one worker, with two changes:
 
 - The modules that share a session engine few modules use (SHARED_ENGINES) run
