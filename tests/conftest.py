@@ -36,7 +36,7 @@ import grpc
 import pytest
 from support.recipe import recipe_launcher as recipe_launcher  # a fixture: the recipe's pod
 from support.schedule import SHARED_ENGINES
-from support.servers import Serving, serving
+from support.servers import ENGINE_STOP_SECONDS, Serving, serving
 from support.servers import placement as placement  # a fixture: each placement in turn
 
 from vllm_servicer.proto import vllm_engine_pb2_grpc
@@ -123,12 +123,6 @@ def embedding_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def kv_echo_storage(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Where `kv_echo_engine`'s connector stores KV and logs what it was told (FINISHED_LOG)."""
     return tmp_path_factory.mktemp("kv-echo")
-
-
-ENGINE_STOP_SECONDS = 1.0
-"""How long a session engine's processes get to exit at the session's end before
-vLLM kills them. Idle then, they spend the 5 s vLLM allows by default in their
-interpreters' teardown, and are killed at its end all the same."""
 
 
 @contextlib.asynccontextmanager

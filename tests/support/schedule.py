@@ -5,8 +5,8 @@ a module's own (~50 s each on two busy cores), and each session engine
 (conftest.py) once in every worker that uses it. xdist's own order, modules
 with the most tests first, leaves the modules that start a launcher per test
 (few tests, minutes each) to the end, where the last of them can keep one
-worker busy for minutes after the other has run out of work. `HeaviestFirst` keeps xdist's rule, each module on
-one worker, with two changes:
+worker busy for minutes after the other has run out of work. `HeaviestFirst`
+keeps xdist's rule, each module on one worker, with two changes:
 
 - The modules that share a session engine few modules use (SHARED_ENGINES) run
   on one worker, so that engine is built once, not once in each worker.
