@@ -41,7 +41,9 @@ serve: setup
 # brief runs are test-bench, which CI runs too. Two workers, each module on one
 # of them (a launcher a module shares starts once): most of an engine's or a
 # launcher's start is one process importing, so two overlap on two cores
-# (WORKERS=0 runs in one process).
+# (WORKERS=0 runs in one process). The heaviest modules are handed out first,
+# and the modules of a session engine few use go to one worker together
+# (tests/support/schedule.py).
 WORKERS ?= 2
 PARALLEL = $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadfile)
 test: setup system-deps

@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/auth_flood.py [--against-src OTHER_TREE] [--rate 8]
         [--gzip] [--method health] [--tracing] [--launcher-flag=--allow-request-compression]
+        [--server ADDRESS --server-pid PID]
 
 Starts the launcher with an API key (from this tree, and from OTHER_TREE's
 `src/` when given), then for each: streams `--tokens` tokens with the key and
@@ -19,6 +20,8 @@ server to inflate it would: compressed once, then sent over raw HTTP/2 (h2)
 so that the flood costs its own process next to nothing. `--method health`
 floods `grpc.health.v1.Health/Check`, which needs no key. `--tracing` starts
 the launcher with `OTEL_EXPORTER_OTLP_ENDPOINT` set (to a closed local port).
+`--server` measures a launcher the caller started (with this script's key),
+so that several floods can share one start.
 """
 
 from __future__ import annotations
@@ -301,6 +304,13 @@ def main() -> int:
         "--launcher-flag", action="append", default=[], help="a flag for the launcher (repeat)"
     )
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    parser.add_argument(
+        "--server",
+        metavar="ADDRESS",
+        help=f"measure a launcher already serving at ADDRESS, started with --api-key {KEY} "
+        "(its flags and environment are then the caller's), instead of starting one",
+    )
+    parser.add_argument("--server-pid", type=int, help="that launcher's pid (its CPU time)")
     parser.add_argument("--flood", metavar="ADDRESS", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.flood:
@@ -309,6 +319,12 @@ def main() -> int:
                 args.flood, args.flooders, args.payload_mib, args.seconds, args.rate, args
             )
         )
+        return 0
+    if args.server:
+        if args.server_pid is None:
+            parser.error("--server needs --server-pid")
+        _, figure = asyncio.run(measure("given server", args.server, args.server_pid, args))
+        print(json.dumps([figure]) if args.json else json.dumps(figure, indent=1))
         return 0
 
     trees = [("this tree", ROOT / "src")]

@@ -18,13 +18,16 @@ real engine (one of these fixtures, an engine of its own, or a launcher
 process); `bench` marks the benchmarks' brief runs. `make test-fast` runs
 neither, `make test` all but `bench` (on two workers, pytest-xdist's
 `--dist loadfile`: a module's tests on one worker, so that a launcher the
-module shares starts once), `make test-bench` the rest.
+module shares starts once; support/schedule.py hands the heaviest out first
+and keeps a rarely used session engine's modules on one worker), `make
+test-bench` the rest.
 """
 
 from __future__ import annotations
 
 import contextlib
 import types
+import warnings
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -32,7 +35,8 @@ from typing import Any
 import grpc
 import pytest
 from support.recipe import recipe_launcher as recipe_launcher  # a fixture: the recipe's pod
-from support.servers import Serving, serving
+from support.schedule import SHARED_ENGINES
+from support.servers import ENGINE_STOP_SECONDS, Serving, serving
 from support.servers import placement as placement  # a fixture: each placement in turn
 
 from vllm_servicer.proto import vllm_engine_pb2_grpc
@@ -64,9 +68,30 @@ def _runs_an_engine(item: pytest.Item) -> bool:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    unlisted: set[tuple[str, str]] = set()
     for item in items:
         if _runs_an_engine(item):
             item.add_marker(pytest.mark.engine)
+        module = item.nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
+        for fixture in SHARED_ENGINES.keys() & set(getattr(item, "fixturenames", ())):
+            if module not in SHARED_ENGINES[fixture]:
+                unlisted.add((module, fixture))
+    for module, fixture in sorted(unlisted):
+        warnings.warn(
+            f"{module} uses {fixture} but is not among its modules in "
+            "tests/support/schedule.py: under `make test` its worker builds that engine again",
+            stacklevel=1,
+        )
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`--dist loadfile` as support/schedule.py refines it: heaviest modules first,
+    the modules of a rarely used session engine on one worker."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from support.schedule import HeaviestFirst
+
+    return HeaviestFirst(config, log)
 
 
 @pytest.fixture(scope="session")
@@ -107,7 +132,7 @@ async def _running(model_dir: Path, **settings: Any) -> AsyncIterator[Any]:
     try:
         yield llm
     finally:
-        llm.shutdown()
+        llm.shutdown(timeout=ENGINE_STOP_SECONDS)
 
 
 @pytest.fixture(scope="session")

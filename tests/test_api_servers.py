@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+import httpx
 import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -677,6 +678,34 @@ async def test_the_http_api_is_served_beside_on_one_engine(launcher: Launched) -
 def _read(req: urllib.request.Request) -> bytes:
     with urllib.request.urlopen(req, timeout=60) as reply:
         return bytes(reply.read())
+
+
+async def test_an_http_requests_id_is_its_callers_in_both_frontend_processes(
+    launcher: Launched, connections: Connections
+) -> None:
+    """The HTTP request runs in one process; its engine id (vLLM's `cmpl-X-0` for
+    `X-Request-Id: X`, test_one_guard.py) is refused to another caller and its
+    slot counted in both (the frontends' shared table)."""
+    from test_one_guard import http_stream
+
+    a, b = bearer(TENANT_A), bearer(TENANT_B)
+    for _ in range(100):  # the slots of earlier tests' cancelled calls come back
+        info = await connections.engine(0).GetServerInfo(pb.GetServerInfoRequest(), metadata=a)
+        if info.active_requests == 0:
+            break
+        await asyncio.sleep(0.1)
+    async with httpx.AsyncClient(base_url=launcher.http_url, headers=dict(a), timeout=120) as http:
+        # Still running when the test acts on it: the model's context is 512.
+        async with http_stream(http, _model(launcher), max_tokens=500, request_id="n2-trace"):
+            reused = request(request_id="cmpl-n2-trace-0")
+            for i in (0, 1):
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await collect(connections.engine(i).Generate(reused, metadata=b))
+                assert refused.value.code() == grpc.StatusCode.ALREADY_EXISTS
+                info = await connections.engine(i).GetServerInfo(
+                    pb.GetServerInfoRequest(), metadata=b
+                )
+                assert info.active_requests == 1
 
 
 def _model(launcher: Launched) -> str:

@@ -27,7 +27,7 @@ import grpc
 import pytest
 import vllm
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from support import bearer, request, serving, settle, wait_until_idle
+from support import ENGINE_STOP_SECONDS, bearer, request, serving, settle, wait_until_idle
 from support.vllm_protocol import reference_modules
 from vllm import SamplingParams
 from vllm.config.kv_events import KVEventsConfig
@@ -88,7 +88,7 @@ async def engine(files: SimpleNamespace) -> AsyncIterator[Any]:
     try:
         yield llm
     finally:
-        llm.shutdown()
+        llm.shutdown(timeout=ENGINE_STOP_SECONDS)
 
 
 @pytest.fixture(scope="module")

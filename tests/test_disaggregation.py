@@ -36,7 +36,15 @@ import torch
 from prometheus_client import REGISTRY
 from smg_grpc_proto.generated import vllm_engine_pb2 as ref
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as ref_grpc
-from support import collect, completes, request, serving, settle, wait_until_idle
+from support import (
+    ENGINE_STOP_SECONDS,
+    collect,
+    completes,
+    request,
+    serving,
+    settle,
+    wait_until_idle,
+)
 
 from vllm_servicer.testing.tiny_model import build_tiny_engine
 
@@ -73,7 +81,7 @@ async def _serving(model_dir: Path, storage: Path, role: str) -> AsyncIterator[W
         async with serving(engine, health=False, reflection_service=False) as served:
             yield Worker(engine, ref_grpc.VllmEngineStub(served.channel))
     finally:
-        engine.shutdown()
+        engine.shutdown(timeout=ENGINE_STOP_SECONDS)
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ import httpx
 import pytest
 from google.protobuf import json_format
 from support import (
+    ENGINE_STOP_SECONDS,
     bearer,
     error_info,
     hold_hand_over,
@@ -394,7 +395,7 @@ async def priority_served(tiny_model_dir: Path) -> AsyncIterator[Any]:
         async with serving(llm, services=SERVICES) as served:
             yield served
     finally:
-        llm.shutdown()
+        llm.shutdown(timeout=ENGINE_STOP_SECONDS)
 
 
 @pytest.mark.engine  # an engine of its own (priority_served)

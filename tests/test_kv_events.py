@@ -18,7 +18,16 @@ import msgspec
 import pytest
 from smg_grpc_proto.generated import common_pb2 as ref_common
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as ref_grpc
-from support import bearer, collect, next_kv_event, request, serving, settle, wait_until_idle
+from support import (
+    ENGINE_STOP_SECONDS,
+    bearer,
+    collect,
+    next_kv_event,
+    request,
+    serving,
+    settle,
+    wait_until_idle,
+)
 from vllm.config.kv_events import KVEventsConfig
 from vllm.distributed.kv_events import (
     AllBlocksCleared,
@@ -61,7 +70,7 @@ async def featured(
         async with serving(engine, health=False) as served:
             yield engine, served.channel
     finally:
-        engine.shutdown()
+        engine.shutdown(timeout=ENGINE_STOP_SECONDS)
 
 
 def _stub(channel: grpc.aio.Channel, kind: str) -> tuple[Any, Any]:
@@ -225,7 +234,7 @@ async def replaying(
         async with serving(engine, health=False) as served:
             yield engine, served.channel
     finally:
-        engine.shutdown()
+        engine.shutdown(timeout=ENGINE_STOP_SECONDS)
 
 
 async def test_a_subscriber_resumes_where_it_left_off_on_a_real_engine(replaying: Any) -> None:

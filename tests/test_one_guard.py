@@ -190,40 +190,6 @@ def test_no_request_id_reaches_a_callers_stream_counter() -> None:
         group.remove_directory()
 
 
-async def test_an_http_requests_id_is_its_callers_in_both_frontend_processes(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> None:
-    """`--api-server-count 2`: the HTTP request runs in one process; its id is
-    refused and its slot counted in both (the frontends' shared table)."""
-    # Its connection helper, which holds one connection to each process, and its keys.
-    from test_api_servers import TENANT_A as A
-    from test_api_servers import TENANT_B as B
-    from test_api_servers import Connections
-
-    argv = ["--api-server-count", "2", "--http-port", "0", "--api-key", A]
-    argv += ["--api-key", B, "--max-inflight", str(MAX_INFLIGHT)]
-    env = launcher_env(tmp_path_factory.mktemp("cache"))
-    async with launched(*argv, env=env) as group:
-        connections = await Connections(group).open()
-        try:
-            async with httpx.AsyncClient(
-                base_url=group.http_url, headers=dict(bearer(A)), timeout=120
-            ) as http:
-                model = str((await http.get("/v1/models")).json()["data"][0]["id"])
-                async with http_stream(http, model, max_tokens=LONG, request_id="n2-trace"):
-                    reused, b = request(request_id="cmpl-n2-trace-0"), bearer(B)
-                    for i in (0, 1):
-                        with pytest.raises(grpc.aio.AioRpcError) as refused:
-                            await collect(connections.engine(i).Generate(reused, metadata=b))
-                        assert refused.value.code() == grpc.StatusCode.ALREADY_EXISTS
-                        info = await connections.engine(i).GetServerInfo(
-                            pb.GetServerInfoRequest(), metadata=b
-                        )
-                        assert info.active_requests == 1
-        finally:
-            await connections.close()
-
-
 # ----- per-request budgets on the HTTP API ------------------------------------------------------
 
 # The defaults (vllm_servicer.budgets): the HTTP API keeps the gRPC protocols' budgets.

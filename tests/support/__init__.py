@@ -23,9 +23,18 @@ spawns inherit that path, so they can load `support.kv_echo_connector`.
 
 from .calls import collect, completes, error_info, next_kv_event, request, streamed_tokens
 from .probes import hold_hand_over, note_releases, rss_kb, settle, unfinished, wait_until_idle
-from .servers import PLACEMENTS, Serving, bearer, free_port, placed, serving
+from .servers import (
+    ENGINE_STOP_SECONDS,
+    PLACEMENTS,
+    Serving,
+    bearer,
+    free_port,
+    placed,
+    serving,
+)
 
 __all__ = [
+    "ENGINE_STOP_SECONDS",
     "PLACEMENTS",
     "Serving",
     "bearer",

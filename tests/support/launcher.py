@@ -146,10 +146,16 @@ async def launch(
     """`python -m vllm_servicer serve --port 0 *flags`, once it serves (its output
     then read into `output`, the last `keep` lines, every one with None;
     `stop_launched` ends it). `lines`: start-up lines to wait for besides what it
-    announces, each pattern by name; their matches are in `said`."""
+    announces, each pattern by name; their matches are in `said`.
+
+    Without `--drain-grace` in `flags` the launcher gets `--drain-grace 0`: its
+    stop then skips the readiness grace (2 s by default), which only a balancer's
+    probes could see; the tests that watch a drain name the grace they watch."""
+    grace = () if "--drain-grace" in flags else ("--drain-grace", "0")
     proc = await spawn(
-        "-m", "vllm_servicer", "serve", "--port", "0", *flags, env=env, new_session=new_session
-    )
+        "-m", "vllm_servicer", "serve", "--port", "0", *grace, *flags,
+        env=env, new_session=new_session,
+    )  # fmt: skip
     given = list(flags)
     # One process (--api-server-count 1) announces no frontends.
     if "--api-server-count" in given and given[given.index("--api-server-count") + 1] == "1":

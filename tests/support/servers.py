@@ -52,6 +52,13 @@ def bearer(key: str) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {key}"),)
 
 
+ENGINE_STOP_SECONDS = 1.0
+"""How long a test's engine processes get to exit at its end before vLLM kills
+them (`AsyncLLM.shutdown`'s timeout). Idle by then, they spend the 5 s vLLM
+allows by default in their interpreters' teardown and are killed at its end
+all the same."""
+
+
 def free_port() -> int:
     """A loopback port nothing listens on (free when asked: bind it soon)."""
     with socket.socket() as sock:
