@@ -614,6 +614,9 @@ async def test_the_launchers_stack_traces_and_counts_renders_on_a_mount(
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await render.RenderChat(pb.RenderChatRequest(), metadata=AUTH)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        # The slot is released once the handler has returned, which may be just
+        # after the client read the refusal.
+        assert await running.mounted.inflight.wait_idle(10)
         assert running.mounted.inflight.limited_everywhere == 0
     provider.shutdown()
     spans = [s for s in exporter.get_finished_spans() if s.name.endswith("/RenderChat")]
