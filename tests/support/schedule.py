@@ -53,6 +53,7 @@ STARTS: dict[str, int] = {
     "test_keyless_surfaces.py": 3,
     "test_scale_out.py": 3,
     "test_auth_flood.py": 2,
+    "test_derender_loop.py": 2,
     "test_disaggregation.py": 2,
     "test_examples.py": 2,
     "test_fair_shares.py": 2,
