@@ -24,6 +24,7 @@ from ..errors import InvalidRequestError
 from ..multimodal.decoded import DecodedMedia, RequestMedia
 from ..proto import RENDER_SERVICE, render_pb2_grpc
 from ..proto import render_pb2 as pb
+from ..vllm_releases import render_prompts
 from ..wire import render as wire
 from ..wire.fields import REFUSED
 from .state import MountState
@@ -73,7 +74,8 @@ class RenderServicer(render_pb2_grpc.RenderServicer):
         account = self._decoded_media.request()
         try:
             _admit_images(request, account)
-            answer = rendered(await render.render_chat_request(vllm_request("render_chat", body)))
+            chat = vllm_request("render_chat", body)
+            (answer,) = rendered(await render_prompts(render, chat, chat=True))
         finally:
             account.release()
         reply = self._rendered(answer)
@@ -90,9 +92,8 @@ class RenderServicer(render_pb2_grpc.RenderServicer):
         self._budgets.check_render_chars("prompt", sum(len(text) for text in request.prompt))
         render = await handlers.handler("serving_render", "generate", "render prompts")
         body = wire.render_completion_body(request, handlers.limits())
-        answers = rendered(
-            await render.render_completion_request(vllm_request("render_completion", body))
-        )
+        completion = vllm_request("render_completion", body)
+        answers = rendered(await render_prompts(render, completion, chat=False))
         reply = pb.RenderCompletionResponse(prompts=[self._rendered(item) for item in answers])
         note_prompt_tokens(sum(len(prompt.token_ids) for prompt in reply.prompts))
         return reply
