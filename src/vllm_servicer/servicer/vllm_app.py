@@ -463,7 +463,7 @@ def rerank_answer(handler: Any, ctx: Any) -> dict[str, Any]:
     documents = ctx.request.documents
     if not isinstance(documents, list):
         documents = [documents]
-    results = [
+    results: list[dict[str, Any]] = [
         {
             "index": index,
             "document": {"text": document if isinstance(document, str) else None},
@@ -471,7 +471,7 @@ def rerank_answer(handler: Any, ctx: Any) -> dict[str, Any]:
         }
         for index, (document, score) in enumerate(zip(documents, _scores(ctx), strict=False))
     ]
-    results.sort(key=lambda item: item["relevance_score"], reverse=True)
+    results.sort(key=lambda item: float(item["relevance_score"]), reverse=True)
     top_n = ctx.request.top_n if ctx.request.top_n > 0 else len(ctx.final_res_batch)
     if top_n < len(documents):
         results = results[:top_n]
