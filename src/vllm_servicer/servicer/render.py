@@ -74,7 +74,7 @@ class RenderServicer(render_pb2_grpc.RenderServicer):
         account = self._decoded_media.request()
         try:
             _admit_images(request, account)
-            chat = vllm_request("render_chat", body)
+            chat = vllm_request("render_chat", {**body, "request_id": _RENDER_ID})
             (answer,) = rendered(await render_prompts(render, chat, chat=True))
         finally:
             account.release()
@@ -92,7 +92,7 @@ class RenderServicer(render_pb2_grpc.RenderServicer):
         self._budgets.check_render_chars("prompt", sum(len(text) for text in request.prompt))
         render = await handlers.handler("serving_render", "generate", "render prompts")
         body = wire.render_completion_body(request, handlers.limits())
-        completion = vllm_request("render_completion", body)
+        completion = vllm_request("render_completion", {**body, "request_id": _RENDER_ID})
         answers = rendered(await render_prompts(render, completion, chat=False))
         reply = pb.RenderCompletionResponse(prompts=[self._rendered(item) for item in answers])
         note_prompt_tokens(sum(len(prompt.token_ids) for prompt in reply.prompts))
@@ -185,6 +185,11 @@ class RenderServicer(render_pb2_grpc.RenderServicer):
 
     def _rendered(self, answer: Mapping[str, Any]) -> pb.RenderedPrompt:
         return wire.rendered_prompt(answer, self._handlers.text_of(answer["token_ids"]))
+
+
+# A render starts no engine request and states no id: named, vLLM's request
+# model makes up none (a uuid4 a call, read from the kernel's random source).
+_RENDER_ID = "render"
 
 
 def _request_id() -> str:
