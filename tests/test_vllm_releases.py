@@ -276,3 +276,48 @@ def test_the_http_api_builds_vllm_s_arguments_on_this_release() -> None:
     served = frontend_args(args, "127.0.0.1", 0)
     assert (served.host, served.port, served.api_key) == ("127.0.0.1", 0, None)
     assert served.max_model_len == 256  # the launcher's engine settings carried over
+
+
+class _StandInRender:
+    """vLLM's render handler as `render_prompts` reads it, its renderer giving
+    one prompt of `tokens` token ids to a model of `max_model_len`."""
+
+    def __init__(self, tokens: int, max_model_len: int) -> None:
+        self.model_config = SimpleNamespace(max_model_len=max_model_len, is_encoder_decoder=False)
+        self.default_sampling_params: dict[str, Any] = {}
+        self.override_max_tokens = None
+        self.online_renderer = self
+        self.tokens = tokens
+
+    async def _check_model(self, request: Any) -> None:
+        return None
+
+    async def render_completion(self, request: Any, *, skip_mm_cache: bool) -> list[Any]:
+        return [{"type": "token", "prompt_token_ids": list(range(self.tokens))}]
+
+    def _extract_mm_features(self, engine_input: Any, **_: Any) -> None:
+        return None
+
+
+@pytest.mark.parametrize("tokens", [31, 32, 33])
+async def test_a_render_is_refused_where_vllms_render_handler_refuses_it(tokens: int) -> None:
+    """A prompt that fits with room for a token renders; one that fills the
+    context leaves the handler's sampling parameters no token, which vLLM's
+    `SamplingParams` refuses; one past it is refused as `get_max_tokens` does."""
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+
+    render = _StandInRender(tokens, max_model_len=32)
+    request = SimpleNamespace(max_tokens=None, truncate_prompt_tokens=None)
+    if tokens < 32:
+        prompts = await vllm_releases.render_prompts(render, request, chat=False)
+        assert prompts == [{"token_ids": list(range(tokens)), "features": None}]
+    elif tokens == 32:
+        with pytest.raises(VLLMValidationError) as ours:
+            await vllm_releases.render_prompts(render, request, chat=False)
+        with pytest.raises(VLLMValidationError) as theirs:
+            SamplingParams(max_tokens=0)
+        assert str(ours.value) == str(theirs.value)
+    else:
+        with pytest.raises(ValueError, match=r"Input length \(33\) exceeds"):
+            await vllm_releases.render_prompts(render, request, chat=False)

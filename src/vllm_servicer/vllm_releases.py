@@ -12,6 +12,7 @@ What each difference means for clients is in `docs/index.md` ("vLLM releases").
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import inspect
 from collections.abc import Callable, Iterator
@@ -414,3 +415,136 @@ def sleep_resets_connector(engine: Any) -> bool:
         return "reset_connector" in inspect.signature(sleep).parameters
     except (TypeError, ValueError):
         return False
+
+
+# ----- vLLM's Pooling and Render handlers, below their HTTP answers ------------
+#
+# vLLM's pooling handlers answer with a `JSONResponse` (their response model
+# dumped, then written as JSON) and its render handler with a `GenerateRequest`
+# carrying the sampling parameters of a generation nobody runs here. The
+# services take the handlers' own work up to the objects their replies are
+# made of: the stages below are vLLM's, named alike in 0.31 to 0.34.
+
+
+def _posts_nothing(io_processor: Any) -> bool:
+    """Whether a pooling handler's IO processor leaves the outputs as the engine
+    gave them (the base class's `post_process_online`: classification and
+    cross-encoder scoring); bi-encoder and late-interaction scoring compute
+    the scores there."""
+    from vllm.entrypoints.pooling.base.io_processor import PoolingIOProcessor
+
+    return type(io_processor).post_process_online is PoolingIOProcessor.post_process_online
+
+
+async def pooling_outputs(handler: Any, request: Any) -> Any | None:
+    """vLLM's pooling handler run on `request` up to its outputs, before it
+    writes its answer: its serving context (`PoolingServeContext`), whose
+    `final_res_batch` holds one `PoolingRequestOutput` per engine request in
+    the order of the texts, `engine_inputs` their prompts and `model_name` the
+    name the answer states. The stages are `PoolingServing.__call__`'s, alike
+    in 0.31 to 0.34; the IO processor's post-processing, when it has any, runs
+    on the handler's executor under `torch.inference_mode`, as vLLM runs it.
+
+    None for a handler that runs another path (late-interaction scoring on the
+    workers, `enable_flash_late_interaction`): call the handler itself then.
+    Raises what the handler raises.
+    """
+    if getattr(handler, "enable_flash_late_interaction", False):
+        return None
+    io_processor = handler.get_io_processor(request)
+    ctx = await handler._init_ctx(io_processor, request, None)
+    await handler._preprocessing(io_processor, ctx)
+    await handler._prepare_generators(ctx)
+    await handler._collect_batch(ctx)
+    if not _posts_nothing(io_processor):
+        import asyncio
+
+        import torch
+
+        def post_process() -> None:
+            with torch.inference_mode():
+                io_processor.post_process_online(ctx)
+
+        await asyncio.get_running_loop().run_in_executor(handler._executor, post_process)
+    return ctx
+
+
+@functools.cache
+def render_features_without_tensors() -> bool:
+    """0.32+: the render handler's multimodal features can leave the processed
+    tensors out (`mm_payload="none"`), keeping the hashes and placeholders; 0.31
+    always encodes the tensors. Read at first use (the handler's module is
+    imported with vLLM's HTTP handlers, not before)."""
+    from vllm.entrypoints.scale_out.render.serving import ServingRender
+
+    return "mm_payload" in inspect.signature(ServingRender._extract_mm_features).parameters
+
+
+async def render_prompts(render: Any, request: Any, *, chat: bool) -> Any:
+    """What vLLM's render handler renders for `request` (its `ChatCompletionRequest`
+    when `chat`, else its `CompletionRequest`): per prompt, a dict of its
+    `token_ids` and multimodal `features` (vLLM's `MultiModalFeatures`, None
+    for text), or the handler's `ErrorResponse`.
+
+    The steps and refusals of `ServingRender.render_chat_request` and
+    `render_completion_request` (alike in 0.31 to 0.34: the model's check, the
+    online renderer, one prompt for a chat, no prompt without tokens, the
+    context's room for a token computed as they compute it), without what
+    only the `GenerateRequest` a router forwards carries: the sampling
+    parameters, the reasoning state, a request id and, from 0.32, the
+    multimodal tensors.
+
+    Raises:
+        ValueError: a prompt past the model's context (vLLM's `get_max_tokens`).
+        VLLMValidationError: a prompt that leaves no room for one token (what
+            vLLM's `SamplingParams` refuses).
+    """
+    from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
+    from vllm.exceptions import VLLMValidationError
+    from vllm.renderers.inputs.preprocess import extract_prompt_components, extract_prompt_len
+
+    error = await render._check_model(request)
+    if error is not None:
+        return error
+    renderer = render.online_renderer
+    if chat:
+        result = await renderer.render_chat(request, skip_mm_cache=True)
+        if getattr(result, "error", None) is not None:
+            return result
+        _, inputs = result
+        if len(inputs) != 1:
+            return render.create_error_response(
+                f"Expected exactly 1 engine prompt, got {len(inputs)}"
+            )
+        asked = request.max_completion_tokens
+        if asked is None:  # the deprecated field's value, read without its warning
+            asked = request.__dict__.get("max_tokens")
+    else:
+        inputs = await renderer.render_completion(request, skip_mm_cache=True)
+        if getattr(inputs, "error", None) is not None:
+            return inputs
+        asked = request.max_tokens
+    config = render.model_config
+    prompts = []
+    for engine_input in inputs:
+        token_ids = extract_prompt_components(config, engine_input).token_ids
+        if not token_ids:
+            return render.create_error_response("No token_ids rendered")
+        room = get_max_tokens(
+            config.max_model_len,
+            asked,
+            extract_prompt_len(config, engine_input),
+            render.default_sampling_params,
+            render.override_max_tokens,
+            truncate_prompt_tokens=request.truncate_prompt_tokens,
+        )
+        if room < 1:
+            raise VLLMValidationError(
+                f"max_tokens must be at least 1, got {room}.", parameter="max_tokens", value=room
+            )
+        if render_features_without_tensors():
+            features = render._extract_mm_features(engine_input, mm_payload="none")
+        else:
+            features = render._extract_mm_features(engine_input)
+        prompts.append({"token_ids": list(token_ids), "features": features})
+    return prompts

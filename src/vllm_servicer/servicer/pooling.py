@@ -1,8 +1,9 @@
 """`PoolingServicer`: vllm_servicer.v1.Pooling (Classify, Score, Rerank).
 
-Each call is the HTTP body vLLM's /classify, /score or /rerank would take
-(`wire/pooling.py`), answered by vLLM's own handler on the mount's engine
-(`vllm_app.py`), its answer read back into the reply. One engine request per
+Each call is the request vLLM's /classify, /score or /rerank would take
+(`wire/pooling.py`), run by vLLM's own handler on the mount's engine
+(`vllm_app.py`) up to its outputs (`vllm_releases.pooling_outputs`), which
+become the reply without the JSON answer vLLM would write. One engine request per
 text (vLLM's batching), each claimed for the caller; the texts a call may
 carry are bounded by `--max-pooling-inputs`.
 """
@@ -15,13 +16,17 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 from ..context import engine_trace_headers
 from ..proto import pooling_pb2 as pb
 from ..proto import pooling_pb2_grpc
+from ..vllm_releases import pooling_outputs
 from ..wire import pooling as wire
 from .state import MountState
 from .vllm_app import (
     VllmHandlers,
     answer_body,
+    classify_answer,
     note_prompt_tokens,
     note_request,
+    rerank_answer,
+    score_answer,
     trace_headers,
     vllm_request,
 )
@@ -70,11 +75,14 @@ class PoolingServicer(pooling_pb2_grpc.PoolingServicer):
             # Held until the engine requests end: no unload drops it from under them.
             with handlers.adapter("options.model", request.options.model) as adapter:
                 async with handlers.claiming.claims_of_call(adapter):
-                    answer = await handler(vllm_request(route.operation, body), None)
+                    vllm_call = vllm_request(route.operation, body)
+                    outputs = await pooling_outputs(handler, vllm_call)
+                    if outputs is None:  # a path of its own: its JSON answer
+                        result: Mapping[str, Any] = answer_body(await handler(vllm_call, None))
+                        return result
+                    return route.answer(handler, outputs)
         finally:
             trace_headers.reset(token)
-        result: Mapping[str, Any] = answer_body(answer)
-        return result
 
 
 class _Route(NamedTuple):
@@ -86,14 +94,29 @@ class _Route(NamedTuple):
     handler: str  # vLLM's handler object (its app state's attribute)
     what: str  # what the call asks for, in a refusal
     body: Callable[[Any, wire.ModelLimits], dict[str, Any]]
+    answer: Callable[[Any, Any], dict[str, Any]]  # vLLM's answer body from its outputs
 
 
 _CLASSIFY = _Route(
-    "classify", "input", None, "serving_classification", "classify texts", wire.classify_body
+    "classify",
+    "input",
+    None,
+    "serving_classification",
+    "classify texts",
+    wire.classify_body,
+    classify_answer,
 )
-_SCORE = _Route("score", "text_2", "text_1", "serving_scores", "score text pairs", wire.score_body)
+_SCORE = _Route(
+    "score", "text_2", "text_1", "serving_scores", "score text pairs", wire.score_body, score_answer
+)
 _RERANK = _Route(
-    "rerank", "documents", "query", "serving_scores", "rerank documents", wire.rerank_body
+    "rerank",
+    "documents",
+    "query",
+    "serving_scores",
+    "rerank documents",
+    wire.rerank_body,
+    rerank_answer,
 )
 
 

@@ -24,6 +24,7 @@ from ..errors import InvalidRequestError
 from ..multimodal.decoded import DecodedMedia, RequestMedia
 from ..proto import RENDER_SERVICE, render_pb2_grpc
 from ..proto import render_pb2 as pb
+from ..vllm_releases import render_prompts
 from ..wire import render as wire
 from ..wire.fields import REFUSED
 from .state import MountState
@@ -70,7 +71,8 @@ class RenderServicer(render_pb2_grpc.RenderServicer):
         account = self._decoded_media.request()
         try:
             _admit_images(request, account)
-            answer = rendered(await render.render_chat_request(vllm_request("render_chat", body)))
+            chat = vllm_request("render_chat", {**body, "request_id": _RENDER_ID})
+            (answer,) = rendered(await render_prompts(render, chat, chat=True))
         finally:
             account.release()
         reply = self._rendered(answer)
@@ -87,9 +89,8 @@ class RenderServicer(render_pb2_grpc.RenderServicer):
         self._budgets.check_render_chars("prompt", sum(len(text) for text in request.prompt))
         render = await handlers.handler("serving_render", "generate", "render prompts")
         body = wire.render_completion_body(request, handlers.limits())
-        answers = rendered(
-            await render.render_completion_request(vllm_request("render_completion", body))
-        )
+        completion = vllm_request("render_completion", {**body, "request_id": _RENDER_ID})
+        answers = rendered(await render_prompts(render, completion, chat=False))
         reply = pb.RenderCompletionResponse(prompts=[self._rendered(item) for item in answers])
         note_prompt_tokens(sum(len(prompt.token_ids) for prompt in reply.prompts))
         return reply
@@ -245,6 +246,11 @@ class RenderServicer(render_pb2_grpc.RenderServicer):
 
     def _rendered(self, answer: Mapping[str, Any]) -> pb.RenderedPrompt:
         return wire.rendered_prompt(answer, self._handlers.text_of(answer["token_ids"]))
+
+
+# A render starts no engine request and states no id: named, vLLM's request
+# model makes up none (a uuid4 a call, read from the kernel's random source).
+_RENDER_ID = "render"
 
 
 def _request_id() -> str:

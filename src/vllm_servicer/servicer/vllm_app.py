@@ -41,9 +41,12 @@ __all__ = [
     "ClaimingEngine",
     "VllmHandlers",
     "answer_body",
+    "classify_answer",
     "note_prompt_tokens",
     "note_request",
     "rendered",
+    "rerank_answer",
+    "score_answer",
     "trace_headers",
     "vllm_request",
 ]
@@ -423,22 +426,83 @@ def vllm_request(kind: str, body: dict[str, Any]) -> Any:
         raise InvalidRequestError(field, str(first.get("msg", exc))) from None
 
 
-def rendered(answer: Any) -> Any:
-    """What a render answer (vLLM's `GenerateRequest`) carries for a reply: its token
-    ids and multimodal features, read as they are (dumping the whole request,
-    sampling parameters and all, to JSON cost more than the render's own work);
-    a list of them as a list; an error as `answer_body` raises it."""
-    if isinstance(answer, list):
-        return [rendered(item) for item in answer]
-    if getattr(answer, "error", None) is not None or not hasattr(answer, "token_ids"):
-        return answer_body(answer)
-    features = answer.features
-    return {
-        "token_ids": answer.token_ids,
-        "features": features.model_dump(include={"mm_hashes", "mm_placeholders"})
-        if features is not None
-        else None,
-    }
+def rendered(answer: Any) -> list[dict[str, Any]]:
+    """The prompts of a render (`vllm_releases.render_prompts`) as a reply reads
+    them: each its token ids and its multimodal features' hashes and
+    placeholders (None for text); vLLM's error as `answer_body` raises it."""
+    if not isinstance(answer, list):
+        answer_body(answer)
+        raise RuntimeError(f"vLLM's render handler answered {type(answer).__name__}")
+    return [
+        {
+            "token_ids": prompt["token_ids"],
+            "features": prompt["features"].model_dump(include={"mm_hashes", "mm_placeholders"})
+            if prompt["features"] is not None
+            else None,
+        }
+        for prompt in answer
+    ]
+
+
+def classify_answer(handler: Any, ctx: Any) -> dict[str, Any]:
+    """The body of vLLM's /classify answer from its handler's outputs
+    (`vllm_releases.pooling_outputs`), as `ServingClassification._build_response`
+    writes it (alike in 0.31 to 0.34): per text its probabilities, the label of
+    the likeliest class, and the prompt tokens of every text."""
+    import numpy as np
+    from vllm.outputs import ClassificationOutput
+
+    id2label = getattr(handler.model_config.hf_config, "id2label", None) or {}
+    data = []
+    tokens = 0
+    for index, output in enumerate(ctx.final_res_batch):
+        probs = ClassificationOutput.from_base(output.outputs).probs
+        label = id2label.get(int(np.argmax(probs)))
+        data.append({"index": index, "label": label, "probs": probs})
+        tokens += len(output.prompt_token_ids)
+    return {"model": ctx.model_name, "data": data, "usage": {"prompt_tokens": tokens}}
+
+
+def _scores(ctx: Any) -> list[float]:
+    from vllm.outputs import ScoringRequestOutput
+
+    return [ScoringRequestOutput.from_base(output).outputs.score for output in ctx.final_res_batch]
+
+
+def _scored_tokens(handler: Any, ctx: Any) -> dict[str, int]:
+    # vLLM counts the prompts it built (each pair's), not the outputs'.
+    tokens = sum(handler._extract_prompt_len(item["prompts"]) for item in ctx.engine_inputs)
+    return {"prompt_tokens": tokens}
+
+
+def score_answer(handler: Any, ctx: Any) -> dict[str, Any]:
+    """The body of vLLM's /score answer from its handler's outputs, as
+    `ServingScores._request_output_to_score_response` writes it (alike in 0.31 to 0.34)."""
+    data = [{"index": index, "score": score} for index, score in enumerate(_scores(ctx))]
+    return {"model": ctx.model_name, "data": data, "usage": _scored_tokens(handler, ctx)}
+
+
+def rerank_answer(handler: Any, ctx: Any) -> dict[str, Any]:
+    """The body of vLLM's /rerank answer from its handler's outputs, as
+    `ServingScores._request_output_to_rerank_response` writes it (alike in 0.31
+    to 0.34): the documents by relevance, highest first (equal ones in their
+    order), the first `top_n` of them when it is set."""
+    documents = ctx.request.documents
+    if not isinstance(documents, list):
+        documents = [documents]
+    results: list[dict[str, Any]] = [
+        {
+            "index": index,
+            "document": {"text": document if isinstance(document, str) else None},
+            "relevance_score": score,
+        }
+        for index, (document, score) in enumerate(zip(documents, _scores(ctx), strict=False))
+    ]
+    results.sort(key=lambda item: float(item["relevance_score"]), reverse=True)
+    top_n = ctx.request.top_n if ctx.request.top_n > 0 else len(ctx.final_res_batch)
+    if top_n < len(documents):
+        results = results[:top_n]
+    return {"model": ctx.model_name, "results": results, "usage": _scored_tokens(handler, ctx)}
 
 
 def answer_body(answer: Any) -> Any:

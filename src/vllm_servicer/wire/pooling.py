@@ -1,8 +1,10 @@
 """vllm_servicer.v1's Pooling messages as vLLM's HTTP bodies, and back.
 
 Each request becomes the JSON body vLLM's HTTP server would take for the same
-call (/classify, /score, /rerank), and each answer is read from the body vLLM would
-send: the numbers and tokens are vLLM's own, and only this mapping is ours.
+call (/classify, /score, /rerank), which vLLM's request model validates, and
+each answer is read from the body vLLM would send (built from its handler's
+outputs, not parsed from JSON: `servicer/vllm_app.py`): the numbers and tokens
+are vLLM's own, and only this mapping is ours.
 Every field of the request messages is read here (`wire/fields.py` lists
 them), the checks vLLM would report without naming the wire's field made first.
 

@@ -239,7 +239,8 @@ def render_completion_body(
 
 
 def rendered_prompt(rendered: Mapping[str, Any], text: str) -> render_pb.RenderedPrompt:
-    """RenderedPrompt from one of vLLM's render answers (its GenerateRequest body)."""
+    """RenderedPrompt from one prompt vLLM's render handler rendered (its token ids,
+    and its features' hashes and placeholders as a GenerateRequest body states them)."""
     placeholders = []
     features = rendered.get("features") or {}
     hashes = features.get("mm_hashes") or {}
