@@ -26,6 +26,7 @@ from vllm_servicer.interceptors.call_slots import CallSlotsInterceptor
 SERVICE = "test.Keyed"
 METHOD = f"/{SERVICE}/Echo"
 MAX_CALLS = 6
+READ_TIMEOUT = 4.0
 IDENTITIES = {
     "heavy": Identity("heavy", weight=2.0),
     "light": Identity("light"),
@@ -97,13 +98,18 @@ async def test_a_tenant_is_held_to_its_weighted_share_and_an_admin_to_the_total(
 
 
 async def test_a_call_without_its_message_gives_its_slot_back() -> None:
-    async with serving(1.0) as (address, _), half_open(address, "light", MAX_CALLS) as held:
+    # The read deadline is long enough for the refused call below to reach a busy
+    # server while the half-open calls still hold every slot.
+    async with serving(READ_TIMEOUT) as (address, slots), half_open(
+        address, "light", MAX_CALLS
+    ) as held:
+        assert await settle(lambda: slots.held("light") == MAX_CALLS)
         assert (await echo(address, "heavy")).startswith("RESOURCE_EXHAUSTED")
         assert await settle(lambda: not held.open_ids(), timeout=30), held.open_ids()
         for reply in held.ended.values():
             assert reply.status == DEADLINE_EXCEEDED
             assert reply.details == (
                 "request message not received in time: the limit (--request-read-timeout) "
-                "is 1 s from the call's start; send the message with the call"
+                f"is {READ_TIMEOUT:g} s from the call's start; send the message with the call"
             )
         assert await echo(address, "heavy") == "OK"
