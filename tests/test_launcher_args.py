@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import json
 import subprocess
@@ -151,7 +152,7 @@ def test_the_launcher_s_flags_are_serve_args_fields_and_nothing_else() -> None:
 
 
 # A value other than the default for each kind of launcher flag.
-_GIVEN = {"services": ["control"], "lora_modules": ["a=/x"]}
+_GIVEN = {"services": ["control"], "lora_modules": ["a=/x"], "event_loop": ["asyncio"]}
 _GIVEN_BY_TYPE = {int: ["7"], float: ["2.5"], str: ["x"], bool: [], tuple: ["x"]}
 
 
@@ -418,3 +419,39 @@ def test_the_launchers_slots_are_shared_fairly_unless_no_fair_shares(
     if held_to_a_share:
         assert "its share while 2 tenants want them is 1" in (refusal or "")
         assert inflight.enter(b) is None
+
+
+def _loop_run_by(choice: str) -> str:
+    """The top-level module of the event loop `run_until_done` runs for `--event-loop choice`."""
+    from vllm_servicer.serve.process import run_until_done
+
+    seen: list[str] = []
+
+    async def note_loop() -> int:
+        seen.append(type(asyncio.get_running_loop()).__module__.split(".")[0])
+        return 0
+
+    assert run_until_done(note_loop(), choice) == 0
+    return seen[0]
+
+
+@pytest.mark.parametrize(
+    ("choice", "loop_module"), [("auto", "uvloop"), ("uvloop", "uvloop"), ("asyncio", "asyncio")]
+)
+def test_the_event_loop_is_the_one_asked_for(choice: str, loop_module: str) -> None:
+    assert parse_args(["serve", "--event-loop", choice]).event_loop == choice
+    assert _loop_run_by(choice) == loop_module
+
+
+def test_an_event_loop_that_is_not_installed_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_servicer.serve.process import run_until_done
+
+    async def never_run() -> int:
+        return 0
+
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # import uvloop now fails
+    serving = never_run()
+    with pytest.raises(SystemExit, match="--event-loop uvloop: uvloop is not installed"):
+        run_until_done(serving, "uvloop")
+    serving.close()
+    assert _loop_run_by("auto") == "asyncio"

@@ -71,7 +71,7 @@ def frontend_main(
     launch.group.join(index)
     configure_logging(launch.args)
     frontend = Frontend(launch.group, client_config, launch.ready)
-    end_process(run_until_done(serve(launch.args, frontend)))
+    end_process(run_until_done(serve(launch.args, frontend), launch.args.event_loop))
 
 
 def serve_frontends(args: ServeArgs) -> int:

@@ -334,6 +334,13 @@ class ServeArgs:
         "--data-parallel-address HEAD --data-parallel-rpc-port P; exits 1 when an engine ends "
         "without being asked to (see docs/scale-out.md)",
     )
+    event_loop: str = flag(
+        "auto",
+        group=_SERVING,
+        choices=("auto", "uvloop", "asyncio"),
+        help="the serving processes' event loop: uvloop, asyncio's own, or auto (uvloop "
+        "when installed, as vLLM's HTTP server runs)",
+    )
     warm_up: bool = flag(
         False,
         group=_SERVING,

@@ -37,4 +37,4 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
         end_process(serve_headless(args))
     if args.api_server_count > 1:
         end_process(serve_frontends(args))
-    end_process(run_until_done(serve(args)))
+    end_process(run_until_done(serve(args), args.event_loop))

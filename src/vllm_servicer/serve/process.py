@@ -38,13 +38,18 @@ def configure_logging(args: ServeArgs) -> None:
     )
 
 
-def run_until_done(serving: Coroutine[Any, Any, int]) -> int:
-    """Run `serving` on a new event loop (uvloop's, a faster one, when installed); its exit code."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(serving)
-    return uvloop.run(serving)
+def run_until_done(serving: Coroutine[Any, Any, int], event_loop: str = "auto") -> int:
+    """Run `serving` on a new event loop, its exit code. `event_loop` (`--event-loop`):
+    "uvloop", "asyncio" (the standard library's), or "auto": uvloop when installed."""
+    if event_loop != "asyncio":
+        try:
+            import uvloop
+        except ImportError:
+            if event_loop == "uvloop":
+                raise SystemExit("--event-loop uvloop: uvloop is not installed") from None
+        else:
+            return uvloop.run(serving)
+    return asyncio.run(serving)
 
 
 def end_process(code: int) -> NoReturn:
