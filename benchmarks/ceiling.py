@@ -69,7 +69,8 @@ async def run_burst(
     return summarize(spec, rec, clock() - started)
 
 
-async def serve(argv: list[str], out: TextIO) -> None:
+def build_engine(argv: list[str]) -> Any:
+    """An `AsyncLLM` from vLLM engine flags (no --model: the built-in tiny model)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -88,7 +89,11 @@ async def serve(argv: list[str], out: TextIO) -> None:
         args = parser.parse_args(argv)
         apply_cpu_env_defaults()
         args.model = args.tokenizer = str(ensure_tiny_model())
-    engine = AsyncLLM.from_engine_args(AsyncEngineArgs.from_cli_args(args))
+    return AsyncLLM.from_engine_args(AsyncEngineArgs.from_cli_args(args))
+
+
+async def serve(argv: list[str], out: TextIO) -> None:
+    engine = build_engine(argv)
     try:
         out.write(json.dumps({"ready": True, "pid": os.getpid()}) + "\n")
         out.flush()

@@ -242,6 +242,27 @@ def test_derender_vs_http_benchmark_measures_both_protocols_on_one_launcher(
     assert len(data["bursts"]) == 4 and all(b["errors"] == 0 for b in data["bursts"])
 
 
+@pytest.mark.timeout(600)
+def test_batched_outputs_prototype_counts_both_paths_on_one_engine(tmp_path: Path) -> None:
+    import subprocess
+
+    out = tmp_path / "batched.json"
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "batched_outputs.py"), "--quick", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert data["same_tokens"] is True  # the same greedy tokens on both paths
+    # --quick: one round of A B B A; every request's 16 tokens were checked.
+    for path in ("per-request", "batched"):
+        assert len(data["runs"][path]) == 2
+        assert all(run["cpu_us_per_token"] > 0 for run in data["runs"][path])
+    assert "batched / per-request per round" in done.stdout
+
+
 def test_call_slots_benchmark_prices_a_unary_call_through_both_trees_stacks() -> None:
     import subprocess
 
