@@ -100,9 +100,10 @@ async def test_a_tenant_is_held_to_its_weighted_share_and_an_admin_to_the_total(
 async def test_a_call_without_its_message_gives_its_slot_back() -> None:
     # The read deadline is long enough for the refused call below to reach a busy
     # server while the half-open calls still hold every slot.
-    async with serving(READ_TIMEOUT) as (address, slots), half_open(
-        address, "light", MAX_CALLS
-    ) as held:
+    async with (
+        serving(READ_TIMEOUT) as (address, slots),
+        half_open(address, "light", MAX_CALLS) as held,
+    ):
         assert await settle(lambda: slots.held("light") == MAX_CALLS)
         assert (await echo(address, "heavy")).startswith("RESOURCE_EXHAUSTED")
         assert await settle(lambda: not held.open_ids(), timeout=30), held.open_ids()

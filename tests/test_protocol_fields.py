@@ -198,10 +198,6 @@ REFUSALS: dict[tuple[str, str], tuple[Callable[[Any], Awaitable[Any]], str]] = {
         lambda s: s.StartProfile(common_pb2.StartProfileRequest(profile_by_stage=True)),
         "not supported",
     ),
-    ("GetLoads", "include"): (
-        lambda s: s.GetLoads(pb.GetLoadsRequest(include=["core", "memory"])),
-        "'memory'",
-    ),
 }
 # Refused only on vLLM before 0.33, whose profiler takes no per-session options.
 PER_SESSION_FROM_033 = {("StartProfile", "with_stack"), ("StartProfile", "record_shapes")}
@@ -306,10 +302,26 @@ async def test_malformed_kv_transfer_params_are_invalid_whatever_the_engine(
 # ----- honoured fields that had nothing to show before ---------------------------------------
 
 
-@pytest.mark.parametrize("include", [[], ["core"], ["all"], ["core", "all"]])
-async def test_the_load_sections_served_are_accepted(include: list[str], stub: Any) -> None:
+@pytest.mark.parametrize(
+    "include",
+    [[], ["core"], ["all"], ["core", "all"], ["core", "disagg", "queues", "memory"]],
+    ids=["none", "core", "all", "core+all", "the SMG gateway's poll"],
+)
+async def test_the_load_sections_clients_name_are_answered_with_the_core(
+    include: list[str], stub: Any
+) -> None:
     reply = await stub.GetLoads(pb.GetLoadsRequest(include=include))
     assert reply.dp_rank_count == 1
+
+
+async def test_a_load_section_no_client_names_is_refused_by_name(stub: Any) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.GetLoads(pb.GetLoadsRequest(include=["core", "memroy"]))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details() == (
+        "include: no section 'memroy'; the sections are core, memory, spec, lora, disagg, "
+        "queues, all"
+    )
 
 
 async def test_vision_is_not_advertised(stub: Any) -> None:

@@ -137,8 +137,8 @@ _ENGINE_HONOURED: Mapping[str, frozenset[str]] = {
     "Abort": frozenset(("request_ids",)),
     "GetModelInfo": frozenset(),
     "GetServerInfo": frozenset(),
-    # `include`: "core" and "all" are what this protocol's loads carry.
-    "GetLoads": frozenset(("dp_rank",)),
+    # `include`: the sections this protocol's clients name (load_sections).
+    "GetLoads": frozenset(("dp_rank", "include")),
     "GetTokenizer": frozenset(),
     # A subscriber's statement that it can take load records first; this
     # server sends none, so there is nothing to put before the first batch.
@@ -171,7 +171,11 @@ _AT_START_BEFORE_033 = (
     "set when the engine starts (--profiler-config) on this vLLM; vLLM 0.33 and later "
     "take it per session"
 )
-LOAD_SECTIONS = ("core", "all")
+LOAD_SECTIONS = ("core", "memory", "spec", "lora", "disagg", "queues", "all")
+"""The sections a GetLoads `include` may name: those the protocol's clients ask for
+(the SMG gateway polls with "core", "disagg", "queues" and "memory"). This
+schema's `SchedulerLoad` carries the core figures only, so every answer is the
+core section, the others absent, as vLLM's and SGLang's servers answer."""
 
 _ENGINE_REFUSED: Mapping[str, Mapping[str, RefusedField]] = {
     "Generate": {
@@ -214,14 +218,6 @@ _ENGINE_REFUSED: Mapping[str, Mapping[str, RefusedField]] = {
         "record_shapes": RefusedField(InvalidRequestError, _BEFORE_033, _AT_START_BEFORE_033),
         "profile_by_stage": RefusedField(
             InvalidRequestError, "", "not supported by vLLM's profiler"
-        ),
-    },
-    "GetLoads": {
-        "include": RefusedField(
-            UnimplementedFieldError,
-            "a section other than " + " or ".join(LOAD_SECTIONS),
-            "this server's loads carry the core section only; ask for "
-            + " or ".join(LOAD_SECTIONS),
         ),
     },
     "SubscribeKvEvents": {
@@ -578,15 +574,15 @@ def _raised(refusal: RefusedField, path: str) -> FieldError:
 
 
 def load_sections(include: list[str]) -> None:
-    """Check GetLoads' `include`: only the sections this protocol's loads carry.
+    """Check GetLoads' `include`: each a section of LOAD_SECTIONS.
 
     Raises:
-        UnimplementedFieldError: a section this server does not report.
+        InvalidRequestError: a name no client of the protocol uses (a typo).
     """
     for section in include:
         if section not in LOAD_SECTIONS:
-            raise UnimplementedFieldError(
-                "include", f"section {section!r}: " + _ENGINE_REFUSED["GetLoads"]["include"].reason
+            raise InvalidRequestError(
+                "include", f"no section {section!r}; the sections are " + ", ".join(LOAD_SECTIONS)
             )
 
 
