@@ -283,3 +283,37 @@ def test_call_slots_benchmark_prices_a_unary_call_through_both_trees_stacks() ->
     result = json.loads(done.stdout.splitlines()[-1])
     assert result["this_us_per_call"] > 0 and result["against_us_per_call"] > 0
     assert len(result["ratios"]) == 2
+
+
+@pytest.mark.timeout(900)
+def test_gateway_benchmark_gets_every_token_through_smg_on_both_sides(tmp_path: Path) -> None:
+    import subprocess
+
+    script = str(BENCHMARKS / "gateway.py")
+    # The gateway lives in a venv of its own (build/venv-smg), installed on first use.
+    check = subprocess.run(
+        [sys.executable, script, "--check-smg"], capture_output=True, text=True, timeout=900
+    )
+    if check.returncode != 0:
+        pytest.skip(f"the SMG gateway (PyPI smg) cannot be installed or run here: {check.stdout}")
+    out = tmp_path / "gateway.json"
+    done = subprocess.run(
+        [sys.executable, script, "--quick", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=840,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert data["problems"] == []
+    # --quick: one round of A B B A, 32 requests of 32 tokens per burst, each checked
+    # (HTTP 200, finish_reason length, usage.completion_tokens) through the gateway.
+    for name in ("ours", "vllm-grpc"):
+        figures = data["summary"]["servers"][name]
+        assert figures["requests"] == figures["requests_ok"] == 2 * 32
+        assert figures["tokens_per_s"] > 0 and figures["ttft_p50_ms"] is not None
+        assert figures["gateway_cpu_us_per_token"] > 0
+    bursts = data["bursts"]
+    assert len(bursts) == 4
+    assert all(b["output_tokens"] == 32 * 32 and b["errors"] == 0 for b in bursts)
+    assert data["summary"]["ratios"]["ours/vllm-grpc"]["tokens_per_s"]["median"] > 0
