@@ -24,6 +24,7 @@ from support import request
 from support.launcher import (
     Launched,
     children,
+    exit_code,
     gone,
     is_alive,
     launch,
@@ -47,6 +48,17 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         "VLLM_SERVICER_CACHE": str(tmp_path_factory.mktemp("cache")),
         "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1",
     }
+
+
+async def _told(served: Launched, seconds: float = 60) -> str:
+    """What the launcher said, once it exited (or `seconds` later): a failure's explanation."""
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(exit_code(served.proc), seconds)
+    if served.reader is not None:
+        # Engine processes may hold the pipe a moment longer.
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(served.reader), 5)
+    return f"launcher exit {served.proc.returncode}, its output:\n" + "".join(served.output)
 
 
 async def _stream(stub: Any, max_tokens: int, started: asyncio.Event | None = None) -> Any:
@@ -164,10 +176,17 @@ async def test_signal_to_the_whole_process_group_still_drains(
             streams = [asyncio.ensure_future(_stream(stub, 200, e)) for e in started]
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
             os.killpg(proc.pid, sig)
+            sent = time.perf_counter()
             results = await asyncio.wait_for(asyncio.gather(*streams, return_exceptions=True), 90)
             completed = [r for r in results if r == (grpc.StatusCode.OK, 200, "length")]
-            assert len(completed) == 16, results
-        assert await asyncio.wait_for(proc.wait(), 60) == 0
+            if len(completed) != 16:
+                ended = time.perf_counter() - sent
+                pytest.fail(
+                    f"{len(completed)} of 16 completed, {ended:.1f} s after the signal: "
+                    f"{results}\n{await _told(served)}"
+                )
+        code = await asyncio.wait_for(proc.wait(), 60)
+        assert code == 0, await _told(served)
         assert not await gone(engine_processes, 10), "engine processes left behind"
     finally:
         await stop_and_reap(proc, output, engine_processes)

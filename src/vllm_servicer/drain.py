@@ -8,9 +8,10 @@ The order matters to load balancers and clients:
    `timeout` seconds;
 4. calls still running then are aborted in the engine, so their streams end
    with finish_reason "abort" and status OK instead of being cut;
-5. the server stops at once: what still runs then are long-lived streams
-   (health Watch, reflection, KV events) or calls of the host's own services,
-   and they are cancelled rather than waited for. The caller then shuts the
+5. the server stops once what the engine calls answered is sent (a few
+   seconds at most): what still runs then are long-lived streams (health
+   Watch, reflection, KV events) or calls of the host's own services, and
+   they are cancelled rather than waited for. The caller then shuts the
    engine down.
 
 Health Watch streams end, after their NOT_SERVING, when step 3 begins. A
@@ -39,10 +40,14 @@ logger = logging.getLogger("vllm_servicer.drain")
 
 # After aborting the stragglers in the engine: time for their final messages.
 _ABORT_FLUSH_SECONDS = 5.0
-# Once the last engine call's handler has returned: time for grpc to send its
-# status. The count drops as the handler ends, a few loop turns before the
-# trailers leave; stopping at once would cut those calls off (UNAVAILABLE).
-_STATUS_FLUSH_SECONDS = 0.5
+# Once the last engine call's handler has returned: time for grpc to send what
+# it answered. The count drops as the handler ends, while its last messages and
+# its status may still wait on the connection (for a client that reads slowly,
+# or for the CPU on a busy machine: seconds, not a few loop turns); the server's
+# stop then cuts the connection under them, and every such call ends UNAVAILABLE
+# ("GOAWAY ... Server shutdown") on the client. A server with nothing else open
+# stops by itself as soon as they are sent; only long-lived streams hold it this long.
+_STATUS_FLUSH_SECONDS = 5.0
 # What a HardStop allows beyond the drain for the owner to shut the engine down.
 _ENGINE_SHUTDOWN_SECONDS = 15.0
 
@@ -121,7 +126,7 @@ class GracefulShutdown:
             interceptor's `mark_shutdown`).
         hard_stop: armed by each stop request with what is left of the
             sequence plus `_ENGINE_SHUTDOWN_SECONDS` (a second request leaves
-            only the abort flush): the process owner's ceiling.
+            only the abort and status flushes): the process owner's ceiling.
         companions: other servers on the engine; `run()` returns once they stopped too.
     """
 
@@ -153,10 +158,10 @@ class GracefulShutdown:
             self._hurry.set()
             for companion in self._companions:
                 companion.hurry()
-            ceiling = _ABORT_FLUSH_SECONDS + _ENGINE_SHUTDOWN_SECONDS
+            ceiling = _ABORT_FLUSH_SECONDS + _STATUS_FLUSH_SECONDS + _ENGINE_SHUTDOWN_SECONDS
         else:
-            ceiling = self._grace_period + self._timeout + 2 * _ABORT_FLUSH_SECONDS
-            ceiling += _ENGINE_SHUTDOWN_SECONDS
+            ceiling = self._grace_period + self._timeout + _ABORT_FLUSH_SECONDS
+            ceiling += _STATUS_FLUSH_SECONDS + _ENGINE_SHUTDOWN_SECONDS
         self._stop_requested.set()
         if self._hard_stop is not None:
             self._hard_stop.arm(ceiling)
@@ -221,7 +226,7 @@ class GracefulShutdown:
             # The calls drained are all the server waits for: what runs on are
             # long-lived streams (reflection, KV events, a Watch stuck on a
             # client that reads nothing), which would hold it to the timeout.
-            # A server with none stops as soon as the last status is sent.
+            # A server with none stops as soon as what the calls answered is sent.
             await self._server.stop(_STATUS_FLUSH_SECONDS)
         await stopped
         await asyncio.gather(*others)
