@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # type: ignore[import-untyped]
-from support import collect, free_port, request
+from support import collect, free_port
 from support.launcher import (
     START_TIMEOUT,
     Launched,
@@ -40,6 +40,7 @@ from support.launcher import (
     stop_launched,
     wait_for_line,
 )
+from support.ranks import pinned, running, until_running
 
 from vllm_servicer.health import SERVING
 from vllm_servicer.proto import inference_pb2, inference_pb2_grpc, vllm_engine_pb2_grpc
@@ -125,25 +126,6 @@ async def _keep(proc: asyncio.subprocess.Process, lines: list[str]) -> None:
         lines.extend(tail)
 
 
-def _pinned(rank: int, **sampling: Any) -> pb.GenerateRequest:
-    message = request(**sampling)
-    message.data_parallel_rank = rank
-    return message
-
-
-async def _running(stub: Any, rank: int) -> int:
-    loads = await stub.GetLoads(pb.GetLoadsRequest(dp_rank=rank))
-    return loads.loads[0].num_running_reqs if loads.loads else -1
-
-
-async def _until_running(stub: Any, rank: int, wanted: int, timeout: float = 30) -> int:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while (running := await _running(stub, rank)) != wanted and loop.time() < deadline:  # noqa: ASYNC110 - GetLoads has no event to wait on
-        await asyncio.sleep(0.2)
-    return running
-
-
 async def test_a_headless_node_stops_with_0_on_sigterm(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
@@ -181,18 +163,18 @@ async def test_a_call_pinned_to_a_rank_runs_on_its_node(nodes: TwoNodes, rank: i
         stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
         loads = await stub.GetLoads(pb.GetLoadsRequest())
         assert loads.dp_rank_count == 2
-        done = await collect(stub.Generate(_pinned(rank, max_tokens=4), timeout=60))
+        done = await collect(stub.Generate(pinned(rank, max_tokens=4), timeout=60))
         assert done[-1].complete.completion_tokens == 4
         stream = stub.Generate(
-            _pinned(rank, max_tokens=400, ignore_eos=True, stream=True), timeout=120
+            pinned(rank, max_tokens=400, ignore_eos=True, stream=True), timeout=120
         )
         try:
             assert (await stream.read()).WhichOneof("response") == "chunk"
-            assert await _until_running(stub, rank, 1) == 1
-            assert await _running(stub, 1 - rank) in (-1, 0)
+            assert await until_running(stub, rank, 1) == 1
+            assert await running(stub, 1 - rank) in (-1, 0)
         finally:
             stream.cancel()
-        assert await _until_running(stub, rank, 0) == 0
+        assert await until_running(stub, rank, 0) == 0
 
 
 async def test_the_remote_rank_is_pinned_and_aborted_on_both_protocols(nodes: TwoNodes) -> None:
@@ -210,12 +192,12 @@ async def test_the_remote_rank_is_pinned_and_aborted_on_both_protocols(nodes: Tw
         )
         try:
             await call.read()
-            assert await _until_running(stub, 1, 1) == 1
+            assert await until_running(stub, 1, 1) == 1
         finally:
             call.cancel()
-        assert await _until_running(stub, 1, 0) == 0
+        assert await until_running(stub, 1, 0) == 0
         # Abort reaches the engine on the other node.
-        message = _pinned(1, max_tokens=400, ignore_eos=True, stream=True, request_id="remote")
+        message = pinned(1, max_tokens=400, ignore_eos=True, stream=True, request_id="remote")
         stream = stub.Generate(message, timeout=120)
         assert (await stream.read()).WhichOneof("response") == "chunk"
         await stub.Abort(pb.AbortRequest(request_ids=["remote"]), timeout=30)
@@ -223,10 +205,10 @@ async def test_the_remote_rank_is_pinned_and_aborted_on_both_protocols(nodes: Tw
         while (reply := await stream.read()) is not grpc.aio.EOF:
             rest.append(reply)
         assert rest[-1].complete.finish_reason == "abort"
-        assert await _until_running(stub, 1, 0) == 0
+        assert await until_running(stub, 1, 0) == 0
         # A rank past the engine's is refused, naming those served.
         with pytest.raises(grpc.aio.AioRpcError) as refused:
-            await collect(stub.Generate(_pinned(2), timeout=60))
+            await collect(stub.Generate(pinned(2), timeout=60))
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "this server serves ranks 0-1" in (refused.value.details() or "")
 
@@ -285,7 +267,7 @@ async def test_a_remote_engine_that_stops_answering_is_not_ready_until_it_answer
             assert asyncio.get_running_loop().time() < deadline, "rank 1 stayed NOT_SERVING"
             await asyncio.sleep(0.2)
         stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
-        done = await collect(stub.Generate(_pinned(1, max_tokens=4), timeout=60))
+        done = await collect(stub.Generate(pinned(1, max_tokens=4), timeout=60))
         assert done[-1].complete.completion_tokens == 4
 
 
@@ -294,9 +276,7 @@ async def test_a_dead_remote_engine_ends_the_node_and_the_head(nodes: TwoNodes) 
     assert engines, "no engine process under the headless node"
     async with grpc.aio.insecure_channel(nodes.head.address) as channel:
         stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
-        stream = stub.Generate(
-            _pinned(1, max_tokens=400, ignore_eos=True, stream=True), timeout=120
-        )
+        stream = stub.Generate(pinned(1, max_tokens=400, ignore_eos=True, stream=True), timeout=120)
         assert (await stream.read()).WhichOneof("response") == "chunk"
         killed = asyncio.get_running_loop().time()
         for pid in engines:
@@ -328,7 +308,7 @@ async def test_kept_alive_the_head_marks_a_dead_remote_engine_and_keeps_running(
         async with grpc.aio.insecure_channel(pair.head.address) as channel:
             stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
             stream = stub.Generate(
-                _pinned(1, max_tokens=400, ignore_eos=True, stream=True), timeout=120
+                pinned(1, max_tokens=400, ignore_eos=True, stream=True), timeout=120
             )
             assert (await stream.read()).WhichOneof("response") == "chunk"
             for pid in engines:
@@ -344,7 +324,7 @@ async def test_kept_alive_the_head_marks_a_dead_remote_engine_and_keeps_running(
                 assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING, service
             # Still running and answering: a new call is refused, not left waiting.
             with pytest.raises(grpc.aio.AioRpcError) as refused:
-                await collect(stub.Generate(_pinned(0, max_tokens=4), timeout=30))
+                await collect(stub.Generate(pinned(0, max_tokens=4), timeout=30))
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
             assert pair.head.proc.returncode is None
         assert any("did not answer" in line for line in pair.head.output)

@@ -16,12 +16,11 @@ import contextlib
 import os
 import signal
 from collections.abc import AsyncIterator
-from typing import Any
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # type: ignore[import-untyped]
-from support import collect, request
+from support import collect
 from support.launcher import (
     START_TIMEOUT,
     Launched,
@@ -32,6 +31,7 @@ from support.launcher import (
     named,
     stop_launched,
 )
+from support.ranks import pinned, running, until_running
 
 from vllm_servicer.proto import inference_pb2, inference_pb2_grpc, vllm_engine_pb2_grpc
 from vllm_servicer.proto import vllm_engine_pb2 as pb
@@ -60,25 +60,6 @@ async def launched(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[La
             await stop_launched(served, expect=None)
 
 
-def _pinned(rank: int, **sampling: Any) -> pb.GenerateRequest:
-    message = request(**sampling)
-    message.data_parallel_rank = rank
-    return message
-
-
-async def _running(stub: Any, rank: int) -> int:
-    loads = await stub.GetLoads(pb.GetLoadsRequest(dp_rank=rank))
-    return loads.loads[0].num_running_reqs if loads.loads else -1
-
-
-async def _until_running(stub: Any, rank: int, wanted: int, timeout: float = 30) -> int:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while (running := await _running(stub, rank)) != wanted and loop.time() < deadline:  # noqa: ASYNC110 - GetLoads has no event to wait on
-        await asyncio.sleep(0.2)
-    return running
-
-
 @pytest.mark.parametrize("rank", [0, 1])
 async def test_a_call_pinned_to_a_rank_runs_there_on_both_protocols(
     launched: Launched, rank: int
@@ -87,15 +68,15 @@ async def test_a_call_pinned_to_a_rank_runs_there_on_both_protocols(
         stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
         other = 1 - rank
         stream = stub.Generate(
-            _pinned(rank, max_tokens=400, ignore_eos=True, stream=True), timeout=120
+            pinned(rank, max_tokens=400, ignore_eos=True, stream=True), timeout=120
         )
         try:
             assert (await stream.read()).WhichOneof("response") == "chunk"
-            assert await _until_running(stub, rank, 1) == 1
-            assert await _running(stub, other) in (-1, 0)
+            assert await until_running(stub, rank, 1) == 1
+            assert await running(stub, other) in (-1, 0)
         finally:
             stream.cancel()
-        assert await _until_running(stub, rank, 0) == 0
+        assert await until_running(stub, rank, 0) == 0
         call = inference_pb2_grpc.InferenceStub(channel).GenerateStream(
             inference_pb2.GenerateRequest(
                 token_ids=inference_pb2.TokenIds(ids=[5, 17, 42, 99]),
@@ -106,11 +87,11 @@ async def test_a_call_pinned_to_a_rank_runs_there_on_both_protocols(
         )
         try:
             await call.read()
-            assert await _until_running(stub, rank, 1) == 1
-            assert await _running(stub, other) in (-1, 0)
+            assert await until_running(stub, rank, 1) == 1
+            assert await running(stub, other) in (-1, 0)
         finally:
             call.cancel()
-        assert await _until_running(stub, rank, 0) == 0
+        assert await until_running(stub, rank, 0) == 0
 
 
 async def test_abort_ends_a_pinned_stream_and_a_rank_not_served_is_refused(
@@ -118,7 +99,7 @@ async def test_abort_ends_a_pinned_stream_and_a_rank_not_served_is_refused(
 ) -> None:
     async with grpc.aio.insecure_channel(launched.address) as channel:
         stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
-        message = _pinned(1, max_tokens=400, ignore_eos=True, stream=True, request_id="pinned")
+        message = pinned(1, max_tokens=400, ignore_eos=True, stream=True, request_id="pinned")
         stream = stub.Generate(message, timeout=120)
         assert (await stream.read()).WhichOneof("response") == "chunk"
         await stub.Abort(pb.AbortRequest(request_ids=["pinned"]), timeout=30)
@@ -127,7 +108,7 @@ async def test_abort_ends_a_pinned_stream_and_a_rank_not_served_is_refused(
             rest.append(reply)
         assert rest[-1].complete.finish_reason == "abort"
         with pytest.raises(grpc.aio.AioRpcError) as refused:
-            await collect(stub.Generate(_pinned(2), timeout=60))
+            await collect(stub.Generate(pinned(2), timeout=60))
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert refused.value.details() == (
             "data_parallel_rank: rank 2 is not served here: this server serves ranks 0-1"
@@ -151,9 +132,7 @@ async def test_a_dead_rank_ends_its_calls_and_the_launcher(launched: Launched) -
     assert rank_1, f"no engine process under the launcher: {engines}"
     async with grpc.aio.insecure_channel(launched.address) as channel:
         stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
-        stream = stub.Generate(
-            _pinned(1, max_tokens=400, ignore_eos=True, stream=True), timeout=120
-        )
+        stream = stub.Generate(pinned(1, max_tokens=400, ignore_eos=True, stream=True), timeout=120)
         assert (await stream.read()).WhichOneof("response") == "chunk"
         killed = asyncio.get_running_loop().time()
         for pid in rank_1:

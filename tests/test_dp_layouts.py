@@ -30,8 +30,9 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # type: ignore[import-untyped]
-from support import collect, free_port, request
+from support import collect, free_port
 from support.launcher import START_TIMEOUT, Launched, launch, launcher_env, stop_launched
+from support.ranks import kept_running, pinned, running, until_running
 
 from vllm_servicer.proto import (
     inference_pb2,
@@ -138,27 +139,6 @@ async def _channel(launched: Launched) -> AsyncIterator[grpc.aio.Channel]:
         await channel.close()
 
 
-def _pinned(rank: int, **sampling: Any) -> pb.GenerateRequest:
-    message = request(**sampling)
-    message.data_parallel_rank = rank
-    return message
-
-
-async def _running(stub: Any, rank: int) -> int:
-    """The running requests GetLoads reports for `rank` (-1: no figures yet)."""
-    loads = await stub.GetLoads(pb.GetLoadsRequest(dp_rank=rank))
-    return loads.loads[0].num_running_reqs if loads.loads else -1
-
-
-async def _until_running(stub: Any, rank: int, wanted: int, timeout: float = 30) -> int:
-    deadline = asyncio.get_running_loop().time() + timeout
-    running = await _running(stub, rank)
-    while running != wanted and asyncio.get_running_loop().time() < deadline:
-        await asyncio.sleep(0.2)
-        running = await _running(stub, rank)
-    return running
-
-
 def _describe(ranks: range) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]}"
 
@@ -175,23 +155,23 @@ async def test_a_call_pinned_by_its_global_rank_runs_on_that_rank(
         assert loads.dp_rank_count == len(served.ranks)
         assert {load.dp_rank for load in loads.loads} <= set(served.ranks)
         for rank in served.ranks:
-            done = await collect(stub.Generate(_pinned(rank, max_tokens=4), timeout=60))
+            done = await collect(stub.Generate(pinned(rank, max_tokens=4), timeout=60))
             assert done[-1].complete.completion_tokens == 4
         # A long stream pinned to a rank is what GetLoads shows running there, and
         # nowhere else.
         for rank in served.ranks:
             stream = stub.Generate(
-                _pinned(rank, max_tokens=400, ignore_eos=True, stream=True), timeout=120
+                pinned(rank, max_tokens=400, ignore_eos=True, stream=True), timeout=120
             )
             try:
                 assert (await stream.read()).WhichOneof("response") == "chunk"
-                assert await _until_running(stub, rank, 1) == 1
+                assert await until_running(stub, rank, 1) == 1
                 for other in served.ranks:
                     if other != rank:
-                        assert await _running(stub, other) in (-1, 0)
+                        assert await running(stub, other) in (-1, 0)
             finally:
                 stream.cancel()
-            assert await _until_running(stub, rank, 0) == 0
+            assert await until_running(stub, rank, 0) == 0
 
 
 @pytest.mark.parametrize("node", [0, 1])
@@ -204,7 +184,7 @@ async def test_a_rank_another_launcher_serves_is_refused_naming_this_ones(
     async with _channel(served.launched) as channel:
         stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
         with pytest.raises(grpc.aio.AioRpcError) as refused:
-            await collect(stub.Generate(_pinned(other), timeout=60))
+            await collect(stub.Generate(pinned(other), timeout=60))
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert refused.value.details() == f"data_parallel_rank: {expected}"
         inference = inference_pb2_grpc.InferenceStub(channel)
@@ -239,10 +219,10 @@ async def test_vllm_inference_pins_by_the_global_rank(nodes: list[Node], node: i
         )
         try:
             await call.read()
-            assert await _until_running(stub, rank, 1) == 1
+            assert await until_running(stub, rank, 1) == 1
         finally:
             call.cancel()
-        assert await _until_running(stub, rank, 0) == 0
+        assert await until_running(stub, rank, 0) == 0
 
 
 async def test_abort_ends_a_stream_pinned_to_a_rank_of_the_second_launcher(
@@ -252,7 +232,7 @@ async def test_abort_ends_a_stream_pinned_to_a_rank_of_the_second_launcher(
     rank = served.ranks[-1]
     async with _channel(served.launched) as channel:
         stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
-        message = _pinned(rank, max_tokens=400, ignore_eos=True, stream=True, request_id="pinned")
+        message = pinned(rank, max_tokens=400, ignore_eos=True, stream=True, request_id="pinned")
         stream = stub.Generate(message, timeout=120)
         assert (await stream.read()).WhichOneof("response") == "chunk"
         await stub.Abort(pb.AbortRequest(request_ids=["pinned"]), timeout=30)
@@ -260,7 +240,7 @@ async def test_abort_ends_a_stream_pinned_to_a_rank_of_the_second_launcher(
         while (message := await stream.read()) is not grpc.aio.EOF:
             rest.append(message)
         assert rest[-1].complete.finish_reason == "abort"
-        assert await _until_running(stub, rank, 0) == 0
+        assert await until_running(stub, rank, 0) == 0
 
 
 def _rank_figures(report: Any) -> dict[int, dict[str, float]]:
@@ -290,24 +270,22 @@ async def test_readiness_and_load_reports_name_each_rank_this_launcher_serves(
             await health.Check(health_pb2.HealthCheckRequest(service=other))
         assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
         # A stream running on one rank shows in that rank's figures and no other's.
+        # One ends within about a second once the engine is warm, and the reports
+        # come a second apart: one is kept running until a report shows it.
         stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
-        stream = stub.Generate(
-            _pinned(busy, max_tokens=400, ignore_eos=True, stream=True), timeout=120
-        )
-        reports = orca_pb2_grpc.OpenRcaServiceStub(channel).StreamCoreMetrics(
-            orca_pb2.OrcaLoadReportRequest(report_interval=datetime.timedelta(seconds=1))
-        )
-        try:
-            assert (await stream.read()).WhichOneof("response") == "chunk"
-            assert await _until_running(stub, busy, 1) == 1
-            for _ in range(30):
-                figures = _rank_figures(await asyncio.wait_for(reports.read(), 10))
-                if figures.get(busy, {}).get("num_requests_running") == 1.0:
-                    break
-            assert figures[busy]["num_requests_running"] == 1.0, figures
-            assert set(figures) <= set(served.ranks)
-            for rank in set(figures) - {busy}:
-                assert figures[rank]["num_requests_running"] == 0.0
-        finally:
-            stream.cancel()
-            reports.cancel()
+        async with kept_running(stub, busy):
+            assert await until_running(stub, busy, 1) == 1
+            reports = orca_pb2_grpc.OpenRcaServiceStub(channel).StreamCoreMetrics(
+                orca_pb2.OrcaLoadReportRequest(report_interval=datetime.timedelta(seconds=1))
+            )
+            try:
+                for _ in range(30):
+                    figures = _rank_figures(await asyncio.wait_for(reports.read(), 10))
+                    if figures.get(busy, {}).get("num_requests_running") == 1.0:
+                        break
+                assert figures[busy]["num_requests_running"] == 1.0, figures
+                assert set(figures) <= set(served.ranks)
+                for rank in set(figures) - {busy}:
+                    assert figures[rank]["num_requests_running"] == 0.0
+            finally:
+                reports.cancel()
