@@ -72,6 +72,7 @@ LABELS = {
 BEHIND_GATEWAY = (OURS, VLLM_GRPC)
 SMG_VENV = run.ROOT / "build" / "venv-smg"
 SMG_PACKAGE = "smg"
+SMG_REQUIREMENT = "smg==1.13.0"  # the release measured in docs/benchmarks.md
 # Per-round ratios printed and kept: (numerator, denominator).
 PAIRS = ((OURS, VLLM_GRPC), (VLLM_GRPC, VLLM_HTTP), (OURS, VLLM_HTTP))
 # Words prompts are made of; each request's prompt is a fresh random draw.
@@ -294,7 +295,7 @@ def ensure_smg(venv: Path, install: bool = True) -> str | None:
         run.log(f"installing {SMG_PACKAGE} into {venv} (its own venv; the project's is untouched)")
         steps = [
             [sys.executable, "-m", "venv", str(venv)],
-            [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", SMG_PACKAGE],
+            [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", SMG_REQUIREMENT],
         ]
         for step in steps:
             done = subprocess.run(step, capture_output=True, text=True, timeout=900)
@@ -302,7 +303,7 @@ def ensure_smg(venv: Path, install: bool = True) -> str | None:
                 tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
                 return f"`{' '.join(step)}` failed: {' / '.join(tail)}"
     if not binary.exists():
-        return f"no {binary}: `python -m venv {venv} && {venv}/bin/pip install {SMG_PACKAGE}`"
+        return f"no {binary}: `python -m venv {venv} && {venv}/bin/pip install {SMG_REQUIREMENT}`"
     done = subprocess.run([str(binary), "launch", "--help"], capture_output=True, timeout=120)
     if done.returncode != 0 or b"--worker-urls" not in done.stdout:
         return f"`{binary} launch --help` does not work: {done.stderr.decode()[-300:]}"
