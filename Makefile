@@ -47,7 +47,7 @@ serve: setup
 WORKERS ?= 2
 PARALLEL = $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadfile)
 test: setup system-deps
-	$(PY) -m pytest -m "not bench and not data_parallel" $(PARALLEL) --durations=30 $(ARGS)
+	$(PY) -m pytest -m "not bench and not data_parallel and not rust_oracle" $(PARALLEL) --durations=30 $(ARGS)
 
 # vLLM's data-parallel layouts (several engine cores each), one test at a time.
 .PHONY: test-dp

@@ -37,7 +37,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import rust_frontend  # noqa: E402
 
-pytestmark = pytest.mark.engine
+# Run by make test-rust-oracle, not by make test (CI runs both).
+pytestmark = [pytest.mark.engine, pytest.mark.rust_oracle]
 
 VENV = rust_frontend.DEFAULT_VENV
 PROBLEM = rust_frontend.venv_problem(VENV)
