@@ -173,8 +173,15 @@ async def batched(
 PATHS = {PER_REQUEST: per_request, BATCHED: batched}
 
 
-async def burst(engine: Any, path: str, args: argparse.Namespace, tag: str) -> dict[str, Any]:
-    prompts = [make_prompt(8) for _ in range(args.requests)]
+async def burst(
+    engine: Any,
+    path: str,
+    args: argparse.Namespace,
+    tag: str,
+    prompts: list[list[int]] | None = None,
+) -> dict[str, Any]:
+    """One burst on `path`: `prompts` (default: `args.requests` new ones), each checked."""
+    prompts = prompts or [make_prompt(8) for _ in range(args.requests)]
     if path == BATCHED:
         # The batched path owns the engine core's output queue: AsyncLLM's
         # own reader is stopped (and starts again at the next generate).
@@ -201,12 +208,10 @@ async def main_async(args: argparse.Namespace, engine_argv: list[str]) -> dict[s
     try:
         # The same greedy tokens on both paths, for the same prompts.
         check = argparse.Namespace(**{**vars(args), "requests": 8, "concurrency": 8})
-        global_counter = make_prompt.__globals__
-        start = global_counter["_prompt_counter"]
-        a = (await burst(engine, PER_REQUEST, check, "check-a"))["got"]
-        global_counter["_prompt_counter"] = start
-        b = (await burst(engine, BATCHED, check, "check-b"))["got"]
-        same = sorted(a.values()) == sorted(b.values())
+        prompts = [make_prompt(8) for _ in range(check.requests)]
+        a = (await burst(engine, PER_REQUEST, check, "check-a", prompts))["got"]
+        b = (await burst(engine, BATCHED, check, "check-b", prompts))["got"]
+        same = [a[f"check-a-{i}"] for i in range(8)] == [b[f"check-b-{i}"] for i in range(8)]
         print(f"greedy check: both paths gave the same tokens: {same}", flush=True)
         if not same:
             raise SystemExit("the two paths gave different tokens")

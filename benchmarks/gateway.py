@@ -59,8 +59,11 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-# Process handling, CPU accounting and engine placement are run.py's.
+# Process handling, CPU accounting and engine placement are run.py's; pinning
+# loadgen.py's, reading flags seed.py's.
+import loadgen  # noqa: E402
 import run  # noqa: E402
+from seed import flag_value  # noqa: E402
 
 OURS, VLLM_GRPC, VLLM_HTTP = "ours", "vllm-grpc", "vllm-http"
 SERVERS = (OURS, VLLM_GRPC, VLLM_HTTP)
@@ -269,8 +272,7 @@ def loadgen_main(argv: Sequence[str]) -> int:
     parser.add_argument("--tokenizer", required=True)
     parser.add_argument("--cpu", type=int, default=1, help="core to pin to (-1: no pinning)")
     args = parser.parse_args(argv)
-    if args.cpu >= 0 and args.cpu in os.sched_getaffinity(0):
-        os.sched_setaffinity(0, {args.cpu})
+    loadgen.pin_to_cpu(args.cpu)
     load = ChatLoad(args.model, args.tokenizer)
     try:
         import uvloop
@@ -328,17 +330,9 @@ def smg_version(venv: Path) -> str | None:
 def model_of(flags: Sequence[str]) -> tuple[str, str]:
     """The --model and --tokenizer in `flags` (the tokenizer defaults to the model)."""
 
-    def value(name: str) -> str | None:
-        for i, f in enumerate(flags):
-            if f.startswith(name + "="):
-                return f.split("=", 1)[1]
-            if f == name and i + 1 < len(flags):
-                return flags[i + 1]
-        return None
-
-    model = value("--model")
+    model = flag_value(flags, "--model")
     assert model is not None, "engine_flags always names the model"
-    return model, value("--tokenizer") or model
+    return model, flag_value(flags, "--tokenizer") or model
 
 
 def http_ok(url: str, body: dict[str, Any] | None = None, timeout: float = 5.0) -> bool:
