@@ -52,7 +52,7 @@ test: setup system-deps
 # vLLM's data-parallel layouts (several engine cores each), one test at a time.
 .PHONY: test-dp
 test-dp: setup system-deps
-	$(PY) -m pytest -m data_parallel --durations=10 $(ARGS)
+	VLLM_ENABLE_V1_MULTIPROCESSING=1 $(PY) -m pytest -m data_parallel --durations=10 $(ARGS)
 
 # The edit-test loop: every test that starts no engine nor launcher (minutes).
 test-fast: setup
@@ -60,7 +60,7 @@ test-fast: setup
 
 # The benchmarks run briefly on the tiny model, so that they cannot rot.
 test-bench: setup system-deps
-	$(PY) -m pytest -m bench --durations=10 $(ARGS)
+	VLLM_ENABLE_V1_MULTIPROCESSING=1 $(PY) -m pytest -m bench --durations=10 $(ARGS)
 
 # The suite N times in a row, the last run in random order; lists every test
 # that failed in any run.

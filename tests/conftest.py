@@ -26,6 +26,7 @@ test-bench` the rest.
 from __future__ import annotations
 
 import contextlib
+import os
 import types
 import warnings
 from collections.abc import AsyncIterator, Callable
@@ -47,6 +48,13 @@ from vllm_servicer.testing.tiny_model import (
     write_tiny_model,
 )
 from vllm_servicer.testing.tiny_vlm import TINY_VLM_ENGINE_KWARGS, write_tiny_vlm
+
+# One engine process, not two: vLLM's CPU platform runs the model in a worker
+# process of its own (for its OpenMP thread binding) unless this is 0, when the
+# engine core runs it in-process, as vLLM does for one GPU. Each engine then
+# starts in about half the CPU time, and the suite starts dozens. The benchmarks
+# and the data-parallel layouts set it to 1: they measure the layout as CPU users run it.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 ENGINE_FIXTURES = frozenset(
     {"engine", "vlm_engine", "embedding_engine", "kv_echo_engine", "recipe_launcher"}
