@@ -243,12 +243,18 @@ async def test_client_cancel_counted_once_wherever_it_lands(
     stack is the launcher's: OpenTelemetry's own wrapper outermost.
     """
     outer: tuple[Any, ...] = ()
+    spans = None
     if traced:
         from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+        from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
         from vllm_servicer.interceptors import TracingInterceptor
 
-        outer = (TracingInterceptor(tracer_provider=TracerProvider()),)
+        spans = InMemorySpanExporter()
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(spans))
+        outer = (TracingInterceptor(tracer_provider=provider),)
     calls = 6
     async with _serve(engine, "server_wide", outer) as (_, served):
         delta = served.snapshot()
@@ -264,6 +270,11 @@ async def test_client_cancel_counted_once_wherever_it_lands(
     assert delta("grpc_server_handled_total", **GENERATE, grpc_code="OK") == 0
     assert delta("vllm_servicer_request_cancelled_total", cause="client_cancel") == calls
     assert delta("vllm_servicer_requests_in_flight") == 0
+    if spans is not None:
+        # Each span ends with the call's code, though OpenTelemetry's wrapper
+        # (outermost) is closed at the cancel before the layer that sets it.
+        codes = [s.attributes["rpc.grpc.status_code"] for s in spans.get_finished_spans()]
+        assert codes == [grpc.StatusCode.CANCELLED.value[0]] * calls
 
 
 async def test_limit_rejections_are_counted(served: Served, engine: Any) -> None:

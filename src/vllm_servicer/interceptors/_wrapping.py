@@ -585,9 +585,9 @@ def _relay(interceptor: grpc.aio.ServerInterceptor, inner: Any, method: str, kin
     interceptor sees a unary request as a stream of one message.
     """
 
-    async def resolve(context: Any) -> Any:
+    async def resolve(context: Any, handler: Any = inner) -> Any:
         details = CallDetails(method, context.invocation_metadata())
-        resolved = await interceptor.intercept_service(_returning(inner), details)
+        resolved = await interceptor.intercept_service(_returning(handler), details)
         if resolved is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"method {method} not found")
         return resolved
@@ -610,8 +610,18 @@ def _relay(interceptor: grpc.aio.ServerInterceptor, inner: Any, method: str, kin
 
         return _registered(kind, method, kind, unary_response, inner, inner.request_deserializer)
 
+    inner_kind = kind_of(inner)
+    inner_behaviour = behaviour_of(inner)
+
     async def streaming_response(requests: Any, context: Any) -> AsyncIterator[Any]:
-        resolved = await resolve(context)
+        opened: list[Any] = []
+
+        def opening(request: Any, context: Any) -> Any:
+            result = inner_behaviour(request, context)
+            opened.append(result)
+            return result
+
+        resolved = await resolve(context, inner._replace(**{inner_kind: opening}))
         request = await request_of(resolved, requests, context)
         result = behaviour_of(resolved)(request, context)
         if inspect.isasyncgen(result):
@@ -619,7 +629,13 @@ def _relay(interceptor: grpc.aio.ServerInterceptor, inner: Any, method: str, kin
                 async for message in result:
                     yield message
             except BaseException:
-                await result.aclose()  # cancelled at our `yield`: close it now, not at GC
+                # Cancelled at our `yield`: close it now, not at GC. The wrapper
+                # `inner` gave the interceptor first: OpenTelemetry's leaves it to GC,
+                # so its span would end before `inner`'s hooks set the call's code.
+                for opened_result in opened:
+                    if inspect.isasyncgen(opened_result):
+                        await opened_result.aclose()
+                await result.aclose()
                 raise
         else:
             await result
