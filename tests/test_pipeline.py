@@ -21,6 +21,7 @@ import pytest
 from vllm_servicer._registration import register
 from vllm_servicer.interceptors import Call, CallInterceptor, Pipeline, Refusal
 from vllm_servicer.interceptors._pipeline import wrapped_handler
+from vllm_servicer.interceptors._wrapping import _relay
 
 SERVICE = "test.Pipe"
 STREAM = f"/{SERVICE}/Stream"
@@ -244,3 +245,54 @@ def test_each_interceptor_of_a_mount_learns_the_mount_through_one_hook() -> None
     plain = Plain()
     _, inflight = engine_pipeline([outer, Pipeline([nested]), plain])
     assert outer.mounts == nested.mounts == [MountContext(inflight, None)]
+
+
+class _LikeOpenTelemetry(grpc.aio.ServerInterceptor):
+    """Wraps a stream as OpenTelemetry's server interceptor does: iterates the
+    handler's generator and never closes it (GC does, later)."""
+
+    def __init__(self, journal: list[str]) -> None:
+        self.journal = journal
+
+    async def intercept_service(self, continuation: Any, details: Any) -> Any:
+        handler = await continuation(details)
+        behaviour = handler.stream_stream
+
+        async def spanning(requests: Any, context: Any) -> AsyncIterator[bytes]:
+            try:
+                async for message in behaviour(requests, context):
+                    yield message
+            finally:
+                self.journal.append("enclosing ended")  # the span ends here
+
+        return handler._replace(stream_stream=spanning)
+
+
+class _Context:
+    def invocation_metadata(self) -> tuple[()]:
+        return ()
+
+
+async def test_a_stream_closed_at_its_yield_closes_what_the_enclosing_wrapper_wraps_first() -> None:
+    """grpc leaves a stream cancelled while it writes to GC, which closes the
+    outermost generator: the layer inside an enclosing interceptor (where the
+    call's code is set on its span) must end before that interceptor's own."""
+    journal: list[str] = []
+
+    async def inner(requests: Any, context: Any) -> AsyncIterator[bytes]:
+        try:
+            yield b"1"
+            yield b"2"
+        finally:
+            journal.append("inner ended")  # the call's code set here
+
+    relayed = _relay(
+        _LikeOpenTelemetry(journal),
+        grpc.stream_stream_rpc_method_handler(inner),
+        STREAM,
+        "stream_stream",
+    )
+    stream = relayed.stream_stream(iter(()), _Context())
+    assert await stream.__anext__() == b"1"
+    await stream.aclose()  # what GC does to the generator grpc was writing from
+    assert journal == ["inner ended", "enclosing ended"]
