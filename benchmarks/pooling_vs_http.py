@@ -1,7 +1,7 @@
 """What vllm_servicer.v1's Pooling and Render RPCs cost against vLLM's own HTTP endpoints.
 
     .venv/bin/python benchmarks/pooling_vs_http.py [--rounds 6] [--concurrency 1 16]
-        [--calls 100 320] [--quick] [--json PATH]
+        [--calls 100 320] [--quick] [--pairs NAME ...] [--json PATH]
 
 Two launchers as users run them, each serving gRPC and vLLM's HTTP API
 (`--http-port`) from one engine:
@@ -322,16 +322,17 @@ async def serve_stdin(
 
 def client_main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="pooling_vs_http.py client")
-    parser.add_argument("--pooling", nargs=2, metavar=("GRPC", "HTTP_URL"), required=True)
-    parser.add_argument("--render", nargs=2, metavar=("GRPC", "HTTP_URL"), required=True)
+    parser.add_argument("--pooling", nargs=2, metavar=("GRPC", "HTTP_URL"))
+    parser.add_argument("--render", nargs=2, metavar=("GRPC", "HTTP_URL"))
     parser.add_argument("--concurrency", type=int, required=True, help="the most in flight")
     parser.add_argument("--cpu", type=int, default=1, help="core to pin to (-1: no pinning)")
     parser.add_argument("--http-client", choices=HTTP_CLIENTS, default=HTTP_CLIENTS[0])
     args = parser.parse_args(argv)
     loadgen.pin_to_cpu(args.cpu)
     targets: dict[str, tuple[str, str]] = {
-        POOLING: (args.pooling[0], args.pooling[1]),
-        RENDER: (args.render[0], args.render[1]),
+        kind: (target[0], target[1])
+        for kind, target in ((POOLING, args.pooling), (RENDER, args.render))
+        if target is not None
     }
     session = serve_stdin(targets, args.concurrency, args.http_client)
     try:
@@ -426,6 +427,9 @@ class Driver:
         self.client: run.LineChannel | None = None
         self.bursts: list[Burst] = []
         self.agreement: dict[str, Any] = {}
+        self.pairs = [BY_NAME[name] for name in args.pairs]
+        # Only the launchers the pairs asked for run.
+        self.kinds = [k for k in (POOLING, RENDER) if any(p.launcher == k for p in self.pairs)]
 
     log = staticmethod(run.log)
 
@@ -433,7 +437,7 @@ class Driver:
         # Keys or tracing from this shell would change what the launchers serve.
         drop = ("OTEL_", "VLLM_API_KEY", "VLLM_SERVICER_ADMIN_API_KEY")
         env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
-        for kind in (POOLING, RENDER):  # both start at once; an idle one costs about nothing
+        for kind in self.kinds:  # both start at once; an idle one costs about nothing
             self.flags[kind] = launcher_flags(kind)
             cmd = [sys.executable, "-m", "vllm_servicer", "serve", "--host", "127.0.0.1"]
             cmd += ["--port", "0", "--http-port", "0", "--drain-grace", "0", *self.flags[kind]]
@@ -444,14 +448,14 @@ class Driver:
         for kind, server in self.servers.items():
             self.addresses[kind] = announced(server, self.args.start_timeout)
             self.log(f"{kind}: gRPC {self.addresses[kind][0]}, HTTP {self.addresses[kind][1]}")
-        self.log(f"both launchers serving after {time.monotonic() - started:.0f} s")
+        self.log(f"launchers serving after {time.monotonic() - started:.0f} s")
         if self.args.cpu >= 0:
             moved = sum(run.keep_engine_off(s.pid, self.args.cpu) for s in self.servers.values())
             self.log(f"{moved} engine threads moved off core {self.args.cpu}")
         cmd = [sys.executable, __file__, "client", "--cpu", str(self.args.cpu)]
         cmd += ["--concurrency", str(max(self.args.concurrency))]
         cmd += ["--http-client", self.args.http_client]
-        for kind in (POOLING, RENDER):
+        for kind in self.kinds:
             cmd += [f"--{kind}", *self.addresses[kind]]
         client = self.procs.add("client", cmd)
         client.start(stdin=subprocess.PIPE, stdout=subprocess.PIPE)
@@ -462,7 +466,7 @@ class Driver:
         return self.client.ask(command)
 
     def check(self) -> None:
-        for pair in PAIRS:
+        for pair in self.pairs:
             self.agreement[pair.name] = self.ask({"op": "check", "pair": pair.name})
             verdict = "agree" if self.agreement[pair.name]["agree"] else "DISAGREE"
             self.log(f"{pair.name}: gRPC and HTTP answers {verdict}")
@@ -499,7 +503,7 @@ class Driver:
 
     def run_rounds(self) -> None:
         self.log("warming up")  # connections, first-call paths, off the clock
-        for pair in PAIRS:
+        for pair in self.pairs:
             for side in (GRPC, HTTP):
                 for concurrency in self.args.concurrency:
                     self.ask(
@@ -512,7 +516,7 @@ class Driver:
                         }
                     )
         for rnd in range(self.args.rounds):
-            for pair in PAIRS:
+            for pair in self.pairs:
                 line = []
                 for concurrency in self.args.concurrency:
                     for pos, side in enumerate(round_order(rnd)):
@@ -554,6 +558,8 @@ def summarize(bursts: list[Burst], concurrencies: list[int]) -> dict[str, Any]:
     """Per pair and concurrency: each side's figures (medians over rounds), ratios gRPC / HTTP."""
     out: dict[str, Any] = {}
     for pair in PAIRS:
+        if not any(b.pair == pair.name for b in bursts):
+            continue
         out[pair.name] = {}
         for c in concurrencies:
             mine = [b for b in bursts if b.pair == pair.name and b.concurrency == c]
@@ -610,7 +616,7 @@ def print_table(summary: dict[str, Any], rounds: int) -> None:
     head = f"{'pair':<34}{'conc':>5}{'calls/s':>9}{'p50 ms':>9}{'p99 ms':>9}{'CPU us/call':>13}"
     print(head)
     for pair in PAIRS:
-        for key, entry in summary[pair.name].items():
+        for key, entry in summary.get(pair.name, {}).items():
             for side, label in ((GRPC, pair.grpc_label), (HTTP, pair.http_label)):
                 e = entry[side]
                 print(
@@ -621,7 +627,7 @@ def print_table(summary: dict[str, Any], rounds: int) -> None:
     print("\nRatios gRPC / HTTP per round: median [min-max]")
     print(f"{'pair':<20}{'conc':>5}{'CPU/call':>22}{'calls/s':>22}{'p50':>22}")
     for pair in PAIRS:
-        for key, entry in summary[pair.name].items():
+        for key, entry in summary.get(pair.name, {}).items():
             r = entry["ratio_grpc_over_http"]
             print(
                 f"{pair.name:<20}{key[1:]:>5}{span(r['launcher_cpu_us_per_call'], '.2f'):>22}"
@@ -671,6 +677,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--quick", action="store_true", help="1 round, 12 and 48 calls per burst")
     p.add_argument(
+        "--pairs",
+        nargs="+",
+        choices=[pair.name for pair in PAIRS],
+        default=[pair.name for pair in PAIRS],
+        help="the pairs to measure (default all); only their launchers start",
+    )
+    p.add_argument(
         "--json",
         type=Path,
         help="write the results here (default: benchmarks/results/pooling-vs-http-<time>.json)",
@@ -718,7 +731,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     data = {
         "stamp": driver.stamp,
         "argv": sys.argv[1:],
-        "pairs": {p.name: {GRPC: p.grpc_label, HTTP: p.http_label} for p in PAIRS},
+        "pairs": {p.name: {GRPC: p.grpc_label, HTTP: p.http_label} for p in driver.pairs},
         "launcher_flags": driver.flags,
         "http_client": args.http_client,
         "rounds": args.rounds,
