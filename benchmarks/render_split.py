@@ -9,6 +9,8 @@ several grpc.aio servers at once, each one configuration:
 
 - `floor`: a bare grpc.aio server, a stand-in handler (a prebuilt reply), no
   interceptor, no wrapper: what a grpc.aio unary call costs by itself;
+  `floor-stream-read`: the same registered as a request stream whose one
+  message the handler reads (as `mount()` registers a unary method);
 - `mount`: the stand-in mounted by `mount()` with no interceptor (its error
   layer, in-flight count, load reports and unknown-field parser);
 - `stack`: the stand-in behind the launcher's default stack (keyless limits,
@@ -210,24 +212,36 @@ class Servers:
         self.targets[name] = f"127.0.0.1:{port}"
 
 
-async def floor_server(chat_reply: Any, completion_reply: Any) -> tuple[Any, str]:
+async def floor_server(
+    chat_reply: Any, completion_reply: Any, *, stream_read: bool = False, by_context: bool = False
+) -> tuple[Any, str]:
+    """A bare server answering the prebuilt replies; `stream_read`: registered as
+    a request stream whose one message the handler reads, as `mount()`'s
+    wrapper registers a unary method."""
     import grpc
 
     from vllm_servicer.proto import render_pb2 as rpb
 
     async def chat(request: Any, context: Any) -> Any:
+        if stream_read:
+            await (context.read() if by_context else anext(request))
         return chat_reply
 
     async def completion(request: Any, context: Any) -> Any:
+        if stream_read:
+            await (context.read() if by_context else anext(request))
         return completion_reply
 
+    factory = (
+        grpc.stream_unary_rpc_method_handler if stream_read else grpc.unary_unary_rpc_method_handler
+    )
     handlers = {
-        "RenderChat": grpc.unary_unary_rpc_method_handler(
+        "RenderChat": factory(
             chat,
             request_deserializer=rpb.RenderChatRequest.FromString,
             response_serializer=rpb.RenderedPrompt.SerializeToString,
         ),
-        "RenderCompletion": grpc.unary_unary_rpc_method_handler(
+        "RenderCompletion": factory(
             completion,
             request_deserializer=rpb.RenderCompletionRequest.FromString,
             response_serializer=rpb.RenderCompletionResponse.SerializeToString,
@@ -290,6 +304,12 @@ async def serve_and_measure(opts: argparse.Namespace) -> int:
 
     servers = Servers(args, engine)
     floor, servers.targets["floor"] = await floor_server(chat_reply, completion_reply)
+    floor_read, servers.targets["floor-stream-read"] = await floor_server(
+        chat_reply, completion_reply, stream_read=True
+    )
+    floor_ctx, servers.targets["floor-context-read"] = await floor_server(
+        chat_reply, completion_reply, stream_read=True, by_context=True
+    )
     await servers.add("mount", [], standin)
     await servers.add("stack", servers.stack(), standin)
     await servers.add("stack-registered", servers.stack(), standin, registered=True)
@@ -403,7 +423,7 @@ async def serve_and_measure(opts: argparse.Namespace) -> int:
 
     client.stdin.close()
     client.wait(timeout=10)
-    for server in [floor, *servers.servers]:
+    for server in [floor, floor_read, floor_ctx, *servers.servers]:
         await server.stop(0)
     engine.shutdown()
     return 0
