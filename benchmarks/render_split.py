@@ -163,9 +163,7 @@ class Servers:
         }
         return [make() for name, make in layers.items() if name != without]
 
-    async def add(
-        self, name: str, interceptors: list[Any] | None, servicer: Any, registered: bool = False
-    ) -> None:
+    async def add(self, name: str, interceptors: list[Any] | None, servicer: Any) -> None:
         """`servicer` (a class built from the mount's state) mounted with `interceptors`,
         or registered bare (None)."""
         import grpc
@@ -192,20 +190,10 @@ class Servers:
             mounting._PROTOCOLS[RENDER_SERVICE] = original._replace(
                 build=lambda state, _: servicer(state)
             )
-            plain = mounting.register
-            if registered:  # also as registered methods, as generated code adds them
-
-                def both(server: Any, service: str, handlers: dict[str, Any]) -> None:
-                    plain(server, service, handlers)
-                    if hasattr(server, "add_registered_method_handlers"):
-                        server.add_registered_method_handlers(service, handlers)
-
-                mounting.register = both  # type: ignore[assignment]
             try:
                 mounting.mount(server, self.engine, a.options, interceptors=interceptors)
             finally:
                 mounting._PROTOCOLS[RENDER_SERVICE] = original
-                mounting.register = plain  # type: ignore[assignment]
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         self.servers.append(server)
@@ -312,7 +300,6 @@ async def serve_and_measure(opts: argparse.Namespace) -> int:
     )
     await servers.add("mount", [], standin)
     await servers.add("stack", servers.stack(), standin)
-    await servers.add("stack-registered", servers.stack(), standin, registered=True)
     for name in ("keyless", "metrics", "callslots", "inflight"):
         await servers.add(f"stack-no-{name}", servers.stack(without=name), standin)
     await servers.add("handler", None, RenderServicer)

@@ -263,6 +263,27 @@ def test_batched_outputs_prototype_counts_both_paths_on_one_engine(tmp_path: Pat
     assert "batched / per-request per round" in done.stdout
 
 
+@pytest.mark.timeout(600)
+def test_render_split_prices_every_configuration_of_both_rpcs(tmp_path: Path) -> None:
+    import subprocess
+
+    out = tmp_path / "render-split.json"
+    command = [sys.executable, str(BENCHMARKS / "render_split.py"), "--rounds", "1"]
+    done = subprocess.run(
+        [*command, "--calls", "32", "--cpu", "-1", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    data = json.loads(out.read_text())
+    configs = {"floor", "floor-stream-read", "mount", "stack", "handler", "launcher", "direct"}
+    assert configs <= set(data), data
+    for config in configs:
+        assert set(data[config]) == {"chat", "completion"}, config
+        assert all(v > 0 for figures in data[config].values() for v in figures), config
+
+
 def test_call_slots_benchmark_prices_a_unary_call_through_both_trees_stacks() -> None:
     import subprocess
 
