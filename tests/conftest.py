@@ -6,7 +6,7 @@ loopback by `server`), `vlm_engine` (the vision model), `embedding_engine` (the
 text model as an embedding model) and `kv_echo_engine` (the text model with a
 KV connector and speculative decoding); `recipe_launcher` is the launcher of
 the Kubernetes recipe, with its arguments (support/recipe.py). Building one
-takes ~30 s on these machines, so each is built when a test first needs it and
+takes ~15 s on these machines, so each is built when a test first needs it and
 shut down when the session ends (each holds about 1.3 GiB, 256 MiB of it its
 KV cache). A test that needs an engine with other settings builds its own and
 says why.
