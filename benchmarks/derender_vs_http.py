@@ -158,11 +158,7 @@ async def serve_stdin(target: tuple[str, str], concurrency: int) -> None:
     """One JSON command per line on stdin, one JSON reply per line on stdout."""
     client = Calls(*target, concurrency)
     await client.prepare()
-    loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader()
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    while line := await reader.readline():
-        command = json.loads(line)
+    async for command in loadgen.stdin_commands():
         if command["op"] == "check":
             reply = await client.check()
         else:

@@ -252,11 +252,7 @@ class ChatLoad:
 async def serve_stdin(load: ChatLoad) -> None:
     """One JSON command per line on stdin, one JSON reply per line on stdout."""
     await load.open()
-    loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader()
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    while line := await reader.readline():
-        command = json.loads(line)
+    async for command in loadgen.stdin_commands():
         if command["op"] == "probe":
             reply = await load.probe(command["url"])
         else:

@@ -25,6 +25,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -241,12 +242,17 @@ def pin_to_cpu(cpu: int) -> bool:
     return True
 
 
-async def _serve_stdin(client: Client) -> None:
+async def stdin_commands() -> AsyncIterator[dict[str, Any]]:
+    """The JSON commands a driving process writes to this one's stdin, one a line."""
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     while line := await reader.readline():
-        command = json.loads(line)
+        yield json.loads(line)
+
+
+async def _serve_stdin(client: Client) -> None:
+    async for command in stdin_commands():
         op = command.get("op", "burst")
         if op == "quit":
             break

@@ -303,11 +303,7 @@ async def serve_stdin(
 ) -> None:
     """One JSON command per line on stdin, one JSON reply per line on stdout."""
     clients = {name: Calls(*target, concurrency, http_client) for name, target in targets.items()}
-    loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader()
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    while line := await reader.readline():
-        command = json.loads(line)
+    async for command in loadgen.stdin_commands():
         client = clients[BY_NAME[command["pair"]].launcher]
         if command["op"] == "check":
             reply = await client.check(command["pair"])

@@ -207,11 +207,7 @@ class ProtocolClient:
 async def serve_stdin(target: str) -> None:
     """One JSON command per line on stdin, one JSON reply per line on stdout."""
     client = ProtocolClient(target)
-    loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader()
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    while line := await reader.readline():
-        command = json.loads(line)
+    async for command in loadgen.stdin_commands():
         if command["op"] == "health":
             reply: dict[str, Any] = {"healthy": await client.health()}
         else:

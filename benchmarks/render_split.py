@@ -85,11 +85,7 @@ async def client_session(concurrency: int) -> None:
     from vllm_servicer.proto import render_pb2_grpc
 
     stubs: dict[str, Any] = {}
-    loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader()
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    while line := await reader.readline():
-        command = json.loads(line)
+    async for command in loadgen.stdin_commands():
         target = command["target"]
         if target not in stubs:
             stubs[target] = render_pb2_grpc.RenderStub(grpc.aio.insecure_channel(target))

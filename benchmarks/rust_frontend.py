@@ -365,11 +365,7 @@ class InferenceClient:
 async def serve_stdin() -> None:
     """One JSON command per line on stdin, one JSON reply per line on stdout."""
     client = InferenceClient()
-    loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader()
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    while line := await reader.readline():
-        command = json.loads(line)
+    async for command in loadgen.stdin_commands():
         op = command["op"]
         if op == "ready":
             reply: dict[str, Any] = {"ready": await client.ready(command["target"])}
