@@ -24,6 +24,7 @@ from types import TracebackType
 import h2.config
 import h2.connection
 import h2.events
+import h2.settings
 
 
 @dataclass
@@ -118,10 +119,15 @@ class HalfOpen:
     `async with HalfOpen(address) as conn: ids = await conn.start(path, metadata, n)`;
     `conn.ended[id]` is each call's answer once the server ended it (poll it
     with `support.settle`).
+
+    With `window` (bytes), each stream grants the server that much HTTP/2
+    flow-control window and never more: 0 and the server cannot send a byte
+    of any answer's messages (a client that stops reading).
     """
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, *, window: int | None = None) -> None:
         self.address = address
+        self.window = window
         self.ended: dict[int, RawReply] = {}
         self._replies: dict[int, RawReply] = {}
         self._conn = h2.connection.H2Connection(
@@ -134,6 +140,8 @@ class HalfOpen:
         host, port = self.address.rsplit(":", 1)
         reader, self._writer = await asyncio.open_connection(host, int(port))
         self._conn.initiate_connection()
+        if self.window is not None:
+            self._conn.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: self.window})
         await self._flush()
         self._reading = asyncio.ensure_future(self._read(reader))
         return self
@@ -143,8 +151,16 @@ class HalfOpen:
     ) -> None:
         await self.close()
 
-    async def start(self, path: str, metadata: Sequence[tuple[str, str]], n: int) -> list[int]:
-        """Open `n` calls of `path`, headers only; their stream ids."""
+    async def start(
+        self,
+        path: str,
+        metadata: Sequence[tuple[str, str]],
+        n: int,
+        *,
+        message: bytes | None = None,
+    ) -> list[int]:
+        """Open `n` calls of `path`, headers only (or with `message`, their request
+        sent whole); their stream ids."""
         ids = []
         for _ in range(n):
             stream = self._conn.get_next_available_stream_id()
@@ -160,6 +176,9 @@ class HalfOpen:
                     *metadata,
                 ],
             )
+            if message is not None:
+                frame = b"\x00" + len(message).to_bytes(4, "big") + message
+                self._conn.send_data(stream, frame, end_stream=True)
             self._replies[stream] = RawReply()
             ids.append(stream)
         await self._flush()
@@ -194,7 +213,8 @@ class HalfOpen:
                 elif isinstance(event, h2.events.TrailersReceived):
                     reply.trailers = dict(event.headers)  # type: ignore[arg-type]
                 elif isinstance(event, h2.events.DataReceived):
-                    self._conn.acknowledge_received_data(event.flow_controlled_length, stream)
+                    if self.window is None:
+                        self._conn.acknowledge_received_data(event.flow_controlled_length, stream)
                 elif isinstance(event, (h2.events.StreamEnded, h2.events.StreamReset)):
                     self.ended[stream] = reply
             await self._flush()

@@ -23,9 +23,11 @@ Before any call, `mount()` tells each interceptor of its stack what the mount
 keeps that an interceptor may read (the in-flight count, the load reports):
 `on_mount(mount)`, with a `MountContext`.
 
-And one question, asked once per method when its handler is wrapped:
-`read_deadline(method)`, how long a started call may wait for its unary
-request message (the shortest any interceptor of the stack asks for holds).
+And two questions, asked once per method when its handler is wrapped:
+`read_deadline(method)`, how long a started call may wait for each request
+message, and `write_deadline(method)`, how long each streamed response
+message may wait for the client to take it (for each, the shortest any
+interceptor of the stack asks for holds).
 
 A hook that a subclass does not override is never called. However many
 interceptors a call has, each streamed message makes one generator hop through
@@ -41,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 
-from ._call import Call, ReadDeadline
+from ._call import Call, ReadDeadline, WriteDeadline
 from ._wrapping import HandlerCache, Layers, Segment, wrap
 
 if TYPE_CHECKING:
@@ -160,7 +162,17 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
 
     def read_deadline(self, method: str) -> ReadDeadline | None:
         """How long a call of `method` this interceptor holds a slot for may wait
-        for its unary request message (None: as long as it likes).
+        for each request message: its unary one, each of a client stream (None:
+        as long as it likes).
+
+        Asked once per method, when its handler is wrapped.
+        """
+        return None
+
+    def write_deadline(self, method: str) -> WriteDeadline | None:
+        """How long a streamed response message of a call of `method` this
+        interceptor holds a slot for may wait for the client to take it (None:
+        as long as it likes).
 
         Asked once per method, when its handler is wrapped.
         """

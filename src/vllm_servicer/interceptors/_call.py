@@ -1,5 +1,6 @@
 """One call as the hooks see it, how it ended, the refusal that ends it early,
-and how long its request message may take to arrive."""
+and its waits on its client: how long each request message may take to
+arrive, and each response message to be taken."""
 
 from __future__ import annotations
 
@@ -106,11 +107,12 @@ class Refusal(Exception):
 
 @dataclass(frozen=True)
 class ReadDeadline:
-    """How long a call may wait for its request message once it has started.
+    """How long a call may wait for each request message once it has started.
 
-    A call that sends its headers and never its message holds every slot the
-    interceptors gave it (in flight, call slots, keyless slots) for nothing;
-    past the deadline it ends with DEADLINE_EXCEEDED and gives them back.
+    A call that sends its headers and never its message (or a client stream
+    that stops sending) holds every slot the interceptors gave it (in flight,
+    call slots, keyless slots) for nothing; past the deadline it ends with
+    DEADLINE_EXCEEDED and gives them back.
 
     Attributes:
         seconds: the wait, from the moment the wrapper starts reading.
@@ -124,36 +126,72 @@ class ReadDeadline:
         """The refusal's text."""
         return (
             f"request message not received in time: the limit ({self.limit}) is "
-            f"{self.seconds:g} s from the call's start; send the message with the call"
+            f"{self.seconds:g} s for each message; send the message with the call, and each "
+            "message of a stream within it"
         )
 
 
-class PendingRead:
-    """One call's wait for its request message, which its deadline or an
-    interceptor may end.
+@dataclass(frozen=True)
+class WriteDeadline:
+    """How long a streamed response message may wait for its client to take it.
 
-    `KeylessLimitInterceptor` gives a new health check the slot of the oldest
-    one still waiting for its message: `cut_short` ends that wait now, as the
+    A client that stops reading, or grants no HTTP/2 flow-control window,
+    leaves grpc's write of the next message pending for ever, and the call
+    with every slot it holds; past the deadline the call ends and gives them back.
+
+    Attributes:
+        seconds: the wait, from the moment the wrapper hands grpc the message.
+        limit: what sets it, as the log and the refusal name it (a flag).
+    """
+
+    seconds: float
+    limit: str
+
+    def message(self) -> str:
+        """Why the call ended."""
+        return (
+            f"response message not taken in time: the limit ({self.limit}) is "
+            f"{self.seconds:g} s for the client to take each message; read the stream"
+        )
+
+
+class ClientWait:
+    """One call's wait on its client: for a request message, or for the client to
+    take a response message. The wrapper marks each wait, its deadline or an
+    interceptor may end it.
+
+    A call holds its slots while it moves; one that waits on its client does
+    nothing with them. The pools (`CallSlotsInterceptor`, `InflightInterceptor`,
+    `KeylessLimitInterceptor`) read these waits to give the slot of a call that
+    does not move to a call that would: `cut_short` ends the wait now, as the
     deadline would.
 
     Attributes:
-        task: the call's task (ending the wait cancels its read).
-        expires: the loop time the wait ends at; None while not waiting.
+        task: the call's task (ending the wait cancels it).
+        expires: the loop time the current wait ends at; None while not waiting.
+        since: the loop time the current wait began; None while not waiting.
         expired: whether the wait was ended (the task cancelled for it).
+        cut: whether an interceptor ended it (`cut_short`).
         reason: why it was cut short ("" for the deadline).
     """
 
-    __slots__ = ("cut", "expired", "expires", "reason", "task")
+    __slots__ = ("cut", "expired", "expires", "reason", "since", "task")
 
     def __init__(self) -> None:
         self.task = asyncio.current_task()
         self.expires: float | None = None
+        self.since: float | None = None
         self.expired = False
         self.cut = False
         self.reason = ""
 
+    def waited(self, now: float) -> float:
+        """Seconds the current wait has lasted at loop time `now` (0: not waiting)."""
+        since = self.since
+        return 0.0 if since is None else now - since
+
     def expire(self) -> None:
-        """End the wait now: its read is cancelled, and the reader turns that into
+        """End the wait now: its task is cancelled; a read turns that into
         DEADLINE_EXCEEDED (`Task.uncancel` tells it from a client's cancel)."""
         if self.expired or self.task is None:
             return
@@ -161,29 +199,33 @@ class PendingRead:
         self.task.cancel()
 
     def cut_short(self, reason: str) -> None:
-        """End the wait now (or as soon as it begins); the call names `reason`."""
+        """End the wait now (or as soon as the next one begins); the call names `reason`."""
         self.cut = True
         self.reason = reason
-        if self.expires is not None:
+        if self.since is not None:
             self.expire()
 
 
-_pending_read: contextvars.ContextVar[PendingRead | None] = contextvars.ContextVar(
-    "vllm_servicer_pending_read", default=None
+_client_wait: contextvars.ContextVar[ClientWait | None] = contextvars.ContextVar(
+    "vllm_servicer_client_wait", default=None
 )
 
 
-def pending_read() -> PendingRead:
-    """For an interceptor's `on_start`: the current call's wait for its message,
-    which the wrapper reading it will honour (grpc.aio runs each call in a task)."""
-    pending = PendingRead()
-    _pending_read.set(pending)
-    return pending
+def client_wait() -> ClientWait:
+    """For an interceptor's `on_start`: the current call's wait on its client,
+    which the wrapper marks and honours (grpc.aio runs each call in a task);
+    the same object for every interceptor of the call."""
+    found = _client_wait.get()
+    if found is not None and found.task is asyncio.current_task():
+        return found
+    wait = ClientWait()
+    _client_wait.set(wait)
+    return wait
 
 
-def pending_read_of_this_call() -> PendingRead | None:
+def client_wait_of_this_call() -> ClientWait | None:
     """For the wrapper: the wait an interceptor asked for in this call, if any."""
-    pending = _pending_read.get()
-    if pending is None or pending.task is not asyncio.current_task():
+    wait = _client_wait.get()
+    if wait is None or wait.task is not asyncio.current_task():
         return None
-    return pending
+    return wait

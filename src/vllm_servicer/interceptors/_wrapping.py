@@ -45,11 +45,12 @@ from ..context import blame_caller
 from ..errors import RequestNotSentError
 from ._call import (
     Call,
-    PendingRead,
+    ClientWait,
     ReadDeadline,
     Refusal,
+    WriteDeadline,
+    client_wait_of_this_call,
     ended_code,
-    pending_read_of_this_call,
 )
 
 logger = logging.getLogger("vllm_servicer.interceptors")
@@ -171,49 +172,66 @@ async def _read_one(requests: Any) -> Any:
         return _MISSING
 
 
-class _ReadWatch:
-    """The calls of one method waiting for their request message, oldest first,
-    and one timer for the oldest.
+class _WaitWatch:
+    """The calls of one method waiting on their client (for a request message, or
+    for a response message to be taken), oldest first, and one timer for the oldest.
 
     Every call of a method has the same deadline, so they expire in the order
-    they began waiting: a call costs an entry in an ordered dict, not a timer
-    of its own (a timer per call cost a unary call 8% more CPU).
+    they began waiting: a wait costs an entry in an ordered dict, not a timer
+    of its own (a timer per call cost a unary call 8% more CPU). Without a
+    deadline a wait is only marked, for a pool that may take its slot back.
     """
 
     __slots__ = ("_deadline", "_loop", "_timer", "_waiting")
 
-    def __init__(self, deadline: ReadDeadline) -> None:
+    def __init__(self, deadline: ReadDeadline | WriteDeadline | None) -> None:
         self._deadline = deadline
-        self._waiting: dict[PendingRead, None] = {}
+        self._waiting: dict[ClientWait, None] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    async def read(self, requests: Any, pending: PendingRead | None) -> Any:
-        """`_read_one` within the deadline, or until `pending` is cut short.
+    def begin(self, wait: ClientWait) -> None:
+        """`wait` waits on its client from now until `end`, its deadline at most."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        wait.since = now
+        if self._deadline is None:
+            return
+        if loop is not self._loop:  # a new loop (a test's): the old timer never fires
+            self._loop, self._timer = loop, None
+        wait.expires = expires = now + self._deadline.seconds
+        self._waiting[wait] = None
+        if self._timer is None:
+            self._timer = loop.call_at(expires, self._expire)
+
+    def end(self, wait: ClientWait) -> None:
+        """`wait`'s client answered (or the call ended)."""
+        wait.expires = wait.since = None
+        self._waiting.pop(wait, None)
+
+    async def read(self, requests: Any, wait: ClientWait | None) -> Any:
+        """`_read_one` within the deadline, or until `wait` is cut short.
 
         Raises:
             RequestNotSentError: the message did not come in time.
         """
-        if pending is None:
-            pending = PendingRead()
-        elif pending.cut:
-            raise RequestNotSentError(pending.reason)
-        loop = asyncio.get_running_loop()
-        if loop is not self._loop:  # a new loop (a test's): the old timer never fires
-            self._loop, self._timer = loop, None
-        pending.expires = expires = loop.time() + self._deadline.seconds
-        self._waiting[pending] = None
-        if self._timer is None:
-            self._timer = loop.call_at(expires, self._expire)
+        if wait is None:
+            if self._deadline is None:
+                return await _read_one(requests)
+            wait = ClientWait()
+        elif wait.cut:
+            raise RequestNotSentError(wait.reason)
+        self.begin(wait)
         try:
             return await _read_one(requests)
         except asyncio.CancelledError:
-            if pending.expired and pending.task is not None and pending.task.uncancel() == 0:
-                raise RequestNotSentError(pending.reason or self._deadline.message()) from None
+            if wait.expired and wait.task is not None and wait.task.uncancel() == 0:
+                deadline = self._deadline
+                reason = wait.reason or (deadline.message() if deadline is not None else "")
+                raise RequestNotSentError(reason) from None
             raise
         finally:
-            pending.expires = None
-            self._waiting.pop(pending, None)
+            self.end(wait)
 
     def _expire(self) -> None:
         """End every wait past its deadline; the timer moves to the next one."""
@@ -223,25 +241,49 @@ class _ReadWatch:
         now = loop.time()
         waiting = self._waiting
         while waiting:
-            pending = next(iter(waiting))
-            assert pending.expires is not None
-            if pending.expires > now:
-                self._timer = loop.call_at(pending.expires, self._expire)
+            wait = next(iter(waiting))
+            if wait.expires is None:  # ended without `end` (never: kept safe)
+                del waiting[wait]
+                continue
+            if wait.expires > now:
+                self._timer = loop.call_at(wait.expires, self._expire)
                 return
-            del waiting[pending]
-            pending.expire()
+            del waiting[wait]
+            if isinstance(self._deadline, WriteDeadline):
+                logger.info("%s", self._deadline.message())
+            wait.expire()
 
 
-def _read_deadline(segments: Sequence[Segment], method: str) -> ReadDeadline | None:
-    """The shortest read deadline any interceptor of `segments` asks for `method`."""
-    found = [
-        deadline
-        for segment in segments
-        if isinstance(segment, Layers)
-        for interceptor in segment.interceptors
-        if (deadline := interceptor.read_deadline(method)) is not None
-    ]
-    return min(found, key=lambda d: d.seconds) if found else None
+async def _each_in_time(requests: Any, watch: _WaitWatch, wait: ClientWait) -> AsyncIterator[Any]:
+    """A client stream's messages, each within the read deadline."""
+    while True:
+        try:
+            message = await watch.read(requests, wait)
+        except RequestNotSentError:
+            blame_caller()  # its client stopped sending: no failure of the server's
+            raise
+        if message is _MISSING:
+            return
+        yield message
+
+
+class Deadlines(NamedTuple):
+    """How long a call of one method may wait on its client, each way (None: as
+    long as it likes): the shortest any interceptor of the stack asks for."""
+
+    read: ReadDeadline | None
+    write: WriteDeadline | None
+
+
+def _deadlines(segments: Sequence[Segment], method: str) -> Deadlines:
+    """The shortest read and write deadlines any interceptor of `segments` asks for `method`."""
+    interceptors = [i for s in segments if isinstance(s, Layers) for i in s.interceptors]
+    reads = [r for i in interceptors if (r := i.read_deadline(method)) is not None]
+    writes = [w for i in interceptors if (w := i.write_deadline(method)) is not None]
+    return Deadlines(
+        min(reads, key=lambda d: d.seconds) if reads else None,
+        min(writes, key=lambda d: d.seconds) if writes else None,
+    )
 
 
 class Hooks(Protocol):
@@ -260,6 +302,7 @@ class Hooks(Protocol):
     def reads_responses(self, call: Call) -> bool: ...
     def finish(self, call: Call, code: grpc.StatusCode) -> None: ...
     def read_deadline(self, method: str) -> ReadDeadline | None: ...
+    def write_deadline(self, method: str) -> WriteDeadline | None: ...
 
 
 class Layers:
@@ -295,11 +338,11 @@ def wrap(
     if not segments or not isinstance(segments[-1], Layers):
         # The innermost wrapper reads the request and maps errors: a fused one.
         segments = [*segments, Layers(())]
-    deadline = _read_deadline(segments, method)
-    wrapped = _fused(handler, method, kind, segments[-1], errors, deadline)  # type: ignore[arg-type]
+    deadlines = _deadlines(segments, method)
+    wrapped = _fused(handler, method, kind, segments[-1], errors, deadlines)  # type: ignore[arg-type]
     for segment in reversed(segments[:-1]):
         if isinstance(segment, Layers):
-            wrapped = _fused(wrapped, method, kind, segment, None, None)
+            wrapped = _fused(wrapped, method, kind, segment, None, _NO_DEADLINES)
         else:
             wrapped = _relay(segment, wrapped, method, kind)
     return wrapped
@@ -378,24 +421,32 @@ def _fused(
     kind: str,
     layers: Layers,
     errors: ErrorLayer | None,
-    deadline: ReadDeadline | None,
+    deadlines: Deadlines,
 ) -> Any:
     """`handler` wrapped by every hook of `layers` and the error layer.
 
     `kind` is the method's kind as its clients see it. When `handler` takes a
     unary request, this wrapper reads it, after admission and every `on_start`,
-    within `deadline` when there is one; around a wrapper that reads, a
-    request is a stream of one message, hooked as it is read.
+    within the read deadline when there is one; around a wrapper that reads, a
+    request is a stream of one message, hooked as it is read. A client
+    stream's every message comes within the read deadline, and a streamed
+    response's every message is taken within the write deadline.
     """
     physical = kind_of(handler)
     deserializer = handler.request_deserializer
     if physical[0] == "u" and deserializer is not None:
         deserializer = tolerant(deserializer)
-    steps = _steps(physical, method, kind, layers, errors, deadline)
-    build = _streaming_response if kind.endswith("stream") else _unary_response
-    wrapper = build(behaviour_of(handler), steps, bool(layers.response_hooks))
+    steps = _steps(physical, method, kind, layers, errors, deadlines.read)
+    if kind.endswith("stream"):
+        wrapper = _streaming_response(
+            behaviour_of(handler), steps, bool(layers.response_hooks), deadlines.write
+        )
+    else:
+        wrapper = _unary_response(behaviour_of(handler), steps, bool(layers.response_hooks))
     return _registered(physical, method, kind, wrapper, handler, deserializer)
 
+
+_NO_DEADLINES = Deadlines(None, None)
 
 Started = list[tuple[Hooks, Call]]
 """The interceptors that started a call, outermost first, each with its `Call`."""
@@ -422,7 +473,7 @@ def _steps(
     clients see `kind`): the same for a unary and a streamed response."""
     reads_request = physical[0] == "u"
     interceptors = layers.interceptors
-    watch = _ReadWatch(deadline) if reads_request and deadline is not None else None
+    watch = _WaitWatch(deadline)
     streams_requests = physical[0] == "s"
     streams_responses = kind.endswith("stream")
     response_hooked = bool(layers.response_hooks)
@@ -444,17 +495,18 @@ def _steps(
     async def prepare(request: Any, context: Any, started: Started) -> tuple[Any, Any]:
         """The request and the context the handler gets."""
         if reads_request:
-            if watch is None:
-                request = await _read_one(request)
-            else:
-                try:
-                    request = await watch.read(request, pending_read_of_this_call())
-                except RequestNotSentError as error:
-                    await _reject_unsent(context, error, method, errors)
+            try:
+                request = await watch.read(request, client_wait_of_this_call())
+            except RequestNotSentError as error:
+                await _reject_unsent(context, error, method, errors)
             if request is _MISSING:
                 request = UndecodableRequest(method, ValueError("no request message was sent"))
             if type(request) is UndecodableRequest:
                 await _reject_undecodable(context, request, method, errors)
+        elif streams_requests:
+            wait = client_wait_of_this_call()
+            if wait is not None or deadline is not None:
+                request = _each_in_time(request, watch, wait or ClientWait())
         if layers.request_hooks:
             hooks = [(i.on_request, c) for i, c in started if i.has_request_hook]
             if not streams_requests:
@@ -468,6 +520,8 @@ def _steps(
 
     async def fail(context: Any, error: Exception) -> None:
         """Hand `error` to the error layer, which aborts; re-raise what it raises."""
+        if type(error) is RequestNotSentError:  # a client stream's message came too late
+            await _reject_unsent(context, error, method, errors)
         if errors is None or isinstance(error, grpc.aio.AbortError):
             raise error
         await errors(context, error, method)
@@ -512,18 +566,27 @@ def _unary_response(behaviour: Any, steps: _Steps, response_hooked: bool) -> Any
     return unary_response
 
 
-def _streaming_response(behaviour: Any, steps: _Steps, response_hooked: bool) -> Any:
+def _streaming_response(
+    behaviour: Any, steps: _Steps, response_hooked: bool, deadline: WriteDeadline | None
+) -> Any:
     """The fused wrapper of a handler streaming its responses, by `yield` or by
-    `context.write`: `behaviour` within `steps`."""
+    `context.write`: `behaviour` within `steps`, each message yielded taken by
+    the client within `deadline` when there is one."""
     begin, prepare, fail, finish = steps
+    watch = _WaitWatch(deadline)
 
     async def streaming_response(request: Any, context: Any) -> AsyncIterator[Any]:
         exc: BaseException | None = None
         started: Started = []
         result: Any = None
+        wait: ClientWait | None = None
         try:
             await begin(context, started)
             request, inner = await prepare(request, context, started)
+            # Marked when a pool may take the slot back, or a deadline ends the wait.
+            wait = client_wait_of_this_call()
+            if wait is None and deadline is not None:
+                wait = ClientWait()
             try:
                 result = behaviour(request, inner)
                 if inspect.isasyncgen(result):
@@ -539,9 +602,25 @@ def _streaming_response(behaviour: Any, steps: _Steps, response_hooked: bool) ->
                             ]
                             for hook, call in hooks:
                                 hook(call, message)
-                            yield message
+                            if wait is None:
+                                yield message
+                            else:
+                                watch.begin(wait)
+                                yield message
+                                watch.end(wait)
                             break
-                    if hooks:
+                    if wait is not None:
+                        # grpc resumes this generator once it has sent the message:
+                        # a client that takes none leaves it suspended here.
+                        begin_write, end_write = watch.begin, watch.end
+                        async for message in result:
+                            if hooks:
+                                for hook, call in hooks:
+                                    hook(call, message)
+                            begin_write(wait)
+                            yield message
+                            end_write(wait)
+                    elif hooks:
                         async for message in result:
                             for hook, call in hooks:
                                 hook(call, message)
@@ -557,6 +636,8 @@ def _streaming_response(behaviour: Any, steps: _Steps, response_hooked: bool) ->
             exc = error
             raise
         finally:
+            if wait is not None:
+                watch.end(wait)
             try:
                 if exc is not None and inspect.isasyncgen(result):
                     # Cancelled at our `yield`, the handler's generator is still

@@ -11,9 +11,14 @@ admitted them, against `--max-concurrent-rpcs`, so the keyless slots stay
 keyless; and, through `shares.FairShares`, no one identity holds more than its
 share of them while others want them.
 
-A call that sends its headers and never its message would hold its slot for
-nothing: its read deadline (`--request-read-timeout`) ends it with
-DEADLINE_EXCEEDED, and the slot (with its in-flight slot) comes back.
+A call holds its slot while it moves. One that sends its headers and never
+its message, a client stream that stops sending, a streamed answer whose
+client stops taking it would hold its slot for nothing: its read deadline
+(`--request-read-timeout`, for each request message) or its write deadline
+(`--response-write-timeout`, for each response message) ends it, and the
+slot (with its in-flight slot) comes back. Before that, a caller refused for
+want of a free slot takes the slot of such a call from a tenant over its
+share (`_reclaim.py`).
 
 The HTTP API's requests take their slots from the same interceptor
 (`claim`/`release`, from `serve/http_api.py`), so both protocols' keyed callers
@@ -27,16 +32,27 @@ import grpc
 from ..context import blame_caller, current_identity, tenant
 from ..shares import FairShares
 from ._base import CallInterceptor, MethodFilter
-from ._call import Call, ReadDeadline
+from ._call import Call, ReadDeadline, WriteDeadline, client_wait
+from ._reclaim import Holders
 from .auth import requires_auth_by_default
 from .inflight import RETRY_PUSHBACK_KEY
 
-__all__ = ["DEFAULT_REQUEST_READ_TIMEOUT", "CallSlotsInterceptor", "CallSlotsRefused"]
+__all__ = [
+    "DEFAULT_REQUEST_READ_TIMEOUT",
+    "DEFAULT_RESPONSE_WRITE_TIMEOUT",
+    "CallSlotsInterceptor",
+    "CallSlotsRefused",
+]
 
 DEFAULT_REQUEST_READ_TIMEOUT = 30.0
-"""Seconds a keyed call waits for its request message. The largest message
+"""Seconds a keyed call waits for each request message. The largest message
 (32 MiB by default) takes ~13 s at 20 Mbit/s; a tenant holding slots for
-nothing holds them this long at most, and its share of them only."""
+nothing holds them this long at most while no one else wants them."""
+
+DEFAULT_RESPONSE_WRITE_TIMEOUT = 30.0
+"""Seconds a streamed response message waits for its client to take it: a
+client reading as it goes takes each in milliseconds, one that stops reading
+(or grants no flow-control window) never does."""
 
 
 class CallSlotsRefused(Exception):
@@ -56,8 +72,10 @@ class CallSlotsInterceptor(CallInterceptor):
     Args:
         max_calls: the most keyed calls at once; None: no limit (the read
             deadline still holds).
-        read_timeout: seconds a call waits for its unary request message;
-            None: as long as it likes.
+        read_timeout: seconds a call waits for each request message; None: as
+            long as it likes.
+        write_timeout: seconds each streamed response message waits for the
+            client to take it; None: as long as it likes.
         methods: which calls are counted (default: every call that needs a key).
         retry_pushback_ms: the retry hint sent with a refusal.
     """
@@ -67,6 +85,7 @@ class CallSlotsInterceptor(CallInterceptor):
         max_calls: int | None,
         *,
         read_timeout: float | None = DEFAULT_REQUEST_READ_TIMEOUT,
+        write_timeout: float | None = DEFAULT_RESPONSE_WRITE_TIMEOUT,
         methods: MethodFilter = requires_auth_by_default,
         retry_pushback_ms: int = 1000,
     ) -> None:
@@ -75,12 +94,20 @@ class CallSlotsInterceptor(CallInterceptor):
             raise ValueError(f"max_calls must be at least 1, got {max_calls}")
         if read_timeout is not None and read_timeout <= 0:
             raise ValueError(f"read_timeout must be above 0, got {read_timeout}")
+        if write_timeout is not None and write_timeout <= 0:
+            raise ValueError(f"write_timeout must be above 0, got {write_timeout}")
         self.max_calls = max_calls
         self._shares = FairShares(max_calls) if max_calls is not None else None
         self._pool = f"the call slots (--max-concurrent-rpcs {max_calls})"
         self._deadline = (
             None if read_timeout is None else ReadDeadline(read_timeout, "--request-read-timeout")
         )
+        self._write_deadline = (
+            None
+            if write_timeout is None
+            else WriteDeadline(write_timeout, "--response-write-timeout")
+        )
+        self._holders = Holders(self._pool)
         self._pushback = ((RETRY_PUSHBACK_KEY, str(int(retry_pushback_ms))),)
         self._total = 0
         self.refused = 0
@@ -97,11 +124,17 @@ class CallSlotsInterceptor(CallInterceptor):
     def read_deadline(self, method: str) -> ReadDeadline | None:
         return self._deadline
 
+    def write_deadline(self, method: str) -> WriteDeadline | None:
+        return self._write_deadline
+
     def claim(self) -> tuple[str | None, float]:
         """Take a slot for the current caller, gRPC call or HTTP request alike.
 
         Returns:
             What `release` gives back: the tenant's name and weight.
+
+        Past `max_calls`, the slot of a tenant's call that waits on its client
+        is taken back first when its tenant is over its share (`_reclaim.py`).
 
         Raises:
             CallSlotsRefused: past `max_calls`, or the caller holds its share.
@@ -112,18 +145,18 @@ class CallSlotsInterceptor(CallInterceptor):
             name = tenant()
             identity = current_identity.get()
             weight = 1.0 if identity is None else identity.weight
-            refusal = None
             if self._total >= shares.limit:
                 shares.wants(name, weight)
-                refusal = (
-                    f"server busy: {self._total} calls at once, the limit "
-                    f"(--max-concurrent-rpcs) is {shares.limit}; retry later"
-                )
-            else:
-                refusal = shares.refusal(name, weight, self._pool)
-                if refusal is not None:
-                    blame_caller()  # past its own share: the server is not at fault
+                operator = identity is not None and name is None
+                if not self._holders.reclaim(shares, name, self._give_back, operator=operator):
+                    self.refused += 1
+                    raise CallSlotsRefused(
+                        f"server busy: {self._total} calls at once, the limit "
+                        f"(--max-concurrent-rpcs) is {shares.limit}; retry later"
+                    )
+            refusal = shares.refusal(name, weight, self._pool)
             if refusal is not None:
+                blame_caller()  # past its own share: the server is not at fault
                 self.refused += 1
                 raise CallSlotsRefused(refusal)
             shares.take(name, weight)
@@ -144,8 +177,21 @@ class CallSlotsInterceptor(CallInterceptor):
                 grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), trailing_metadata=self._pushback
             )
             raise  # abort raises; not reached
-        call.state = held  # counted (a refused call reaches on_finish too)
+        wait = None
+        if held[0] is not None:  # a tenant's: its slot may be taken back while it waits
+            wait = client_wait()
+            self._holders.add(wait, held[0], held[1], call)
+        call.state = (held, wait)  # counted (a refused call reaches on_finish too)
 
     def on_finish(self, call: Call) -> None:
         if call.state is not None:
-            self.release(call.state)
+            held, wait = call.state
+            if wait is not None:
+                self._holders.discard(wait)
+            self.release(held)
+
+    def _give_back(self, call: Call) -> None:
+        """The slot of `call`, taken back while it waits on its client: let go now."""
+        held, _wait = call.state
+        call.state = None
+        self.release(held)

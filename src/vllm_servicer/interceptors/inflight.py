@@ -13,7 +13,8 @@ from ..frontends import FrontendGroup
 from ..proto import COUNTED_METHODS
 from ..shares import FairShares
 from ._base import CallInterceptor, MethodFilter, all_methods, only_methods
-from ._call import Call
+from ._call import Call, client_wait
+from ._reclaim import Holders
 
 ENGINE_REQUESTS: MethodFilter = only_methods(*COUNTED_METHODS)
 """The calls that occupy the engine or its renderer (`proto.COUNTED_METHODS`):
@@ -40,6 +41,9 @@ class InflightInterceptor(CallInterceptor):
     free one within the last 10 s): past its share a call is refused the same
     way, the message naming the share. A tenant alone takes the whole limit;
     calls without credentials and administrators count toward the total only.
+    Past the limit, the slot of a tenant's call that waits on its client (for
+    a request message, or for it to take a response) is taken back first when
+    that tenant is over its share (`_reclaim.py`).
 
     Args:
         max_inflight: the most limited calls in flight at once; None: no limit.
@@ -78,6 +82,7 @@ class InflightInterceptor(CallInterceptor):
         self._limited = limited
         self._limited_cache: dict[str, bool] = {}
         self._pushback = ((RETRY_PUSHBACK_KEY, str(int(retry_pushback_ms))),)
+        self._holders = Holders("the engine slots (max_inflight)")
         self._counts: Counter[str] = Counter()
         self._total = 0
         self._limited_total = 0
@@ -172,6 +177,8 @@ class InflightInterceptor(CallInterceptor):
         refusal's text instead, counting nothing, past the limit or its share.
         Pair with `leave(caller)`."""
         refusal = self._admit(caller)
+        if refusal is not None and self._reclaim(caller):
+            refusal = self._admit(caller)
         if refusal is not None:
             self.rejected += 1
             return refusal
@@ -229,6 +236,26 @@ class InflightInterceptor(CallInterceptor):
             blame_caller()  # past its own share: the server is not at fault
         return refusal
 
+    def _reclaim(self, caller: Identity | None) -> bool:
+        """Past the limit, take back the slot of a still call of a tenant over its share."""
+        limit, shares = self._max_inflight, self._shares
+        if limit is None or shares is None or not self._holders:
+            return False
+        if self.limited_everywhere < limit:
+            return False  # refused for its own share, not for want of a slot
+        tenant = self._tenant(caller)
+        operator = caller is not None and tenant_of(caller) is None
+        return self._holders.reclaim(
+            shares, None if tenant is None else tenant[0], self._give_back, operator=operator
+        )
+
+    def _give_back(self, call: Call) -> None:
+        """The slot of `call`, taken back while it waits on its client: let go now
+        (the call still counts among the calls in flight until it ends)."""
+        _limited, caller, _wait = call.state
+        call.state = (False, caller, None)
+        self.leave(caller)
+
     def _admit(self, caller: Identity | None) -> str | None:
         """Count one more limited call; the refusal's text instead."""
         group = self._group
@@ -269,8 +296,14 @@ class InflightInterceptor(CallInterceptor):
                 await call.context.abort(
                     grpc.StatusCode.RESOURCE_EXHAUSTED, refusal, trailing_metadata=self._pushback
                 )
+        wait = None
+        if limited and self._shares is not None and self._max_inflight is not None:
+            tenant = self._tenant(caller)
+            if tenant is not None:  # a tenant's: its slot may be taken back while it waits
+                wait = client_wait()
+                self._holders.add(wait, tenant[0], tenant[1], call)
         # Marks the call as counted: a rejected call also reaches on_finish.
-        call.state = (limited, caller)
+        call.state = (limited, caller, wait)
         self._counts[call.method] += 1
         self._total += 1
         if self._idle is not None:
@@ -280,7 +313,9 @@ class InflightInterceptor(CallInterceptor):
         state = call.state
         if state is None:
             return
-        limited, caller = state
+        limited, caller, wait = state
+        if wait is not None:
+            self._holders.discard(wait)
         self._counts[call.method] -= 1
         self._total -= 1
         if self._total == 0 and self._idle is not None:

@@ -34,7 +34,7 @@ import grpc
 
 from ..errors import KeylessLimitError
 from ._base import CallInterceptor, MethodFilter
-from ._call import Call, PendingRead, ReadDeadline, pending_read
+from ._call import Call, ClientWait, ReadDeadline, client_wait
 from .auth import requires_auth_by_default
 
 __all__ = ["KeylessLimitInterceptor", "KeylessLimits", "keyless_methods"]
@@ -105,7 +105,7 @@ class KeylessLimitInterceptor(CallInterceptor):
         self._checks = 0
         self._per_connection: Counter[str] = Counter()
         # Checks still waiting for their message, oldest first (dicts keep order).
-        self._waiting: dict[PendingRead, Call] = {}
+        self._waiting: dict[ClientWait, Call] = {}
         self._deadline = ReadDeadline(
             self.limits.read_timeout, "read_timeout of calls that need no key"
         )
@@ -143,7 +143,7 @@ class KeylessLimitInterceptor(CallInterceptor):
             self._streams += 1
         else:
             self._checks += 1
-            waiting = pending_read()
+            waiting = client_wait()
             self._waiting[waiting] = call
         self._per_connection[peer] += 1
         call.state = (streams, peer, waiting)

@@ -24,7 +24,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from ..budgets import RequestBudgets
-from ..interceptors.call_slots import DEFAULT_REQUEST_READ_TIMEOUT
+from ..interceptors.call_slots import DEFAULT_REQUEST_READ_TIMEOUT, DEFAULT_RESPONSE_WRITE_TIMEOUT
 from ..interceptors.keyless import KeylessLimits
 from ..options import DEFAULT_MAX_MESSAGE_BYTES, MountOptions, option_flag
 from ..proto import (
@@ -285,10 +285,21 @@ class ServeArgs:
     request_read_timeout: float = flag(
         DEFAULT_REQUEST_READ_TIMEOUT,
         group=_SERVING,
-        help="seconds a keyed call may wait for its request message once it has started; "
-        "past it DEADLINE_EXCEEDED and its slots come back (calls that need no key wait 2 s) "
+        help="seconds a keyed call may wait for each request message once it has started (its "
+        "one message, each of a client stream; HTTP API requests: each part of the body); "
+        "past it DEADLINE_EXCEEDED (HTTP 408) and its slots come back (calls that need no key "
+        "wait 2 s) "
         f"(default {DEFAULT_REQUEST_READ_TIMEOUT:g}: the largest message over a slow link, "
         "while a tenant holding slots for nothing holds them no longer)",
+        metavar="SECONDS",
+    )
+    response_write_timeout: float = flag(
+        DEFAULT_RESPONSE_WRITE_TIMEOUT,
+        group=_SERVING,
+        help="seconds each message of a keyed call's streamed answer may wait for its client "
+        "to take it (a client that stops reading, or grants no HTTP/2 flow-control window); "
+        "past it the call ends, its engine request is aborted and its slots come back "
+        f"(default {DEFAULT_RESPONSE_WRITE_TIMEOUT:g})",
         metavar="SECONDS",
     )
     # The caps of calls that need no key: their slots come on top of
@@ -530,6 +541,10 @@ class ServeArgs:
         if self.request_read_timeout <= 0:
             raise ValueError(
                 f"--request-read-timeout must be above 0, got {self.request_read_timeout}"
+            )
+        if self.response_write_timeout <= 0:
+            raise ValueError(
+                f"--response-write-timeout must be above 0, got {self.response_write_timeout}"
             )
         for name in ("max_keyless_streams", "max_keyless_checks", "max_keyless_per_connection"):
             if getattr(self, name) < 1:

@@ -85,7 +85,9 @@ def build_interceptors(
         stack.append(AuthInterceptor(verifier, permissions=permissions))
     stack.append(
         CallSlotsInterceptor(
-            args.max_concurrent_rpcs or None, read_timeout=args.request_read_timeout
+            args.max_concurrent_rpcs or None,
+            read_timeout=args.request_read_timeout,
+            write_timeout=args.response_write_timeout,
         )
     )
     if args.max_inflight or group is not None:
