@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -22,6 +23,7 @@ from support import bearer, collect, request, settle
 from support.h2_grpc import HalfOpen, RawReply
 from support.launcher import START_TIMEOUT, Launched, launched, launcher_env
 
+from vllm_servicer.interceptors._reclaim import STILL_AFTER_S
 from vllm_servicer.interceptors.keyless import KeylessLimits
 from vllm_servicer.proto import vllm_engine_pb2_grpc
 from vllm_servicer.proto.methods import SERVICE_NAME
@@ -169,14 +171,23 @@ def _names(details: set[str]) -> set[str]:
 async def test_half_open_generates_give_their_slots_back(
     launcher: Launched, stub: vllm_engine_pb2_grpc.VllmEngineStub
 ) -> None:
+    # At the defaults but --max-inflight 8: before, B was refused for the whole
+    # 30 s read deadline, and again each time A reopened its calls.
     async with half_open(launcher.address, GENERATE, TENANT_A, MAX_INFLIGHT) as held:
         await asyncio.sleep(0.5)
         assert not ended(held)
+        # A call that has waited less than STILL_AFTER_S may still be sending.
         busy = await generate(stub, TENANT_B)
         assert busy.startswith("RESOURCE_EXHAUSTED") and "max_inflight" in busy, busy
-        # Within the read deadline (and a wide margin) A's calls end, and B is served.
+        await asyncio.sleep(STILL_AFTER_S)
+        started = time.monotonic()
+        assert await generate(stub, TENANT_B) == "length"
+        assert time.monotonic() - started < 15
+        [given] = ended(held)
+        assert given.status == DEADLINE_EXCEEDED
+        assert "slot taken back" in given.details and "max_inflight" in given.details
+        # The rest end within the read deadline (and a wide margin).
         assert await settle(lambda: still_open(held) == 0, timeout=READ_WAIT), still_open(held)
         for reply in ended(held):
             assert reply.status == DEADLINE_EXCEEDED, reply.details
-            assert "--request-read-timeout" in reply.details
         assert await generate(stub, TENANT_B) == "length"
