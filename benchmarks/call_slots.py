@@ -11,8 +11,11 @@ tree has them), the call counted as an engine call. A client in this process sen
 from `--callers` concurrent callers to one server at a time, rotating the
 order each round; the serving process's CPU time (user + system, from
 /proc) per call is each side's cost, and their ratio per round the change's.
+With `--messages N` each call is a server stream of N answers (a Generate's
+tokens), so that what each message costs shows too.
 
     .venv/bin/python benchmarks/call_slots.py --against-src /tmp/before --rounds 10
+    .venv/bin/python benchmarks/call_slots.py --against-src /tmp/before --messages 64
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import grpc
 
 KEY = "bench-key-0123456789abcdef"
 METHOD = "/bench.Keyed/Echo"  # needs a key, as every method but health's and reflection's
+STREAM = "/bench.Keyed/Stream"  # the same, answered with as many messages as the request says
 SIDES = ("this", "against")
 
 
@@ -60,9 +64,21 @@ async def _serve() -> None:
     async def echo(request: bytes, context: Any) -> bytes:
         return request
 
+    async def stream(request: bytes, context: Any) -> Any:
+        for _ in range(int(request)):
+            yield b"x" * 16
+
     handler = grpc.unary_unary_rpc_method_handler(echo, bytes, bytes)
+    streamed = grpc.unary_stream_rpc_method_handler(stream, bytes, bytes)
     server = grpc.aio.server(maximum_concurrent_rpcs=2048 + 128)
-    register(server, "bench.Keyed", {"Echo": wrapped_handler(stack, METHOD, handler)})
+    register(
+        server,
+        "bench.Keyed",
+        {
+            "Echo": wrapped_handler(stack, METHOD, handler),
+            "Stream": wrapped_handler(stack, STREAM, streamed),
+        },
+    )
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     print(json.dumps({"port": port, "stack": [type(i).__name__ for i in stack]}), flush=True)
@@ -75,14 +91,19 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def _drive(address: str, callers: int, calls: int) -> None:
+async def _drive(address: str, callers: int, calls: int, messages: int = 0) -> None:
     metadata = (("authorization", f"Bearer {KEY}"),)
     async with grpc.aio.insecure_channel(address) as channel:
         echo = channel.unary_unary(METHOD)
+        stream = channel.unary_stream(STREAM)
 
         async def caller() -> None:
             for _ in range(calls // callers):
-                await echo(b"x" * 16, metadata=metadata)
+                if messages:
+                    async for _answer in stream(b"%d" % messages, metadata=metadata):
+                        pass
+                else:
+                    await echo(b"x" * 16, metadata=metadata)
 
         await asyncio.gather(*(caller() for _ in range(callers)))
 
@@ -114,7 +135,7 @@ def _start(against_src: str) -> Servers:
 async def _compare(args: argparse.Namespace, servers: Servers) -> None:
     try:
         for _, address in servers.values():  # warm up
-            await _drive(address, args.callers, args.calls // 4)
+            await _drive(address, args.callers, args.calls // 4, args.messages)
         cost: dict[str, list[float]] = {side: [] for side in SIDES}
         for round_ in range(args.rounds):
             order = SIDES if round_ % 2 == 0 else SIDES[::-1]
@@ -122,7 +143,7 @@ async def _compare(args: argparse.Namespace, servers: Servers) -> None:
                 proc, address = servers[side]
                 before = _cpu_seconds(proc.pid)
                 started = time.perf_counter()
-                await _drive(address, args.callers, args.calls)
+                await _drive(address, args.callers, args.calls, args.messages)
                 wall = time.perf_counter() - started
                 cost[side].append((_cpu_seconds(proc.pid) - before) / args.calls * 1e6)
                 print(f"round {round_} {side}: {cost[side][-1]:.1f} us CPU/call, "
@@ -150,6 +171,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--callers", type=int, default=32)
     parser.add_argument("--calls", type=int, default=8000, help="calls per side per round")
+    parser.add_argument(
+        "--messages", type=int, default=0, help="answers per call, streamed (0: a unary call)"
+    )
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
