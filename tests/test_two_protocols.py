@@ -162,7 +162,8 @@ def _total(text: str, name: str, label: str = "") -> float:
 
 
 async def _scrape(url: str) -> str:
-    async with httpx.AsyncClient() as http:
+    # The HTTP API's /metrics needs a key when keys are set; the metrics port none.
+    async with httpx.AsyncClient(headers={"authorization": f"Bearer {KEY}"}) as http:
         reply = await http.get(url)
     assert reply.status_code == 200
     return reply.text
@@ -245,9 +246,11 @@ async def test_keys_guard_both_protocols(launcher: Launched, stub: Any) -> None:
             assert reply.status_code == 401, headers
         accepted = await http.get(f"{url}/v1/models", headers={"authorization": f"Bearer {KEY}"})
         assert accepted.status_code == 200
-        # Probes and scrapers need no key; paths that administer need an admin key.
+        # Probes need no key, metrics any key; paths that administer need an admin key.
         assert (await http.get(f"{url}/health")).status_code == 200
-        assert (await http.get(f"{url}/metrics")).status_code == 200
+        assert (await http.get(f"{url}/metrics")).status_code == 401
+        keyed = await http.get(f"{url}/metrics", headers={"authorization": f"Bearer {KEY}"})
+        assert keyed.status_code == 200
         pause = await http.post(f"{url}/pause", headers={"authorization": f"Bearer {KEY}"})
         assert pause.status_code == 403
     for metadata in ((), bearer("wrong-key")):
@@ -418,7 +421,8 @@ async def test_http_keys_are_the_grpc_verifier_with_admin_paths_for_admin_keys(
             return (await http.request(method, path, headers=headers)).status_code
 
         assert await status("GET", "/health", None) == 200
-        assert await status("GET", "/metrics", None) == 200
+        assert await status("GET", "/metrics", None) == 401
+        assert await status("GET", "/metrics", "old-key-0123456789abcdef") == 200
         assert await status("GET", "/v1/models", None) == 401
         assert await status("POST", "/tokenize", "nope-0123456789") == 401
         assert await status("POST", "/v1/completions", "old-key-0123456789abcdef") == 200

@@ -35,6 +35,7 @@ from ..proto import (
     SERVICE_NAME,
 )
 from .flags import Flag, add_flags, declared_flags, flag, flag_values, not_a_flag
+from .http_timeouts import DEFAULT_HTTP_HEADER_TIMEOUT, DEFAULT_MAX_HTTP_CONNECTIONS
 
 if TYPE_CHECKING:
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -368,6 +369,22 @@ class ServeArgs:
     http_host: str | None = flag(
         None, group=_HTTP_API, help="address of the HTTP API (default: the same as --host)"
     )
+    http_header_timeout: float = flag(
+        DEFAULT_HTTP_HEADER_TIMEOUT,
+        group=_HTTP_API,
+        help="seconds an HTTP API connection has to send a request's headers, from its "
+        "opening and from the end of each response; past it the connection is closed (408 "
+        "when part of a request came). Its body then has --request-read-timeout "
+        f"(default {DEFAULT_HTTP_HEADER_TIMEOUT:g})",
+        metavar="SECONDS",
+    )
+    max_http_connections: int = flag(
+        DEFAULT_MAX_HTTP_CONNECTIONS,
+        group=_HTTP_API,
+        help="most connections the HTTP API holds open at once, per process; past it a new "
+        "connection is answered 503 and closed before it is read "
+        f"(default {DEFAULT_MAX_HTTP_CONNECTIONS}; 0: no cap)",
+    )
     enable_scale_out: bool = flag(
         False,
         group=_HTTP_API,
@@ -538,6 +555,15 @@ class ServeArgs:
             raise ValueError("--enable-scale-out needs --http-port (gRPC's Render needs no flag)")
         if self.http_port and self.http_port == self.port and self.http_address == self.host:
             raise ValueError("--http-port must differ from --port")
+        if self.http_header_timeout <= 0:
+            raise ValueError(
+                f"--http-header-timeout must be above 0, got {self.http_header_timeout}"
+            )
+        if self.max_http_connections < 0:
+            raise ValueError(
+                "--max-http-connections must be 0 (no cap) or more, "
+                f"got {self.max_http_connections}"
+            )
         if self.request_read_timeout <= 0:
             raise ValueError(
                 f"--request-read-timeout must be above 0, got {self.request_read_timeout}"

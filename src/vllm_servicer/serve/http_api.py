@@ -8,8 +8,8 @@ binds the app, checks keys and drains it.
 
 Keys: the gRPC side's verifier (the very same object, so key files re-read on
 change apply to both) checks `Authorization: Bearer <key>` on every path but
-the probes (`/health`, `/ping`, `/metrics`). Any valid key reaches the
-inference paths (`/v1/...`, `/tokenize`, ...); every other path (vLLM's
+the probes (`/health`, `/ping`). Any valid key reaches the inference paths
+(`/v1/...`, `/tokenize`, ...) and `/metrics`; every other path (vLLM's
 `/pause`, `/abort_requests`, `/start_profile`, ...) and the runtime LoRA routes
 (`/v1/load_lora_adapter`, `/v1/unload_lora_adapter`) need an admin key, as the
 gRPC admin methods do. With vLLM's Responses store on
@@ -25,7 +25,12 @@ Call slots: every request but the probes and the GETs of fixed facts holds
 one of the gRPC side's call slots (`--max-concurrent-rpcs`, each tenant its
 fair share, the same pool) from its key check until its handler ends, so
 parsing, templating and tokenizing count as a gRPC call's do; refused 503 with
-`Retry-After`. Bodies are bounded by `--max-message-bytes` (413).
+`Retry-After`. Bodies are bounded by `--max-message-bytes` (413) and must
+arrive within `--request-read-timeout` (408), as a gRPC call's message must;
+`/tokenize` and `/detokenize` meet Render's budgets (`http_budgets.py`).
+
+Connections: a request's headers must come within `--http-header-timeout`,
+and a process holds at most `--max-http-connections` (`http_timeouts.py`).
 
 Request ids: the `X-Request-Id` header and a JSON body's `request_id` are
 checked as gRPC's are (`http_request_ids.py`) before vLLM's handlers copy them.
@@ -51,6 +56,7 @@ from typing import Any
 
 import uvicorn
 
+from ..budgets import RequestBudgets
 from ..context import Identity, current_identity
 from ..guard import EngineGuard
 from ..interceptors.auth import AuthError, Unauthenticated
@@ -59,13 +65,22 @@ from ..servicer.vllm_app import with_engine_parsers
 from . import http_request_ids as request_ids
 from .args import ServeArgs
 from .http_guard import HTTP_CALLER, GuardedEngine
+from .http_timeouts import guarded_protocol
 
 __all__ = ["HTTP_APP_FLAGS", "HttpApi", "frontend_args", "uvicorn_config"]
 
 logger = logging.getLogger(__name__)
 
-# Probes and scrapers carry no keys (the gRPC health service is exempt too).
-_PUBLIC_PATHS = frozenset({"/health", "/ping", "/metrics"})
+# Probes carry no keys (the gRPC health service is exempt too).
+_PUBLIC_PATHS = frozenset({"/health", "/ping"})
+# vLLM's Prometheus page (and what is mounted under it): with keys, any key's;
+# without keys, everyone's as before. It needs a key because the page is built on the serving
+# event loop, one registry walk per scrape, and tells the load and the served
+# adapters to whoever asks; any role will do because it names no tenant's
+# prompts or ids, and a keyed caller is told the load anyway (GetLoads, the ORCA
+# reports), so a scraper needs no admin powers. Scrapers without a key have the
+# gRPC side's --metrics-port, the same series on a port of its own.
+_METRICS = "/metrics"
 # vLLM's own guarded prefixes plus its other per-request endpoints.
 _INFERENCE_PREFIXES = ("/v1/", "/v2/", "/inference/", "/cohere/")
 _INFERENCE_PATHS = frozenset(
@@ -85,7 +100,10 @@ _INFERENCE_PATHS = frozenset(
 
 # GETs that answer fixed facts, at no cost: outside the call slots, as the
 # probes are. Every other request (tokenizing, rendering, generating, pooling)
-# holds one from its key check to its handler's end.
+# holds one from its key check to its handler's end. The metrics page too is
+# outside them: a scrape reads no body and runs to its end in one step of the
+# loop, so a slot would bound nothing, and a scraper refused 503 while the
+# slots are full would lose sight of the server when it matters most.
 _FREE_GETS = frozenset({"/v1/models", "/version"})
 _RETRY_AFTER_S = 1  # gRPC's refusal sends a 1 s retry pushback too
 
@@ -188,14 +206,18 @@ def _json(
 
 class _Front:
     """Pure ASGI wrapper in front of vLLM's app: drain state of /health, keys,
-    a call slot, then the body's size and ids.
+    a call slot, then the body (its size, its read deadline, its ids, and the
+    render budgets of `/tokenize` and `/detokenize`).
 
     Args:
         app: vLLM's app.
         verifier: the key verifier, or None for no keys.
         slots: the gRPC side's call slots (`--max-concurrent-rpcs`), one pool
-            for both protocols; None: no slots taken.
+            for both protocols, and their read deadline (`--request-read-timeout`),
+            which a request's body meets too; None: no slots taken, no deadline.
         max_body_bytes: the largest request body (`--max-message-bytes`); None: any.
+        budgets: the per-request budgets `/tokenize` and `/detokenize` meet;
+            None: not checked here.
     """
 
     def __init__(
@@ -204,6 +226,7 @@ class _Front:
         verifier: Any,
         slots: CallSlotsInterceptor | None = None,
         max_body_bytes: int | None = None,
+        budgets: RequestBudgets | None = None,
     ) -> None:
         from vllm import envs
 
@@ -211,6 +234,7 @@ class _Front:
         self.verifier = verifier
         self.slots = slots
         self.max_body_bytes = max_body_bytes
+        self.budgets = budgets
         self.draining = False
         self.responses_stored = bool(envs.VLLM_ENABLE_RESPONSES_API_STORE)
 
@@ -254,14 +278,27 @@ class _Front:
     async def _serve(self, scope: Any, path: str, receive: Any, send: Any) -> None:
         if not _public(path):
             # After the key (nothing is read for a caller refused), before
-            # vLLM's handler copies the id into each engine request's.
-            refused, receive = await request_ids.checked(scope, receive, self.max_body_bytes)
+            # vLLM's handler copies the id into each engine request's. The
+            # body is read here, under the slot just taken: within the gRPC
+            # calls' read deadline, or 408 and the slot back (a body that
+            # stalls would hold it for ever, its connection too).
+            deadline = None if self.slots is None else self.slots.read_deadline(path)
+            refused, receive = await request_ids.checked(
+                scope,
+                receive,
+                self.max_body_bytes,
+                read_deadline=deadline,
+                budgets=self.budgets,
+                path=path,
+            )
             if refused is not None:
                 status, body = refused
                 if scope["type"] == "websocket":
                     await self._refuse(scope, send, status, body["error"]["message"])
                 else:
-                    for event in _json(status, body, close=status == 413):
+                    # A body left unread (413, 408) ends its connection.
+                    close = status in request_ids.UNREAD_BODY
+                    for event in _json(status, body, close=close):
                         await send(event)
                 return
         await self.app(scope, receive, send)
@@ -309,30 +346,57 @@ class _Front:
 
 
 def _costless(scope: Any, path: str) -> bool:
-    """A request that takes no call slot: the probes, and the GETs of fixed facts."""
+    """A request that takes no call slot: the probes, the GETs of fixed facts
+    and the metrics page."""
     if _public(path):
         return True
-    return scope["type"] == "http" and scope.get("method") == "GET" and path in _FREE_GETS
+    if scope["type"] != "http" or scope.get("method") != "GET":
+        return False
+    return path in _FREE_GETS or _metrics(path)
 
 
 def _public(path: str) -> bool:
-    return path in _PUBLIC_PATHS or path.startswith("/metrics/")
+    return path in _PUBLIC_PATHS
+
+
+def _metrics(path: str) -> bool:
+    return path == _METRICS or path.startswith(_METRICS + "/")
 
 
 def _inference(path: str) -> bool:
+    """A path any key reaches (the rest need an admin key)."""
     if path.rstrip("/") in _ADMIN_PATHS:
         return False
-    return path.startswith(_INFERENCE_PREFIXES) or path in _INFERENCE_PATHS
+    return path.startswith(_INFERENCE_PREFIXES) or path in _INFERENCE_PATHS or _metrics(path)
 
 
 def uvicorn_config(
-    app: Any, host: str, port: int, tls: tuple[str, str, str | None] | None = None
+    app: Any,
+    host: str,
+    port: int,
+    tls: tuple[str, str, str | None] | None = None,
+    *,
+    header_timeout: float | None = None,
+    max_connections: int | None = None,
 ) -> uvicorn.Config:
-    """uvicorn's settings for the HTTP API: HTTPS with the gRPC side's certificate when given.
+    """uvicorn's settings for the HTTP API: HTTPS with the gRPC side's certificate
+    when given, connections bounded as uvicorn does not bound them.
 
-    `tls` is (certificate, key, client CA or None); with a CA, clients must
-    present a certificate it signed, as on the gRPC side.
+    Args:
+        app: the ASGI app.
+        host: address to bind.
+        port: port to bind.
+        tls: (certificate, key, client CA or None); with a CA, clients must
+            present a certificate it signed, as on the gRPC side.
+        header_timeout: seconds a connection has for a request's headers
+            (`--http-header-timeout`, `http_timeouts.py`); None: uvicorn's own
+            protocol, without one.
+        max_connections: most connections open at once (`--max-http-connections`);
+            None: any. Only with `header_timeout`.
     """
+    protocol: dict[str, Any] = {}
+    if header_timeout is not None:
+        protocol = {"http": guarded_protocol(header_timeout, max_connections)}
     ssl_options: dict[str, Any] = {}
     if tls is not None:
         cert, key, client_ca = tls
@@ -349,6 +413,7 @@ def uvicorn_config(
         access_log=False,
         # uvicorn's own logging config would replace the process's handlers.
         log_config=None,
+        **protocol,
         **ssl_options,
     )
 
@@ -416,8 +481,16 @@ class HttpApi:
             )
         )
         app = await _build_app(client, frontend_args(args, host, port))
-        front = _Front(app, verifier, slots, args.max_message_bytes)
-        return cls(_Server(uvicorn_config(front, host, port, tls)), front)
+        front = _Front(app, verifier, slots, args.max_message_bytes, args.options.budgets)
+        config = uvicorn_config(
+            front,
+            host,
+            port,
+            tls,
+            header_timeout=args.http_header_timeout,
+            max_connections=args.max_http_connections or None,
+        )
+        return cls(_Server(config), front)
 
     @property
     def scheme(self) -> str:

@@ -18,10 +18,13 @@ Each request's prompt is salted for its tenant's part of the prefix cache
 (`prefix_cache.py`), joined with the body's own `cache_salt`. Each
 generation's sampling parameters meet the per-request budgets the gRPC
 protocols check on their own messages (the stop strings, vLLM having parsed
-`stop` of completions and chat alike; `n` against `--max-n`), before the
-engine sees them. A rank pinned by `X-data-parallel-rank` is a global rank,
-as the gRPC protocols' pins are (`ranks.py`): translated for the engine, and
-a 400 naming the ranks served when this server does not serve it.
+`stop` of completions and chat alike; `n` against `--max-n`; the
+structured-output constraint against `--max-constraint-bytes`, whichever
+field of the body vLLM built it from: `structured_outputs`, `response_format`,
+a required tool's schema), before the engine sees them. A rank pinned by
+`X-data-parallel-rank` is a global rank, as the gRPC protocols' pins are
+(`ranks.py`): translated for the engine, and a 400 naming the ranks served
+when this server does not serve it.
 
 Refusals take vLLM's own error mapping: an id another caller runs is a
 `GracefulHTTPError` with 409 Conflict (gRPC's ALREADY_EXISTS), the in-flight
@@ -37,13 +40,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 from collections.abc import AsyncGenerator, Callable, Iterator
 from http import HTTPStatus
 from typing import Any
 
 from vllm.exceptions import GracefulHTTPError
 
-from ..budgets import RequestBudgets
+from ..budgets import RequestBudgets, encoded_size
 from ..context import Identity, current_identity, may_route
 from ..errors import ROUTER_ROLE_HINT, InvalidRequestError, RequestIdInUseError, TableFullError
 from ..guard import EngineGuard, ServerBusyError
@@ -70,6 +74,10 @@ RANK_HEADER = "X-data-parallel-rank"
 # What vLLM's routes hand the engine for its connectors (KV, encoder cache).
 _ROUTING_FIELDS = ("kv_transfer_params", "ec_transfer_params")
 
+# The constraint kinds of vLLM's StructuredOutputsParams that compile to a
+# grammar; `choice` is a list, `json_object` a flag without a size.
+_CONSTRAINT_TEXTS = ("json", "regex", "grammar", "structural_tag")
+
 
 class RoutingDataForbiddenError(GracefulHTTPError):
     """`kv_transfer_params` or `ec_transfer_params` from a caller who is no router:
@@ -92,6 +100,34 @@ class BudgetRefusalError(GracefulHTTPError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, HTTPStatus.BAD_REQUEST)
+
+
+def _constraint_size(sampling_params: Any) -> tuple[str, int] | None:
+    """The sampling parameters' structured-output constraint, named as vLLM's
+    field (`structured_outputs.json`), and its size in bytes, if it has one.
+
+    The gRPC protocols measure theirs so (`wire/structured_outputs.py`): a
+    text's UTF-8 bytes, all choices together. A JSON schema vLLM holds as an
+    object (from `response_format`) counts as compact JSON text.
+    """
+    prefix = "structured_outputs"  # every release supported (0.31 on)
+    params = getattr(sampling_params, prefix, None)
+    if params is None:
+        return None
+    choice = getattr(params, "choice", None)
+    if choice is not None:
+        return f"{prefix}.choice", encoded_size(*(str(item) for item in choice))
+    for kind in _CONSTRAINT_TEXTS:
+        value = getattr(params, kind, None)
+        if value is None:
+            continue
+        text = (
+            value
+            if isinstance(value, str)
+            else json.dumps(value, separators=(",", ":"), default=str)
+        )
+        return f"{prefix}.{kind}", encoded_size(text)
+    return None
 
 
 @contextlib.contextmanager
@@ -176,6 +212,12 @@ class GuardedEngine:
             # (Beam search never comes here with its width: vLLM runs each
             # beam as a generation of its own, each taking its own slot.)
             self._budgets.check_n("n", getattr(sampling_params, "n", None) or 1)
+            # The engine compiles the constraint (xgrammar), and vLLM's
+            # frontend validates it first, on this event loop: a 1.7 MB schema
+            # ran for 160 s and stalled every other request.
+            constraint = _constraint_size(sampling_params)
+            if constraint is not None:
+                self._budgets.check_constraint(*constraint)
             # A pinned rank is a global one, as the gRPC protocols take it (`ranks.py`).
             rank = kwargs.get("data_parallel_rank")
             if rank is not None:

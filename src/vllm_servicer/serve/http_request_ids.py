@@ -16,19 +16,33 @@ message size limit (`--max-message-bytes`, gRPC's too): a larger
 `Content-Length` is refused 413 before a byte of the body is read, and a
 chunked body as soon as its bytes pass the limit (uvicorn itself sets none).
 It is parsed only when it can name `request_id` at all: the key's own bytes,
-or a JSON escape that could spell them.
+or a JSON escape that could spell them; or when it is a `/tokenize` or
+`/detokenize` body large enough to pass a render budget (`http_budgets.py`).
+
+The read has the gRPC calls' deadline (`--request-read-timeout`, the call
+slots' `read_deadline`) for each part of the body, as a gRPC client stream has
+for each message, the first counted from just after the request's slot was
+taken: a body that stalls (ten of a hundred declared bytes, then nothing) held
+that slot, and its connection, for as long as its client liked. Past the
+deadline the request is answered 408 naming the flag, its connection closed
+(the rest of the body is never read) and its slot given back.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..budgets import check_request_id
+from ..budgets import RequestBudgets, check_request_id
 from ..errors import InvalidRequestError
+from . import http_budgets
 
-__all__ = ["HEADER", "Refusal", "checked", "error_body"]
+if TYPE_CHECKING:
+    from ..interceptors._call import ReadDeadline
+
+__all__ = ["HEADER", "UNREAD_BODY", "Refusal", "checked", "error_body"]
 
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Refusal = tuple[int, dict[str, Any]]
@@ -39,11 +53,22 @@ _HEADER = HEADER.lower().encode()
 _FIELD = "request_id"
 _METHODS_WITH_BODIES = frozenset({"POST", "PUT", "PATCH"})
 _CONTENT_LENGTH = b"content-length"
+_TRANSFER_ENCODING = b"transfer-encoding"
 _TOO_LARGE = 413
+_TOO_LATE = 408
+
+UNREAD_BODY = frozenset({_TOO_LARGE, _TOO_LATE})
+"""Refusals sent before the body was read to its end: their connection must close."""
 
 
 async def checked(
-    scope: dict[str, Any], receive: Receive, max_body_bytes: int | None = None
+    scope: dict[str, Any],
+    receive: Receive,
+    max_body_bytes: int | None = None,
+    *,
+    read_deadline: ReadDeadline | None = None,
+    budgets: RequestBudgets | None = None,
+    path: str = "",
 ) -> tuple[Refusal | None, Receive]:
     """Check the request's ids and its body's size; the receive callable to hand the app on.
 
@@ -51,37 +76,62 @@ async def checked(
         scope: the request's ASGI scope.
         receive: its ASGI receive callable.
         max_body_bytes: the largest body read (`--max-message-bytes`); None: any.
+        read_deadline: how long the whole body may take to arrive, from now
+            (`--request-read-timeout`); None: as long as it likes.
+        budgets: the render budgets `/tokenize` and `/detokenize` meet; None:
+            not checked.
+        path: the request's path without the root path (which budgets apply).
 
     Returns:
-        (refusal, receive): a 400 naming the id's field or a 413 naming the
-        limit, else None; once the body has been read, `receive` gives it
-        again as one message.
+        (refusal, receive): a 400 naming the id's field or a budget's, a 413
+        naming the size limit or a 408 naming the read deadline, else None;
+        once the body has been read, `receive` gives it again as one message.
     """
     for name, value in scope["headers"]:
         if name == _HEADER:
             refusal = _refusal(HEADER, value.decode("latin-1"))
             if refusal is not None:
                 return refusal, receive
-    if scope["type"] != "http" or scope.get("method") not in _METHODS_WITH_BODIES:
+    if scope["type"] != "http" or not _has_body(scope):
         return None, receive
     if max_body_bytes is not None:
         declared = _content_length(scope)
         if declared is not None and declared > max_body_bytes:
             return _too_large(declared, max_body_bytes), receive
-    body, receive = await _whole_body(receive, max_body_bytes)
+    body, receive = await _whole_body(receive, max_body_bytes, read_deadline)
+    if isinstance(body, _Late):
+        return _too_late(body.deadline), receive
     if body is None:
         return _too_large(None, max_body_bytes), receive
     text = _as_utf8(body)
-    if _FIELD.encode() not in text and b"\\u" not in text:
+    names_id = _FIELD.encode() in text or b"\\u" in text
+    budgeted = budgets is not None and http_budgets.may_pass(path, len(body), budgets)
+    if not names_id and not budgeted:
         return None, receive
     try:
         data = json.loads(body)
-    except ValueError:  # not JSON: vLLM's app answers that itself
+    except (ValueError, RecursionError):  # not JSON (or nested past the parser): vLLM's app answers
         return None, receive
+    if budgeted and budgets is not None:
+        try:
+            http_budgets.check(path, data, budgets)
+        except InvalidRequestError as exc:
+            return (400, error_body(exc.field, str(exc))), receive
     given = data.get(_FIELD) if isinstance(data, dict) else None
     if isinstance(given, str):
         return _refusal(_FIELD, given), receive
     return None, receive
+
+
+def _has_body(scope: dict[str, Any]) -> bool:
+    """Whether the request may carry a body: its method's kind, or headers
+    declaring one (a GET may send one too, which its connection waits on)."""
+    if scope.get("method") in _METHODS_WITH_BODIES:
+        return True
+    for name, value in scope["headers"]:
+        if name == _TRANSFER_ENCODING or (name == _CONTENT_LENGTH and value.strip() != b"0"):
+            return True
+    return False
 
 
 def _content_length(scope: dict[str, Any]) -> int | None:
@@ -101,6 +151,14 @@ def _too_large(size: int | None, limit: int | None) -> Refusal:
         "(--max-message-bytes)"
     )
     return _TOO_LARGE, error_body("body", message, _TOO_LARGE, "RequestEntityTooLargeError")
+
+
+def _too_late(deadline: ReadDeadline) -> Refusal:
+    message = (
+        f"request body not received in time: the limit ({deadline.limit}) is "
+        f"{deadline.seconds:g} s for each part of the body; send the body with the headers"
+    )
+    return _TOO_LATE, error_body("body", message, _TOO_LATE, "RequestTimeoutError")
 
 
 def _as_utf8(body: bytes) -> bytes:
@@ -131,13 +189,36 @@ def _refusal(field: str, request_id: str) -> Refusal | None:
     return None
 
 
-async def _whole_body(receive: Receive, max_bytes: int | None) -> tuple[bytes | None, Receive]:
-    """The body (None: past `max_bytes`), and a receive that gives it as one
-    message, then what follows."""
+class _Late:
+    """A body that did not arrive within its deadline."""
+
+    __slots__ = ("deadline",)
+
+    def __init__(self, deadline: ReadDeadline) -> None:
+        self.deadline = deadline
+
+
+async def _whole_body(
+    receive: Receive, max_bytes: int | None, deadline: ReadDeadline | None = None
+) -> tuple[bytes | None | _Late, Receive]:
+    """The body (None: past `max_bytes`; `_Late`: not all there within
+    `deadline`), and a receive that gives it as one message, then what follows."""
     chunks: list[bytes] = []
     size = 0
+    # Each part within the deadline, as each message of a gRPC client stream:
+    # a large body over a slow link keeps coming; a stalled one ends here. (A
+    # body that keeps trickling holds its slot on, one of its tenant's share.)
+    late = None if deadline is None else _Late(deadline)
+    seconds = None if late is None else late.deadline.seconds
     while True:
-        message = await receive()
+        try:
+            async with asyncio.timeout(seconds):
+                message = await receive()
+        except TimeoutError:
+            if late is None:  # not this read's: a deadline of its caller's
+                raise
+            chunks.clear()
+            return late, receive
         if message["type"] != "http.request":  # the client went: the app sees it too
             return b"", _replaying([message], receive)
         chunk = message.get("body", b"")
