@@ -28,6 +28,9 @@ import pytest
 from support import bearer
 from support.launcher import START_TIMEOUT, Launched, launched, launcher_env
 
+from vllm_servicer.interceptors._reclaim import STILL_AFTER_S
+from vllm_servicer.shares import DEFAULT_WANT_WINDOW
+
 pytestmark = pytest.mark.timeout(START_TIMEOUT + 180)
 
 TENANT_A = "admission-tenant-a-0123456789abcdef"
@@ -154,6 +157,46 @@ async def test_stalled_bodies_get_408_at_the_read_deadline_and_the_other_tenant_
     finally:
         for raw in stalled:
             await raw.close()
+
+
+async def test_a_stalled_body_gives_its_slot_to_another_tenant_at_once(
+    launcher: Launched, model: str
+) -> None:
+    # A refusal in another test counts its tenant as wanting the slots for a
+    # while, which would hold A to half of them: A must be alone to fill them.
+    await asyncio.sleep(DEFAULT_WANT_WINDOW)
+    stalled = [await Raw.open(launcher) for _ in range(MAX_CONCURRENT_RPCS)]
+    try:
+        for raw in stalled:
+            request = head(
+                launcher,
+                "POST",
+                "/v1/completions",
+                TENANT_A,
+                Content_Type="application/json",
+                Content_Length="100",
+            )
+            await raw.send(request + b'{"prompt":')
+        # Still past STILL_AFTER_S, well within the read deadline: A holds every
+        # slot and moves none of them, while B wants one.
+        await asyncio.sleep(STILL_AFTER_S + 0.3)
+        async with client(launcher, TENANT_B) as b:
+            started = time.monotonic()
+            served = await complete(b, model)
+            assert served.status_code == 200, served.text
+            assert time.monotonic() - started < READ_TIMEOUT
+        given = [raw for raw in stalled if raw.reader.at_eof() or raw.reader._buffer]  # noqa: SLF001
+        answers = await asyncio.gather(*(raw.until_closed(READ_TIMEOUT + SLACK) for raw in stalled))
+        taken = [answer(data) for data in answers if b"slot taken back" in data]
+        assert len(taken) == 1, answers
+        status, body = taken[0]
+        assert status == 408
+        assert "tenant" in body["error"]["message"] and "call slots" in body["error"]["message"]
+        assert given  # its answer came before the read deadline
+    finally:
+        for raw in stalled:
+            await raw.close()
+        await asyncio.sleep(DEFAULT_WANT_WINDOW)  # B wanted the slots: let it pass
 
 
 async def test_a_connection_stalled_in_its_headers_is_closed(launcher: Launched) -> None:

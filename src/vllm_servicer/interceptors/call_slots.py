@@ -32,7 +32,7 @@ import grpc
 from ..context import blame_caller, current_identity, tenant
 from ..shares import FairShares
 from ._base import CallInterceptor, MethodFilter
-from ._call import Call, ReadDeadline, WriteDeadline, client_wait
+from ._call import Call, ClientWait, ReadDeadline, WriteDeadline, client_wait
 from ._reclaim import Holders
 from .auth import requires_auth_by_default
 from .inflight import RETRY_PUSHBACK_KEY
@@ -42,6 +42,7 @@ __all__ = [
     "DEFAULT_RESPONSE_WRITE_TIMEOUT",
     "CallSlotsInterceptor",
     "CallSlotsRefused",
+    "RequestHold",
 ]
 
 DEFAULT_REQUEST_READ_TIMEOUT = 30.0
@@ -163,6 +164,21 @@ class CallSlotsInterceptor(CallInterceptor):
         self._total += 1
         return name, weight
 
+    def hold(self, wait: ClientWait | None = None) -> RequestHold:
+        """`claim` for a request served outside a gRPC call (the HTTP API's): its
+        slot, which `wait` (the request's wait on its client, marked while it
+        reads the body) may lose to a caller that wants the full pool, as a
+        gRPC call's slot may.
+
+        Raises:
+            CallSlotsRefused: as `claim`.
+        """
+        held = self.claim()
+        hold = RequestHold(self, held, wait)
+        if wait is not None and held[0] is not None:
+            self._holders.add(wait, held[0], held[1], hold)
+        return hold
+
     def release(self, held: tuple[str | None, float]) -> None:
         """Give back a slot `claim` took."""
         self._total -= 1
@@ -190,8 +206,31 @@ class CallSlotsInterceptor(CallInterceptor):
                 self._holders.discard(wait)
             self.release(held)
 
-    def _give_back(self, call: Call) -> None:
+    def _give_back(self, call: Call | RequestHold) -> None:
         """The slot of `call`, taken back while it waits on its client: let go now."""
-        held, _wait = call.state
+        state = call.state
         call.state = None
-        self.release(held)
+        if state is not None:
+            self.release(state[0])
+
+
+class RequestHold:
+    """A request's call slot (`CallSlotsInterceptor.hold`), released once by `release`."""
+
+    __slots__ = ("_slots", "state")
+
+    def __init__(
+        self, slots: CallSlotsInterceptor, held: tuple[str | None, float], wait: ClientWait | None
+    ) -> None:
+        self._slots = slots
+        self.state: tuple[tuple[str | None, float], ClientWait | None] | None = (held, wait)
+
+    def release(self) -> None:
+        """Give the slot back, unless it was taken back already."""
+        if self.state is None:
+            return
+        held, wait = self.state
+        self.state = None
+        if wait is not None:
+            self._slots._holders.discard(wait)
+        self._slots.release(held)

@@ -59,6 +59,7 @@ import uvicorn
 from ..budgets import RequestBudgets
 from ..context import Identity, current_identity
 from ..guard import EngineGuard
+from ..interceptors._call import ClientWait, client_wait
 from ..interceptors.auth import AuthError, Unauthenticated
 from ..interceptors.call_slots import CallSlotsInterceptor, CallSlotsRefused
 from ..servicer.vllm_app import with_engine_parsers
@@ -257,25 +258,29 @@ class _Front:
         # (http_guard.py); without keys, no tenant (gRPC's keyless rule).
         token = current_identity.set(caller if self.verifier is not None else None)
         try:
-            slots, held = self.slots, None
+            slots, held, wait = self.slots, None, None
             if slots is not None and not _costless(scope, path):
                 # Before the body is read: a body sent slowly holds this slot,
-                # one of its tenant's share, not one of everyone's.
+                # one of its tenant's share, not one of everyone's, and loses
+                # it to another tenant wanting the full pool once it stalls.
+                wait = client_wait()
                 try:
-                    held = slots.claim()
+                    held = slots.hold(wait)
                 except CallSlotsRefused as exc:
                     await self._busy(scope, send, str(exc))
                     return
             current_identity.set(caller)
             try:
-                await self._serve(scope, path, receive, send)
+                await self._serve(scope, path, receive, send, wait)
             finally:
-                if slots is not None and held is not None:
-                    slots.release(held)
+                if held is not None:
+                    held.release()
         finally:
             current_identity.reset(token)
 
-    async def _serve(self, scope: Any, path: str, receive: Any, send: Any) -> None:
+    async def _serve(
+        self, scope: Any, path: str, receive: Any, send: Any, wait: ClientWait | None = None
+    ) -> None:
         if not _public(path):
             # After the key (nothing is read for a caller refused), before
             # vLLM's handler copies the id into each engine request's. The
@@ -288,6 +293,7 @@ class _Front:
                 receive,
                 self.max_body_bytes,
                 read_deadline=deadline,
+                wait=wait,
                 budgets=self.budgets,
                 path=path,
             )

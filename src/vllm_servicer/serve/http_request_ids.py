@@ -40,7 +40,7 @@ from ..errors import InvalidRequestError
 from . import http_budgets
 
 if TYPE_CHECKING:
-    from ..interceptors._call import ReadDeadline
+    from ..interceptors._call import ClientWait, ReadDeadline
 
 __all__ = ["HEADER", "UNREAD_BODY", "Refusal", "checked", "error_body"]
 
@@ -67,6 +67,7 @@ async def checked(
     max_body_bytes: int | None = None,
     *,
     read_deadline: ReadDeadline | None = None,
+    wait: ClientWait | None = None,
     budgets: RequestBudgets | None = None,
     path: str = "",
 ) -> tuple[Refusal | None, Receive]:
@@ -78,6 +79,9 @@ async def checked(
         max_body_bytes: the largest body read (`--max-message-bytes`); None: any.
         read_deadline: how long the whole body may take to arrive, from now
             (`--request-read-timeout`); None: as long as it likes.
+        wait: the request's wait on its client, marked while a part of the
+            body is awaited: the call slots may take its slot back then
+            (`interceptors/_reclaim.py`), which ends the read with a 408.
         budgets: the render budgets `/tokenize` and `/detokenize` meet; None:
             not checked.
         path: the request's path without the root path (which budgets apply).
@@ -98,9 +102,9 @@ async def checked(
         declared = _content_length(scope)
         if declared is not None and declared > max_body_bytes:
             return _too_large(declared, max_body_bytes), receive
-    body, receive = await _whole_body(receive, max_body_bytes, read_deadline)
+    body, receive = await _whole_body(receive, max_body_bytes, read_deadline, wait)
     if isinstance(body, _Late):
-        return _too_late(body.deadline), receive
+        return _too_late(body.deadline, body.reason), receive
     if body is None:
         return _too_large(None, max_body_bytes), receive
     text = _as_utf8(body)
@@ -153,10 +157,12 @@ def _too_large(size: int | None, limit: int | None) -> Refusal:
     return _TOO_LARGE, error_body("body", message, _TOO_LARGE, "RequestEntityTooLargeError")
 
 
-def _too_late(deadline: ReadDeadline) -> Refusal:
-    message = (
+def _too_late(deadline: ReadDeadline | None, reason: str = "") -> Refusal:
+    message = reason or (
         f"request body not received in time: the limit ({deadline.limit}) is "
         f"{deadline.seconds:g} s for each part of the body; send the body with the headers"
+        if deadline is not None
+        else "request body not received"
     )
     return _TOO_LATE, error_body("body", message, _TOO_LATE, "RequestTimeoutError")
 
@@ -190,28 +196,36 @@ def _refusal(field: str, request_id: str) -> Refusal | None:
 
 
 class _Late:
-    """A body that did not arrive within its deadline."""
+    """A body that did not arrive within its deadline, or whose slot was taken
+    back while it stalled (`reason`)."""
 
-    __slots__ = ("deadline",)
+    __slots__ = ("deadline", "reason")
 
-    def __init__(self, deadline: ReadDeadline) -> None:
+    def __init__(self, deadline: ReadDeadline | None, reason: str = "") -> None:
         self.deadline = deadline
+        self.reason = reason
 
 
 async def _whole_body(
-    receive: Receive, max_bytes: int | None, deadline: ReadDeadline | None = None
+    receive: Receive,
+    max_bytes: int | None,
+    deadline: ReadDeadline | None = None,
+    wait: ClientWait | None = None,
 ) -> tuple[bytes | None | _Late, Receive]:
     """The body (None: past `max_bytes`; `_Late`: not all there within
-    `deadline`), and a receive that gives it as one message, then what follows."""
+    `deadline`, or `wait` cut short), and a receive that gives it as one
+    message, then what follows."""
     chunks: list[bytes] = []
     size = 0
     # Each part within the deadline, as each message of a gRPC client stream:
     # a large body over a slow link keeps coming; a stalled one ends here. (A
     # body that keeps trickling holds its slot on, one of its tenant's share.)
     late = None if deadline is None else _Late(deadline)
-    seconds = None if late is None else late.deadline.seconds
+    seconds = None if deadline is None else deadline.seconds
     while True:
         try:
+            if wait is not None:
+                wait.since = asyncio.get_running_loop().time()
             async with asyncio.timeout(seconds):
                 message = await receive()
         except TimeoutError:
@@ -219,6 +233,15 @@ async def _whole_body(
                 raise
             chunks.clear()
             return late, receive
+        except asyncio.CancelledError:
+            # Its slot went to another tenant's caller while it stalled.
+            if wait is None or not wait.expired or wait.task is None or wait.task.uncancel():
+                raise
+            chunks.clear()
+            return _Late(deadline, wait.reason), receive
+        finally:
+            if wait is not None:
+                wait.since = None
         if message["type"] != "http.request":  # the client went: the app sees it too
             return b"", _replaying([message], receive)
         chunk = message.get("body", b"")
