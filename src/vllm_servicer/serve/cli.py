@@ -17,7 +17,7 @@ from typing import NoReturn
 from .api_servers import serve_frontends
 from .args import parse_args
 from .headless import serve_headless
-from .kv_publisher import warn_if_publisher_exposed
+from .kv_publisher import check_kv_publisher
 from .launcher import serve
 from .process import configure_logging, end_process, run_until_done
 
@@ -32,7 +32,7 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     """
     args = parse_args(argv)
     configure_logging(args)
-    warn_if_publisher_exposed(args.engine)
+    check_kv_publisher(args.engine)
     if args.headless:
         end_process(serve_headless(args))
     if args.api_server_count > 1:

@@ -63,7 +63,8 @@ async def server_info(
     Args:
         engine: the engine served.
         active_requests: the calls in flight now.
-        last_receive_timestamp: when the last Generate or Embed arrived (epoch seconds).
+        last_receive_timestamp: when the last Generate or Embed arrived, or before
+            the first one when the servicer was built (epoch seconds).
         uptime_seconds: since the servicer was built.
         model_media: the preprocessed tensors the model takes.
         media: the resolver of images named by URL, None when they are off.

@@ -11,6 +11,13 @@ KV-events config), a subscriber may resume from a sequence number it names,
 and a batch missed mid-stream (dropped by ZMQ or by the subscriber's backlog)
 is fetched from the buffer before anything later is sent: the stream has no
 gaps, or it ends with DATA_LOSS (the batches are gone; resubscribe from 0).
+
+Only a publisher that listens can be subscribed to. vLLM's publisher decides
+by its endpoint's text whether to listen or to dial (`listens`):
+`tcp://127.0.0.1:P` makes it connect to a subscriber there, so neither this
+relay nor a router could reach it; such a publisher is named nowhere
+(`sources` refuses it, saying why) rather than reported at an address where
+nothing listens.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import re
 from collections.abc import AsyncGenerator, Callable
 from typing import Any, NamedTuple
 
@@ -54,6 +62,20 @@ ENABLE_HINT = (
     "KV-cache events are not enabled on this engine; start vLLM with "
     '--kv-events-config \'{"enable_kv_cache_events": true, "publisher": "zmq"}\' '
     "(and prefix caching on) to use SubscribeKvEvents"
+)
+# Why a publisher in vLLM's connect form has nothing to subscribe to, and what listens.
+LISTENING_FORMS = (
+    "ipc:///path (this machine only; the socket file's permissions say who may "
+    "subscribe), tcp://[::ffff:127.0.0.1]:PORT (TCP on loopback only: the '::' makes "
+    "vLLM listen, and ZeroMQ binds it as 127.0.0.1) or tcp://*:PORT (every interface: "
+    "firewall it to the routers)"
+)
+CONNECT_FORM_HINT = (
+    "the engine's KV-event publisher connects to {endpoint} instead of listening: vLLM "
+    "listens only on an endpoint with '*' or '::' in it, or an ipc:// or inproc:// one, "
+    "and dials any other, so its events go to whatever listens at that address and no "
+    "subscriber can connect to it here. To subscribe here, start vLLM with a listening "
+    "endpoint in --kv-events-config: " + LISTENING_FORMS
 )
 # How often an idle stream checks that the engine is still alive.
 _IDLE_CHECK_S = 1.0
@@ -98,28 +120,57 @@ def sources(engine: EngineClient, config: Any) -> list[Source]:
     """Every rank's publisher: as the engine cores reported them, else from the config.
 
     Raises:
-        NotEnabledError: the engine publishes no KV-cache events.
+        NotEnabledError: the engine publishes no KV-cache events, or publishes
+            them in vLLM's connect form (to a subscriber that listens
+            elsewhere), or its listening port is not known yet.
     """
+    # Asked of the endpoint as configured: a reported one is the address bound
+    # (vLLM reports `tcp://*:0` as `tcp://<node address>:<port>`), whose text no
+    # longer tells.
+    configured = str(config.endpoint or "")
+    if not listens(configured):
+        raise NotEnabledError(CONNECT_FORM_HINT.format(endpoint=configured))
     reported = engine.get_kv_event_sources()
-    if reported:
-        found = [
-            Source(rank, connectable(cfg.endpoint), _replay_address(cfg.replay_endpoint))
+    if reported:  # where each rank's publisher actually is (a port 0 resolved)
+        endpoints = {
+            rank: (str(cfg.endpoint), cfg.replay_endpoint)
             for rank, cfg in sorted(reported.items())
             if getattr(cfg, "endpoint", None)
-        ]
+        }
     else:  # none reported (yet): each rank offsets the base ports by its rank
-        offset = ZmqEventPublisher.offset_endpoint_port
-        found = [
-            Source(
-                rank,
-                connectable(offset(config.endpoint, rank)),
-                _replay_address(offset(config.replay_endpoint, rank)),
+        if configured.startswith("tcp://") and configured.endswith(":0"):
+            # vLLM picks the port as it binds; only its report names it.
+            raise NotEnabledError(
+                f"the engine's KV-event publisher listens at {configured}, on a port "
+                "chosen when it started, and has not reported which; retry once it has"
             )
+        offset = ZmqEventPublisher.offset_endpoint_port
+        endpoints = {
+            rank: (str(offset(config.endpoint, rank)), offset(config.replay_endpoint, rank))
             for rank in managed_ranks(engine)
-        ]
+        }
+    found = [
+        Source(rank, connectable(endpoint), _replay_address(replay))
+        for rank, (endpoint, replay) in endpoints.items()
+    ]
     if not found:
         raise NotEnabledError(ENABLE_HINT)
     return found
+
+
+def listens(endpoint: str) -> bool:
+    """Whether vLLM's ZMQ publisher listens on (binds) `endpoint` rather than dialling it.
+
+    vLLM decides by the text alone: it binds an endpoint with `*` or `::` in
+    it, or an `ipc://` or `inproc://` one, and connects to any other, so
+    `tcp://127.0.0.1:P` is dialled, never listened on. (Its replay socket
+    always binds.) vLLM's own test is asked where it has one (0.32's
+    `_is_bind_endpoint`); earlier releases make the same test inline.
+    """
+    own = getattr(ZmqEventPublisher, "_is_bind_endpoint", None)
+    if callable(own):
+        return bool(own(endpoint))
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
 def _replay_address(endpoint: str | None) -> str | None:
@@ -147,9 +198,19 @@ def check_resumable(ranks: list[Source], start: int) -> None:
         )
 
 
+# An IPv4 address written IPv6-mapped, as vLLM's publisher is made to listen on one.
+_IPV4_MAPPED = re.compile(r"\[::ffff:(\d{1,3}(?:\.\d{1,3}){3})\]", re.IGNORECASE)
+
+
 def connectable(endpoint: str | None) -> str:
-    """A publisher's bind address as one a subscriber on this host can connect to."""
-    address = str(endpoint or "")
+    """A publisher's bind address as one a subscriber on this host can connect to.
+
+    A bind to every interface (`*`, `0.0.0.0`) is reached at 127.0.0.1; an
+    IPv4 address written IPv6-mapped (`[::ffff:127.0.0.1]`, which ZeroMQ binds
+    as that IPv4 address) is given plainly, so that a ZeroMQ socket without
+    IPv6 switched on, as most subscribers' are, can dial it.
+    """
+    address = _IPV4_MAPPED.sub(r"\1", str(endpoint or ""))
     return address.replace("*", "127.0.0.1").replace("0.0.0.0", "127.0.0.1")
 
 

@@ -81,7 +81,9 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self._started_monotonic = time.monotonic()
         self._steps = state.steps
         self._running = state.running
-        self._last_receive_timestamp = 0.0
+        # The start until the first Generate or Embed arrives: clients read it as a
+        # liveness clock, and 0 would read as a server silent since 1970.
+        self._last_receive_timestamp = time.time()
         self._model_info: pb.GetModelInfoResponse | None = None
         self._supported_tasks: tuple[str, ...] | None = None
         # Reads the engine's own per-step scheduler stats for GetLoads.
