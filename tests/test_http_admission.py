@@ -43,6 +43,7 @@ MAX_CONSTRAINT_BYTES = 4096
 MAX_RENDER_CHARS = 20_000
 MAX_RENDER_ITEMS = 64
 MAX_DERENDER_TOKENS = 1000
+MAX_ABORT_IDS = 16
 SLACK = 10.0  # seconds past a deadline for the answer: the machine may be busy
 
 
@@ -57,6 +58,7 @@ async def launcher(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[La
     flags += ["--max-render-chars", str(MAX_RENDER_CHARS)]
     flags += ["--max-render-items", str(MAX_RENDER_ITEMS)]
     flags += ["--max-derender-tokens", str(MAX_DERENDER_TOKENS)]
+    flags += ["--enable-scale-out", "--max-abort-ids", str(MAX_ABORT_IDS)]
     async with launched(*flags, env=launcher_env(tmp_path_factory.mktemp("cache"))) as served:
         yield served
 
@@ -347,3 +349,45 @@ async def test_metrics_need_a_key_when_keys_are_set(launcher: Launched) -> None:
         page = await b.get("/metrics")
         assert page.status_code == 200, page.text
         assert "vllm:" in page.text
+
+
+async def test_the_scale_out_abort_stops_only_the_callers_own_requests(
+    launcher: Launched, model: str
+) -> None:
+    body = {"model": model, "prompt": "Hello", "max_tokens": 400, "ignore_eos": True}
+    body["stream"] = True
+    async with client(launcher, TENANT_A) as a, client(launcher, TENANT_B) as b:
+        running = {"abort-kept": asyncio.Event(), "abort-stopped": asyncio.Event()}
+
+        async def finish_reason(request_id: str) -> str | None:
+            headers = {"X-Request-Id": request_id}
+            reason = None
+            async with a.stream("POST", "/v1/completions", json=body, headers=headers) as reply:
+                assert reply.status_code == 200
+                async for line in reply.aiter_lines():
+                    if line.startswith("data: {"):
+                        running[request_id].set()
+                        choice = json.loads(line[6:])["choices"][0]
+                        reason = choice.get("finish_reason") or reason
+            return reason
+
+        kept = asyncio.ensure_future(finish_reason("abort-kept"))
+        stopped = asyncio.ensure_future(finish_reason("abort-stopped"))
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in running.values())), 60)
+        # B names A's running request: left alone, as an unknown id is.
+        refused = await b.post(
+            "/inference/v1/abort_requests", json={"request_ids": ["cmpl-abort-kept-0"]}
+        )
+        assert refused.status_code == 200
+        # A stops its own.
+        own = await a.post(
+            "/inference/v1/abort_requests", json={"request_ids": ["cmpl-abort-stopped-0"]}
+        )
+        assert own.status_code == 200
+        assert await asyncio.wait_for(kept, 120) == "length"
+        assert await asyncio.wait_for(stopped, 120) != "length"
+        # More ids than --max-abort-ids are refused before any is looked up.
+        many = {"request_ids": [f"id-{i}" for i in range(MAX_ABORT_IDS + 1)]}
+        past = await b.post("/inference/v1/abort_requests", json=many)
+        assert past.status_code == 400, past.text
+        assert "--max-abort-ids" in past.json()["error"]["message"]

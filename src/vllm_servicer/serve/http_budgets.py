@@ -7,6 +7,8 @@ shares: a 24 MB `/tokenize` held it for 38 s. gRPC's Render bounds the same
 work (`RequestBudgets`): `/tokenize`'s prompt or chat by `--max-render-chars`
 and `--max-render-items` as RenderCompletion's and RenderChat's,
 `/detokenize`'s token ids by `--max-derender-tokens` as DerenderCompletion's.
+The scale-out routes' abort (`/inference/v1/abort_requests`, `/abort_requests`)
+takes at most `--max-abort-ids` ids, as gRPC's Abort does.
 A body past one is refused 400 in vLLM's error shape, naming the field and
 the flag, as gRPC's INVALID_ARGUMENT names them.
 
@@ -34,6 +36,7 @@ __all__ = ["check", "may_pass"]
 
 _TOKENIZE = "/tokenize"
 _DETOKENIZE = "/detokenize"
+_ABORTS = ("/inference/v1/abort_requests", "/abort_requests")
 
 # A chat's fields the template lays out besides its messages (the tools are
 # counted as items too).
@@ -47,6 +50,8 @@ def may_pass(path: str, size: int, budgets: RequestBudgets) -> bool:
         return size > min(budgets.max_render_chars, budgets.max_render_items)
     if path == _DETOKENIZE:
         return size > budgets.max_derender_tokens
+    if path in _ABORTS:
+        return size > budgets.max_abort_ids  # an id takes three bytes at least
     return False
 
 
@@ -65,6 +70,10 @@ def check(path: str, data: Any, budgets: RequestBudgets) -> None:
         tokens = data.get("tokens")
         if isinstance(tokens, list):
             budgets.check_derender_tokens("tokens", len(tokens))
+    elif path in _ABORTS:
+        ids = data.get("request_ids")
+        if isinstance(ids, list):
+            budgets.check_abort_ids("request_ids", [str(i) for i in ids])
 
 
 def _check_tokenize(data: dict[str, Any], budgets: RequestBudgets) -> None:

@@ -41,7 +41,7 @@ import asyncio
 import contextlib
 import functools
 import json
-from collections.abc import AsyncGenerator, Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterable, Iterator
 from http import HTTPStatus
 from typing import Any
 
@@ -145,7 +145,7 @@ def _as_http_errors() -> Iterator[None]:
 class GuardedEngine:
     """The engine client handed to vLLM's HTTP app: the engine, every request guarded.
 
-    Everything but `generate`, `encode`, `check_admission`,
+    Everything but `generate`, `encode`, `abort`, `check_admission`,
     `notify_kv_transfer_request_rejected` and `add_lora` is the engine's own.
 
     Args:
@@ -251,6 +251,21 @@ class GuardedEngine:
             await self._engine.notify_kv_transfer_request_rejected(
                 request_id, kv_transfer_params, *args, **kwargs
             )
+
+    async def abort(self, request_id: str | Iterable[str], *args: Any, **kwargs: Any) -> None:
+        """vLLM's abort, for the caller's own requests only.
+
+        vLLM's handlers abort the requests of a client gone, and with
+        `--enable-scale-out` any key may name ids to `/inference/v1/abort_requests`:
+        a tenant stops only what it started, in whichever process runs it, as
+        with gRPC's Abort; another's id is left out like an unknown one.
+        Without keys there is one caller, and every id is its own.
+        """
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        if not self._authenticated:
+            await self._engine.abort(ids, *args, **kwargs)
+            return
+        await self._guard.running.abort(self._engine, ids)
 
     async def add_lora(self, lora_request: Any) -> Any:
         """An adapter into the engine: with keys, for an administrator only.
