@@ -176,6 +176,62 @@ async def test_a_request_id_with_a_control_character_is_refused_on_both_protocol
     assert await wait_until_idle(engine) == 0
 
 
+# Ids a client chooses that vLLM copies into the engine request: a session id
+# into the KV event of every block the request stores (six Generates with a
+# 24 MB one were accepted, and every router's KV-event subscription stalled
+# on the events), a cache salt and media uuids into the blocks' keys, KV hints
+# and a KV connector's host to the engine as they are.
+CLIENT_IDS: dict[str, Any] = {
+    "session_id": lambda m, v: setattr(m, "session_id", v),
+    "kv.cache_salt": lambda m, v: setattr(m.kv, "cache_salt", v),
+    "media[0].uuid": lambda m, v: m.media.add(
+        modality=1, data_uri="data:image/png;base64,AA==", uuid=v
+    ),
+    "kv_hints.message_id": lambda m, v: setattr(m.kv_hints, "message_id", v),
+    "kv_hints.actions[0].action_type": lambda m, v: m.kv_hints.actions.add(action_type=v),
+}
+
+
+@pytest.mark.parametrize("field", list(CLIENT_IDS))
+async def test_ids_the_engine_copies_keep_to_the_request_id_rule(
+    field: str, inference_stub: Any, ref: types.ModuleType, engine: Any
+) -> None:
+    for value, words in (
+        ("s" * 1025, "1025 characters, more than the 1024 a "),
+        ("line\nbreak", "has the control character '\\n' at position 4"),
+    ):
+        message = _inference_request(ref, PROMPT)
+        CLIENT_IDS[field](message, value)
+        err = await _refused(inference_stub.Generate(message, timeout=60))
+        assert err.code() is INVALID, err.details()
+        details = err.details() or ""
+        assert details.startswith(f"{field}: {words}"), details
+    assert await wait_until_idle(engine) == 0
+
+
+async def test_ids_at_the_rule_are_served_and_vllm_engines_are_kept_to_it(
+    inference_stub: Any, engine_stub: Any, ref: types.ModuleType, engine: Any
+) -> None:
+    message = _inference_request(ref, PROMPT, session_id="s" * 1024)
+    message.kv.cache_salt = "c" * 1024
+    assert (await inference_stub.Generate(message, timeout=60)).outputs.num_tokens == 2
+    # VllmEngine's: the KV connector's host (before its role is asked: this
+    # server has no keys) and the names of preprocessed tensors.
+    req = request(max_tokens=2)
+    req.kv_transfer_params.remote_host = "h" * 1025
+    req.kv_transfer_params.remote_port = 9
+    err = await _refused(engine_stub.Generate(req, timeout=60))
+    assert err.code() is INVALID
+    assert (err.details() or "").startswith("kv_transfer_params.remote_host: 1025 characters")
+    req = request(max_tokens=2)
+    req.mm_inputs.modality = common_pb2.IMAGE
+    req.mm_inputs.model_specific_tensors["x" * 1025].shape.append(1)
+    err = await _refused(engine_stub.Generate(req, timeout=60))
+    assert err.code() is INVALID
+    assert (err.details() or "").startswith("mm_inputs.model_specific_tensors: 1025 characters")
+    assert await wait_until_idle(engine) == 0
+
+
 # ----- stop strings ---------------------------------------------------------------------------
 
 # The defaults (vllm_servicer.budgets), as the docs give them.

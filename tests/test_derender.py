@@ -35,6 +35,8 @@ KEY = "derender-tenant-0123456789abcdef0123"
 AUTH = bearer(KEY)
 MAX_DERENDER_TOKENS = 2048
 MAX_DERENDER_CHUNKS = 256
+# Above what the chunk budget's 256 one-token chunks replay (256 * 257 / 2).
+MAX_DERENDER_WORK = 40_000
 WEATHER = {
     "type": "object",
     "properties": {"city": {"type": "string", "description": "a city"}},
@@ -65,6 +67,7 @@ async def launcher(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[La
     flags += ("--tool-call-parser", "pythonic", "--enable-auto-tool-choice")
     flags += ("--max-derender-tokens", str(MAX_DERENDER_TOKENS))
     flags += ("--max-derender-chunks", str(MAX_DERENDER_CHUNKS))
+    flags += ("--max-derender-work", str(MAX_DERENDER_WORK))
     async with launched(*flags, env=launcher_env(cache)) as served:
         yield served
 
@@ -867,3 +870,45 @@ async def test_a_chat_stream_ends_with_its_finish_and_keeps_to_its_chunk_budget(
     assert len(answers) == MAX_DERENDER_CHUNKS
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "--max-derender-chunks" in (error.details() or ""), error.details()
+
+
+async def test_a_chat_stream_is_cut_past_the_tokens_its_chunks_replay(
+    render: Any, stubs: Any
+) -> None:
+    """With a parser vLLM replays the sequence so far on every chunk: a stream
+    is charged each chunk's running length (`--max-derender-work`). 400 tokens
+    in chunks of 20 replay 20 * (1 + ... + 20) = 4,200 tokens and are served;
+    in chunks of 2, within the chunk and token budgets, they would replay
+    2 * (1 + ... + 200) = 40,200, and the stream is cut at chunk 200, the first
+    past the budget. A completion stream replays nothing: its chunks of 2 pass."""
+    pb = stubs[0]
+    chat = pb.RenderChatRequest(messages=[pb.ChatMessage(role="user", content="Hi")])
+
+    def chat_stream(size: int, count: int) -> Any:
+        async def send() -> AsyncIterator[Any]:
+            start = pb.DerenderChatStart(chat=chat, prompt_token_ids=[1, 5])
+            yield pb.DerenderChatStreamRequest(start=start)
+            for _ in range(count):
+                yield pb.DerenderChatStreamRequest(chunk=pb.GeneratedSequence(token_ids=[5] * size))
+
+        return render.DerenderChatStream(send(), metadata=AUTH)
+
+    served = [delta async for delta in chat_stream(20, 20)]
+    assert len(served) == 20
+    answers, error = await _stream_error(chat_stream(2, 201))
+    assert len(answers) == 199
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    details = error.details() or ""
+    assert details.startswith(
+        "chunk: this chunk takes the tokens the stream's chunks replay to 40200"
+    ), details
+    assert f"budget of {MAX_DERENDER_WORK} per stream (--max-derender-work)" in details, details
+
+    async def completion() -> AsyncIterator[Any]:
+        start = pb.DerenderCompletionStart(prompt_token_ids=[1, 5])
+        yield pb.DerenderCompletionStreamRequest(start=start)
+        for _ in range(201):
+            yield pb.DerenderCompletionStreamRequest(chunk=pb.GeneratedSequence(token_ids=[5, 5]))
+
+    deltas = [d async for d in render.DerenderCompletionStream(completion(), metadata=AUTH)]
+    assert len(deltas) == 201

@@ -6,6 +6,11 @@ URLs, files under one directory, http from loopback only) and with them off.
 Greedy tokens show the image reaches the model: two images give two outputs,
 the same image the same output, and the output equals vLLM's own for the
 same decoded image.
+
+A media `uuid` (vllm.Inference's `media[i].uuid`) is vLLM's cache key for
+the item in place of its content's hash: served with two tenants' keys, each
+tenant's uuids are keys of its own, so neither runs on the other's image
+(`prefix_cache.salted`).
 """
 
 from __future__ import annotations
@@ -15,16 +20,20 @@ import functools
 import http.server
 import io
 import threading
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
-from support import collect, completes, free_port, request, serving, wait_until_idle
+from support import bearer, collect, completes, free_port, request, serving, wait_until_idle
 
-from vllm_servicer import MediaRefOptions
-from vllm_servicer.proto import common_pb2, vllm_engine_pb2_grpc
+from vllm_servicer import SERVICE_NAME, MediaRefOptions
+from vllm_servicer.context import ADMIN_ROLE, ROUTER_ROLE, Identity, current_identity
+from vllm_servicer.interceptors.auth import ApiKeyVerifier, AuthInterceptor
+from vllm_servicer.prefix_cache import keyed_media_uuids, salted, tenant_media_uuid
+from vllm_servicer.proto import INFERENCE_SERVICE, common_pb2, vllm_engine_pb2_grpc
 from vllm_servicer.proto import vllm_engine_pb2 as pb
 from vllm_servicer.testing.tiny_vlm import IMAGE_TOKEN
 
@@ -305,3 +314,109 @@ async def test_other_malformed_requests_are_refused(
     if not done[0].output_ids:
         assert done[0].finish_reason == "error", done
     assert len(await _tokens(images_on, prompt_ids, _data_url(RED))) == 8
+
+
+# ----- media uuids are a tenant's own ------------------------------------------------------
+
+TENANT_A = "images-tenant-a-0123456789abcdefABCDEF"
+TENANT_B = "images-tenant-b-0123456789abcdefABCDEF"
+
+
+@pytest.fixture(scope="module")
+async def tenants(vlm_engine: Any) -> AsyncIterator[Any]:
+    """vllm.Inference with data: URLs on, two tenants' keys."""
+    auth = AuthInterceptor(ApiKeyVerifier({"tenant-a": TENANT_A, "tenant-b": TENANT_B}))
+    async with serving(
+        vlm_engine,
+        services=(SERVICE_NAME, INFERENCE_SERVICE),
+        media_refs=MediaRefOptions(),
+        interceptors=[auth],
+    ) as served:
+        yield served
+
+
+async def _inference_tokens(
+    served: Any, ref: Any, ref_grpc: Any, key: str, ids: list[int], image: bytes, name: str = ""
+) -> list[int]:
+    """vllm.Inference's greedy tokens for `ids` with `image` (sent under the uuid `name`)."""
+    message = ref.GenerateRequest()
+    message.token_ids.ids.extend(ids)
+    message.stopping.max_new_tokens = 8
+    message.stopping.ignore_eos = True
+    message.response.output_token_ids = True
+    message.media.add(modality=1, data_uri=_data_url(image), uuid=name)
+    stub = ref_grpc.InferenceStub(served.channel)
+    reply = await stub.Generate(message, metadata=bearer(key), timeout=60)
+    return list(reply.outputs.token_ids)
+
+
+async def test_another_tenants_uuid_runs_the_senders_own_image(
+    tenants: Any, ref: Any, ref_grpc: Any, prompt_ids: list[int]
+) -> None:
+    name = f"photo-{uuid.uuid4()}"  # the session engine's caches outlive this test
+    red = await _inference_tokens(tenants, ref, ref_grpc, TENANT_A, prompt_ids, RED)
+    blue = await _inference_tokens(tenants, ref, ref_grpc, TENANT_B, prompt_ids, BLUE)
+    assert len(red) == len(blue) == 8 and red != blue
+    # A's red image cached under the uuid, A's again under it.
+    assert await _inference_tokens(tenants, ref, ref_grpc, TENANT_A, prompt_ids, RED, name) == red
+    assert await _inference_tokens(tenants, ref, ref_grpc, TENANT_A, prompt_ids, RED, name) == red
+    # B's blue image under A's uuid is B's blue image, not A's red one.
+    assert await _inference_tokens(tenants, ref, ref_grpc, TENANT_B, prompt_ids, BLUE, name) == blue
+
+
+async def test_a_uuid_another_tenant_sent_first_does_not_replace_a_tenants_image(
+    tenants: Any, ref: Any, ref_grpc: Any, prompt_ids: list[int]
+) -> None:
+    name = f"photo-{uuid.uuid4()}"
+    red = await _inference_tokens(tenants, ref, ref_grpc, TENANT_A, prompt_ids, RED)
+    # B sends its blue image under the uuid first; A's red one under it is red.
+    await _inference_tokens(tenants, ref, ref_grpc, TENANT_B, prompt_ids, BLUE, name)
+    assert await _inference_tokens(tenants, ref, ref_grpc, TENANT_A, prompt_ids, RED, name) == red
+
+
+def test_a_tenants_uuids_are_keyed_by_its_name_routers_and_admins_unkeyed() -> None:
+    def as_caller(identity: Identity | None, prompt: Any, shared: bool = False) -> Any:
+        token = current_identity.set(identity)
+        try:
+            return salted(prompt, shared)
+        finally:
+            current_identity.reset(token)
+
+    def prompt() -> dict[str, Any]:
+        uuids = {"image": ["cat", None, "dog"], "video": "clip"}
+        return {"prompt_token_ids": [1, 2], "multi_modal_uuids": uuids}
+
+    a, b = Identity("tenant-a"), Identity("tenant-b")
+    keyed = as_caller(a, prompt())["multi_modal_uuids"]
+    assert keyed == {
+        "image": [tenant_media_uuid("tenant-a", "cat"), None, tenant_media_uuid("tenant-a", "dog")],
+        "video": tenant_media_uuid("tenant-a", "clip"),
+    }
+    assert as_caller(a, prompt())["multi_modal_uuids"] == keyed  # the same every time
+    assert as_caller(b, prompt())["multi_modal_uuids"]["video"] != keyed["video"]
+    # Even with the prefix cache shared: a shared uuid would share an image.
+    shared = as_caller(a, prompt(), shared=True)
+    assert shared["multi_modal_uuids"] == keyed and "cache_salt" not in shared
+    # Length-prefixed, under a domain of its own: no name and uuid reach another
+    # pair, nor the tenant's cache salt.
+    assert tenant_media_uuid("ab", "c") != tenant_media_uuid("a", "bc")
+    assert tenant_media_uuid("a", "") != as_caller(a, prompt())["cache_salt"]
+    # A router's encoder-cache transfer names items by their uuids: unkeyed, as
+    # an admin's and an unauthenticated server's.
+    for caller in (
+        Identity("router", roles=frozenset({ROUTER_ROLE})),
+        Identity("admin", roles=frozenset({ADMIN_ROLE})),
+        None,
+    ):
+        assert as_caller(caller, prompt()) == prompt()
+    # Each part of an encoder-decoder prompt; the caller's own mapping left as it was.
+    uuids = {"image": "cat"}
+    encdec = {
+        "encoder_prompt": {"prompt_token_ids": [1], "multi_modal_uuids": uuids},
+        "decoder_prompt": {"prompt_token_ids": [2]},
+    }
+    keyed_encdec = keyed_media_uuids(encdec, "tenant-a")
+    assert keyed_encdec["encoder_prompt"]["multi_modal_uuids"] == {
+        "image": tenant_media_uuid("tenant-a", "cat")
+    }
+    assert uuids == {"image": "cat"}

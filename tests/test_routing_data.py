@@ -286,3 +286,34 @@ async def test_encoder_cache_transfer_params_are_a_routers_too(
     router = await send(ROUTER)
     assert router.code() == grpc.StatusCode.FAILED_PRECONDITION, router.details()
     assert (router.details() or "").startswith("kv.ec_transfer_params: ")
+
+
+async def test_kv_hints_are_a_routers(server: Server, channel: grpc.aio.Channel) -> None:
+    """`kv_hints` steer the engine's KV cache (what to prefetch, keep or drop) for
+    every tenant's blocks: a tenant's are refused for its role, naming the role
+    and the flag; a router's and the admin's reach the engine."""
+    stub = inference_pb2_grpc.InferenceStub(channel)
+
+    def message() -> inference_pb2.GenerateRequest:
+        hinted = inference_pb2.GenerateRequest(request_id=f"hints-{next(_numbers)}")
+        hinted.token_ids.ids.extend([5, 6, 7, 8])
+        hinted.stopping.max_new_tokens = 2
+        hinted.kv_hints.protocol_version = "1"
+        hinted.kv_hints.message_id = f"m-{next(_numbers)}"
+        action = hinted.kv_hints.actions.add(
+            action_id="a-1", action_type="prefetch", action_version="1"
+        )
+        action.payload.update({"blocks": 3})
+        return hinted
+
+    if not server.every_key:
+        with pytest.raises(grpc.aio.AioRpcError) as denied:
+            await stub.Generate(message(), metadata=bearer(TENANT_B), timeout=120)
+        assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        details = denied.value.details() or ""
+        assert details.startswith("kv_hints: ") and "router role" in details, details
+        assert "--routing-data-for-every-key" in details, details
+    senders = [ROUTER, ADMIN] + ([TENANT_B] if server.every_key else [])
+    for key in senders:
+        reply = await stub.Generate(message(), metadata=bearer(key), timeout=120)
+        assert reply.outputs.num_tokens == 2, key

@@ -67,6 +67,31 @@ DEFAULT_MAX_DERENDER_TOKENS = 1 << 20
 # streaming every step of a 4K-token answer sends 4,096; a router with longer
 # answers sends several tokens a chunk (or raises the budget).
 DEFAULT_MAX_DERENDER_CHUNKS = 4096
+# Tokens a streamed chat derender's chunks make vLLM replay, all together.
+# With a tool-call or reasoning parser vLLM rebuilds the parser on every chunk
+# and replays the whole sequence so far through it (detokenized, one parser
+# step per earlier chunk), so chunk k of a sequence sent a token at a time
+# costs k tokens of work and the stream sum(1..n), about n²/2. The chunk
+# budget bounds that for one-token chunks only: chunks of several tokens, each
+# within the context, would replay up to 4,096 times the context (4,096
+# chunks of 32 tokens fill a 128K context and replay 268 M). This budget
+# bounds the replay whatever the chunks, at what the chunk budget admits a
+# token a chunk: sum(1..4096) = 8,390,656 tokens, a 4K-token answer streamed
+# at every engine step; a 16K-token answer in chunks of 32 takes half of it.
+# Measured with vLLM's pythonic and hermes parsers inside a tool call, a
+# replayed token takes 20-30 µs of the tokenizer thread on an idle 2-core
+# CPU, about 100 µs on a loaded one: a stream at the budget holds that thread
+# for 3 to 14 minutes.
+# Where tenants stream long answers, have their routers send several tokens a
+# chunk (n tokens in chunks of c replay about n²/2c) and lower the budget.
+DEFAULT_MAX_DERENDER_WORK = DEFAULT_MAX_DERENDER_CHUNKS * (DEFAULT_MAX_DERENDER_CHUNKS + 1) // 2
+# vLLM's priority (with --scheduling-policy priority) runs lower values first:
+# a tenant asking for less than another's default (0) jumps that tenant's
+# queue. A tenant's requests may ask for this floor or above (only to wait
+# longer, by default); routers and administrators for any.
+DEFAULT_MIN_TENANT_PRIORITY = 0
+# vLLM's request priority is a 32-bit integer on every protocol.
+_MIN_PRIORITY = -(2**31)
 # Stop strings: vLLM matches every one against every new token's text on the
 # serving event loop (1 M of them, 11 MB, stalled every other stream and the
 # health Check for 5.6 s). OpenAI's API takes 4; routers and agent frameworks
@@ -130,12 +155,20 @@ class RequestBudgets:
             its chunks: generated ids, prompt ids and logprob candidates together.
         max_derender_chunks: most chunks one DerenderChatStream or
             DerenderCompletionStream answers.
+        max_derender_work: most tokens one DerenderChatStream's chunks make
+            vLLM replay in all: with a parser each chunk replays the sequence
+            so far, without one it decodes its own tokens only.
+        min_tenant_priority: the lowest `priority` a tenant's request may ask
+            for (vLLM runs lower first); a key of the key file may have its own
+            (`min_priority=`). Routers' and administrators' are not bounded.
+            At most 0: a request that asks for none runs at 0.
         max_stop_strings: most stop strings one generation carries, on every
             protocol and vLLM's HTTP API.
         max_stop_bytes: most bytes of one generation's stop strings together.
 
     Raises:
-        ValueError: a budget below 1, or a per-request media budget above the process's.
+        ValueError: a budget below 1, a priority floor outside -2**31..0, or a
+            per-request media budget above the process's.
     """
 
     max_n: int = dataclasses.field(
@@ -223,6 +256,24 @@ class RequestBudgets:
         ),
     )
 
+    max_derender_work: int = dataclasses.field(
+        default=DEFAULT_MAX_DERENDER_WORK,
+        metadata=_flag(
+            "most tokens one DerenderChatStream's chunks make vLLM replay in all (with a "
+            "parser each chunk replays the sequence so far: n one-token chunks replay "
+            "n(n+1)/2)"
+        ),
+    )
+
+    min_tenant_priority: int = dataclasses.field(
+        default=DEFAULT_MIN_TENANT_PRIORITY,
+        metadata=_flag(
+            "lowest priority a tenant's request may ask for (lower runs first with "
+            "--scheduling-policy priority; at most 0; a key file's min_priority= sets a key's "
+            "own; routers and admins are not bounded)"
+        ),
+    )
+
     max_stop_strings: int = dataclasses.field(
         default=DEFAULT_MAX_STOP_STRINGS,
         metadata=_flag(
@@ -238,7 +289,9 @@ class RequestBudgets:
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if not isinstance(value, int) or value < 1:
+            if field.name == "min_tenant_priority":
+                check_priority_floor(flag_name(field.name), value)
+            elif not isinstance(value, int) or value < 1:
                 raise ValueError(f"{flag_name(field.name)} must be at least 1, got {value!r}")
         if self.max_request_media_bytes > self.max_media_bytes_in_flight:
             raise ValueError(
@@ -319,6 +372,29 @@ class RequestBudgets:
                 "several token ids a chunk",
             )
 
+    def check_derender_work(self, field: str, work: int) -> None:
+        """Refuse a derender stream's chunk that takes its replayed tokens past
+        `max_derender_work`."""
+        if work > self.max_derender_work:
+            raise InvalidRequestError(
+                field,
+                f"this chunk takes the tokens the stream's chunks replay to {work}, more than "
+                f"this server's budget of {self.max_derender_work} per stream "
+                "(--max-derender-work); with a parser each chunk replays the sequence so far: "
+                "send several token ids a chunk",
+            )
+
+    def check_priority(self, field: str, priority: int, floor: int | None) -> None:
+        """Refuse a `priority` below `floor` (None: any), the caller's
+        (`context.priority_floor`), naming the flag that sets it."""
+        if floor is not None and priority < floor:
+            raise InvalidRequestError(
+                field,
+                f"{priority} is below {floor}, the lowest this key may ask for "
+                "(--min-tenant-priority, or min_priority= on the key's line of the key file): "
+                "lower runs first, ahead of other tenants' requests",
+            )
+
     def check_stop(self, field: str, stop: Sequence[str]) -> None:
         """Refuse more stop strings than `max_stop_strings`, or more than
         `max_stop_bytes` of them together (the count first: it is free)."""
@@ -348,22 +424,37 @@ class RequestBudgets:
             check_request_id(f"{field}[{index}]", request_id)
 
 
-def check_request_id(field: str, request_id: str) -> None:
-    """Refuse a request id with a control character (NUL, newline, ...) in it, or
-    longer than `MAX_REQUEST_ID_CHARS`."""
+def check_request_id(field: str, request_id: str, what: str = "request id") -> None:
+    """Refuse a request id (or another id a client chooses, a `what`) with a
+    control character (NUL, newline, ...) in it, or longer than `MAX_REQUEST_ID_CHARS`.
+
+    Every id a client names that vLLM copies into its engine requests or their
+    KV events meets the same rule: a session id goes into the event of every
+    block the request stores, a router's cache salt and media uuids into the
+    blocks' keys.
+    """
     if len(request_id) > MAX_REQUEST_ID_CHARS:
         raise InvalidRequestError(
             field,
-            f"{len(request_id)} characters, more than the {MAX_REQUEST_ID_CHARS} a request id "
-            "may have",
+            f"{len(request_id)} characters, more than the {MAX_REQUEST_ID_CHARS} a {what} may have",
         )
     found = _CONTROL_CHARACTERS.search(request_id)
     if found is not None:
         raise InvalidRequestError(
             field,
             f"has the control character {found.group()!r} at position {found.start()}; "
-            "request ids take printable characters only",
+            f"{what}s take printable characters only",
         )
+
+
+def check_priority_floor(where: str, floor: object) -> int:
+    """`floor` as a priority floor (an int from -2**31 to 0), else ValueError naming `where`.
+
+    Above 0, a request that asks for no priority (0) would be below it.
+    """
+    if not isinstance(floor, int) or isinstance(floor, bool) or not _MIN_PRIORITY <= floor <= 0:
+        raise ValueError(f"{where} must be an integer from {_MIN_PRIORITY} to 0, got {floor!r}")
+    return floor
 
 
 def flag_name(field: str) -> str:

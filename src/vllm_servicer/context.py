@@ -40,6 +40,9 @@ class Identity:
             may use them too.
         weight: its weight in the fair shares of pooled slots (`shares.py`):
             an identity of weight 2 is due twice the share of one of weight 1.
+        min_priority: the lowest request `priority` it may ask for, its own
+            (a key file's `min_priority=`); None: the server's
+            (`--min-tenant-priority`). A router's and an admin's are never bounded.
     """
 
     name: str
@@ -48,6 +51,7 @@ class Identity:
     parts: tuple[Identity, ...] = ()
     roles: frozenset[str] = frozenset()
     weight: float = 1.0
+    min_priority: int | None = None
 
     @property
     def is_admin(self) -> bool:
@@ -88,6 +92,17 @@ def may_route(open_to_every_key: bool = False) -> bool:
     """
     identity = current_identity.get()
     return open_to_every_key or identity is None or identity.is_router
+
+
+def priority_floor(server_floor: int) -> int | None:
+    """The lowest request `priority` the current caller may ask for (vLLM runs
+    lower first): None for a router, an administrator and a call without
+    credentials (no tenants to keep apart), else the identity's own floor or
+    `server_floor` (`--min-tenant-priority`)."""
+    identity = current_identity.get()
+    if identity is None or identity.is_router:  # admins are routers too
+        return None
+    return server_floor if identity.min_priority is None else identity.min_priority
 
 
 def caller_name() -> str | None:

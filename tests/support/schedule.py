@@ -73,6 +73,7 @@ STARTS: dict[str, int] = {
     "test_pooling.py": 1,
     "test_pooling_lora.py": 1,
     "test_port_in_use.py": 1,
+    "test_priority.py": 1,
     "test_probe_port.py": 1,
     "test_router_reads.py": 1,
     "test_still_calls.py": 1,

@@ -52,6 +52,7 @@ from typing import Any, Protocol
 
 import grpc
 
+from ..budgets import check_priority_floor
 from ..context import ADMIN_ROLE, ROUTER_ROLE, Identity, current_identity
 from ..errors import ROUTER_ROLE_HINT, AuthError, PermissionDenied, Unauthenticated
 from ..proto import ADMIN_METHODS, ORCA_SERVICE, ROUTING_METHODS
@@ -284,17 +285,21 @@ _KEY_ROLES = frozenset({ROUTER_ROLE, ADMIN_ROLE})
 
 @dataclasses.dataclass(frozen=True)
 class _KeyEntry:
-    """What one key establishes: its identity's label, the roles its line adds, its weight."""
+    """What one key establishes: its identity's label, the roles its line adds, its
+    weight, its priority floor (None: the server's)."""
 
     label: str
     roles: frozenset[str] = frozenset()
     weight: float = 1.0
+    min_priority: int | None = None
 
 
-def _parse_settings(settings: list[str], where: str) -> tuple[frozenset[str], float]:
-    """A key's `name=value` settings: `role=` (repeatable, or a comma list) and `weight=`."""
+def _parse_settings(settings: list[str], where: str) -> tuple[frozenset[str], float, int | None]:
+    """A key's `name=value` settings: `role=` (repeatable, or a comma list),
+    `weight=` and `min_priority=` (the lowest request priority it may ask for)."""
     roles: set[str] = set()
     weight: float | None = None
+    min_priority: int | None = None
     for setting in settings:
         name, sep, value = setting.partition("=")
         if not sep or not value:
@@ -314,9 +319,19 @@ def _parse_settings(settings: list[str], where: str) -> tuple[frozenset[str], fl
                 weight = math.nan
             if not (math.isfinite(weight) and weight > 0):
                 raise ValueError(f"{where}: weight must be a positive number, got {value!r}")
+        elif name == "min_priority":
+            if min_priority is not None:
+                raise ValueError(f"{where}: min_priority given twice")
+            try:
+                floor: object = int(value)
+            except ValueError:
+                floor = value
+            min_priority = check_priority_floor(f"{where}: min_priority", floor)
         else:
-            raise ValueError(f"{where}: unknown setting {name!r} (known: role, weight)")
-    return frozenset(roles), 1.0 if weight is None else weight
+            raise ValueError(
+                f"{where}: unknown setting {name!r} (known: role, weight, min_priority)"
+            )
+    return frozenset(roles), 1.0 if weight is None else weight, min_priority
 
 
 def _parse_keys(text: str, where: str, max_length: int) -> dict[str, _KeyEntry]:
@@ -342,13 +357,13 @@ def _parse_keys(text: str, where: str, max_length: int) -> dict[str, _KeyEntry]:
             label, rest = "", line
         key, *settings = rest.split() or [""]
         key = _check_key(key, max_length, f"{where}:{number}")
-        roles, weight = _parse_settings(settings, f"{where}:{number}")
-        entry = _KeyEntry(label or key_label(key), roles, weight)
+        roles, weight, min_priority = _parse_settings(settings, f"{where}:{number}")
+        entry = _KeyEntry(label or key_label(key), roles, weight, min_priority)
         seen = first_line.setdefault(entry.label, (number, entry))
-        if (seen[1].roles, seen[1].weight) != (roles, weight):
+        if (seen[1].roles, seen[1].weight, seen[1].min_priority) != (roles, weight, min_priority):
             raise ValueError(
-                f"{where}:{number}: label {entry.label!r} has other roles or another weight "
-                f"than on line {seen[0]}: the keys of one identity must agree"
+                f"{where}:{number}: label {entry.label!r} has other settings (roles, weight, "
+                f"min_priority) than on line {seen[0]}: the keys of one identity must agree"
             )
         keys[key] = entry
     return keys
@@ -412,8 +427,10 @@ class ApiKeyVerifier:
 
         One key per line, optionally labelled `label: key`, then optionally
         whitespace-separated settings: `role=router` (repeatable, or a comma
-        list; `router` and `admin`), added to `roles`, and `weight=2` (the
-        identity's weight in fair shares, 1 by default). Keys under one label
+        list; `router` and `admin`), added to `roles`, `weight=2` (the
+        identity's weight in fair shares, 1 by default) and `min_priority=-5`
+        (the lowest request priority it may ask for, the server's
+        `--min-tenant-priority` by default). Keys under one label
         are one identity and must carry the same settings. Blank lines and
         `#` comments are ignored. The file fails closed: once it is removed,
         unreadable, empty, comments only or holds a malformed line, no key is
@@ -503,6 +520,7 @@ class ApiKeyVerifier:
             kind="api_key",
             roles=self._roles | found.roles,
             weight=found.weight,
+            min_priority=found.min_priority,
         )
 
     def _token(self, metadata: Metadata) -> str:
@@ -594,6 +612,7 @@ class AllOf:
             parts=tuple(parts),
             roles=first.roles,
             weight=first.weight,
+            min_priority=first.min_priority,
         )
 
 

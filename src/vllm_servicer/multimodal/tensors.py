@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from ..budgets import DEFAULT_MAX_REQUEST_SHM_BYTES
+from ..budgets import DEFAULT_MAX_REQUEST_SHM_BYTES, check_request_id
 from ..errors import InvalidRequestError, UnimplementedFieldError, UnsupportedError
 from ..proto import common_pb2
 from ..proto import vllm_engine_pb2 as pb
@@ -356,6 +356,12 @@ def _batches(request: pb.GenerateRequest) -> list[_Batch]:
                 f"{common_pb2.Modality.Name(message.modality)}: this server takes preprocessed "
                 "images and videos only",
             )
+        # Each tensor's name is copied into the engine request (its item's
+        # keyword for the model): held to the request-id rule, as ids are.
+        for key in message.model_specific_tensors:
+            check_request_id(f"{path}.model_specific_tensors", key, "tensor name")
+        if message.HasField("encoder_input_key"):
+            check_request_id(f"{path}.encoder_input_key", message.encoder_input_key, "tensor name")
         batches.append(_Batch(path, message, modality))
     return batches
 

@@ -204,15 +204,21 @@ class EngineCallSteps:
         if not self.kv_connector:
             raise UnsupportedError(fields.KV_CONNECTOR_HINT, field=field)
 
-    def check_routing(self, field: str) -> None:
-        """Refuse connector parameters (in `field`: KV or encoder-cache transfer)
-        from a caller who is no router, unless the mount opens them to every key.
+    def check_routing(self, field: str, reason: str = "") -> None:
+        """Refuse routing data (in `field`: KV or encoder-cache transfer
+        parameters, KV hints) from a caller who is no router, unless the mount
+        opens them to every key.
+
+        Args:
+            field: the request field.
+            reason: what the refusal says (`RoutingDataError`'s default: the
+                connectors' parameters, and the role they need).
 
         Raises:
             RoutingDataError: the caller has neither the router nor the admin role.
         """
         if not may_route(self._routing_for_every_key):
-            raise RoutingDataError(field)
+            raise RoutingDataError(field, reason)
 
     def check_seed(self, sampling: SamplingParams, field: str) -> None:
         """Refuse sampling (its seed in `field`) that would stop this engine."""

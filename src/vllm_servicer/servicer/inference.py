@@ -21,9 +21,10 @@ from .. import _vllm_version  # noqa: F401
 
 # isort: split
 from .. import vllm_releases
-from ..context import engine_trace_headers
+from ..context import engine_trace_headers, priority_floor
 from ..engine import require_engine, served_model_name
 from ..errors import (
+    ROUTER_ROLE_HINT,
     InvalidRequestError,
     NotFoundError,
     UnimplementedFieldError,
@@ -170,7 +171,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         Raises:
             InvalidRequestError, NotFoundError, UnsupportedError,
                 UnimplementedFieldError: the request asks for what this server
-                or engine cannot do, is malformed, or passes a budget.
+                or engine cannot do, is malformed, or passes a budget (a
+                priority below the caller's floor among them).
+            RoutingDataError: routing data from a caller who is no router.
             BudgetFullError: the process's decoded-media budget is full.
         """
         steps = self._steps
@@ -187,7 +190,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             kwargs["data_parallel_rank"] = engine_index(
                 self._engine, rank, DATA_PARALLEL_RANK_HEADER
             )
-        extra_args, kv_transfer = self._transfer_params(request.kv)
+        extra_args, kv_transfer = self._routing_data(request)
+        wire.check_client_ids(request)
+        if request.priority:
+            floor = priority_floor(self._budgets.min_tenant_priority)
+            self._budgets.check_priority("priority", request.priority, floor)
         sampling = wire.sampling_params_from_request(
             request, stream=stream, defaults=self._defaults, extra_args=extra_args
         )
@@ -200,14 +207,18 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         limit = steps.prompt_limit(tokenization is not None)
         prompt: Any = wire.prompt_from_request(request, limit)
         if request.media:
-            prompt = await self._with_media(
-                request, prompt, frame.media, truncating=tokenization is not None
-            )
-        elif tokenization is None and "prompt_token_ids" in prompt:
-            prompt = steps.render_tokens(prompt)
+            prompt = await self._with_media(request, prompt, frame.media)
+        # Salted before it is rendered: vLLM's multimodal processor reads the
+        # items' uuids when it renders, by then the tenant's own keys.
         prompt = steps.salted(prompt)
+        if tokenization is None:  # else the engine renders it (truncating it first)
+            if request.media:
+                prompt = await steps.render_with_images(prompt, "media")
+            elif "prompt_token_ids" in prompt:
+                prompt = steps.render_tokens(prompt)
         if request.priority:
-            kwargs["priority"] = request.priority  # lower runs first (--scheduling-policy priority)
+            # Lower runs first (--scheduling-policy priority); checked against the floor above.
+            kwargs["priority"] = request.priority
         if request.HasField("session_id") and request.session_id:
             kwargs["session_id"] = request.session_id
         trace = engine_trace_headers(context)
@@ -262,15 +273,24 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 f"{self._model_name!r}; empty means the served model)",
             )
 
-    def _transfer_params(
-        self, kv: pb.KVCacheParameters
+    def _routing_data(
+        self, request: pb.GenerateRequest
     ) -> tuple[dict[str, Any], dict[str, Any] | None]:
-        """The connectors' params for the engine's `extra_args`, and the KV ones alone.
+        """The connectors' params for the engine's `extra_args`, and the KV ones
+        alone; the request's KV hints refused from a caller who is no router.
 
         Raises:
             UnsupportedError: params for a connector the engine does not run.
-            RoutingDataError: KV or EC transfer params from a caller who is no router.
+            RoutingDataError: KV or EC transfer params, or KV hints, from a
+                caller who is no router.
         """
+        if request.HasField("kv_hints"):
+            # An orchestrator's hints to the engine's KV cache (what to
+            # prefetch, keep or drop), for every tenant's blocks: a router's.
+            self._steps.check_routing(
+                "kv_hints", f"KV hints steer the engine's KV cache, a router's; {ROUTER_ROLE_HINT}"
+            )
+        kv = request.kv
         extra: dict[str, Any] = {}
         kv_transfer = None
         if kv.HasField("kv_transfer_params"):
@@ -285,14 +305,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         return extra, kv_transfer
 
     async def _with_media(
-        self,
-        request: pb.GenerateRequest,
-        prompt: Any,
-        media: RequestMedia | None,
-        *,
-        truncating: bool,
+        self, request: pb.GenerateRequest, prompt: Any, media: RequestMedia | None
     ) -> Any:
-        """`prompt` with the images of `request.media` as its multimodal data."""
+        """`prompt` with the images of `request.media` as its multimodal data and
+        their uuids, not yet rendered (the uuids are to be keyed first)."""
         items = request.media
         # The items' own faults first: they hold whatever the engine.
         inference_media.checked_items(items)
@@ -309,9 +325,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         uuids = inference_media.uuids(items)
         if uuids is not None:
             prompt["multi_modal_uuids"] = {"image": uuids}
-        if truncating:
-            return prompt  # the engine processes it (truncating it first)
-        return await self._steps.render_with_images(prompt, "media")
+        return prompt
 
 
 def _summary(request: pb.GenerateRequest) -> RequestSummary:

@@ -163,7 +163,8 @@ class RenderServicer(render_pb2_grpc.RenderServicer):
         chat_request = vllm_request("render_chat", chat)
         note_prompt_tokens(tokens)
         request_id, state = _request_id(), None
-        async for chunk in self._chunks(first, stream, tokens):
+        chunks = self._chunks(first, stream, tokens, replays=_replays(derender))
+        async for chunk in chunks:
             body = wire.derender_chat_chunk_body(
                 chunk,
                 vocabulary,
@@ -214,13 +215,20 @@ class RenderServicer(render_pb2_grpc.RenderServicer):
             yield wire.completion_delta(delta.model_dump(mode="json"))
 
     async def _chunks(
-        self, first: Any, stream: AsyncIterator[Any], tokens: int
+        self, first: Any, stream: AsyncIterator[Any], tokens: int, *, replays: bool = False
     ) -> AsyncIterator[pb.GeneratedSequence]:
         """A derender stream's chunks, from its first message on, each counted
         against the budgets before it is decoded; `tokens` are the ids its
         start carries. A message after the first carries a chunk, and none
-        comes after the one that carried the finish."""
+        comes after the one that carried the finish.
+
+        With `replays` (a chat stream on a server with a parser) each chunk
+        is charged the tokens vLLM replays for it, the sequence so far with
+        its own, against `max_derender_work`: the stream's cost grows with the
+        square of its chunks, which the token and chunk budgets do not bound.
+        """
         chunks, finished = 0, False
+        sequence = work = 0
         message: Any = first
         while message is not None:
             if message is not first:
@@ -240,6 +248,10 @@ class RenderServicer(render_pb2_grpc.RenderServicer):
                 # the ids of the whole stream count against the budget.
                 tokens += wire.derender_chunk_tokens(chunk)
                 self._budgets.check_derender_tokens("chunk.token_ids", tokens)
+                if replays:
+                    sequence += len(chunk.token_ids)
+                    work += sequence
+                    self._budgets.check_derender_work("chunk", work)
                 finished = bool(chunk.finish_reason)
                 yield chunk
             message = await anext(stream, None)
@@ -256,6 +268,14 @@ _RENDER_ID = "render"
 def _request_id() -> str:
     # The id of vLLM's answer, which the reply does not carry: no engine request has it.
     return f"derender-{uuid.uuid4().hex}"
+
+
+def _replays(derender: Any) -> bool:
+    """Whether vLLM's derender handler replays a chat stream's sequence on each
+    chunk: it does with a tool-call or reasoning parser (a parser's state cannot
+    be carried between chunks). Assumed so when the handler does not say."""
+    derenderer = getattr(derender, "online_derenderer", None)
+    return getattr(derenderer, "parser", True) is not None
 
 
 def _derendered(answer: Any) -> Any:

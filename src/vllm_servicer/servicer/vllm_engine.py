@@ -262,6 +262,9 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             kwargs["trace_headers"] = trace
         if wire.grammar_from_first_token(params):
             kwargs["reasoning_ended"] = True
+        # Salted once rendered: this protocol names no media uuid (vLLM keys
+        # `media_refs`' images and preprocessed tensors by their content), and
+        # the engine reads the salt off the rendered prompt as off the raw one.
         return EngineCall(steps.salted(prompt), sampling, kwargs, wire.ResponseBuilder(params))
 
     def _check_budgets(self, params: pb.SamplingParams) -> None:

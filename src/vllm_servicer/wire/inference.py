@@ -28,6 +28,7 @@ from .. import _vllm_version  # noqa: F401
 from vllm.inputs import TextPrompt, TokensPrompt
 from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
+from ..budgets import check_request_id
 from ..errors import InvalidRequestError
 from ..proto import inference_pb2 as pb
 from .structured_outputs import structured_output_error, structured_output_size
@@ -118,6 +119,36 @@ def prompt_from_request(
     if request.kv.cache_salt:
         prompt["cache_salt"] = request.kv.cache_salt
     return prompt
+
+
+def check_client_ids(request: pb.GenerateRequest) -> None:
+    """Refuse an id or key the client chooses that vLLM copies into the engine
+    request, past the rule of request ids (`budgets.check_request_id`: at most
+    1,024 characters, none a control character).
+
+    vLLM copies the session id into the KV event of every block the request
+    stores, and a router's cache salt and media uuids into their block keys
+    (the events' `extra_keys`); the KV hints go to the engine as they are. The
+    request id is checked when it is claimed.
+
+    Raises:
+        InvalidRequestError: naming the field.
+    """
+    if request.HasField("session_id"):
+        check_request_id("session_id", request.session_id, "session id")
+    if request.kv.cache_salt:
+        check_request_id("kv.cache_salt", request.kv.cache_salt, "cache salt")
+    for index, item in enumerate(request.media):
+        if item.uuid:
+            check_request_id(f"media[{index}].uuid", item.uuid, "media uuid")
+    if request.HasField("kv_hints"):
+        hints = request.kv_hints
+        check_request_id("kv_hints.protocol_version", hints.protocol_version, "KV hint id")
+        check_request_id("kv_hints.message_id", hints.message_id, "KV hint id")
+        for index, action in enumerate(hints.actions):
+            for name in ("action_id", "action_type", "action_version"):
+                field = f"kv_hints.actions[{index}].{name}"
+                check_request_id(field, getattr(action, name), "KV hint id")
 
 
 def tokenization_kwargs(request: pb.GenerateRequest) -> dict[str, int] | None:

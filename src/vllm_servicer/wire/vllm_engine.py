@@ -20,6 +20,7 @@ from .. import _vllm_version  # noqa: F401
 from vllm.inputs import TokensPrompt
 from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
+from ..budgets import check_request_id
 from ..errors import InvalidRequestError
 from ..proto import vllm_engine_pb2 as pb
 from .structured_outputs import structured_output_error, structured_output_size
@@ -107,7 +108,8 @@ def kv_transfer_params(request: pb.GenerateRequest) -> dict[str, Any] | None:
 
     Raises:
         InvalidRequestError: the JSON is not an object, or the typed params
-            are incomplete or contradict it.
+            are incomplete, contradict it or name a host no host has (past
+            the request-id rule).
     """
     params: dict[str, Any] | None = None
     if request.HasField("kv_transfer_params_json"):
@@ -125,6 +127,8 @@ def kv_transfer_params(request: pb.GenerateRequest) -> dict[str, Any] | None:
                 "kv_transfer_params",
                 "remote_host must be set and remote_port must be in [1, 65535]",
             )
+        # Copied into the engine request for its KV connector, as an id is.
+        check_request_id("kv_transfer_params.remote_host", typed.remote_host, "host name")
         given: dict[str, Any] = {"remote_host": typed.remote_host, "remote_port": typed.remote_port}
         for key, value in given.items():
             if params is not None and key in params and params[key] != value:
