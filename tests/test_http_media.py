@@ -10,10 +10,10 @@ is fetched, and a redirect out of it is not followed.
 
 A chat image part's `uuid` is vLLM's cache key for the image: with two
 tenants' keys, a tenant must not run on the image another sent under the
-same uuid. Not kept yet over HTTP (an expected failure): vLLM renders the
-chat, its multimodal processor reading the uuids, before the engine guard
-sees the prompt (`GuardedEngine.generate`), so the guard's `salted` comes
-too late to key them; the gRPC protocols key them (test_images.py).
+same uuid. vLLM renders the chat, its multimodal processor reading the
+uuids, before the engine guard sees the prompt (`GuardedEngine.generate`),
+so the HTTP front keys them in the body (`prefix_cache.keyed_body_uuids`);
+the gRPC protocols key them before rendering too (test_images.py).
 """
 
 from __future__ import annotations
@@ -209,10 +209,6 @@ async def _chat_tokens(url: str, key: str, image: str, name: str = "") -> list[i
     return list(reply.json()["choices"][0]["token_ids"])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="vLLM renders the chat (reading the uuids) before GuardedEngine.generate salts it",
-)
 async def test_another_tenants_uuid_runs_the_senders_own_image(tenants_url: str) -> None:
     name = f"photo-{uuid.uuid4()}"  # the session engine's caches outlive this test
     red, blue = _inline((255, 0, 0)), _inline((0, 0, 255))
@@ -220,5 +216,5 @@ async def test_another_tenants_uuid_runs_the_senders_own_image(tenants_url: str)
     b_blue = await _chat_tokens(tenants_url, TENANT_B, blue)
     assert a_red != b_blue
     assert await _chat_tokens(tenants_url, TENANT_A, red, name) == a_red
-    # Measured: B's blue image under A's uuid gives A's red image's tokens.
+    # Before: B's blue image under A's uuid gave A's red image's tokens.
     assert await _chat_tokens(tenants_url, TENANT_B, blue, name) == b_blue

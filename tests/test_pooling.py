@@ -222,6 +222,15 @@ async def test_a_huge_query_with_truncation_is_cut_before_it_is_tokenized(
             "INVALID_ARGUMENT",
             "request_id",
         ),
+        # A tenant's priority no lower than its floor (--min-tenant-priority, 0).
+        (
+            "Rerank",
+            lambda pb: pb.RerankRequest(
+                query="q", documents=["d"], options=pb.PoolingOptions(priority=-1)
+            ),
+            "INVALID_ARGUMENT",
+            "options.priority",
+        ),
         # Refused before any tokenization (vLLM tokenizes a query once per pair).
         (
             "Score",
@@ -285,6 +294,7 @@ async def test_a_huge_query_with_truncation_is_cut_before_it_is_tokenized(
     ids=[
         "a request id with a newline",
         "a request id too long",
+        "a priority below the tenant's floor",
         "a query that cannot fit",
         "a document that cannot fit",
         "no input",

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 from support import bearer
 from support.launcher import START_TIMEOUT, Launched, launched, launcher_env
@@ -47,6 +48,7 @@ async def launcher(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[La
     flags = [
         *("--api-key-file", str(keys), "--admin-api-key", ADMIN),
         *("--services", "vllm-engine", "inference", "--scheduling-policy", "priority"),
+        *("--http-port", "0"),
     ]
     async with launched(*flags, env=launcher_env(work / "cache")) as served:
         yield served
@@ -102,6 +104,23 @@ async def test_routers_and_admins_ask_for_any_priority(
 ) -> None:
     for key in (ROUTER, ADMIN):
         assert (await _generate(stub, key, -100)).outputs.num_tokens == 2, key
+
+
+async def test_the_floor_holds_over_http_too(launcher: Launched) -> None:
+    async with httpx.AsyncClient(base_url=launcher.http_url, timeout=120) as http:
+        models = await http.get("/v1/models", headers=dict(bearer(TENANT_A)))
+        model = models.json()["data"][0]["id"]
+
+        async def complete(key: str, priority: int) -> httpx.Response:
+            body = {"model": model, "prompt": "Hi", "max_tokens": 2, "priority": priority}
+            return await http.post("/v1/completions", json=body, headers=dict(bearer(key)))
+
+        refused = await complete(TENANT_A, -1)
+        assert refused.status_code == 400, refused.text
+        assert "--min-tenant-priority" in refused.json()["error"]["message"]
+        assert (await complete(TENANT_A, 0)).status_code == 200
+        assert (await complete(TENANT_B, -5)).status_code == 200
+        assert (await complete(ROUTER, -100)).status_code == 200
 
 
 def test_the_floor_is_a_launcher_flag_and_a_key_file_setting(tmp_path: Path) -> None:

@@ -121,7 +121,41 @@ def _keyed(name: str, given: Any) -> Any:
     return given
 
 
-def salted(prompt: Any, shared: bool = False) -> Any:
+def keyed_tenant() -> str | None:
+    """The tenant whose caches the current caller's requests are keyed for: None
+    for an administrator, a router and a call without credentials (a server
+    with no tenants), whose prompts and media uuids go to the engine as sent."""
+    identity = current_identity.get()
+    if identity is None or identity.is_router:  # admins are routers too
+        return None
+    return identity.name
+
+
+def keyed_body_uuids(body: Any, name: str) -> bool:
+    """Key for tenant `name` every media uuid of a parsed HTTP body, in place
+    (`tenant_media_uuid`); whether any was.
+
+    vLLM's chat routes read a content part's `uuid` (an image, audio, video or
+    embeddings part: a dict with a `type`) when they render the chat, before
+    the engine client sees the prompt, so the HTTP API keys them in the body.
+    Iterative: a deeply nested body costs no recursion.
+    """
+    keyed = False
+    stack = [body]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            uuid = item.get("uuid")
+            if isinstance(uuid, str) and "type" in item:
+                item["uuid"] = tenant_media_uuid(name, uuid)
+                keyed = True
+            stack.extend(v for v in item.values() if isinstance(v, (dict, list)))
+        elif isinstance(item, list):
+            stack.extend(v for v in item if isinstance(v, (dict, list)))
+    return keyed
+
+
+def salted(prompt: Any, shared: bool = False, *, media: bool = True) -> Any:
     """`prompt` with the current caller's tenant salt and media keys, for the engine.
 
     A tenant's prompt (a dict as vLLM's engine takes it: a text, token or
@@ -136,14 +170,15 @@ def salted(prompt: Any, shared: bool = False) -> Any:
 
     Once per request, before the prompt is rendered (`process_for_engine`):
     vLLM's multimodal processor reads the uuids there, and a uuid keyed twice
-    would be another key.
+    would be another key. Without `media` the uuids are left as they are (the
+    HTTP API keys them in the body, before vLLM renders: `keyed_body_uuids`).
     """
-    identity = current_identity.get()
-    if identity is None or identity.is_router:  # admins are routers too
+    name = keyed_tenant()
+    if name is None:
         return prompt
-    name = identity.name
     # A shared prefix cache shares timing; a shared uuid would share an image.
-    prompt = keyed_media_uuids(prompt, name)
+    if media:
+        prompt = keyed_media_uuids(prompt, name)
     if shared:
         return prompt
     if isinstance(prompt, str):

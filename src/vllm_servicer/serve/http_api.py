@@ -62,6 +62,7 @@ from ..guard import EngineGuard
 from ..interceptors._call import ClientWait, client_wait
 from ..interceptors.auth import AuthError, Unauthenticated
 from ..interceptors.call_slots import CallSlotsInterceptor, CallSlotsRefused
+from ..prefix_cache import keyed_tenant
 from ..servicer.vllm_app import with_engine_parsers
 from . import http_request_ids as request_ids
 from .args import ServeArgs
@@ -295,6 +296,7 @@ class _Front:
                 read_deadline=deadline,
                 wait=wait,
                 budgets=self.budgets,
+                media_tenant=keyed_tenant(),
                 path=path,
             )
             if refused is not None:

@@ -48,7 +48,7 @@ from typing import Any
 from vllm.exceptions import GracefulHTTPError
 
 from ..budgets import RequestBudgets, encoded_size
-from ..context import Identity, current_identity, may_route
+from ..context import Identity, current_identity, may_route, priority_floor
 from ..errors import ROUTER_ROLE_HINT, InvalidRequestError, RequestIdInUseError, TableFullError
 from ..guard import EngineGuard, ServerBusyError
 from ..prefix_cache import salted
@@ -212,6 +212,7 @@ class GuardedEngine:
             # (Beam search never comes here with its width: vLLM runs each
             # beam as a generation of its own, each taking its own slot.)
             self._budgets.check_n("n", getattr(sampling_params, "n", None) or 1)
+            self._check_priority(kwargs)
             # The engine compiles the constraint (xgrammar), and vLLM's
             # frontend validates it first, on this event loop: a 1.7 MB schema
             # ran for 160 s and stalled every other request.
@@ -222,8 +223,9 @@ class GuardedEngine:
             rank = kwargs.get("data_parallel_rank")
             if rank is not None:
                 kwargs["data_parallel_rank"] = engine_index(self._engine, rank, RANK_HEADER)
-        # vLLM hands the rendered prompt with the body's `cache_salt` in it.
-        prompt = salted(prompt, self._shared_cache)
+        # vLLM hands the rendered prompt with the body's `cache_salt` in it; its
+        # media uuids were keyed in the body, before vLLM rendered (http_request_ids).
+        prompt = salted(prompt, self._shared_cache, media=False)
         start = functools.partial(
             self._engine.generate, prompt, sampling_params, request_id, *args, **kwargs
         )
@@ -232,7 +234,9 @@ class GuardedEngine:
     def encode(
         self, prompt: Any, pooling_params: Any, request_id: str, *args: Any, **kwargs: Any
     ) -> AsyncGenerator[Any, None]:
-        prompt = salted(prompt, self._shared_cache)
+        with _as_http_errors():
+            self._check_priority(kwargs)
+        prompt = salted(prompt, self._shared_cache, media=False)
         start = functools.partial(
             self._engine.encode, prompt, pooling_params, request_id, *args, **kwargs
         )
@@ -251,6 +255,12 @@ class GuardedEngine:
             await self._engine.notify_kv_transfer_request_rejected(
                 request_id, kv_transfer_params, *args, **kwargs
             )
+
+    def _check_priority(self, kwargs: dict[str, Any]) -> None:
+        """A tenant's `priority` (vLLM's routes hand the body's on) no lower than its
+        floor (`--min-tenant-priority`, its key's `min_priority=`): 400 past it."""
+        floor = priority_floor(self._budgets.min_tenant_priority)
+        self._budgets.check_priority("priority", kwargs.get("priority") or 0, floor)
 
     async def abort(self, request_id: str | Iterable[str], *args: Any, **kwargs: Any) -> None:
         """vLLM's abort, for the caller's own requests only.

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..budgets import RequestBudgets, check_request_id
 from ..errors import InvalidRequestError
+from ..prefix_cache import keyed_body_uuids
 from . import http_budgets
 
 if TYPE_CHECKING:
@@ -51,9 +52,11 @@ Refusal = tuple[int, dict[str, Any]]
 HEADER = "X-Request-Id"
 _HEADER = HEADER.lower().encode()
 _FIELD = "request_id"
+_UUID = b'"uuid"'
 _METHODS_WITH_BODIES = frozenset({"POST", "PUT", "PATCH"})
 _CONTENT_LENGTH = b"content-length"
 _TRANSFER_ENCODING = b"transfer-encoding"
+_BODY_FRAMING = (_CONTENT_LENGTH, _TRANSFER_ENCODING)
 _TOO_LARGE = 413
 _TOO_LATE = 408
 
@@ -70,6 +73,7 @@ async def checked(
     wait: ClientWait | None = None,
     budgets: RequestBudgets | None = None,
     path: str = "",
+    media_tenant: str | None = None,
 ) -> tuple[Refusal | None, Receive]:
     """Check the request's ids and its body's size; the receive callable to hand the app on.
 
@@ -85,6 +89,9 @@ async def checked(
         budgets: the render budgets `/tokenize` and `/detokenize` meet; None:
             not checked.
         path: the request's path without the root path (which budgets apply).
+        media_tenant: the tenant whose media uuids the body's content parts
+            name (`prefix_cache.keyed_tenant`): each is keyed for it before
+            vLLM renders the chat and looks its media up by them; None: as sent.
 
     Returns:
         (refusal, receive): a 400 naming the id's field or a budget's, a 413
@@ -108,9 +115,11 @@ async def checked(
     if body is None:
         return _too_large(None, max_body_bytes), receive
     text = _as_utf8(body)
-    names_id = _FIELD.encode() in text or b"\\u" in text
+    escaped = b"\\u" in text  # a name may hide behind JSON escapes
+    names_id = _FIELD.encode() in text or escaped
+    names_uuid = media_tenant is not None and (_UUID in text or escaped)
     budgeted = budgets is not None and http_budgets.may_pass(path, len(body), budgets)
-    if not names_id and not budgeted:
+    if not names_id and not budgeted and not names_uuid:
         return None, receive
     try:
         data = json.loads(body)
@@ -122,9 +131,20 @@ async def checked(
         except InvalidRequestError as exc:
             return (400, error_body(exc.field, str(exc))), receive
     given = data.get(_FIELD) if isinstance(data, dict) else None
-    if isinstance(given, str):
-        return _refusal(_FIELD, given), receive
+    if isinstance(given, str) and (refusal := _refusal(_FIELD, given)) is not None:
+        return refusal, receive
+    if names_uuid and media_tenant is not None and keyed_body_uuids(data, media_tenant):
+        receive = await _with_body(scope, receive, json.dumps(data).encode())
     return None, receive
+
+
+async def _with_body(scope: dict[str, Any], receive: Receive, body: bytes) -> Receive:
+    """`receive` (which replays the body read) giving `body` in its place, the
+    scope's `Content-Length` made to match."""
+    await receive()  # the body read, replayed: in memory
+    headers = [(k, v) for k, v in scope["headers"] if k not in _BODY_FRAMING]
+    scope["headers"] = [*headers, (_CONTENT_LENGTH, str(len(body)).encode())]
+    return _replaying([{"type": "http.request", "body": body, "more_body": False}], receive)
 
 
 def _has_body(scope: dict[str, Any]) -> bool:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
-from ..context import engine_trace_headers
+from ..context import engine_trace_headers, priority_floor
 from ..proto import pooling_pb2 as pb
 from ..proto import pooling_pb2_grpc
 from ..vllm_releases import pooling_outputs
@@ -64,7 +64,10 @@ class PoolingServicer(pooling_pb2_grpc.PoolingServicer):
     async def _answer(self, route: _Route, request: Any, context: Context) -> Mapping[str, Any]:
         """vLLM's answer to `request` on `route`, its engine requests claimed for the caller."""
         note_request(route.operation, request.request_id)
-        self._budgets.check_pooling_inputs(route.texts, len(getattr(request, route.texts)))
+        budgets = self._budgets
+        budgets.check_pooling_inputs(route.texts, len(getattr(request, route.texts)))
+        floor = priority_floor(budgets.min_tenant_priority)
+        budgets.check_priority("options.priority", request.options.priority, floor)
         handlers = self._handlers
         handlers.check_model("options.model", request.options.model)
         handler = await handlers.handler(route.handler, "classify", route.what)
