@@ -27,6 +27,8 @@ from support import collect, completes, request, serving, streamed_tokens, wait_
 from support.router_side import BLUE, PROMPT, RED, Routed, router_request, solid_image
 
 from vllm_servicer import MediaRefOptions
+from vllm_servicer.context import ROUTER_ROLE, Identity
+from vllm_servicer.interceptors.auth import AuthInterceptor, CallableVerifier
 from vllm_servicer.proto import common_pb2, vllm_engine_pb2_grpc
 from vllm_servicer.proto import vllm_engine_pb2 as pb
 
@@ -172,6 +174,34 @@ async def test_shared_memory_is_refused_unless_switched_on(
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     details = err.value.details() or ""
     assert details.startswith("mm_inputs.pixel_values.shm: ") and "--enable-shm-tensors" in details
+
+
+async def test_shared_memory_is_a_routers_with_keys(
+    vlm_engine: Any, preprocess: Any, segment: Any
+) -> None:
+    """Any segment the server's user can read would reach a tenant's prompt: with
+    keys, only a router (or an admin) names one."""
+    keys = {
+        "tenant-key-0123456789": Identity("tenant"),
+        "router-key-0123456789": Identity("router", roles=frozenset({ROUTER_ROLE})),
+    }
+    auth = AuthInterceptor(
+        CallableVerifier(
+            lambda md, _ctx: keys.get(dict(md).get("x-key", "")), reads_auth_context=False
+        )
+    )
+    routed = preprocess(BLUE)
+    req = _tensor_request(routed)
+    _via_shm(req, segment(routed.pixels, 0), 0)
+    async with serving(vlm_engine, shm_tensors=True, interceptors=[auth]) as served:
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(served.channel)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await collect(stub.Generate(req, metadata=(("x-key", "tenant-key-0123456789"),)))
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        details = err.value.details() or ""
+        assert details.startswith("mm_inputs.pixel_values.shm: ") and "router" in details
+        router = (("x-key", "router-key-0123456789"),)
+        assert completes(await collect(stub.Generate(req, metadata=router, timeout=60)))
 
 
 async def test_a_batch_in_extra_mm_inputs_is_served_as_in_mm_inputs(

@@ -41,11 +41,6 @@ KNOWN_GAPS = {
         "the connection ends",
     ),
     ("hold", "a deadline between messages: an idle realtime session keeps its call slot"),
-    (
-        "read",
-        "a role for --enable-shm-tensors: any key reads any segment the server's user can into "
-        "its prompt",
-    ),
 }
 """(harm, what is missing): the promises known not to hold, or unproved, somewhere."""
 

@@ -385,10 +385,7 @@ HTTP_UNREAD_ANSWER = Gap(
     "the connection ends"
 )
 IDLE_WEBSOCKET = Gap("a deadline between messages: an idle realtime session keeps its call slot")
-SHM_ANY_SEGMENT = Gap(
-    "a role for --enable-shm-tensors: any key reads any segment the server's user can into "
-    "its prompt"
-)
+SHM_ANY_SEGMENT = "tests/test_mm_tensors.py::test_shared_memory_is_a_routers_with_keys"
 HTTP_ABORT_ANY_ID = (
     "tests/test_http_admission.py::test_the_scale_out_abort_stops_only_the_callers_own_requests"
 )

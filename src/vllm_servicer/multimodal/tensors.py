@@ -53,7 +53,13 @@ from typing import Any
 import torch
 
 from ..budgets import DEFAULT_MAX_REQUEST_SHM_BYTES, check_request_id
-from ..errors import InvalidRequestError, UnimplementedFieldError, UnsupportedError
+from ..context import may_route
+from ..errors import (
+    InvalidRequestError,
+    RoutingDataError,
+    UnimplementedFieldError,
+    UnsupportedError,
+)
 from ..proto import common_pb2
 from ..proto import vllm_engine_pb2 as pb
 from ..wire import fields
@@ -74,6 +80,13 @@ DTYPES: Mapping[str, torch.dtype] = {
 # multiprocessing.shared_memory: before Python 3.13 attaching registers the
 # segment with the resource tracker, which unlinks it when this process exits.
 SHM_DIR = "/dev/shm"
+
+_SHM_ROLE = (
+    "tensors through shared memory are a router's beside the server (the caller names a "
+    "segment of this host, which the server reads into the prompt): a router key "
+    "(--router-api-key, or role=router on its line of the key file), a --router-tls-subject "
+    "certificate or an admin key"
+)
 # Payloads above this are copied in a worker thread, not on the event loop.
 OFF_LOOP_BYTES = 1 << 20
 
@@ -389,8 +402,13 @@ def _check_transports(batch: _Batch, media: ModelMedia) -> None:
         payload = tensor.WhichOneof("payload")
         if payload == "remote":
             raise UnimplementedFieldError(f"{path}.remote", fields.REMOTE_TENSOR_HINT)
-        if payload == "shm" and not media.shm:
-            raise UnsupportedError(fields.SHM_TENSORS_HINT, field=f"{path}.shm")
+        if payload == "shm":
+            if not media.shm:
+                raise UnsupportedError(fields.SHM_TENSORS_HINT, field=f"{path}.shm")
+            if not may_route():
+                # The caller names a segment of this host and the server reads it
+                # into the prompt: any its user can read, another tenant's too.
+                raise RoutingDataError(f"{path}.shm", _SHM_ROLE)
 
 
 def _check_shm_total(batches: Sequence[_Batch], limit: int) -> None:
