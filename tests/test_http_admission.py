@@ -18,17 +18,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import urlsplit
 
+import grpc
 import httpx
 import pytest
 from support import bearer
 from support.launcher import START_TIMEOUT, Launched, launched, launcher_env
 
 from vllm_servicer.interceptors._reclaim import STILL_AFTER_S
+from vllm_servicer.proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 from vllm_servicer.shares import DEFAULT_WANT_WINDOW
 
 pytestmark = pytest.mark.timeout(START_TIMEOUT + 180)
@@ -37,6 +40,7 @@ TENANT_A = "admission-tenant-a-0123456789abcdef"
 TENANT_B = "admission-tenant-b-0123456789abcdef"
 MAX_CONCURRENT_RPCS = 8
 READ_TIMEOUT = 3.0
+WRITE_TIMEOUT = 3.0
 HEADER_TIMEOUT = 3.0
 MAX_CONNECTIONS = 24
 MAX_CONSTRAINT_BYTES = 4096
@@ -52,6 +56,7 @@ async def launcher(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[La
     flags = ["--http-port", "0", "--api-key", TENANT_A, "--api-key", TENANT_B]
     flags += ["--max-concurrent-rpcs", str(MAX_CONCURRENT_RPCS)]
     flags += ["--request-read-timeout", str(READ_TIMEOUT)]
+    flags += ["--response-write-timeout", str(WRITE_TIMEOUT)]
     flags += ["--http-header-timeout", str(HEADER_TIMEOUT)]
     flags += ["--max-http-connections", str(MAX_CONNECTIONS)]
     flags += ["--max-constraint-bytes", str(MAX_CONSTRAINT_BYTES)]
@@ -391,3 +396,50 @@ async def test_the_scale_out_abort_stops_only_the_callers_own_requests(
         past = await b.post("/inference/v1/abort_requests", json=many)
         assert past.status_code == 400, past.text
         assert "--max-abort-ids" in past.json()["error"]["message"]
+
+
+async def test_an_answer_its_client_does_not_read_ends_and_gives_its_slots_back(
+    launcher: Launched, model: str
+) -> None:
+    # A client that reads nothing: a small receive buffer, never read, and an
+    # answer of megabytes (32 sequences with their logprobs), past what the
+    # connection's buffers hold.
+    url = urlsplit(launcher.http_url)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, (url.hostname, url.port))
+    body = json.dumps(
+        {"model": model, "prompt": "Hello", "max_tokens": 400, "ignore_eos": True,
+         "n": 32, "logprobs": 20, "stream": True}
+    ).encode()  # fmt: skip
+    request = head(
+        launcher, "POST", "/v1/completions", TENANT_A,
+        Content_Type="application/json", Content_Length=str(len(body)),
+    )  # fmt: skip
+    try:
+        await asyncio.get_running_loop().sock_sendall(sock, request + body)
+        async with grpc.aio.insecure_channel(launcher.address) as channel:
+            stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+
+            async def active() -> int:
+                info = await stub.GetServerInfo(
+                    vllm_engine_pb2.GetServerInfoRequest(), metadata=bearer(TENANT_B)
+                )
+                return int(info.active_requests)
+
+            assert await _eventually(lambda: active(), lambda n: n > 0, 30)
+            # Its answer fills the buffers, uvicorn's send waits, and at the write
+            # deadline the request ends: its engine requests and slots are let go.
+            assert await _eventually(lambda: active(), lambda n: n == 0, WRITE_TIMEOUT + 60)
+    finally:
+        sock.close()
+
+
+async def _eventually(read: Any, good: Any, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if good(await read()):
+            return True
+        await asyncio.sleep(0.25)
+    return False

@@ -35,11 +35,6 @@ DOC = ROOT / "docs" / "security.md"
 DOC_SECTION = "## Every way in, every promise"
 
 KNOWN_GAPS = {
-    (
-        "hold",
-        "a write deadline over HTTP: an answer its client stops reading keeps its slots until "
-        "the connection ends",
-    ),
     ("hold", "a deadline between messages: an idle realtime session keeps its call slot"),
 }
 """(harm, what is missing): the promises known not to hold, or unproved, somewhere."""

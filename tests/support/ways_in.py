@@ -380,9 +380,9 @@ _DP_SOCKETS = Keyless(
 
 # ----- the gaps ---------------------------------------------------------------------------
 
-HTTP_UNREAD_ANSWER = Gap(
-    "a write deadline over HTTP: an answer its client stops reading keeps its slots until "
-    "the connection ends"
+HTTP_UNREAD_ANSWER = (
+    "tests/test_http_admission.py::"
+    "test_an_answer_its_client_does_not_read_ends_and_gives_its_slots_back"
 )
 IDLE_WEBSOCKET = Gap("a deadline between messages: an idle realtime session keeps its call slot")
 SHM_ANY_SEGMENT = "tests/test_mm_tensors.py::test_shared_memory_is_a_routers_with_keys"

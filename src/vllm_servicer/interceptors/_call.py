@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
+
+logger = logging.getLogger("vllm_servicer.interceptors")
 
 # A cancel this close to the deadline is the deadline (see ended_code): a
 # fixed allowance plus a share of the call's age, since the server learns its
@@ -229,3 +232,66 @@ def client_wait_of_this_call() -> ClientWait | None:
     if wait is None or wait.task is not asyncio.current_task():
         return None
     return wait
+
+
+class WaitWatch:
+    """The calls of one method waiting on their client (for a request message, or
+    for a response message to be taken), oldest first, and one timer for the oldest.
+
+    Every call of a method has the same deadline, so they expire in the order
+    they began waiting: a wait costs an entry in an ordered dict, not a timer
+    of its own (a timer per call cost a unary call 8% more CPU). Without a
+    deadline a wait is only marked, for a pool that may take its slot back.
+    """
+
+    __slots__ = ("_deadline", "_loop", "_timer", "_waiting")
+
+    def __init__(self, deadline: ReadDeadline | WriteDeadline | None) -> None:
+        self._deadline = deadline
+        self._waiting: dict[ClientWait, None] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def begin(self, wait: ClientWait) -> None:
+        """`wait` waits on its client from now until `end`, its deadline at most."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        wait.since = now
+        if self._deadline is None:
+            return
+        if loop is not self._loop:  # a new loop (a test's): the old timer never fires
+            self._loop, self._timer = loop, None
+        wait.expires = expires = now + self._deadline.seconds
+        self._waiting[wait] = None
+        if self._timer is None:
+            self._timer = loop.call_at(expires, self._expire)
+
+    @property
+    def deadline(self) -> ReadDeadline | WriteDeadline | None:
+        """What ends a wait (None: only marked)."""
+        return self._deadline
+
+    def end(self, wait: ClientWait) -> None:
+        """`wait`'s client answered (or the call ended)."""
+        wait.expires = wait.since = None
+        self._waiting.pop(wait, None)
+
+    def _expire(self) -> None:
+        """End every wait past its deadline; the timer moves to the next one."""
+        self._timer = None
+        loop = self._loop
+        assert loop is not None
+        now = loop.time()
+        waiting = self._waiting
+        while waiting:
+            wait = next(iter(waiting))
+            if wait.expires is None:  # ended without `end` (never: kept safe)
+                del waiting[wait]
+                continue
+            if wait.expires > now:
+                self._timer = loop.call_at(wait.expires, self._expire)
+                return
+            del waiting[wait]
+            if isinstance(self._deadline, WriteDeadline):
+                logger.info("%s", self._deadline.message())
+            wait.expire()

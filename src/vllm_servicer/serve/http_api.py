@@ -59,7 +59,7 @@ import uvicorn
 from ..budgets import RequestBudgets
 from ..context import Identity, current_identity
 from ..guard import EngineGuard
-from ..interceptors._call import ClientWait, client_wait
+from ..interceptors._call import ClientWait, WaitWatch, client_wait
 from ..interceptors.auth import AuthError, Unauthenticated
 from ..interceptors.call_slots import CallSlotsInterceptor, CallSlotsRefused
 from ..prefix_cache import keyed_tenant
@@ -237,6 +237,8 @@ class _Front:
         self.slots = slots
         self.max_body_bytes = max_body_bytes
         self.budgets = budgets
+        # One watch for every request's answer: one deadline, so one timer.
+        self._writes = None if slots is None else WaitWatch(slots.write_deadline(""))
         self.draining = False
         self.responses_stored = bool(envs.VLLM_ENABLE_RESPONSES_API_STORE)
 
@@ -272,7 +274,15 @@ class _Front:
                     return
             current_identity.set(caller)
             try:
+                if wait is not None and self._writes is not None:
+                    send = _taken_in_time(send, self._writes, wait)
                 await self._serve(scope, path, receive, send, wait)
+            except asyncio.CancelledError:
+                # Its client took no part of the answer in time (or its slot went
+                # to another tenant meanwhile): nothing more can be sent to it.
+                if wait is None or not wait.expired or wait.task is None or wait.task.uncancel():
+                    raise
+                logger.info("HTTP %s ended: %s", path, wait.reason or "response not taken in time")
             finally:
                 if held is not None:
                     held.release()
@@ -351,6 +361,29 @@ class _Front:
             return
         for event in _json(status, {"error": message}):
             await send(event)
+
+
+def _taken_in_time(send: Any, watch: WaitWatch, wait: ClientWait) -> Any:
+    """`send` with each part of the response body taken by the client within
+    `watch`'s deadline (`--response-write-timeout`), its wait marked meanwhile.
+
+    uvicorn's send waits while the connection's buffers are full: a client
+    that stops reading (or a slow one, past the deadline) leaves it waiting,
+    the request's slots with it. Past the deadline the request's task is
+    cancelled, and its handler closed (the engine aborts its requests).
+    """
+
+    async def send_in_time(message: dict[str, Any]) -> None:
+        if message["type"] != "http.response.body":
+            await send(message)
+            return
+        watch.begin(wait)
+        try:
+            await send(message)
+        finally:
+            watch.end(wait)
+
+    return send_in_time
 
 
 def _costless(scope: Any, path: str) -> bool:
