@@ -20,6 +20,7 @@ from vllm_servicer import SERVICE_NAME, MountError, MountOptions, mount
 from vllm_servicer.engine import missing_members
 from vllm_servicer.proto import vllm_engine_pb2 as pb
 from vllm_servicer.proto import vllm_engine_pb2_grpc
+from vllm_servicer.serve.http_guard import GuardedEngine
 
 # The host's own service: grpc's standard health service stands in for "any
 # service the host already had", registered under a name of the host's choosing
@@ -163,6 +164,22 @@ async def test_an_engine_lacking_members_is_refused_at_mount_naming_them(engine:
         mount(server, HalfAnEngine())  # type: ignore[arg-type]
     assert "errored" not in str(err.value) and "model_config" not in str(err.value)
     await server.stop(None)
+
+
+async def test_every_way_in_runs_on_the_one_tenant_engine(engine: Any) -> None:
+    """The gRPC call frame, vLLM's handlers (Pooling, Render) and the HTTP API
+    keep tenancy's promises through the same object, built once per mount."""
+    server = grpc.aio.server()
+    mounted = mount(server, engine, MountOptions(shared_prefix_cache=True))
+    try:
+        tenant = mounted.state.tenant
+        assert mounted.state.steps.tenant is tenant
+        assert mounted.state.handlers.claiming.tenant is tenant
+        assert mounted.guard.tenant is tenant
+        assert GuardedEngine(engine, mounted.guard, authenticated=True).tenant is tenant
+        assert tenant.running is mounted.state.running
+    finally:
+        await server.stop(None)
 
 
 async def test_switches_leave_services_out(engine: Any) -> None:

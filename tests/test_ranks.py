@@ -25,6 +25,8 @@ from vllm_servicer.errors import InvalidRequestError
 from vllm_servicer.proto import inference_pb2, inference_pb2_grpc, vllm_engine_pb2_grpc
 from vllm_servicer.proto import vllm_engine_pb2 as pb
 from vllm_servicer.serve.http_guard import GuardedEngine
+from vllm_servicer.servicer.tenancy import Claim, RunningRequests
+from vllm_servicer.servicer.tenant_engine import TenantEngine
 from vllm_servicer.testing.serving import serving
 from vllm_servicer.testing.stand_in import FaultEngine
 
@@ -191,7 +193,7 @@ async def test_vllm_inference_pins_by_global_rank(hybrid: Any) -> None:
 
 async def test_the_http_apis_header_pins_by_global_rank() -> None:
     engine = HybridEngine()
-    guarded = GuardedEngine(engine, _Guard())
+    guarded = GuardedEngine(engine, _Guard(engine))  # type: ignore[arg-type]
     params = SamplingParams(max_tokens=1)
     outputs = guarded.generate({"prompt_token_ids": [1]}, params, "h-1", data_parallel_rank=3)
     assert [o.finished async for o in outputs] == [True]
@@ -206,12 +208,14 @@ async def test_the_http_apis_header_pins_by_global_rank() -> None:
 
 
 class _Guard:
-    """As much of `EngineGuard` as an HTTP generation asks, holding nothing."""
+    """As much of `EngineGuard` as an HTTP generation asks, holding no slot."""
 
-    running = None
+    def __init__(self, engine: Any) -> None:
+        self.tenant = TenantEngine(engine, RunningRequests())
+        self.running = self.tenant.running
 
     def check(self, request_id: str, method: str) -> None:
         pass
 
-    def hold(self, request_id: str, method: str) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()
+    def hold(self, request_id: str, method: str) -> contextlib.AbstractContextManager[Claim]:
+        return contextlib.nullcontext(self.tenant.claim(request_id, method))

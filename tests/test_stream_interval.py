@@ -23,6 +23,7 @@ from vllm_servicer.options import MountOptions
 from vllm_servicer.proto import INFERENCE_SERVICE, vllm_engine_pb2_grpc
 from vllm_servicer.servicer.engine_call import EngineCallSteps
 from vllm_servicer.servicer.tenancy import RunningRequests
+from vllm_servicer.servicer.tenant_engine import TenantEngine
 from vllm_servicer.testing.stand_in import StandInEngine
 
 SERVICES = (SERVICE_NAME, INFERENCE_SERVICE)
@@ -32,8 +33,7 @@ TOKENS = 14  # 1 at once, then 4, 4 and 4, then the last 1 with the finish
 
 def _steps(in_flight: int, interval: int = 4, min_inflight: int = 3) -> EngineCallSteps:
     return EngineCallSteps(
-        StandInEngine(),
-        RunningRequests(),
+        TenantEngine(StandInEngine(), RunningRequests()),
         stream_interval=interval,
         min_inflight=min_inflight,
         in_flight=lambda: in_flight,

@@ -15,6 +15,7 @@ import pytest
 
 from vllm_servicer.errors import RequestIdInUseError
 from vllm_servicer.servicer.tenancy import RunningRequests
+from vllm_servicer.servicer.tenant_engine import TenantEngine
 from vllm_servicer.servicer.vllm_app import ClaimingEngine
 
 
@@ -44,7 +45,7 @@ class StandInEngine:
 async def test_each_encode_is_claimed_while_it_runs_and_released_at_its_end() -> None:
     running = RunningRequests()
     engine = StandInEngine()
-    claiming = ClaimingEngine(engine, running, "pooling")  # type: ignore[arg-type]
+    claiming = ClaimingEngine(TenantEngine(engine, running), "pooling")
     engine.go.set()
     async with claiming.claims_of_call():
         outputs = [o async for o in claiming.encode(request_id="score-a-0", prompt="x")]
@@ -55,7 +56,7 @@ async def test_each_encode_is_claimed_while_it_runs_and_released_at_its_end() ->
 async def test_a_call_that_fails_mid_batch_releases_and_aborts_what_still_runs() -> None:
     running = RunningRequests()
     engine = StandInEngine(running)
-    claiming = ClaimingEngine(engine, running, "pooling")  # type: ignore[arg-type]
+    claiming = ClaimingEngine(TenantEngine(engine, running), "pooling")
     left_running: list[Any] = []
     with pytest.raises(RuntimeError, match="one text failed"):
         async with claiming.claims_of_call():
@@ -86,7 +87,7 @@ async def test_an_id_running_for_another_caller_is_refused_before_the_engine_sta
 
     running = RunningRequests()
     engine = StandInEngine()
-    claiming = ClaimingEngine(engine, running, "pooling")  # type: ignore[arg-type]
+    claiming = ClaimingEngine(TenantEngine(engine, running), "pooling")
     token = current_identity.set(Identity(name="tenant-a", kind="key"))
     try:
         running.claim("score-c-0", "Rerank")
@@ -105,7 +106,7 @@ async def test_a_cancelled_encode_is_aborted_before_its_id_is_free_unless_shared
     another call is left to that call."""
     running = RunningRequests()
     engine = StandInEngine(running)
-    claiming = ClaimingEngine(engine, running, "pooling")  # type: ignore[arg-type]
+    claiming = ClaimingEngine(TenantEngine(engine, running), "pooling")
 
     async def cancelled(request_id: str) -> None:
         read = asyncio.ensure_future(claiming.encode(request_id=request_id).__anext__())
@@ -128,7 +129,7 @@ async def test_a_cancel_stays_a_cancel_when_the_abort_fails() -> None:
     running = RunningRequests()
     engine = StandInEngine(running)
     engine.dead = True
-    claiming = ClaimingEngine(engine, running, "pooling")  # type: ignore[arg-type]
+    claiming = ClaimingEngine(TenantEngine(engine, running), "pooling")
     read = asyncio.ensure_future(claiming.encode(request_id="embed-dead").__anext__())
     await asyncio.sleep(0)
     read.cancel()

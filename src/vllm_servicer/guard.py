@@ -26,7 +26,8 @@ from collections.abc import Iterator
 from typing import Protocol
 
 from .context import Identity, current_identity
-from .servicer.tenancy import Claim, RunningRequests
+from .servicer.tenancy import Claim
+from .servicer.tenant_engine import TenantEngine
 
 __all__ = ["EngineGuard", "InflightCount", "ServerBusyError"]
 
@@ -61,13 +62,15 @@ class EngineGuard:
     check).
 
     Args:
-        running: the mount's registry of running request ids (shared by the
-            frontend processes of `--api-server-count` through its group).
+        tenant: the mount's engine with tenancy's promises (`TenantEngine`),
+            over its registry of running request ids (shared by the frontend
+            processes of `--api-server-count` through its group).
         inflight: the in-flight count and `--max-inflight` (shared the same way).
     """
 
-    def __init__(self, running: RunningRequests, inflight: InflightCount) -> None:
-        self.running = running
+    def __init__(self, tenant: TenantEngine, inflight: InflightCount) -> None:
+        self.tenant = tenant
+        self.running = tenant.running
         self.inflight = inflight
 
     def check(self, request_id: str, method: str) -> None:
@@ -113,7 +116,7 @@ class EngineGuard:
         if refusal is not None:
             raise ServerBusyError(refusal)
         try:
-            claim = self.running.claim(request_id, method)
+            claim = self.tenant.claim(request_id, method)
         except BaseException:
             self.inflight.leave(caller)
             raise

@@ -189,7 +189,7 @@ def mount(
     return MountedServices(
         state=state,
         inflight=inflight,
-        guard=EngineGuard(state.running, inflight),
+        guard=EngineGuard(state.tenant, inflight),
         service_names=names,
         health=health,
         servicer=servicers.get(SERVICE_NAME),

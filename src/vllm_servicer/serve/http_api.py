@@ -513,12 +513,7 @@ class HttpApi:
             engine
             if guard is None
             else GuardedEngine(
-                engine,
-                guard,
-                args.options.budgets,
-                authenticated=verifier is not None,
-                routing_for_every_key=args.options.routing_data_for_every_key,
-                shared_prefix_cache=args.options.shared_prefix_cache,
+                engine, guard, args.options.budgets, authenticated=verifier is not None
             )
         )
         app = await _build_app(client, frontend_args(args, host, port))

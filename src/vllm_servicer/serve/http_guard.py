@@ -37,7 +37,6 @@ a race between the check and the claim ends its stream with vLLM's error event.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import json
@@ -48,10 +47,9 @@ from typing import Any
 from vllm.exceptions import GracefulHTTPError
 
 from ..budgets import RequestBudgets, encoded_size
-from ..context import Identity, current_identity, may_route, priority_floor
+from ..context import Identity, current_identity, priority_floor
 from ..errors import ROUTER_ROLE_HINT, InvalidRequestError, RequestIdInUseError, TableFullError
 from ..guard import EngineGuard, ServerBusyError
-from ..prefix_cache import salted
 from ..ranks import engine_index, engine_index_if_served
 
 __all__ = ["HTTP_CALLER", "GuardedEngine"]
@@ -148,17 +146,17 @@ class GuardedEngine:
     Everything but `generate`, `encode`, `abort`, `check_admission`,
     `notify_kv_transfer_request_rejected` and `add_lora` is the engine's own.
 
+    The promises every way in keeps (ids, caches keyed by tenant, routing
+    data a router's, a cancel's abort) are the mount's `TenantEngine`'s, which
+    the guard holds; the rest is the HTTP API's own.
+
     Args:
         engine: the launcher's `AsyncLLM`.
-        guard: the mount's `EngineGuard`.
+        guard: the mount's `EngineGuard` (its `tenant`, the mount's `TenantEngine`).
         budgets: the per-request budgets the gRPC protocols keep too.
-        authenticated: the HTTP API checks keys: KV transfer parameters are then
-            a router's and runtime adapter loads an administrator's. Without
-            keys there are no tenants to keep apart, and both stay open.
-        routing_for_every_key: take KV transfer parameters from every key
-            (`--routing-data-for-every-key`).
-        shared_prefix_cache: leave tenants' prompts unsalted
-            (`--shared-prefix-cache`); without keys they are anyway.
+        authenticated: the HTTP API checks keys. Without keys its one caller
+            is no tenant to keep apart: routing data and runtime adapter loads
+            stay open, and prompts go to the engine as sent.
     """
 
     def __init__(
@@ -168,16 +166,12 @@ class GuardedEngine:
         budgets: RequestBudgets | None = None,
         *,
         authenticated: bool = False,
-        routing_for_every_key: bool = False,
-        shared_prefix_cache: bool = False,
     ) -> None:
         self._engine = engine
         self._guard = guard
+        self.tenant = guard.tenant
         self._budgets = budgets if budgets is not None else RequestBudgets()
         self._authenticated = authenticated
-        self._routing_open = routing_for_every_key or not authenticated
-        # Without keys the one HTTP caller is no tenant to keep apart.
-        self._shared_cache = shared_prefix_cache or not authenticated
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
@@ -200,7 +194,7 @@ class GuardedEngine:
         # Anthropic's messages, token generation) hands them on here.
         extra = getattr(sampling_params, "extra_args", None) or {}
         for field in _ROUTING_FIELDS:
-            if extra.get(field) is not None and not may_route(self._routing_open):
+            if extra.get(field) is not None and not self._may_route():
                 raise RoutingDataForbiddenError(
                     f"{field}: connectors' transfer parameters are a router's; {ROUTER_ROLE_HINT}"
                 )
@@ -223,9 +217,7 @@ class GuardedEngine:
             rank = kwargs.get("data_parallel_rank")
             if rank is not None:
                 kwargs["data_parallel_rank"] = engine_index(self._engine, rank, RANK_HEADER)
-        # vLLM hands the rendered prompt with the body's `cache_salt` in it; its
-        # media uuids were keyed in the body, before vLLM rendered (http_request_ids).
-        prompt = salted(prompt, self._shared_cache, media=False)
+        prompt = self._keyed(prompt)
         start = functools.partial(
             self._engine.generate, prompt, sampling_params, request_id, *args, **kwargs
         )
@@ -236,7 +228,7 @@ class GuardedEngine:
     ) -> AsyncGenerator[Any, None]:
         with _as_http_errors():
             self._check_priority(kwargs)
-        prompt = salted(prompt, self._shared_cache, media=False)
+        prompt = self._keyed(prompt)
         start = functools.partial(
             self._engine.encode, prompt, pooling_params, request_id, *args, **kwargs
         )
@@ -251,10 +243,21 @@ class GuardedEngine:
         if "data_parallel_rank" in kwargs:
             rank = kwargs["data_parallel_rank"]
             kwargs["data_parallel_rank"] = engine_index_if_served(self._engine, rank)
-        if may_route(self._routing_open):
+        if self._may_route():
             await self._engine.notify_kv_transfer_request_rejected(
                 request_id, kv_transfer_params, *args, **kwargs
             )
+
+    def _may_route(self) -> bool:
+        return not self._authenticated or self.tenant.may_route()
+
+    def _keyed(self, prompt: Any) -> Any:
+        """The rendered prompt keyed for its tenant: vLLM hands it with the body's
+        `cache_salt` in it, its media uuids keyed in the body before vLLM
+        rendered it (`http_request_ids`)."""
+        if not self._authenticated:
+            return prompt
+        return self.tenant.keyed(prompt, media=False)
 
     def _check_priority(self, kwargs: dict[str, Any]) -> None:
         """A tenant's `priority` (vLLM's routes hand the body's on) no lower than its
@@ -313,10 +316,5 @@ class GuardedEngine:
         with contextlib.ExitStack() as held:
             with _as_http_errors():
                 claim = held.enter_context(self._guard.hold(request_id, method))
-            try:
-                async with contextlib.aclosing(start()) as outputs:
-                    async for output in outputs:
-                        yield output
-            except asyncio.CancelledError:
-                await claim.cancelled(self._engine)
-                raise
+            async for output in self.tenant.run(claim, start):
+                yield output

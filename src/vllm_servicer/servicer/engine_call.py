@@ -29,15 +29,15 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from .. import vllm_releases
 from ..budgets import RequestBudgets, check_request_id
-from ..context import current_request_id, kept_usage, may_route
+from ..context import current_request_id, kept_usage
 from ..engine import EngineClient, require_engine
-from ..errors import InvalidRequestError, RoutingDataError, UnsupportedError
+from ..errors import InvalidRequestError, UnsupportedError
 from ..multimodal.decoded import DecodedMedia, RequestMedia
-from ..prefix_cache import salted
 from ..wire import fields
 from ..wire.usage import GenerationUsage, RequestSummary
 from .lora import AdapterHold
-from .tenancy import Claim, RunningRequests
+from .tenancy import Claim
+from .tenant_engine import TenantEngine
 
 # isort: split
 from vllm.exceptions import VLLMClientError
@@ -78,18 +78,13 @@ class EngineCallSteps:
     protocol runs it.
 
     Args:
-        engine: the engine served.
-        running: the mount's registry of running request ids (a gRPC call's
-            in-flight slot is taken by the in-flight interceptor, so the claim
-            is all a frame takes).
+        tenant: the engine served, with tenancy's promises (`TenantEngine`):
+            ids claimed, caches keyed and routing data checked there, as on
+            every other way in (a gRPC call's in-flight slot is taken by the
+            in-flight interceptor, so the claim is all a frame takes).
         stream_interval: the tokens a streamed generation's message gathers
             (`MountOptions.stream_interval`), from `min_inflight` engine calls
             in flight on, as `in_flight` counts them.
-        routing_for_every_key: take KV transfer parameters from every caller,
-            not only routers and administrators
-            (`MountOptions.routing_data_for_every_key`).
-        shared_prefix_cache: leave tenants' prompts unsalted, one prefix cache
-            for all (`MountOptions.shared_prefix_cache`).
         decoded_media: the decoded images the process holds for running
             requests, and their budget (a frame opens each request's account).
 
@@ -100,19 +95,18 @@ class EngineCallSteps:
 
     def __init__(
         self,
-        engine: EngineClient,
-        running: RunningRequests,
+        tenant: TenantEngine,
         *,
         stream_interval: int = 1,
         min_inflight: int = 0,
         in_flight: Callable[[], int] | None = None,
-        routing_for_every_key: bool = False,
-        shared_prefix_cache: bool = False,
         decoded_media: DecodedMedia | None = None,
     ) -> None:
+        engine: EngineClient = tenant.engine
         require_engine(engine)  # a TypeError naming what it lacks, not an AttributeError
+        self.tenant = tenant
         self.engine = engine
-        self.running = running
+        self.running = running = tenant.running
         self.decoded_media = (
             decoded_media if decoded_media is not None else DecodedMedia(RequestBudgets())
         )
@@ -124,8 +118,6 @@ class EngineCallSteps:
         self._stream_interval = stream_interval
         self._min_inflight = min_inflight
         self._in_flight = in_flight if in_flight is not None else running.__len__
-        self._routing_for_every_key = routing_for_every_key
-        self._shared_prefix_cache = shared_prefix_cache
         # A token prompt past the model's context is refused by its length alone.
         max_len = getattr(engine.model_config, "max_model_len", None)
         self.max_prompt_tokens: int | None = int(max_len) if max_len else None
@@ -161,7 +153,7 @@ class EngineCallSteps:
         request_id = given or f"{prefix}-{uuid.uuid4().hex}"
         check_request_id("request_id", request_id)
         current_request_id.set(request_id)
-        return self.running.claim(request_id, method)
+        return self.tenant.claim(request_id, method)
 
     def frame(
         self,
@@ -217,8 +209,7 @@ class EngineCallSteps:
         Raises:
             RoutingDataError: the caller has neither the router nor the admin role.
         """
-        if not may_route(self._routing_for_every_key):
-            raise RoutingDataError(field, reason)
+        self.tenant.check_routing(field, reason)
 
     def check_seed(self, sampling: SamplingParams, field: str) -> None:
         """Refuse sampling (its seed in `field`) that would stop this engine."""
@@ -254,7 +245,7 @@ class EngineCallSteps:
     def salted(self, prompt: Any) -> Any:
         """The engine's prompt salted for the caller's tenant (`prefix_cache.salted`):
         its prefix cache blocks are then found by its own requests only."""
-        return salted(prompt, self._shared_prefix_cache)
+        return self.tenant.keyed(prompt)
 
     # ----- rendering --------------------------------------------------------
 
@@ -298,7 +289,7 @@ class EngineCallSteps:
         """
         if not self.kv_connector or not kv_transfer.get("do_remote_prefill"):
             return
-        if not may_route(self._routing_for_every_key):
+        if not self.tenant.may_route():
             return
         try:
             await self.engine.notify_kv_transfer_request_rejected(

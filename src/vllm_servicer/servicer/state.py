@@ -1,7 +1,9 @@
 """What the servicers of one mount share, built once by `mount()`.
 
-Every protocol runs requests on one engine: an id belongs to its caller
-whichever protocol started it (`RunningRequests`), each engine call is
+Every protocol runs requests on one engine, whose promises to the tenants
+sharing it are kept in one place (`TenantEngine`: an id belongs to its
+caller whichever protocol started it, every cache a client names is keyed by
+its tenant, routing data is a router's), each engine call is
 prepared by the same steps and framed the same way (`EngineCallSteps`), an
 adapter Control loads is one Inference's `lora_name` names (`LoraRegistry`),
 the decoded images in flight count against one budget (`DecodedMedia`),
@@ -27,6 +29,7 @@ from ..multimodal.media import MediaResolver
 from .engine_call import EngineCallSteps
 from .lora import LoraRegistry
 from .tenancy import RunningRequests
+from .tenant_engine import TenantEngine
 from .vllm_app import VllmHandlers
 
 if TYPE_CHECKING:
@@ -53,6 +56,8 @@ class MountState:
         engine: the engine served.
         options: what the mount serves and how; the servicers read theirs here.
         running: the requests running now, by id and owner, every protocol's.
+        tenant: the engine as every way in runs a tenant's requests on it,
+            over `running` (the gRPC frame, vLLM's handlers, the HTTP API).
         steps: the engine call's preparation every protocol takes, over `running`.
         loras: the LoRA adapters served, by name.
         decoded_media: the decoded images the process holds for running requests.
@@ -70,6 +75,7 @@ class MountState:
     engine: EngineClient
     options: MountOptions
     running: RunningRequests
+    tenant: TenantEngine
     steps: EngineCallSteps
     loras: LoraRegistry
     decoded_media: DecodedMedia
@@ -99,15 +105,18 @@ class MountState:
         def in_flight() -> int:
             return _active(inflight, running)
 
-        # First: it checks the engine's members, which the registry reads.
-        steps = EngineCallSteps(
+        tenant = TenantEngine(
             engine,
             running,
+            routing_for_every_key=options.routing_data_for_every_key,
+            shared_prefix_cache=options.shared_prefix_cache,
+        )
+        # First: it checks the engine's members, which the registry reads.
+        steps = EngineCallSteps(
+            tenant,
             stream_interval=options.stream_interval,
             min_inflight=options.stream_interval_min_inflight,
             in_flight=in_flight,
-            routing_for_every_key=options.routing_data_for_every_key,
-            shared_prefix_cache=options.shared_prefix_cache,
             decoded_media=decoded_media,
         )
         several = frontends is not None and frontends.count > 1
@@ -122,15 +131,14 @@ class MountState:
             engine,
             options,
             running,
+            tenant,
             steps,
             loras,
             decoded_media,
             VllmHandlers(
-                engine,
-                running,
+                tenant,
                 loras,
                 options.chat_template,
-                shared_prefix_cache=options.shared_prefix_cache,
                 tool_call_parser=options.tool_call_parser,
                 enable_auto_tool_choice=options.enable_auto_tool_choice,
             ),

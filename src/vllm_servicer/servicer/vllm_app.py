@@ -28,11 +28,11 @@ from typing import TYPE_CHECKING, Any
 from ..context import kept_usage
 from ..engine import EngineClient, served_model_name
 from ..errors import InvalidRequestError, NotFoundError, UnsupportedError
-from ..prefix_cache import salted
 from ..wire.pooling import ModelLimits
 from ..wire.usage import RequestSummary
 from .lora import BASE_MODEL, AdapterHold, LoraRegistry
-from .tenancy import Claim, RunningRequests
+from .tenancy import Claim
+from .tenant_engine import TenantEngine
 
 if TYPE_CHECKING:
     from vllm.lora.request import LoRARequest
@@ -75,25 +75,14 @@ class ClaimingEngine:
     Everything else is the engine's own.
 
     Args:
-        engine: the mount's engine.
-        running: the mount's registry of running request ids.
+        tenant: the mount's engine, with tenancy's promises (`TenantEngine`).
         method: what the log names as running the request.
-        shared_prefix_cache: leave tenants' prompts unsalted
-            (`MountOptions.shared_prefix_cache`).
     """
 
-    def __init__(
-        self,
-        engine: EngineClient,
-        running: RunningRequests,
-        method: str,
-        *,
-        shared_prefix_cache: bool = False,
-    ) -> None:
-        self._engine = engine
-        self._running = running
+    def __init__(self, tenant: TenantEngine, method: str) -> None:
+        self.tenant = tenant
+        self._engine = tenant.engine
         self._method = method
-        self._shared_prefix_cache = shared_prefix_cache
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
@@ -109,9 +98,9 @@ class ClaimingEngine:
             kwargs["lora_request"] = adapter
         # Each text the caller's tenant's own in the prefix cache.
         if "prompt" in kwargs:
-            kwargs["prompt"] = salted(kwargs["prompt"], self._shared_prefix_cache)
+            kwargs["prompt"] = self.tenant.keyed(kwargs["prompt"])
         elif args:
-            args = (salted(args[0], self._shared_prefix_cache), *args[1:])
+            args = (self.tenant.keyed(args[0]), *args[1:])
         return self._claimed(request_id, lambda: self._engine.encode(*args, **kwargs))
 
     async def _claimed(
@@ -119,20 +108,15 @@ class ClaimingEngine:
     ) -> AsyncGenerator[Any, None]:
         # Claimed from the first read to the end, an error or a close (a
         # cancelled call closes it; the engine aborts the request then).
-        claim = self._running.claim(request_id, self._method)
+        # (A cancel once released aborts nothing: the call ended, aborting its
+        # claims, and the id may be another caller's now; vLLM's merge cancels
+        # its reads late.)
+        claim = self.tenant.claim(request_id, self._method)
         held = _call_claims.get()
         if held is not None:
             held.append(claim)
-        try:
-            async for output in start():
-                yield output
-        except asyncio.CancelledError:
-            # Nothing once released: the call ended (it aborted its claims) and
-            # the id may be another caller's now; vLLM's merge cancels its reads late.
-            await claim.cancelled(self._engine)
-            raise
-        finally:
-            claim.release()
+        async for output in self.tenant.run(claim, start):
+            yield output
 
     @contextlib.asynccontextmanager
     async def claims_of_call(self, adapter: LoRARequest | None = None) -> AsyncIterator[None]:
@@ -164,13 +148,11 @@ class VllmHandlers:
     """vLLM's HTTP handler objects on one engine, built at first use.
 
     Args:
-        engine: the mount's engine.
-        running: the mount's registry of running request ids.
+        tenant: the mount's engine, with tenancy's promises (`TenantEngine`):
+            each engine request the handlers start is claimed and keyed there.
         loras: the mount's LoRA adapters, which a request names as its model.
         chat_template: a chat template (a file or the template itself) to use
             instead of the model's, as vLLM's `--chat-template`.
-        shared_prefix_cache: leave tenants' prompts unsalted
-            (`MountOptions.shared_prefix_cache`).
         tool_call_parser: vLLM's tool-call parser by name, as its `--tool-call-parser`
             (the reasoning parser is the engine's own, `--reasoning-parser`).
         enable_auto_tool_choice: as vLLM's `--enable-auto-tool-choice`.
@@ -178,17 +160,15 @@ class VllmHandlers:
 
     def __init__(
         self,
-        engine: EngineClient,
-        running: RunningRequests,
+        tenant: TenantEngine,
         loras: LoraRegistry,
         chat_template: str | None = None,
         *,
-        shared_prefix_cache: bool = False,
         tool_call_parser: str | None = None,
         enable_auto_tool_choice: bool = False,
     ) -> None:
+        engine: EngineClient = tenant.engine
         self._engine = engine
-        self._running = running
         self._loras = loras
         self._chat_template = chat_template
         self._tool_call_parser = tool_call_parser
@@ -196,9 +176,7 @@ class VllmHandlers:
         self._state: Any = None
         self._tasks: tuple[str, ...] = ()
         self._lock = asyncio.Lock()
-        self.claiming = ClaimingEngine(
-            engine, running, "pooling", shared_prefix_cache=shared_prefix_cache
-        )
+        self.claiming = ClaimingEngine(tenant, "pooling")
         self.served_model = served_model_name(engine)
         self._limits: ModelLimits | None = None
         self._vocabulary: int | None = None
