@@ -32,8 +32,10 @@ run exits non-zero. TTFT is the time to the first chunk with content.
 Rounds go A B B A, then B A A B (three servers: A B C C B A, rotating), so
 drift cancels; each server's two bursts in a round are its A/A pair, the noise
 floor printed beside the A/B ratio. Also per burst: CPU seconds of the serving
-process, its engine processes and the gateway. JSON in
-``results/gateway-<time>.json``.
+process, its engine processes and the gateway (its process's user + system
+CPU, all threads, per output token, with the per-round ratio ours / vLLM gRPC
+and each side's A/A), and the TCP segments and bytes the server sent its
+gateway per output token (``ss``). JSON in ``results/gateway-<time>.json``.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ import datetime as dt
 import json
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -366,6 +369,27 @@ class Side:
     template_tokens: int = 0
 
 
+def tcp_sent(port: int) -> tuple[int, int] | None:
+    """TCP data segments and bytes sent so far from local `port`, summed over its
+    established connections (`ss -ti`); None where `ss` is missing. Behind a
+    gateway that is the gateway's one long-lived connection, so two readings give
+    exact deltas."""
+    try:
+        done = subprocess.run(
+            ["ss", "-tinH", "state", "established", f"sport = :{port}"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if done.returncode != 0:
+        return None
+    segments = sum(int(v) for v in re.findall(r"\bdata_segs_out:(\d+)", done.stdout))
+    sent = sum(int(v) for v in re.findall(r"\bbytes_sent:(\d+)", done.stdout))
+    return segments, sent
+
+
 @dataclass
 class Burst:
     server: str
@@ -375,12 +399,18 @@ class Burst:
     server_cpu_s: float
     engine_cpu_s: float
     gateway_cpu_s: float | None
+    # Sent by the server to its gateway over the burst (`tcp_sent`); None direct.
+    tcp_segments: int | None = None
+    tcp_bytes: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         tokens = self.result["output_tokens"]
 
         def per_token_us(cpu: float | None) -> float | None:
             return round(cpu / tokens * 1e6, 1) if tokens and cpu is not None else None
+
+        def per_token(count: int | None, digits: int) -> float | None:
+            return round(count / tokens, digits) if tokens and count is not None else None
 
         return {
             "server": self.server,
@@ -389,6 +419,9 @@ class Burst:
             "server_cpu_us_per_token": per_token_us(self.server_cpu_s),
             "engine_cpu_us_per_token": per_token_us(self.engine_cpu_s),
             "gateway_cpu_us_per_token": per_token_us(self.gateway_cpu_s),
+            "gateway_cpu_s": None if self.gateway_cpu_s is None else round(self.gateway_cpu_s, 4),
+            "tcp_segments_per_token": per_token(self.tcp_segments, 3),
+            "tcp_bytes_per_token": per_token(self.tcp_bytes, 1),
             **self.result,
         }
 
@@ -542,15 +575,22 @@ class Driver:
         gateway_pid = side.gateway.pid if side.gateway is not None else None
 
         def gateway_cpu() -> float | None:
+            # User + system CPU of the gateway's process, all its threads (smg runs
+            # its Rust router inside the Python process `smg launch` starts), and of
+            # any child, read from the process's CPU clock (/proc's utime + stime,
+            # to the nanosecond rather than the 10 ms tick).
             if gateway_pid is None:
                 return None
             return run.cpu_seconds(gateway_pid) + sum(
                 run.cpu_seconds(p) for p in run.descendants(gateway_pid)
             )
 
+        port = side.server.port
+        wire_before = tcp_sent(port)
         before, gw_before = run.CpuSnapshot.take(side.server.pid), gateway_cpu()
         result = self.ask(side, self.args.concurrency, self.args.requests, self.args.output_tokens)
         after, gw_after = run.CpuSnapshot.take(side.server.pid), gateway_cpu()
+        wire_after = tcp_sent(port)
         if result["errors"]:
             self.problems.append(
                 f"{name} round {rnd}: {result['errors']} of {result['requests']} requests bad, "
@@ -560,6 +600,11 @@ class Driver:
         b = Burst(
             name, rnd, pos, result, after.server - before.server, after.engine - before.engine, gw
         )
+        if wire_before is not None and wire_after is not None and name in BEHIND_GATEWAY:
+            # Only the gateway's connection is open there (the load generator's
+            # come and go on vLLM's HTTP port, so that side has none).
+            b.tcp_segments = wire_after[0] - wire_before[0]
+            b.tcp_bytes = wire_after[1] - wire_before[1]
         self.bursts.append(b)
         return b
 
@@ -585,15 +630,26 @@ class Driver:
 
 
 def pooled(bursts: list[Burst]) -> dict[str, float | None]:
-    """One server's bursts pooled: tok/s over their wall time, mean TTFT percentiles."""
+    """One server's bursts pooled: tok/s over their wall time, mean TTFT percentiles,
+    the gateway's CPU seconds over their tokens (None without a gateway)."""
     wall = sum(b.result["wall_s"] for b in bursts)
     tokens = sum(b.result["output_tokens"] for b in bursts)
+    gateway = [b.gateway_cpu_s for b in bursts]
+    gateway_per_token = (
+        sum(g for g in gateway if g is not None) / tokens
+        if tokens and gateway and None not in gateway
+        else None
+    )
 
     def mean(key: str) -> float | None:
         values = [b.result[key] for b in bursts if b.result[key] is not None]
         return statistics.mean(values) if values else None
 
-    return {"tokens_per_s": tokens / wall if wall else 0.0, "ttft_p50_ms": mean("ttft_p50_ms")}
+    return {
+        "tokens_per_s": tokens / wall if wall else 0.0,
+        "ttft_p50_ms": mean("ttft_p50_ms"),
+        "gateway_cpu_per_token": gateway_per_token,
+    }
 
 
 def median_range(values: list[float]) -> dict[str, Any] | None:
@@ -619,15 +675,21 @@ def summarize(bursts: list[Burst], servers: Sequence[str]) -> dict[str, Any]:
         if not mine:
             continue
 
-        def med(key: str, mine: list[Burst] = mine) -> float | None:
+        def med(key: str, mine: list[Burst] = mine, digits: int = 1) -> float | None:
             values = [b.to_json()[key] for b in mine if b.to_json()[key] is not None]
-            return round(statistics.median(values), 1) if values else None
+            return round(statistics.median(values), digits) if values else None
 
-        aa = []
+        def med3(key: str, mine: list[Burst] = mine) -> float | None:
+            return med(key, mine, 3)
+
+        aa, gateway_aa = [], []
         for rnd in rounds:
             pair = sorted(of(name, rnd), key=lambda b: b.position)
             if len(pair) == 2 and pair[0].result["tokens_per_s"]:
                 aa.append(pair[1].result["tokens_per_s"] / pair[0].result["tokens_per_s"])
+            gw_pair = [b.to_json()["gateway_cpu_us_per_token"] for b in pair]
+            if len(pair) == 2 and gw_pair[0] and gw_pair[1]:
+                gateway_aa.append(gw_pair[1] / gw_pair[0])
         per_server[name] = {
             "label": LABELS[name],
             "tokens_per_s": med("tokens_per_s"),
@@ -638,22 +700,34 @@ def summarize(bursts: list[Burst], servers: Sequence[str]) -> dict[str, Any]:
             "server_cpu_us_per_token": med("server_cpu_us_per_token"),
             "engine_cpu_us_per_token": med("engine_cpu_us_per_token"),
             "gateway_cpu_us_per_token": med("gateway_cpu_us_per_token"),
+            "tcp_segments_per_token": med3("tcp_segments_per_token"),
+            "tcp_bytes_per_token": med("tcp_bytes_per_token"),
             "requests": sum(b.result["requests"] for b in mine),
             "requests_ok": sum(b.result["ok"] for b in mine),
             "aa": median_range(aa),
+            # The same server's two bursts in a round: the noise floor of the
+            # gateway's CPU per token, beside the ours/vLLM ratio.
+            "gateway_cpu_aa": median_range(gateway_aa),
         }
     ratios: dict[str, Any] = {}
     for a, b in PAIRS:
         if a not in per_server or b not in per_server:
             continue
-        tok, ttft = [], []
+        tok, ttft, gw = [], [], []
         for rnd in rounds:
             pa, pb = pooled(of(a, rnd)), pooled(of(b, rnd))
             if pb["tokens_per_s"]:
                 tok.append(float(pa["tokens_per_s"] or 0) / float(pb["tokens_per_s"]))
             if pa["ttft_p50_ms"] and pb["ttft_p50_ms"]:
                 ttft.append(float(pa["ttft_p50_ms"]) / float(pb["ttft_p50_ms"]))
-        ratios[f"{a}/{b}"] = {"tokens_per_s": median_range(tok), "ttft_p50": median_range(ttft)}
+            if pa["gateway_cpu_per_token"] and pb["gateway_cpu_per_token"]:
+                gw.append(float(pa["gateway_cpu_per_token"]) / float(pb["gateway_cpu_per_token"]))
+        ratios[f"{a}/{b}"] = {
+            "tokens_per_s": median_range(tok),
+            "ttft_p50": median_range(ttft),
+            # The gateway's CPU per output token, ours over theirs (both behind one).
+            "gateway_cpu_per_token": median_range(gw),
+        }
     return {"servers": per_server, "ratios": ratios}
 
 
@@ -664,18 +738,23 @@ def fmt(value: Any, spec: str = ".0f") -> str:
 def print_summary(summary: dict[str, Any]) -> None:
     print()
     head = f"{'server':<30} {'tok/s':>7} {'TTFT p50':>9} {'p90':>7} {'in tok':>7} "
-    head += f"{'srv us/tok':>10} {'eng us/tok':>10} {'smg us/tok':>10} {'ok':>9}  A/A tok/s"
+    head += f"{'srv us/tok':>10} {'eng us/tok':>10} {'smg us/tok':>10} {'segs/tok':>8} "
+    head += f"{'B/tok':>6} {'ok':>9}  A/A tok/s  A/A smg"
     print(head)
     for figures in summary["servers"].values():
         aa = figures["aa"]
         aa_text = f"{aa['min']:.2f}-{aa['max']:.2f}" if aa else "-"
+        gaa = figures["gateway_cpu_aa"]
+        aa_text = f"{aa_text:<10} " + (f"{gaa['min']:.2f}-{gaa['max']:.2f}" if gaa else "-")
         print(
             f"{figures['label']:<30} {fmt(figures['tokens_per_s']):>7} "
             f"{fmt(figures['ttft_p50_ms']):>9} {fmt(figures['ttft_p90_ms']):>7} "
             f"{fmt(figures['prompt_tokens_mean']):>7} "
             f"{fmt(figures['server_cpu_us_per_token']):>10} "
             f"{fmt(figures['engine_cpu_us_per_token']):>10} "
-            f"{fmt(figures['gateway_cpu_us_per_token']):>10} "
+            f"{fmt(figures['gateway_cpu_us_per_token'], '.1f'):>10} "
+            f"{fmt(figures['tcp_segments_per_token'], '.3f'):>8} "
+            f"{fmt(figures['tcp_bytes_per_token'], '.1f'):>6} "
             f"{figures['requests_ok']:>4}/{figures['requests']:<4}  {aa_text}"
         )
     print()
@@ -688,6 +767,10 @@ def print_summary(summary: dict[str, Any]) -> None:
         line += f" (rounds: {rounds})"
         if ttft is not None:
             line += f"; TTFT p50 ratio {ttft['median']:.2f}"
+        gw = r["gateway_cpu_per_token"]
+        if gw is not None:
+            line += f"; gateway CPU/token ratio {gw['median']:.2f}"
+            line += f" [{gw['min']:.2f}-{gw['max']:.2f}]"
         print(line)
 
 

@@ -337,4 +337,9 @@ def test_gateway_benchmark_gets_every_token_through_smg_on_both_sides(tmp_path: 
     bursts = data["bursts"]
     assert len(bursts) == 4
     assert all(b["output_tokens"] == 32 * 32 and b["errors"] == 0 for b in bursts)
-    assert data["summary"]["ratios"]["ours/vllm-grpc"]["tokens_per_s"]["median"] > 0
+    ratios = data["summary"]["ratios"]["ours/vllm-grpc"]
+    assert ratios["tokens_per_s"]["median"] > 0
+    # The gateway's own CPU per output token, ours over vLLM's, per round.
+    assert ratios["gateway_cpu_per_token"]["median"] > 0
+    assert all(b["gateway_cpu_s"] > 0 for b in bursts)
+    assert "gateway CPU/token ratio" in done.stdout
