@@ -994,6 +994,32 @@ async def test_kv_transfer_params_reach_the_connector_and_come_back(
     assert told == [sent] and isinstance(told[0]["remote_port"], int)
 
 
+@pytest.mark.parametrize("method", METHODS)
+async def test_a_rejected_remote_prefill_is_reported_to_the_connector_as_on_vllm_engine(
+    handoff: Any, ref: types.ModuleType, method: str, kv_echo_storage: Path
+) -> None:
+    """The same refusal VllmEngine reports (test_protocol_fields.py's
+    `test_a_rejected_remote_prefill_request_is_reported_to_the_connector`):
+    a temperature below 0, after the routing data was read."""
+    rid = f"rejected-prefill-{method}"
+    message = generate_request(ref, PROMPT, 2, request_id=rid)
+    message.temperature = -1.0
+    sent = {"do_remote_prefill": True, "remote_block_ids": [3]}
+    message.kv.kv_transfer_params.update(sent)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await _call(handoff, method, message)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    told: list[Any] = []
+    for _ in range(100):  # the engine core runs the connector's hook on its next step
+        log = kv_echo_storage / FINISHED_LOG
+        lines = log.read_text().splitlines() if log.exists() else []
+        told = [e["params"] for e in map(json.loads, lines) if e["request_id"].startswith(rid)]
+        if told:
+            break
+        await asyncio.sleep(0.05)
+    assert told == [{"do_remote_prefill": True, "remote_block_ids": [3]}]
+
+
 async def test_the_readme_call_streams_text_to_its_finish(
     served: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:

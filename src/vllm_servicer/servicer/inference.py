@@ -191,6 +191,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 self._engine, rank, DATA_PARALLEL_RANK_HEADER
             )
         extra_args, kv_transfer = self._routing_data(request)
+        # The KV connector is told of a failure from here on, as on VllmEngine:
+        # a remote prefill refused by any later step is reported on both.
+        frame.kv_transfer, frame.rank = kv_transfer, kwargs.get("data_parallel_rank")
         wire.check_client_ids(request)
         if request.priority:
             floor = priority_floor(self._budgets.min_tenant_priority)
@@ -229,8 +232,6 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         adapter = self.loras.hold(request.lora_name)
         if adapter.request is not None:
             kwargs["lora_request"] = adapter.request
-        # The KV connector is told of a failure from here on (the engine's).
-        frame.kv_transfer, frame.rank = kv_transfer, kwargs.get("data_parallel_rank")
         return EngineCall(prompt, sampling, kwargs, builder, adapter)
 
     def _released_fields(
