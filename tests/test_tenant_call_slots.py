@@ -174,12 +174,8 @@ async def test_half_open_generates_give_their_slots_back(
     # At the defaults but --max-inflight 8: before, B was refused for the whole
     # 30 s read deadline, and again each time A reopened its calls.
     async with half_open(launcher.address, GENERATE, TENANT_A, MAX_INFLIGHT) as held:
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(STILL_AFTER_S + 0.5)
         assert not ended(held)
-        # A call that has waited less than STILL_AFTER_S may still be sending.
-        busy = await generate(stub, TENANT_B)
-        assert busy.startswith("RESOURCE_EXHAUSTED") and "max_inflight" in busy, busy
-        await asyncio.sleep(STILL_AFTER_S)
         started = time.monotonic()
         assert await generate(stub, TENANT_B) == "length"
         assert time.monotonic() - started < 15
