@@ -28,6 +28,7 @@ from vllm_servicer.interceptors._pipeline import wrapped_handler
 from vllm_servicer.interceptors._reclaim import STILL_AFTER_S
 from vllm_servicer.interceptors.auth import AuthInterceptor, CallableVerifier
 from vllm_servicer.interceptors.call_slots import CallSlotsInterceptor
+from vllm_servicer.interceptors.inflight import InflightInterceptor
 
 SERVICE = "test.Keyed"
 METHOD = f"/{SERVICE}/Echo"
@@ -244,3 +245,47 @@ async def test_a_stream_its_client_does_not_take_gives_its_slot_back() -> None:
         assert await settle(lambda: ended == ["flood"], timeout=WRITE_TIMEOUT + 10), ended
         assert slots.total == 0
         assert stream in conn.open_ids() or conn.ended[stream].status != 0
+
+
+async def test_a_claimant_at_its_own_share_takes_no_slot_back() -> None:
+    # Light alone takes 3, other 2 and heavy 1 (weights 1, 1, 2): with all
+    # three wanting, light's share is 2 (it is over), other's 2 (it is at it).
+    async with (
+        serving(None) as (address, slots),
+        half_open(address, "light", 3) as light,
+    ):
+        assert await settle(lambda: slots.held("light") == 3)
+        async with half_open(address, "other", 2) as other, half_open(address, "heavy", 1):
+            assert await settle(lambda: slots.total == MAX_CALLS)
+            await asyncio.sleep(STILL_AFTER_S)
+            # Other is refused by its own share: no slot of light's is cut for nothing.
+            refused = await echo(address, "other")
+            assert refused.startswith("RESOURCE_EXHAUSTED"), refused
+            assert not light.ended and not other.ended
+            assert slots.total == MAX_CALLS
+
+
+async def test_an_engine_slot_asked_outside_a_call_takes_a_still_calls_slot() -> None:
+    """The HTTP API asks the in-flight count before it answers (`refusal`): a
+    still gRPC call of a tenant over its share gives way there too."""
+    inflight = InflightInterceptor(2, limited=lambda method: True)
+    stack = [AuthInterceptor(CallableVerifier(_identity, reads_auth_context=False)), inflight]
+
+    async def echo_handler(request: bytes, context: Any) -> bytes:
+        return request
+
+    server = grpc.aio.server()
+    handler = grpc.unary_unary_rpc_method_handler(echo_handler, bytes, bytes)
+    register(server, SERVICE, {"Echo": wrapped_handler(stack, METHOD, handler)})
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with half_open(f"127.0.0.1:{port}", "light", 2) as held:
+            assert await settle(lambda: inflight.limited_total == 2)
+            await asyncio.sleep(STILL_AFTER_S)
+            assert inflight.refusal(IDENTITIES["other"]) is None
+            assert inflight.enter(IDENTITIES["other"]) is None
+            inflight.leave(IDENTITIES["other"])
+            assert await settle(lambda: len(held.ended) == 1), held.ended
+    finally:
+        await server.stop(None)

@@ -31,6 +31,7 @@ from support import bearer
 from support.launcher import START_TIMEOUT, Launched, launched, launcher_env
 
 from vllm_servicer.interceptors._reclaim import STILL_AFTER_S
+from vllm_servicer.prefix_cache import keyed_body_uuids, tenant_media_uuid
 from vllm_servicer.proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 from vllm_servicer.shares import DEFAULT_WANT_WINDOW
 
@@ -439,3 +440,31 @@ async def _eventually(read: Any, good: Any, timeout: float) -> bool:
             return True
         await asyncio.sleep(0.25)
     return False
+
+
+def test_every_content_parts_media_uuid_is_keyed_and_nothing_else() -> None:
+    """A part without a `type` and a uuid that is no string are vLLM's media
+    uuids all the same; a tool schema's `uuid` property is not one."""
+    body = {
+        "messages": [
+            {"role": "user", "content": [{"image_url": None, "uuid": "img-1"}, {"uuid": 7}]},
+            {"role": "user", "content": [{"type": "image_url", "uuid": "img-2"}]},
+        ],
+        "tools": [{"function": {"parameters": {"properties": {"uuid": {"type": "string"}}}}}],
+        "content_parts": [{"type": "image_url", "url": "data:,", "uuid": "img-3"}],
+    }
+    assert keyed_body_uuids(body, "tenant-a")
+    parts = [*body["messages"][0]["content"], *body["messages"][1]["content"]]
+    parts += body["content_parts"]
+    expected = ["img-1", "7", "img-2", "img-3"]
+    assert [p["uuid"] for p in parts] == [tenant_media_uuid("tenant-a", u) for u in expected]
+    schema = body["tools"][0]["function"]["parameters"]["properties"]
+    assert schema == {"uuid": {"type": "string"}}
+
+
+async def test_precomputed_multimodal_features_are_a_routers(launcher: Launched) -> None:
+    body = {"token_ids": [1, 2, 3], "features": {"mm_hashes": {"image": ["another-tenants"]}}}
+    async with client(launcher, TENANT_B) as b:
+        refused = await b.post("/inference/v1/generate", json=body)
+    assert refused.status_code == 403, refused.text
+    assert refused.json()["error"]["message"].startswith("features: ")

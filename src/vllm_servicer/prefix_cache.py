@@ -131,13 +131,20 @@ def keyed_tenant() -> str | None:
     return identity.name
 
 
+_CONTENT_LISTS = ("content", "content_parts")
+"""The lists of a body whose parts vLLM reads a media `uuid` from: a chat
+message's (and a Responses item's) `content`, the scale-out routes' `content_parts`."""
+
+
 def keyed_body_uuids(body: Any, name: str) -> bool:
     """Key for tenant `name` every media uuid of a parsed HTTP body, in place
     (`tenant_media_uuid`); whether any was.
 
-    vLLM's chat routes read a content part's `uuid` (an image, audio, video or
-    embeddings part: a dict with a `type`) when they render the chat, before
-    the engine client sees the prompt, so the HTTP API keys them in the body.
+    vLLM's chat routes read a content part's `uuid` when they render the chat,
+    before the engine client sees the prompt, so the HTTP API keys them in the
+    body: every part of a content list that names one, whatever its `type`
+    (vLLM takes a part without one) and whatever the uuid's JSON type (vLLM
+    makes it text). A `uuid` elsewhere (a tool's JSON schema) is left alone.
     Iterative: a deeply nested body costs no recursion.
     """
     keyed = False
@@ -145,11 +152,14 @@ def keyed_body_uuids(body: Any, name: str) -> bool:
     while stack:
         item = stack.pop()
         if isinstance(item, dict):
-            uuid = item.get("uuid")
-            if isinstance(uuid, str) and "type" in item:
-                item["uuid"] = tenant_media_uuid(name, uuid)
-                keyed = True
-            stack.extend(v for v in item.values() if isinstance(v, (dict, list)))
+            for key, value in item.items():
+                if key in _CONTENT_LISTS and isinstance(value, list):
+                    for part in value:
+                        if isinstance(part, dict) and part.get("uuid") is not None:
+                            part["uuid"] = tenant_media_uuid(name, str(part["uuid"]))
+                            keyed = True
+                if isinstance(value, (dict, list)):
+                    stack.append(value)
         elif isinstance(item, list):
             stack.extend(v for v in item if isinstance(v, (dict, list)))
     return keyed

@@ -259,8 +259,9 @@ class WaitWatch:
         wait.since = now
         if self._deadline is None:
             return
-        if loop is not self._loop:  # a new loop (a test's): the old timer never fires
+        if loop is not self._loop:  # a new loop (a test's): the old timer and waits are gone
             self._loop, self._timer = loop, None
+            self._waiting.clear()
         wait.expires = expires = now + self._deadline.seconds
         self._waiting[wait] = None
         if self._timer is None:

@@ -70,6 +70,7 @@ class Holders:
         give_back: Callable[[Any], None],
         *,
         operator: bool = False,
+        weight: float = 1.0,
     ) -> bool:
         """Take back the slot of the call that has waited longest on its client,
         of a tenant over its share now (any tenant's for an `operator`).
@@ -83,12 +84,16 @@ class Holders:
             give_back: the pool's own release of a holder's slot, given its token.
             operator: the claimant is an operator (admin): any tenant's still
                 call gives way.
+            weight: the claimant's weight: a claimant at its own share would be
+                refused the slot, and takes none back.
 
         Returns:
             Whether a slot was given back (the caller may now take it).
         """
         if not self._calls or (claimant is None and not operator):
             return False
+        if claimant is not None and shares.held(claimant) >= shares.share(claimant, weight):
+            return False  # its own share refuses it: a slot taken back would go to no one
         now = asyncio.get_running_loop().time()
         over: dict[str, bool] = {}  # each tenant's standing, reckoned once
         found: tuple[tuple[bool, float], ClientWait, str] | None = None

@@ -149,7 +149,9 @@ class CallSlotsInterceptor(CallInterceptor):
             if self._total >= shares.limit:
                 shares.wants(name, weight)
                 operator = identity is not None and name is None
-                if not self._holders.reclaim(shares, name, self._give_back, operator=operator):
+                if not self._holders.reclaim(
+                    shares, name, self._give_back, operator=operator, weight=weight
+                ):
                     self.refused += 1
                     raise CallSlotsRefused(
                         f"server busy: {self._total} calls at once, the limit "

@@ -160,12 +160,20 @@ class InflightInterceptor(CallInterceptor):
 
         They fit under the limit and under the caller's fair share. Counts
         nothing, but a caller refused for want of a free slot counts as
-        wanting one (its share is then kept for it): the HTTP API asks before
-        it answers a stream's headers, as vLLM's own `check_admission` is
-        asked, then `enter`s.
+        wanting one (its share is then kept for it), and the slot of a still
+        call of a tenant over its share is taken back first, as `enter` does:
+        the HTTP API asks before it answers a stream's headers, as vLLM's own
+        `check_admission` is asked, then `enter`s.
         """
         if self._max_inflight is None:
             return None
+        refusal = self._checked(caller, n)
+        if refusal is not None and self._reclaim(caller):
+            # A still call's slot taken back: the caller's `enter` takes it.
+            refusal = self._checked(caller, n)
+        return refusal
+
+    def _checked(self, caller: Identity | None, n: int) -> str | None:
         tenant, group = self._tenant(caller), self._group
         if group is None:
             return self._check(tenant, n)
@@ -245,8 +253,9 @@ class InflightInterceptor(CallInterceptor):
             return False  # refused for its own share, not for want of a slot
         tenant = self._tenant(caller)
         operator = caller is not None and tenant_of(caller) is None
+        name, weight = (None, 1.0) if tenant is None else tenant
         return self._holders.reclaim(
-            shares, None if tenant is None else tenant[0], self._give_back, operator=operator
+            shares, name, self._give_back, operator=operator, weight=weight
         )
 
     def _give_back(self, call: Call) -> None:

@@ -261,12 +261,15 @@ class _Front:
         # (http_guard.py); without keys, no tenant (gRPC's keyless rule).
         token = current_identity.set(caller if self.verifier is not None else None)
         try:
-            slots, held, wait = self.slots, None, None
+            slots, held = self.slots, None
+            # Every answer is taken within the write deadline, a probe's too: a
+            # connection whose client stops reading is not held for ever.
+            wait = client_wait() if self._writes is not None else None
             if slots is not None and not _costless(scope, path):
                 # Before the body is read: a body sent slowly holds this slot,
                 # one of its tenant's share, not one of everyone's, and loses
                 # it to another tenant wanting the full pool once it stalls.
-                wait = client_wait()
+                wait = wait or client_wait()
                 try:
                     held = slots.hold(wait)
                 except CallSlotsRefused as exc:

@@ -53,6 +53,14 @@ HEADER = "X-Request-Id"
 _HEADER = HEADER.lower().encode()
 _FIELD = "request_id"
 _UUID = b'"uuid"'
+_FEATURES = b'"features"'
+# The scale-out routes that take precomputed multimodal features (`--enable-scale-out`).
+_FEATURE_PATHS = frozenset({"/inference/v1/generate"})
+_FEATURES_REFUSAL = (
+    "features: precomputed multimodal features are a router's (vLLM's caches find an item "
+    "by the hash they name, another tenant's too); it needs the router role: a router key "
+    "or an admin key"
+)
 _METHODS_WITH_BODIES = frozenset({"POST", "PUT", "PATCH"})
 _CONTENT_LENGTH = b"content-length"
 _TRANSFER_ENCODING = b"transfer-encoding"
@@ -91,7 +99,9 @@ async def checked(
         path: the request's path without the root path (which budgets apply).
         media_tenant: the tenant whose media uuids the body's content parts
             name (`prefix_cache.keyed_tenant`): each is keyed for it before
-            vLLM renders the chat and looks its media up by them; None: as sent.
+            vLLM renders the chat and looks its media up by them, and its
+            precomputed multimodal features (named by hash) are refused 403;
+            None (a router, an admin, no keys): as sent.
 
     Returns:
         (refusal, receive): a 400 naming the id's field or a budget's, a 413
@@ -118,8 +128,11 @@ async def checked(
     escaped = b"\\u" in text  # a name may hide behind JSON escapes
     names_id = _FIELD.encode() in text or escaped
     names_uuid = media_tenant is not None and (_UUID in text or escaped)
+    names_features = (
+        media_tenant is not None and path in _FEATURE_PATHS and (_FEATURES in text or escaped)
+    )
     budgeted = budgets is not None and http_budgets.may_pass(path, len(body), budgets)
-    if not names_id and not budgeted and not names_uuid:
+    if not names_id and not budgeted and not names_uuid and not names_features:
         return None, receive
     try:
         data = json.loads(body)
@@ -130,6 +143,11 @@ async def checked(
             http_budgets.check(path, data, budgets)
         except InvalidRequestError as exc:
             return (400, error_body(exc.field, str(exc))), receive
+    if names_features and isinstance(data, dict) and data.get("features") is not None:
+        # Precomputed multimodal features name their items by hash: vLLM's
+        # caches hand another tenant's item to whoever names its hash.
+        refused = error_body("features", _FEATURES_REFUSAL, 403, "PermissionDeniedError")
+        return (403, refused), receive
     given = data.get(_FIELD) if isinstance(data, dict) else None
     if isinstance(given, str) and (refusal := _refusal(_FIELD, given)) is not None:
         return refusal, receive
