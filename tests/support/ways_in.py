@@ -26,6 +26,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, fields
 
+from vllm_servicer.proto.methods import ADMIN_METHODS
+
 __all__ = ["HARMS", "WAYS_IN", "Cell", "Gap", "Keyless", "NotApplicable", "Via", "WayIn", "cited"]
 
 
@@ -593,22 +595,9 @@ WAYS_IN: tuple[WayIn, ...] = (
     # ----- vllm.Control
     *_ways(
         "vllm.Control",
-        _rpcs(
-            CONTROL,
-            "Shutdown",
-            "LoadLora",
-            "UnloadLora",
-            "PauseGeneration",
-            "ResumeGeneration",
-            "Sleep",
-            "WakeUp",
-            "InitWeightTransferEngine",
-            "StartWeightUpdate",
-            "StartDraftWeightUpdate",
-            "UpdateWeights",
-            "FinishWeightUpdate",
-            "UpdateWeightVersion",
-        ),
+        # Every engine-changing method, from the package's own role table: each
+        # is refused to a tenant by the one role rule.
+        tuple(sorted(m for m in ADMIN_METHODS if m.startswith(f"/{CONTROL}/"))),
         hold=_GRPC_ADMIN,
         cost=_GRPC_ADMIN,
         read=_GRPC_ADMIN,

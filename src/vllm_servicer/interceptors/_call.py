@@ -171,18 +171,16 @@ class ClientWait:
 
     Attributes:
         task: the call's task (ending the wait cancels it).
-        expires: the loop time the current wait ends at; None while not waiting.
         since: the loop time the current wait began; None while not waiting.
         expired: whether the wait was ended (the task cancelled for it).
         cut: whether an interceptor ended it (`cut_short`).
         reason: why it was cut short ("" for the deadline).
     """
 
-    __slots__ = ("cut", "expired", "expires", "reason", "since", "task")
+    __slots__ = ("cut", "expired", "reason", "since", "task")
 
     def __init__(self) -> None:
         self.task = asyncio.current_task()
-        self.expires: float | None = None
         self.since: float | None = None
         self.expired = False
         self.cut = False
@@ -262,7 +260,7 @@ class WaitWatch:
         if loop is not self._loop:  # a new loop (a test's): the old timer and waits are gone
             self._loop, self._timer = loop, None
             self._waiting.clear()
-        wait.expires = expires = now + self._deadline.seconds
+        expires = now + self._deadline.seconds
         self._waiting[wait] = None
         if self._timer is None:
             self._timer = loop.call_at(expires, self._expire)
@@ -274,7 +272,7 @@ class WaitWatch:
 
     def end(self, wait: ClientWait) -> None:
         """`wait`'s client answered (or the call ended)."""
-        wait.expires = wait.since = None
+        wait.since = None
         self._waiting.pop(wait, None)
 
     def _expire(self) -> None:
@@ -283,14 +281,14 @@ class WaitWatch:
         loop = self._loop
         assert loop is not None
         now = loop.time()
+        seconds = self._deadline.seconds if self._deadline is not None else 0.0
         waiting = self._waiting
         while waiting:
             wait = next(iter(waiting))
-            if wait.expires is None:  # ended without `end` (never: kept safe)
-                del waiting[wait]
-                continue
-            if wait.expires > now:
-                self._timer = loop.call_at(wait.expires, self._expire)
+            # A wait here began (`begin`) and has not ended (`end` takes it out).
+            expires = (wait.since or now) + seconds
+            if expires > now:
+                self._timer = loop.call_at(expires, self._expire)
                 return
             del waiting[wait]
             if isinstance(self._deadline, WriteDeadline):

@@ -42,7 +42,7 @@ class Holders:
     """The tenants' calls holding one pool's slots, each with its wait on its client.
 
     Args:
-        pool: the pool as a refusal names it ("the 8 engine slots (max_inflight)").
+        pool: the pool as a refusal names it ("the engine slots (max_inflight)").
     """
 
     __slots__ = ("_calls", "_pool")
@@ -97,13 +97,13 @@ class Holders:
         now = asyncio.get_running_loop().time()
         over: dict[str, bool] = {}  # each tenant's standing, reckoned once
         found: tuple[tuple[bool, float], ClientWait, str] | None = None
-        for wait, (name, weight, _token) in self._calls.items():
+        for wait, (name, holder_weight, _token) in self._calls.items():
             waited = wait.waited(now)
             if waited < STILL_AFTER_S or name == claimant or wait.cut:
                 continue
             past = over.get(name)
             if past is None:
-                past = over[name] = shares.held(name) > shares.share(name, weight)
+                past = over[name] = shares.held(name) > shares.share(name, holder_weight)
             if claimant is not None and not past:
                 continue
             rank = (past, waited)  # over its share first, then the longest wait

@@ -42,7 +42,7 @@ __all__ = [
     "DEFAULT_RESPONSE_WRITE_TIMEOUT",
     "CallSlotsInterceptor",
     "CallSlotsRefused",
-    "RequestHold",
+    "SlotHold",
 ]
 
 DEFAULT_REQUEST_READ_TIMEOUT = 30.0
@@ -150,7 +150,7 @@ class CallSlotsInterceptor(CallInterceptor):
                 shares.wants(name, weight)
                 operator = identity is not None and name is None
                 if not self._holders.reclaim(
-                    shares, name, self._give_back, operator=operator, weight=weight
+                    shares, name, SlotHold.release, operator=operator, weight=weight
                 ):
                     self.refused += 1
                     raise CallSlotsRefused(
@@ -166,17 +166,16 @@ class CallSlotsInterceptor(CallInterceptor):
         self._total += 1
         return name, weight
 
-    def hold(self, wait: ClientWait | None = None) -> RequestHold:
-        """`claim` for a request served outside a gRPC call (the HTTP API's): its
-        slot, which `wait` (the request's wait on its client, marked while it
-        reads the body) may lose to a caller that wants the full pool, as a
-        gRPC call's slot may.
+    def hold(self, wait: ClientWait | None = None) -> SlotHold:
+        """`claim`, held: a gRPC call's slot or an HTTP request's, which a
+        tenant's `wait` (its wait on its client, marked while it waits) may lose
+        to a caller that wants the full pool.
 
         Raises:
             CallSlotsRefused: as `claim`.
         """
         held = self.claim()
-        hold = RequestHold(self, held, wait)
+        hold = SlotHold(self, held, wait)
         if wait is not None and held[0] is not None:
             self._holders.add(wait, held[0], held[1], hold)
         return hold
@@ -189,50 +188,36 @@ class CallSlotsInterceptor(CallInterceptor):
 
     async def on_start(self, call: Call) -> None:
         try:
-            held = self.claim()
+            call.state = self.hold(client_wait())  # a refused call reaches on_finish too
         except CallSlotsRefused as exc:
             await call.context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), trailing_metadata=self._pushback
             )
             raise  # abort raises; not reached
-        wait = None
-        if held[0] is not None:  # a tenant's: its slot may be taken back while it waits
-            wait = client_wait()
-            self._holders.add(wait, held[0], held[1], call)
-        call.state = (held, wait)  # counted (a refused call reaches on_finish too)
 
     def on_finish(self, call: Call) -> None:
         if call.state is not None:
-            held, wait = call.state
-            if wait is not None:
-                self._holders.discard(wait)
-            self.release(held)
-
-    def _give_back(self, call: Call | RequestHold) -> None:
-        """The slot of `call`, taken back while it waits on its client: let go now."""
-        state = call.state
-        call.state = None
-        if state is not None:
-            self.release(state[0])
+            call.state.release()
 
 
-class RequestHold:
-    """A request's call slot (`CallSlotsInterceptor.hold`), released once by `release`."""
+class SlotHold:
+    """One call slot taken (`CallSlotsInterceptor.hold`), let go once: by the
+    call's end, or by a caller that took it back while the call stood still."""
 
-    __slots__ = ("_slots", "state")
+    __slots__ = ("_held", "_slots", "_wait")
 
     def __init__(
         self, slots: CallSlotsInterceptor, held: tuple[str | None, float], wait: ClientWait | None
     ) -> None:
         self._slots = slots
-        self.state: tuple[tuple[str | None, float], ClientWait | None] | None = (held, wait)
+        self._held: tuple[str | None, float] | None = held
+        self._wait = wait
 
     def release(self) -> None:
-        """Give the slot back, unless it was taken back already."""
-        if self.state is None:
+        """Give the slot back, unless it was given back already."""
+        held, self._held = self._held, None
+        if held is None:
             return
-        held, wait = self.state
-        self.state = None
-        if wait is not None:
-            self._slots._holders.discard(wait)
+        if self._wait is not None:
+            self._slots._holders.discard(self._wait)
         self._slots.release(held)
