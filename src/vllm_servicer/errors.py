@@ -270,3 +270,13 @@ class CheckpointStateError(RuntimeError):
 
     status_code: ClassVar[str] = "FAILED_PRECONDITION"
     status_reason: ClassVar[str] = "CHECKPOINT_IN_PROGRESS"
+
+
+class TokenShareError(RuntimeError):
+    """A request whose prompt would take the prompt tokens waiting for prefill
+    past its tenant's share of `--max-queued-prompt-tokens` (or past the pool):
+    the message names the tenant, what it holds and its share. Retry later,
+    or at another replica."""
+
+    status_code: ClassVar[str] = "RESOURCE_EXHAUSTED"
+    status_reason: ClassVar[str] = "TOKEN_SHARE"

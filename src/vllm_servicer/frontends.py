@@ -34,6 +34,7 @@ from collections.abc import Awaitable, Callable, Hashable
 from typing import Any
 
 from .errors import TableFullError
+from .fair_work import TagRecord, TagRecords
 
 __all__ = [
     "DEFAULT_CAPACITY",
@@ -357,6 +358,15 @@ class FrontendGroup:
         # Each identity's part of the engine slots (shares.py's rule reads it).
         self._share_records = ctx.RawArray(_ShareRecord, max(1, share_records))
         self._share_used = ctx.RawValue(ctypes.c_int64, 0)
+        # The engine's work by what each tenant brings (fair_work.py): the fair
+        # order's counters and frontier, the prompt tokens waiting for prefill
+        # and each tenant's part of them.
+        self._tag_records = ctx.RawArray(TagRecord, max(1, share_records))
+        self._tag_used = ctx.RawValue(ctypes.c_int64, 0)
+        self._frontier = ctx.RawValue(ctypes.c_double, 0.0)
+        self._token_records = ctx.RawArray(_ShareRecord, max(1, share_records))
+        self._token_used = ctx.RawValue(ctypes.c_int64, 0)
+        self.queued_prompt_tokens = ctx.RawValue(ctypes.c_int64, 0)
         # Engine calls ended in each process, and how many failed: the rates
         # a load report gives for the engine as a whole (load_reports.report.CallRates).
         # Each process adds to its own slot only, so no lock is taken.
@@ -373,7 +383,7 @@ class FrontendGroup:
         if claims_per_owner < 1:
             raise ValueError(f"an owner's claims must be at least 1, got {claims_per_owner}")
         self.claims_per_owner = claims_per_owner
-        self._shares = ShareRecords(self._share_records, self._share_used)
+        self._books()
         # Set in each process by the launcher (serve/peers.py): send an abort
         # to a peer; fetch the others' GetLoads figures.
         self.abort_elsewhere: Callable[[int, list[str]], Awaitable[None]] | None = None
@@ -381,16 +391,23 @@ class FrontendGroup:
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        del state["_table"], state["_shares"]
+        del state["_table"], state["_shares"], state["tag_book"], state["token_book"]
         del state["abort_elsewhere"], state["loads_elsewhere"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._table = SharedTable(self._words, self._capacity, self._used)
-        self._shares = ShareRecords(self._share_records, self._share_used)
+        self._books()
         self.abort_elsewhere = None
         self.loads_elsewhere = None
+
+    def _books(self) -> None:
+        self._shares = ShareRecords(self._share_records, self._share_used)
+        # The fair order's counters (`fair_work.FairOrder`), under `locked()`.
+        self.tag_book = TagRecords(self._tag_records, self._tag_used, self._frontier)
+        # Each tenant's prompt tokens waiting for prefill (`fair_work.QueuedPrompts`).
+        self.token_book = ShareRecords(self._token_records, self._token_used)
 
     def join(self, index: int) -> None:
         """Become process `index` of the group."""

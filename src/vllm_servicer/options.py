@@ -19,6 +19,10 @@ DEFAULT_MAX_MESSAGE_BYTES = 32 * 1024 * 1024
 # Concurrent SubscribeKvEvents streams: each holds a socket in the serving
 # process and a send queue in every engine core's publisher.
 DEFAULT_MAX_KV_SUBSCRIBERS = 16
+# Prompt tokens waiting for their prefill, every tenant's: 128 prompts of
+# 2,048 tokens, many engine steps of any model; a ceiling per tenant, not the
+# order (that is the fair order's, fair_work.py).
+DEFAULT_MAX_QUEUED_PROMPT_TOKENS = 262_144
 
 SERVICES: tuple[str, ...] = (
     SERVICE_NAME,
@@ -193,6 +197,13 @@ class MountOptions:
         "whether another's prompts share a prefix it guesses. Only where tenants trust each "
         "other",
     )
+    max_queued_prompt_tokens: int = _option(
+        DEFAULT_MAX_QUEUED_PROMPT_TOKENS,
+        help="most prompt tokens waiting for their prefill at once, every tenant's; while "
+        "several tenants want them each is held to its weighted share, and a request past it "
+        "is answered RESOURCE_EXHAUSTED (HTTP 503) naming the share, with a retry hint; "
+        "0: no limit",
+    )
 
     def __post_init__(self) -> None:
         # Frozen all through: copies the caller cannot change under the servicers.
@@ -207,6 +218,11 @@ class MountOptions:
             raise ValueError(
                 "enable_auto_tool_choice needs a tool_call_parser "
                 "(the launcher's --enable-auto-tool-choice needs --tool-call-parser)"
+            )
+        if self.max_queued_prompt_tokens < 0:
+            raise ValueError(
+                "max_queued_prompt_tokens must be 0 (no limit) or more, "
+                f"got {self.max_queued_prompt_tokens} (the launcher's --max-queued-prompt-tokens)"
             )
         if self.stream_interval < 1:
             raise ValueError(

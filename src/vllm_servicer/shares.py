@@ -187,8 +187,11 @@ class FairShares:
         wanting[self.book.key(name)] = weight
         return fair_share(self.limit, weight, wanting.values())
 
-    def refusal(self, name: str | None, weight: float = 1.0, pool: str = "the slots") -> str | None:
-        """None when `name` may take one more slot under its share; else the refusal's text.
+    def refusal(
+        self, name: str | None, weight: float = 1.0, pool: str = "the slots", amount: int = 1
+    ) -> str | None:
+        """None when `name` may take `amount` more (slots, or tokens of a pool
+        counted in tokens) under its share; else the refusal's text.
 
         Counts nothing (`take` does). None for a caller held to the total only.
         """
@@ -196,23 +199,23 @@ class FairShares:
             return None
         held = self.held(name)
         if held == 0:
-            return None  # a share is one slot at least
+            return None  # a share is one request at least
         wanting = self.wanting()
         wanting[self.book.key(name)] = weight
         share = fair_share(self.limit, weight, wanting.values())
-        if held < share:
+        if held + amount <= share:
             return None
         return share_message(name, held, share, len(wanting), pool)
 
-    def take(self, name: str | None, weight: float = 1.0) -> None:
-        """`name` took one slot (after `refusal` said it may)."""
+    def take(self, name: str | None, weight: float = 1.0, amount: int = 1) -> None:
+        """`name` took `amount` (after `refusal` said it may)."""
         if name is not None:
-            self.book.add(name, weight, 1, self._clock())
+            self.book.add(name, weight, amount, self._clock())
 
-    def give_back(self, name: str | None, weight: float = 1.0) -> None:
-        """`name` let one slot go."""
+    def give_back(self, name: str | None, weight: float = 1.0, amount: int = 1) -> None:
+        """`name` let `amount` go."""
         if name is not None:
-            self.book.add(name, weight, -1, self._clock())
+            self.book.add(name, weight, -amount, self._clock())
 
     def wants(self, name: str | None, weight: float = 1.0) -> None:
         """`name` was refused for want of a free slot: it counts as wanting for `window` s."""

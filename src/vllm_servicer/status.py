@@ -55,6 +55,7 @@ from .errors import (
     RequestNotSentError,
     RoutingDataError,
     TableFullError,
+    TokenShareError,
     TooManySubscribersError,
     Unauthenticated,
     UnimplementedFieldError,
@@ -102,6 +103,7 @@ ERROR_TABLE: tuple[ErrorRule, ...] = (
     _own(BudgetFullError),
     _own(TableFullError),
     _own(KeylessLimitError),
+    _own(TokenShareError),
     _own(RequestNotSentError),
     _own(EventsLostError),
     _own(MediaUnavailableError),
@@ -136,7 +138,7 @@ _INTERNAL = ErrorRule(BaseException, grpc.StatusCode.INTERNAL, "INTERNAL")
 # Reasons whose status tells the client when to try again: grpc's retry
 # pushback (`grpc-retry-pushback-ms`, honoured by grpc's retry policy) and a
 # google.rpc.RetryInfo in the details.
-RETRY_AFTER_MS = {"RETRYABLE": 1000, "ENGINE_FAULTED": 1000}
+RETRY_AFTER_MS = {"RETRYABLE": 1000, "ENGINE_FAULTED": 1000, "TOKEN_SHARE": 1000}
 
 _INTERNAL_MESSAGE = "internal error while serving request {request_id!r}; see server log"
 # vLLM names sampling parameters as the wire does, one level down.

@@ -41,6 +41,8 @@ class EngineLoadReader:
             the engine keeps no stats or has not stepped yet.
         frontends: the frontend processes sharing the engine, or None.
         refresh: seconds between two fetches of the other processes' figures.
+        waiting_prompt_tokens: the prompt tokens admitted whose prefill has not
+            run yet (`fair_work.QueuedPrompts.total`).
     """
 
     def __init__(
@@ -50,8 +52,10 @@ class EngineLoadReader:
         *,
         frontends: FrontendGroup | None = None,
         refresh: float = REFRESH_SECONDS,
+        waiting_prompt_tokens: Callable[[], int] = lambda: 0,
     ) -> None:
         self._tap = attach(engine)
+        self._waiting_prompt_tokens = waiting_prompt_tokens
         self._ranks = managed_ranks(engine)
         parallel = getattr(engine.vllm_config, "parallel_config", None)
         # Each rank's figures too when there are several ranks in all (this
@@ -69,7 +73,12 @@ class EngineLoadReader:
     def __call__(self) -> EngineLoad:
         tap = self._tap
         if tap is None:  # no stats: the calls in flight are what is known
-            return EngineLoad(self._in_flight(), 0, self._max_num_seqs)
+            return EngineLoad(
+                self._in_flight(),
+                0,
+                self._max_num_seqs,
+                waiting_prompt_tokens=self._waiting_prompt_tokens(),
+            )
         self._ask_peers()
         ranks: list[RankLoad] = []
         for rank in self._ranks:
@@ -86,7 +95,12 @@ class EngineLoadReader:
                 )
             )
         if not ranks:  # no engine step seen yet
-            return EngineLoad(self._in_flight(), 0, self._max_num_seqs)
+            return EngineLoad(
+                self._in_flight(),
+                0,
+                self._max_num_seqs,
+                waiting_prompt_tokens=self._waiting_prompt_tokens(),
+            )
         # Every rank has a KV cache of the same size: the mean is the engine's share.
         return EngineLoad(
             sum(r.running for r in ranks),
@@ -94,6 +108,7 @@ class EngineLoadReader:
             self._max_num_seqs,
             sum(r.kv_cache_usage for r in ranks) / len(ranks),
             tuple(ranks) if self._per_rank else (),
+            self._waiting_prompt_tokens(),
         )
 
     async def update(self) -> bool:

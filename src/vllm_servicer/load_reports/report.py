@@ -69,6 +69,9 @@ class EngineLoad(NamedTuple):
         ranks: each rank's own figures when the engine is data-parallel (a
             router in front of several launchers tells ranks apart by them);
             empty otherwise.
+        waiting_prompt_tokens: prompt tokens admitted whose prefill has not
+            run yet, every process's (`fair_work.QueuedPrompts`): the work
+            queued, where `waiting` counts requests whatever their length.
     """
 
     running: int
@@ -76,6 +79,7 @@ class EngineLoad(NamedTuple):
     max_num_seqs: int
     kv_cache_usage: float | None = None
     ranks: tuple[RankLoad, ...] = ()
+    waiting_prompt_tokens: int = 0
 
 
 def utilization(load: EngineLoad) -> float:
@@ -103,6 +107,9 @@ def report_of(load: EngineLoad, rps: float, eps: float) -> orca_load_report_pb2.
     named = {
         "num_requests_running": float(load.running),
         "num_requests_waiting": float(load.waiting),
+        # Tokens, not requests: a balancer sends a long prompt elsewhere before
+        # this replica's first tokens slow down.
+        "num_waiting_prompt_tokens": float(load.waiting_prompt_tokens),
     }
     if load.kv_cache_usage is not None:
         named["kv_cache_usage_perc"] = load.kv_cache_usage

@@ -730,6 +730,11 @@ def _engine_flags(flags: argparse.Namespace) -> Mapping[str, Any]:
         # 0.33). vLLM then raises the step's token budget to at least the
         # context length.
         engine["enable_chunked_prefill"] = False
+    if engine.get("scheduling_policy", "") is None:
+        # Tenants' requests run in the fair order of the work each brings
+        # (fair_work.py), which vLLM applies through each request's priority; an
+        # operator's --scheduling-policy fcfs keeps arrival order.
+        engine["scheduling_policy"] = "priority"
     return MappingProxyType(engine)
 
 
@@ -771,7 +776,9 @@ def build_parser(engine_defaults: Mapping[str, Any] | None = None) -> argparse.A
     _add_launcher_flags(serve)
     AsyncEngineArgs.add_cli_args(serve)
     # Our drain waits this long for in-flight calls (vLLM's default 0 would cut them).
-    serve.set_defaults(model=None, shutdown_timeout=30, **(engine_defaults or {}))
+    # None: the launcher's choice (`_engine_flags`), told apart from an operator's fcfs.
+    defaults = {"model": None, "shutdown_timeout": 30, "scheduling_policy": None}
+    serve.set_defaults(**{**defaults, **(engine_defaults or {})})
     return parser
 
 

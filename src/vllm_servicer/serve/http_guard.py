@@ -38,7 +38,6 @@ a race between the check and the claim ends its stream with vLLM's error event.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 from collections.abc import AsyncGenerator, Callable, Iterable, Iterator
 from http import HTTPStatus
@@ -48,7 +47,13 @@ from vllm.exceptions import GracefulHTTPError
 
 from ..budgets import RequestBudgets, encoded_size
 from ..context import Identity, current_identity, priority_floor
-from ..errors import ROUTER_ROLE_HINT, InvalidRequestError, RequestIdInUseError, TableFullError
+from ..errors import (
+    ROUTER_ROLE_HINT,
+    InvalidRequestError,
+    RequestIdInUseError,
+    TableFullError,
+    TokenShareError,
+)
 from ..guard import EngineGuard, ServerBusyError
 from ..ranks import engine_index, engine_index_if_served
 
@@ -136,7 +141,7 @@ def _as_http_errors() -> Iterator[None]:
         raise BudgetRefusalError(str(exc)) from exc
     except RequestIdInUseError as exc:
         raise RequestIdConflictError(str(exc)) from exc
-    except (ServerBusyError, TableFullError) as exc:
+    except (ServerBusyError, TableFullError, TokenShareError) as exc:
         raise InflightLimitError(str(exc)) from exc
 
 
@@ -217,22 +222,21 @@ class GuardedEngine:
             rank = kwargs.get("data_parallel_rank")
             if rank is not None:
                 kwargs["data_parallel_rank"] = engine_index(self._engine, rank, RANK_HEADER)
-        prompt = self._keyed(prompt)
-        start = functools.partial(
-            self._engine.generate, prompt, sampling_params, request_id, *args, **kwargs
-        )
-        return self._guarded("HTTP generate", request_id, start)
+            # Its tenant's place in the fair order, its prompt within its share.
+            outputs = self.tenant.generate(
+                self._keyed(prompt), sampling_params, request_id, *args, **kwargs
+            )
+        return self._guarded("HTTP generate", request_id, lambda: outputs)
 
     def encode(
         self, prompt: Any, pooling_params: Any, request_id: str, *args: Any, **kwargs: Any
     ) -> AsyncGenerator[Any, None]:
         with _as_http_errors():
             self._check_priority(kwargs)
-        prompt = self._keyed(prompt)
-        start = functools.partial(
-            self._engine.encode, prompt, pooling_params, request_id, *args, **kwargs
-        )
-        return self._guarded("HTTP encode", request_id, start)
+            outputs = self.tenant.encode(
+                self._keyed(prompt), pooling_params, request_id, *args, **kwargs
+            )
+        return self._guarded("HTTP encode", request_id, lambda: outputs)
 
     async def notify_kv_transfer_request_rejected(
         self, request_id: str, kv_transfer_params: dict[str, Any], *args: Any, **kwargs: Any

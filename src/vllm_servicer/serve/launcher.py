@@ -36,6 +36,7 @@ from ..interceptors.call_slots import CallSlotsInterceptor
 from ..interceptors.keyless import KeylessLimitInterceptor
 from ..mounting import mount
 from ..options import server_options, shared_port
+from ..tenant_metrics import TenantWorkCollector
 from ..tls import server_credentials
 from ..vllm_releases import engine_core_died
 from .args import ServeArgs
@@ -105,6 +106,10 @@ async def serve(args: ServeArgs, frontend: Frontend | None = None) -> int:
         server, mounted, port = _grpc_server(args, engine, interceptors, credentials, group)
         if port == 0:
             return EXIT_FAILED
+        if metrics is not None and group is None:
+            # Each tenant's tokens, read at each scrape (one process's counts).
+            collector = TenantWorkCollector(mounted.state.tenant, metrics.model_name)
+            metrics.registry.register(collector)
         if group is not None:
             side.peers = await start_peers(group, engine)
         http_keys = http_verifier(args, verifier)

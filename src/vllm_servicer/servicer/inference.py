@@ -105,7 +105,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         async with self._frame(request, "Generate") as frame:
             call = frame.call = await self._engine_call(request, context, frame, stream=False)
             final = None
-            async for output in self._engine.generate(
+            async for output in self._steps.tenant.generate(
                 call.prompt, call.sampling, frame.request_id, **call.kwargs
             ):
                 final = output
@@ -127,7 +127,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         async with self._frame(request, "GenerateStream") as frame:
             call = frame.call = await self._engine_call(request, context, frame, stream=True)
             usage, delta, started = frame.usage, call.builder.delta, False
-            outputs = self._engine.generate(
+            outputs = self._steps.tenant.generate(
                 call.prompt, call.sampling, frame.request_id, **call.kwargs
             )
             # Closed here when the client goes (at our yield), not when collected:

@@ -42,9 +42,13 @@ def load_report(
     tap: SchedulerStatsTap | None,
     dp_rank: int | None,
     elsewhere: Iterable[dict[int, RankWindow]] = (),
+    waiting_prompt_tokens: int = 0,
 ) -> LoadReport:
     """The GetLoads response for one rank (`dp_rank`) or all ranks (None);
-    `elsewhere`: the other frontend processes' windows, merged in.
+    `elsewhere`: the other frontend processes' windows, merged in;
+    `waiting_prompt_tokens`: the prompt tokens admitted whose prefill has not
+    run (`fair_work.QueuedPrompts.total`), given as `num_waiting_uncached_tokens`
+    of an engine of one rank (the count is not kept per rank).
 
     Raises:
         InvalidRequestError: `dp_rank` is not a rank this frontend serves.
@@ -89,6 +93,7 @@ def load_report(
                 gen_throughput=throughput,
                 cache_hit_rate=hit_rate,
                 max_running_requests=max_running,
+                num_waiting_uncached_tokens=waiting_prompt_tokens if len(ranks) == 1 else 0,
             )
         )
     response = pb.GetLoadsResponse(

@@ -21,11 +21,13 @@ import dataclasses
 from typing import TYPE_CHECKING, Protocol
 
 from ..engine import EngineClient
+from ..fair_work import FairOrder, QueuedPrompts
 from ..frontends import FrontendGroup
 from ..load_reports.engine_load import EngineLoadReader
 from ..load_reports.report import CallRates, LoadReporter
 from ..multimodal.decoded import DecodedMedia
 from ..multimodal.media import MediaResolver
+from ..shares import FairShares
 from .engine_call import EngineCallSteps
 from .lora import LoraRegistry
 from .tenancy import RunningRequests
@@ -110,6 +112,8 @@ class MountState:
             running,
             routing_for_every_key=options.routing_data_for_every_key,
             shared_prefix_cache=options.shared_prefix_cache,
+            order=fair_order(frontends),
+            queued=queued_prompts(options.max_queued_prompt_tokens, frontends),
         )
         # First: it checks the engine's members, which the registry reads.
         steps = EngineCallSteps(
@@ -123,8 +127,12 @@ class MountState:
         loras = LoraRegistry(engine, options.lora_modules, fixed=several)
         reporter = None
         if options.load_reports:
+            queued = tenant.queued
             reader = EngineLoadReader(
-                engine, lambda: _active(inflight, running), frontends=frontends
+                engine,
+                lambda: _active(inflight, running),
+                frontends=frontends,
+                waiting_prompt_tokens=lambda: queued.total,
             )
             reporter = LoadReporter(reader, CallRates(frontends), update=reader.update)
         return cls(
@@ -170,3 +178,20 @@ class MountState:
 def _active(inflight: InflightTotal | None, running: RunningRequests) -> int:
     """Engine calls in flight: the count's, else the running requests' (a servicer alone)."""
     return inflight.limited_everywhere if inflight is not None else len(running)
+
+
+def fair_order(frontends: FrontendGroup | None) -> FairOrder:
+    """The fair order's counters: the frontend processes' shared ones, else this process's."""
+    if frontends is None:
+        return FairOrder()
+    return FairOrder(frontends.tag_book, frontends.locked)
+
+
+def queued_prompts(limit: int, frontends: FrontendGroup | None) -> QueuedPrompts:
+    """The prompt tokens waiting for prefill (`--max-queued-prompt-tokens`, 0:
+    no limit) and each tenant's share, in the frontend processes' shared memory
+    when there are several."""
+    if frontends is None:
+        return QueuedPrompts(limit or None, FairShares(max(1, limit)))
+    shares = FairShares(max(1, limit), book=frontends.token_book)
+    return QueuedPrompts(limit or None, shares, frontends.queued_prompt_tokens, frontends.locked)

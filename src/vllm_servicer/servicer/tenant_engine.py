@@ -13,7 +13,12 @@ copy, handed the tenancy options as loose switches:
 - routing data (KV and encoder-cache transfer parameters, KV hints) is a
   router's (`check_routing`);
 - a request whose caller went is taken out of the engine, and its id let go
-  (`run`).
+  (`run`);
+- the engine's work is shared by what each tenant brings, in tokens
+  (`generate`, `encode`): its requests tagged in the fair order
+  (`fair_work.FairOrder`, vLLM's priority), its prompt tokens held to its
+  share of those waiting for prefill (`fair_work.QueuedPrompts`), what it was
+  served counted (`work`).
 
 One `TenantEngine` per mount (`MountState.tenant`), built from the mount's
 options once; the three ways hold it, so a new way in keeps the promises by
@@ -26,13 +31,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, Callable
+import logging
+from collections.abc import AsyncGenerator, Callable, Mapping
 from typing import Any
 
-from ..context import may_route
-from ..errors import RoutingDataError
+from ..context import current_identity, may_route, tenant_of
+from ..errors import RoutingDataError, TokenShareError
+from ..fair_work import FairOrder, QueuedPrompts, WorkTotals
 from ..prefix_cache import salted
 from .tenancy import Claim, RunningRequests
+
+logger = logging.getLogger("vllm_servicer")
+
+# vLLM's RequestOutputKind.DELTA: each output holds the new tokens only.
+_DELTA = 1
 
 __all__ = ["TenantEngine"]
 
@@ -49,6 +61,10 @@ class TenantEngine:
         shared_prefix_cache: one prefix cache for every tenant, their prompts
             unsalted (`MountOptions.shared_prefix_cache`); media uuids are
             keyed all the same.
+        order: the fair order's counters (shared by the frontend processes
+            of `--api-server-count`); default: this process's.
+        queued: the prompt tokens waiting for prefill and each tenant's share
+            of their limit; default: counted, never refused.
     """
 
     def __init__(
@@ -58,11 +74,26 @@ class TenantEngine:
         *,
         routing_for_every_key: bool = False,
         shared_prefix_cache: bool = False,
+        order: FairOrder | None = None,
+        queued: QueuedPrompts | None = None,
     ) -> None:
         self.engine = engine
         self.running = running
         self._routing_for_every_key = routing_for_every_key
         self._shared_prefix_cache = shared_prefix_cache
+        self.order = order if order is not None else FairOrder()
+        self.queued = queued if queued is not None else QueuedPrompts(None)
+        self.work = WorkTotals()
+        # vLLM orders its queue by priority only when told to; an engine in
+        # arrival order (fcfs) ignores the tags, and gets them not.
+        self.ordered = scheduling_policy(engine) == "priority"
+        if not self.ordered:
+            logger.info(
+                "the engine runs requests in arrival order (--scheduling-policy %s): tenants' "
+                "requests are not ordered by the work each brings; start it with "
+                "--scheduling-policy priority for that",
+                scheduling_policy(engine),
+            )
 
     # ----- ids ----------------------------------------------------------------
 
@@ -125,3 +156,133 @@ class TenantEngine:
             raise
         finally:
             claim.release()
+
+    # ----- the engine's work, shared by what each tenant brings ---------------
+
+    def generate(
+        self, prompt: Any, sampling_params: Any, request_id: str, *args: Any, **kwargs: Any
+    ) -> AsyncGenerator[Any, None]:
+        """`engine.generate` for the current caller's tenant, in the fair order.
+
+        Raises:
+            TokenShareError: the prompt is past the tokens waiting for prefill
+                that the tenant's share (or the pool) allows.
+        """
+        kind = getattr(sampling_params, "output_kind", None)
+        return self._in_order(
+            prompt,
+            kind,
+            kwargs,
+            lambda kw: self.engine.generate(prompt, sampling_params, request_id, *args, **kw),
+        )
+
+    def encode(
+        self, prompt: Any, pooling_params: Any, request_id: str, *args: Any, **kwargs: Any
+    ) -> AsyncGenerator[Any, None]:
+        """`engine.encode` for the current caller's tenant, in the fair order (as `generate`)."""
+        return self._in_order(
+            prompt,
+            None,
+            kwargs,
+            lambda kw: self.engine.encode(prompt, pooling_params, request_id, *args, **kw),
+        )
+
+    def _in_order(
+        self,
+        prompt: Any,
+        kind: Any,
+        kwargs: dict[str, Any],
+        start: Callable[[dict[str, Any]], AsyncGenerator[Any, None]],
+    ) -> AsyncGenerator[Any, None]:
+        identity = current_identity.get()
+        name = tenant_of(identity)
+        weight = identity.weight if identity is not None else 1.0
+        tokens = prompt_tokens(prompt)
+        # Refused here, before a stream's first message (HTTP: its status line).
+        refusal = self.queued.refusal(name, weight, tokens)
+        if refusal is not None:
+            self._refused(name, tokens)
+            raise TokenShareError(refusal)
+        return self._metered(name, weight, tokens, kind, kwargs, start)
+
+    def _refused(self, name: str | None, tokens: int) -> None:
+        work = self.work.of(name or "")
+        work.refused_requests += 1
+        work.refused_prompt_tokens += tokens
+
+    async def _metered(
+        self,
+        name: str | None,
+        weight: float,
+        tokens: int,
+        kind: Any,
+        kwargs: dict[str, Any],
+        start: Callable[[dict[str, Any]], AsyncGenerator[Any, None]],
+    ) -> AsyncGenerator[Any, None]:
+        # Taken at the first read: a stream never read holds nothing.
+        refusal = self.queued.take(name, weight, tokens)
+        if refusal is not None:
+            self._refused(name, tokens)
+            raise TokenShareError(refusal)
+        ticket = self.order.admit(name, weight, tokens, kwargs.get("priority") or 0)
+        if self.ordered:
+            kwargs["priority"] = ticket.priority
+        work = self.work.of(ticket.name)
+        queued, counted = True, 0
+        try:
+            # Closed here, not when collected: the engine aborts an unfinished request.
+            async with contextlib.aclosing(start(kwargs)) as outputs:
+                async for output in outputs:
+                    cached = 0
+                    if queued:  # the prefill ran
+                        queued = False
+                        self.queued.give_back(name, weight, tokens)
+                        self.order.started(ticket)
+                        cached = getattr(output, "num_cached_tokens", None) or 0
+                        work.prompt_tokens += tokens
+                        work.cached_prompt_tokens += cached
+                    new = _output_tokens(output)
+                    if kind != _DELTA:  # cumulative: what is new since the last
+                        new, counted = new - counted, new
+                    if new or cached:
+                        work.output_tokens += new
+                        self.order.served(ticket, new, cached)
+                    yield output
+        finally:
+            if queued:
+                self.queued.give_back(name, weight, tokens)
+
+
+def _output_tokens(output: Any) -> int:
+    """Tokens in one engine output's completions (none for a pooling output)."""
+    completions = getattr(output, "outputs", None)
+    if not isinstance(completions, list):
+        return 0
+    return sum(len(c.token_ids) for c in completions)
+
+
+def prompt_tokens(prompt: Any) -> int:
+    """The tokens `prompt` brings to the prefill: its token ids' count, or for a
+    text not yet tokenized an estimate (four bytes a token), at least 1."""
+    if isinstance(prompt, Mapping):
+        ids = prompt.get("prompt_token_ids")
+        if ids is None and isinstance(prompt.get("encoder_prompt"), Mapping):
+            ids = prompt["encoder_prompt"].get("prompt_token_ids")
+        if ids is not None:
+            return max(1, len(ids))
+        text = prompt.get("prompt")
+    else:
+        ids = getattr(prompt, "prompt_token_ids", None)
+        if ids is not None:
+            return max(1, len(ids))
+        text = prompt
+    if isinstance(text, str):
+        return max(1, len(text.encode()) // 4)
+    return 1
+
+
+def scheduling_policy(engine: Any) -> str:
+    """The engine's scheduling policy ("fcfs" or "priority"), as its config names it."""
+    scheduler = getattr(getattr(engine, "vllm_config", None), "scheduler_config", None)
+    policy = getattr(scheduler, "policy", "fcfs")
+    return str(getattr(policy, "value", policy))

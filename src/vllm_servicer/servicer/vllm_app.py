@@ -101,7 +101,7 @@ class ClaimingEngine:
             kwargs["prompt"] = self.tenant.keyed(kwargs["prompt"])
         elif args:
             args = (self.tenant.keyed(args[0]), *args[1:])
-        return self._claimed(request_id, lambda: self._engine.encode(*args, **kwargs))
+        return self._claimed(request_id, lambda: self.tenant.encode(*args, **kwargs))
 
     async def _claimed(
         self, request_id: str, start: Callable[[], AsyncGenerator[Any, None]]

@@ -133,7 +133,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             call = frame.call = await self._engine_call(request, context, frame)
             usage, stream, started = frame.usage, request.stream, False
             chunk, complete = call.builder.chunk, call.builder.complete
-            outputs = self._engine.generate(
+            outputs = self._steps.tenant.generate(
                 call.prompt, call.sampling, frame.request_id, **call.kwargs
             )
             # Closed here when the client goes (at our yield), not when collected:
@@ -181,7 +181,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                     "model (vLLM: --runner pooling --convert embed)"
                 )
             final = None
-            async for output in self._engine.encode(
+            async for output in self._steps.tenant.encode(
                 self._steps.salted(
                     wire.prompt_from_request(request, self._steps.max_prompt_tokens)
                 ),
@@ -336,7 +336,13 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         group = self._group
         # Several frontends on the engine: each saw part of its steps.
         elsewhere = await group.loads_elsewhere() if group and group.loads_elsewhere else []
-        report = loads.load_report(self._engine, self._stats_tap, dp_rank, elsewhere)
+        report = loads.load_report(
+            self._engine,
+            self._stats_tap,
+            dp_rank,
+            elsewhere,
+            self._steps.tenant.queued.total,
+        )
         if report.missing_ranks:
             # Left out rather than zero-filled: zeros would read as idle ranks.
             context.set_trailing_metadata(

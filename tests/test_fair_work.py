@@ -1,0 +1,154 @@
+"""The fair order's tags and the prompt tokens' shares, by the rule (no engine).
+
+`fair_work.FairOrder` tags each request by the work its tenant has been
+served; vLLM's priority scheduler runs the lowest tag first. What the rule
+promises: a tenant alone keeps arrival order; a light tenant arriving while a
+heavy one has a queue goes ahead of that queue; a weight of 3 makes a
+tenant's work cost a third; a client's priority is a class across tenants;
+output tokens and cached prompt tokens move the counter. The same in the
+frontend processes' shared memory (`TagRecords`). `QueuedPrompts` holds
+prompt tokens waiting for prefill to a limit, and each tenant to its share
+while others want them.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_servicer.fair_work import (
+    CLASS_SPAN,
+    OUTPUT_TOKEN_PRICE,
+    FairOrder,
+    QueuedPrompts,
+)
+from vllm_servicer.frontends import FrontendGroup
+from vllm_servicer.servicer.tenant_engine import prompt_tokens
+from vllm_servicer.shares import FairShares
+
+
+def _orders() -> list[FairOrder]:
+    group = FrontendGroup(2, share_records=8)
+    return [FairOrder(), FairOrder(group.tag_book, group.locked)]
+
+
+@pytest.fixture(params=["local", "shared"])
+def order(request: pytest.FixtureRequest) -> FairOrder:
+    return _orders()[0 if request.param == "local" else 1]
+
+
+def test_a_tenant_alone_keeps_arrival_order(order: FairOrder) -> None:
+    tickets = [order.admit("a", 1.0, length) for length in (1800, 16, 900, 16)]
+    priorities = [t.priority for t in tickets]
+    assert priorities == sorted(priorities) and len(set(priorities)) == 4
+
+
+def test_a_light_tenant_goes_ahead_of_a_heavy_tenants_queue(order: FairOrder) -> None:
+    flood = [order.admit("a", 1.0, 1800) for _ in range(8)]
+    order.started(flood[0])  # the engine runs A's first
+    light = order.admit("b", 1.0, 16)
+    assert light.priority < flood[1].priority, "B's request queued behind A's second"
+    # Served in turn: B's next after A's whole queue only once B has had as much.
+    assert order.admit("b", 1.0, 16).priority < flood[2].priority
+
+
+def test_a_tenant_of_weight_three_pays_a_third(order: FairOrder) -> None:
+    light, heavy = order.admit("one", 1.0, 3000), order.admit("three", 3.0, 3000)
+    assert heavy.priority == pytest.approx(light.priority / 3, abs=1)
+
+
+def test_output_tokens_move_the_counter_and_cached_tokens_give_back(order: FairOrder) -> None:
+    first = order.admit("a", 1.0, 100)
+    order.served(first, output_tokens=50)
+    second = order.admit("a", 1.0, 100)
+    assert second.priority == first.priority + 50 * OUTPUT_TOKEN_PRICE + 100
+    order.served(second, output_tokens=0, cached_prompt_tokens=100)
+    assert order.admit("a", 1.0, 0).priority == second.priority - 100
+
+
+def test_a_refund_never_takes_a_counter_behind_the_frontier(order: FairOrder) -> None:
+    ticket = order.admit("a", 1.0, 100)
+    order.started(order.admit("b", 1.0, 5000))
+    order.served(ticket, 0, cached_prompt_tokens=100)
+    assert order.admit("a", 1.0, 0).priority >= order.book.frontier()
+
+
+def test_a_clients_priority_is_a_class_across_tenants(order: FairOrder) -> None:
+    flood = [order.admit("a", 1.0, 1800) for _ in range(4)]
+    later = order.admit("b", 1.0, 16, client_priority=1)
+    assert later.priority > flood[-1].priority  # a class behind every tag of class 0
+    assert order.admit("b", 1.0, 16, client_priority=-1).priority < 0
+    assert later.priority - CLASS_SPAN < flood[1].priority
+
+
+def test_the_shared_book_is_one_scale_for_every_process() -> None:
+    group = FrontendGroup(2, share_records=8)
+    one, two = FairOrder(group.tag_book, group.locked), FairOrder(group.tag_book, group.locked)
+    flood = [one.admit("a", 1.0, 1800) for _ in range(4)]
+    one.started(flood[0])
+    assert two.admit("b", 1.0, 16).priority < flood[1].priority
+    assert two.admit("a", 1.0, 16).priority > flood[-1].priority  # A's queue seen from two
+
+
+def test_a_full_shared_book_forgets_the_counter_nearest_the_frontier() -> None:
+    group = FrontendGroup(1, share_records=2)
+    order = FairOrder(group.tag_book, group.locked)
+    for name, length in (("a", 100), ("b", 5000), ("c", 9000)):
+        order.admit(name, 1.0, length)
+    assert group.tag_book.counter("a") == 0.0  # forgotten: starts at the frontier
+    assert group.tag_book.counter("c") == 9000.0
+
+
+def test_a_tenant_alone_fills_the_waiting_prompts_then_is_held_to_its_share() -> None:
+    queued = QueuedPrompts(4000, FairShares(4000))
+    assert queued.take("a", 1.0, 1800) is None
+    assert queued.take("a", 1.0, 1800) is None
+    refusal = queued.take("a", 1.0, 1800)
+    assert refusal is not None and "--max-queued-prompt-tokens (4000)" in refusal
+    assert queued.total == 3600
+    # B holds none: admitted whatever the pool holds (a share is one request at least).
+    assert queued.take("b", 1.0, 1000) is None
+    queued.give_back("a", 1.0, 1800)
+    # Now B wants the pool too: A, holding 1,800 of a 2,000 share, is refused its next.
+    refusal = queued.take("a", 1.0, 1800)
+    assert refusal is not None and "its share while 2 tenants want them is 2000" in refusal
+    assert queued.take("b", 1.0, 500) is None
+    for name, tokens in (("a", 1800), ("b", 1000), ("b", 500)):
+        queued.give_back(name, 1.0, tokens)
+    assert queued.total == 0 and queued.held("a") == 0 and queued.held("b") == 0
+
+
+def test_waiting_prompts_without_a_limit_are_counted_never_refused() -> None:
+    queued = QueuedPrompts(None, FairShares(1))
+    for _ in range(100):
+        assert queued.take("a", 1.0, 100_000) is None
+    assert queued.total == 10_000_000
+
+
+def test_the_shared_waiting_prompts_are_every_processes() -> None:
+    group = FrontendGroup(2, share_records=8)
+
+    def book() -> QueuedPrompts:
+        shares = FairShares(4000, book=group.token_book)
+        return QueuedPrompts(4000, shares, group.queued_prompt_tokens, group.locked)
+
+    one, two = book(), book()
+    assert one.take("a", 1.0, 3000) is None
+    assert two.total == 3000 and two.held("a") == 3000
+    assert two.take("a", 1.0, 1800) is not None
+    one.give_back("a", 1.0, 3000)
+    assert two.take("a", 1.0, 1800) is None
+
+
+@pytest.mark.parametrize(
+    ("prompt", "tokens"),
+    [
+        ({"prompt_token_ids": list(range(37))}, 37),
+        ({"prompt": "x" * 400}, 100),
+        ("y" * 8, 2),
+        ({"encoder_prompt": {"prompt_token_ids": [1, 2, 3]}, "decoder_prompt": None}, 3),
+        ({"prompt_token_ids": []}, 1),
+        (object(), 1),
+    ],
+)
+def test_a_prompts_tokens_as_the_engine_gets_it(prompt: object, tokens: int) -> None:
+    assert prompt_tokens(prompt) == tokens

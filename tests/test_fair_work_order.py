@@ -1,0 +1,180 @@
+"""A light tenant's request is not queued behind a heavy tenant's long prompts, on the launcher as shipped.
+
+Fair shares count calls: tenant A inside its share can queue a dozen
+1,800-token prompts, each a whole engine step, and in arrival order tenant
+B's 8-token request waits for every one of them. The launcher runs the
+engine with `--scheduling-policy priority` and tags each request by the work
+its tenant has been served (`fair_work.py`), so B's request, arriving while
+A's queue is long, runs in the next step or so: it ends before most of A's
+requests that were still waiting when it came.
+
+On the launcher with two keys, over gRPC and over the HTTP API, with one
+frontend process and with `--api-server-count 2` (the tags' counters in the
+processes' shared memory). Also: the prompt tokens waiting for prefill are
+bounded (`--max-queued-prompt-tokens`), a request past them answered
+RESOURCE_EXHAUSTED with a retry hint, naming the limit; GetLoads and the ORCA
+report give them as work queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+from collections.abc import AsyncIterator
+
+import grpc
+import httpx
+import pytest
+from support import bearer
+from support.launcher import START_TIMEOUT, Launched, launched, launcher_env
+
+from vllm_servicer.proto import vllm_engine_pb2 as pb
+from vllm_servicer.proto import vllm_engine_pb2_grpc
+
+pytestmark = pytest.mark.timeout(START_TIMEOUT + 300)
+
+KEY_A = "fair-order-tenant-a-0123456789abcdef"
+KEY_B = "fair-order-tenant-b-0123456789abcdef"
+KEY_FILE = f"a: {KEY_A}\nb: {KEY_B}\n"
+LONG = 1800
+FLOOD = 12
+QUEUED_LIMIT = 30_000  # above A's whole flood (21,600): the order is what is tested
+_numbers = itertools.count(1)
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["one-process", "two-processes"])
+async def launcher(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[Launched]:
+    work = tmp_path_factory.mktemp("fair-order")
+    keys = work / "keys"
+    keys.write_text(KEY_FILE)
+    flags = [
+        *("--api-key-file", str(keys), "--max-model-len", "2048", "--http-port", "0"),
+        *("--max-queued-prompt-tokens", str(QUEUED_LIMIT)),
+        *("--api-server-count", str(request.param)),
+    ]
+    env = launcher_env(work / "cache", VLLM_ALLOW_LONG_MAX_MODEL_LEN="1")
+    async with launched(*flags, env=env) as served:
+        yield served
+
+
+def _request(length: int, tokens: int) -> pb.GenerateRequest:
+    prompt = [random.randrange(3, 300) for _ in range(length)]
+    return pb.GenerateRequest(
+        request_id=f"fair-order-{next(_numbers)}",
+        tokenized=pb.TokenizedInput(input_ids=prompt),
+        sampling_params=pb.SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True),
+    )
+
+
+async def _finish_order(launcher: Launched, b_call: object) -> tuple[int, int]:
+    """A's flood, then B's request once A's first has ended: how many of A's
+    requests still unfinished when B came ended before B, and how many after."""
+    ended: list[str] = []
+    options = [("grpc.max_send_message_length", 1 << 24)]
+    async with grpc.aio.insecure_channel(launcher.address, options=options) as channel:
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+
+        async def a_call() -> None:
+            await stub.Generate(_request(LONG, 1), metadata=bearer(KEY_A), timeout=120).read()
+            ended.append("A")
+
+        flood = [asyncio.create_task(a_call()) for _ in range(FLOOD)]
+        while not ended:
+            await asyncio.sleep(0.002)
+        waiting_when_b_came = FLOOD - len(ended)
+        await b_call()  # type: ignore[operator]
+        a_before_b = len(ended) - (FLOOD - waiting_when_b_came)
+        ended.append("B")
+        await asyncio.gather(*flood)
+    return a_before_b, waiting_when_b_came
+
+
+async def test_a_light_tenants_request_goes_ahead_of_a_heavy_tenants_queue(
+    launcher: Launched,
+) -> None:
+    async with grpc.aio.insecure_channel(launcher.address) as channel:
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+
+        async def b_call() -> None:
+            async for _ in stub.Generate(_request(8, 1), metadata=bearer(KEY_B), timeout=120):
+                pass
+
+        a_before_b, waiting = await _finish_order(launcher, b_call)
+    # In arrival order B would end after every one of A's waiting requests.
+    assert waiting >= 4, f"A's flood had {waiting} requests waiting when B came"
+    assert a_before_b <= waiting // 2, (
+        f"{a_before_b} of A's {waiting} waiting requests ended before B's: B queued behind A"
+    )
+
+
+async def test_the_order_holds_over_the_http_api(launcher: Launched) -> None:
+    async with httpx.AsyncClient(base_url=launcher.http_url, timeout=120) as http:
+
+        async def b_call() -> None:
+            body = {"prompt": [5, 6, 7, 8, 9, 10, 11, 12], "max_tokens": 1}
+            answer = await http.post("/v1/completions", json=body, headers=dict(bearer(KEY_B)))
+            assert answer.status_code == 200, answer.text
+
+        a_before_b, waiting = await _finish_order(launcher, b_call)
+    assert waiting >= 4, f"A's flood had {waiting} requests waiting when B came"
+    assert a_before_b <= waiting // 2, (
+        f"{a_before_b} of A's {waiting} waiting requests ended before B's over HTTP"
+    )
+
+
+async def test_prompt_tokens_past_the_waiting_limit_are_refused_with_a_retry_hint(
+    launcher: Launched,
+) -> None:
+    options = [("grpc.max_send_message_length", 1 << 24)]
+    async with grpc.aio.insecure_channel(launcher.address, options=options) as channel:
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+
+        async def a_call() -> grpc.aio.AioRpcError | None:
+            try:
+                call = stub.Generate(_request(LONG, 1), metadata=bearer(KEY_A), timeout=120)
+                async for _ in call:
+                    pass
+            except grpc.aio.AioRpcError as err:
+                return err
+            return None
+
+        # 20 at once: 36,000 prompt tokens against a limit of 30,000.
+        results = await asyncio.gather(*(a_call() for _ in range(20)))
+    refused = [err for err in results if err is not None]
+    assert refused, "every request of a flood past --max-queued-prompt-tokens was admitted"
+    assert len(refused) < 20
+    for err in refused:
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err
+        assert "--max-queued-prompt-tokens (30000)" in (err.details() or ""), err.details()
+        trailers = dict(await _trailers(err))
+        assert trailers.get("grpc-retry-pushback-ms") == "1000", trailers
+
+
+async def _trailers(err: grpc.aio.AioRpcError) -> list[tuple[str, str | bytes]]:
+    return list(err.trailing_metadata() or ())
+
+
+async def test_loads_give_the_prompt_tokens_waiting(launcher: Launched) -> None:
+    """GetLoads's `num_waiting_uncached_tokens` counts prompt tokens, not requests,
+    while a flood waits; none once it has run."""
+    options = [("grpc.max_send_message_length", 1 << 24)]
+    async with grpc.aio.insecure_channel(launcher.address, options=options) as channel:
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+        flood = [
+            asyncio.create_task(
+                stub.Generate(_request(LONG, 1), metadata=bearer(KEY_A), timeout=120).read()
+            )
+            for _ in range(FLOOD)
+        ]
+        seen = 0
+        while not all(task.done() for task in flood):
+            loads = await stub.GetLoads(pb.GetLoadsRequest(), metadata=bearer(KEY_A), timeout=30)
+            seen = max(seen, loads.loads[0].num_waiting_uncached_tokens)
+        await asyncio.gather(*flood)
+        after = await stub.GetLoads(pb.GetLoadsRequest(), metadata=bearer(KEY_A), timeout=30)
+    assert seen >= 2 * LONG, f"at most {seen} prompt tokens seen waiting during a flood"
+    assert seen % LONG == 0, seen
+    assert after.loads[0].num_waiting_uncached_tokens == 0
