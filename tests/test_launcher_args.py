@@ -189,6 +189,7 @@ _OPTION_ARGV = {
     ),
     "routing_data_for_every_key": (["--routing-data-for-every-key"], True),
     "shared_prefix_cache": (["--shared-prefix-cache"], True),
+    "max_queued_prompt_tokens": (["--max-queued-prompt-tokens", "4096"], 4096),
 }
 
 
@@ -301,6 +302,8 @@ def test_vllm_s_http_app_gets_the_engine_settings_and_only_the_flags_it_reads(
         "max_model_len": 256,
         "enable_chunked_prefill": False,
         "shutdown_timeout": 30,  # the launcher's default for vLLM's flag
+        # The launcher's default: tenants' requests in the fair order (fair_work.py).
+        "scheduling_policy": "priority",
         "host": "127.0.0.1",
         "port": 8001,
         **handed_over,
@@ -455,3 +458,9 @@ def test_an_event_loop_that_is_not_installed_is_named(monkeypatch: pytest.Monkey
         run_until_done(serving, "uvloop")
     serving.close()
     assert _loop_run_by("auto") == "asyncio"
+
+
+def test_the_engine_runs_the_fair_order_unless_the_operator_chose_a_policy() -> None:
+    assert parse_args(["serve", "m"]).engine["scheduling_policy"] == "priority"
+    chosen = parse_args(["serve", "m", "--scheduling-policy", "fcfs"])
+    assert chosen.engine["scheduling_policy"] == "fcfs"

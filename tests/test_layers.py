@@ -227,13 +227,15 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "load_reports",
         "ranks",
         "shares",
+        "fair_work",
         "prefix_cache",
     ),
     ("multimodal", "status", "health", "reflection"),
     # Side by side: they share `context`, never import one another.
     ("servicer", "interceptors"),
     # The HTTP API's way onto the engine: its in-flight slot and its id (the one claim path).
-    ("guard",),
+    # Per-tenant work for Prometheus reads the mount's tenant-aware engine.
+    ("guard", "tenant_metrics"),
     ("mounting", "drain"),
     # Tiny models, stand-in engines and a test server, for users' tests too.
     ("testing",),

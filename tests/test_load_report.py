@@ -64,6 +64,8 @@ GENERATE = "/vllm.grpc.engine.VllmEngine/Generate"
 HEALTH_CHECK = "/vllm.grpc.engine.VllmEngine/HealthCheck"
 KEY = "orca-test-0123456789abcdefABCDEF"
 VLLM_NAMES = {"kv_cache_usage_perc", "num_requests_running", "num_requests_waiting"}
+# And the work queued in tokens, which vLLM has no series for.
+REPORTED_NAMES = VLLM_NAMES | {"num_waiting_prompt_tokens"}
 
 
 class Clock:
@@ -99,13 +101,15 @@ def test_utilization_is_the_fuller_of_kv_cache_and_sequence_slots() -> None:
 
 
 def test_the_report_names_its_figures_as_vllm_does() -> None:
-    report = report_of(EngineLoad(3, 2, 8, 0.5), rps=4.5, eps=0.5)
+    report = report_of(EngineLoad(3, 2, 8, 0.5, waiting_prompt_tokens=3700), rps=4.5, eps=0.5)
     assert report.application_utilization == 0.625  # (3 + 2) / 8
     assert (report.rps_fractional, report.eps) == (4.5, 0.5)
     assert dict(report.named_metrics) == {
         "kv_cache_usage_perc": 0.5,
         "num_requests_running": 3.0,
         "num_requests_waiting": 2.0,
+        # The work queued, in tokens: two requests of 1,850 read apart from two of 8.
+        "num_waiting_prompt_tokens": 3700.0,
     }
     # Without the engine's stats the KV cache is unknown: left out, not zero.
     assert "kv_cache_usage_perc" not in report_of(EngineLoad(1, 0, 8), 0, 0).named_metrics
@@ -246,6 +250,7 @@ async def test_engine_calls_ending_ok_carry_the_report_and_server_faults_count_a
         "kv_cache_usage_perc": 0.2,
         "num_requests_running": 3.0,
         "num_requests_waiting": 1.0,
+        "num_waiting_prompt_tokens": 0.0,
     }
     assert report.rps_fractional > 0
     # Not an engine call: no report, not counted.
@@ -343,7 +348,7 @@ async def test_every_generation_call_carries_the_engines_report(server: Any) -> 
         reply = await raw_call(server.address, path, message)
         assert reply.status == 0 and reply.messages, name
         report = _report(reply)
-        assert set(report.named_metrics) == VLLM_NAMES, name
+        assert set(report.named_metrics) == REPORTED_NAMES, name
         assert 0 <= report.named_metrics["kv_cache_usage_perc"] <= 1
         # Idle between calls: half a slot, never zero.
         assert report.application_utilization >= 0.5 / max_num_seqs, name
@@ -368,7 +373,7 @@ async def test_embed_carries_the_report(embedding_engine: Any) -> None:
         )
     assert reply.status == 0
     report = _report(reply)
-    assert set(report.named_metrics) == VLLM_NAMES and report.rps_fractional > 0
+    assert set(report.named_metrics) == REPORTED_NAMES and report.rps_fractional > 0
 
 
 async def test_the_out_of_band_stream_follows_the_engine(server: Any, engine: Any) -> None:
@@ -377,7 +382,7 @@ async def test_the_out_of_band_stream_follows_the_engine(server: Any, engine: An
     call = stub.StreamCoreMetrics(orca_pb2.OrcaLoadReportRequest(report_interval=interval))
     try:
         first = await call.read()
-        assert set(first.named_metrics) == VLLM_NAMES and first.application_utilization > 0
+        assert set(first.named_metrics) == REPORTED_NAMES and first.application_utilization > 0
         generate = vllm_engine_pb2_grpc.VllmEngineStub(server.channel).Generate(
             request(max_tokens=500, ignore_eos=True, stream=True)
         )

@@ -178,6 +178,10 @@ async def test_every_way_in_runs_on_the_one_tenant_engine(engine: Any) -> None:
         assert mounted.guard.tenant is tenant
         assert GuardedEngine(engine, mounted.guard, authenticated=True).tenant is tenant
         assert tenant.running is mounted.state.running
+        # The suite's engine runs in arrival order (fcfs): a request's priority
+        # is the client's own, as vLLM would take it, not a fair-order tag.
+        assert engine.vllm_config.scheduler_config.policy == "fcfs"
+        assert tenant.ordered is False
     finally:
         await server.stop(None)
 
