@@ -98,21 +98,27 @@ def test_a_full_shared_book_forgets_the_counter_nearest_the_frontier() -> None:
     assert group.tag_book.counter("c") == 9000.0
 
 
-def test_a_tenant_alone_fills_the_waiting_prompts_then_is_held_to_its_share() -> None:
+def test_a_tenant_alone_is_never_refused_and_held_to_its_share_once_others_want() -> None:
     queued = QueuedPrompts(4000, FairShares(4000))
-    assert queued.take("a", 1.0, 1800) is None
-    assert queued.take("a", 1.0, 1800) is None
-    refusal = queued.take("a", 1.0, 1800)
-    assert refusal is not None and "--max-queued-prompt-tokens (4000)" in refusal
-    assert queued.total == 3600
+    for _ in range(4):  # alone: past the limit, the engine is its own
+        assert queued.take("a", 1.0, 1800) is None
+    assert queued.total == 7200
     # B holds none: admitted whatever the pool holds (a share is one request at least).
     assert queued.take("b", 1.0, 1000) is None
-    queued.give_back("a", 1.0, 1800)
-    # Now B wants the pool too: A, holding 1,800 of a 2,000 share, is refused its next.
-    refusal = queued.take("a", 1.0, 1800)
-    assert refusal is not None and "its share while 2 tenants want them is 2000" in refusal
-    assert queued.take("b", 1.0, 500) is None
-    for name, tokens in (("a", 1800), ("b", 1000), ("b", 500)):
+    # Now B wants the pool too: A, past its share of 2,000, is refused its next.
+    refusal = queued.take("a", 1.0, 100)
+    assert refusal is not None, "A was admitted past its share while B wants the tokens"
+    assert refusal == (
+        "tenant 'a' holds 7200 of the prompt tokens waiting for prefill, its share while "
+        "2 tenants want them is 2000; retry later"
+    )
+    assert queued.take("b", 1.0, 500) is None  # B within its share
+    for _ in range(3):
+        queued.give_back("a", 1.0, 1800)
+    assert queued.take("a", 1.0, 100) is None  # A back within its share (1,800 + 100)
+    # Callers without a tenant are counted, never refused.
+    assert queued.take(None, 1.0, 100_000) is None
+    for name, tokens in (("a", 1800), ("a", 100), ("b", 1000), ("b", 500), (None, 100_000)):
         queued.give_back(name, 1.0, tokens)
     assert queued.total == 0 and queued.held("a") == 0 and queued.held("b") == 0
 
@@ -134,7 +140,9 @@ def test_the_shared_waiting_prompts_are_every_processes() -> None:
     one, two = book(), book()
     assert one.take("a", 1.0, 3000) is None
     assert two.total == 3000 and two.held("a") == 3000
-    assert two.take("a", 1.0, 1800) is not None
+    assert two.take("b", 1.0, 100) is None  # B, in the other process, wants them too
+    assert one.take("a", 1.0, 1800) is not None
+    two.give_back("b", 1.0, 100)
     one.give_back("a", 1.0, 3000)
     assert two.take("a", 1.0, 1800) is None
 

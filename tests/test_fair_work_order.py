@@ -10,10 +10,11 @@ requests that were still waiting when it came.
 
 On the launcher with two keys, over gRPC and over the HTTP API, with one
 frontend process and with `--api-server-count 2` (the tags' counters in the
-processes' shared memory). Also: the prompt tokens waiting for prefill are
-bounded (`--max-queued-prompt-tokens`), a request past them answered
-RESOURCE_EXHAUSTED with a retry hint, naming the limit; GetLoads and the ORCA
-report give them as work queued.
+processes' shared memory). Also: while tenants want the prompt tokens
+waiting for prefill, each is held to its share of `--max-queued-prompt-tokens`,
+a request past it answered RESOURCE_EXHAUSTED with a retry hint, naming the
+share; GetLoads gives them as work queued; the launcher's metrics count each
+tenant's tokens.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ KEY_B = "fair-order-tenant-b-0123456789abcdef"
 KEY_FILE = f"a: {KEY_A}\nb: {KEY_B}\n"
 LONG = 1800
 FLOOD = 12
-QUEUED_LIMIT = 30_000  # above A's whole flood (21,600): the order is what is tested
+QUEUED_LIMIT = 30_000  # A alone is never refused; with B waiting too, A's share is 15,000
 _numbers = itertools.count(1)
 
 
@@ -126,30 +127,36 @@ async def test_the_order_holds_over_the_http_api(launcher: Launched) -> None:
     )
 
 
-async def test_prompt_tokens_past_the_waiting_limit_are_refused_with_a_retry_hint(
+async def test_a_tenant_past_its_share_of_the_waiting_prompts_is_refused_with_a_retry_hint(
     launcher: Launched,
 ) -> None:
+    """B's long prompts wait for prefill when A's flood comes: A is held to half
+    of `--max-queued-prompt-tokens` (15,000 tokens, 8 of its prompts), the rest
+    refused RESOURCE_EXHAUSTED naming its share, with a retry hint."""
     options = [("grpc.max_send_message_length", 1 << 24)]
     async with grpc.aio.insecure_channel(launcher.address, options=options) as channel:
         stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
 
-        async def a_call() -> grpc.aio.AioRpcError | None:
+        async def call(key: str) -> grpc.aio.AioRpcError | None:
             try:
-                call = stub.Generate(_request(LONG, 1), metadata=bearer(KEY_A), timeout=120)
-                async for _ in call:
+                async for _ in stub.Generate(_request(LONG, 1), metadata=bearer(key), timeout=120):
                     pass
             except grpc.aio.AioRpcError as err:
                 return err
             return None
 
-        # 20 at once: 36,000 prompt tokens against a limit of 30,000.
-        results = await asyncio.gather(*(a_call() for _ in range(20)))
+        b_calls = [asyncio.create_task(call(KEY_B)) for _ in range(6)]
+        await asyncio.sleep(0.01)  # B's prompts admitted first
+        results = await asyncio.gather(*(call(KEY_A) for _ in range(20)))
+        assert not any(await asyncio.gather(*b_calls)), "B was refused within its share"
     refused = [err for err in results if err is not None]
-    assert refused, "every request of a flood past --max-queued-prompt-tokens was admitted"
+    assert refused, "A was admitted past its share while B's prompts waited"
     assert len(refused) < 20
     for err in refused:
         assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err
-        assert "--max-queued-prompt-tokens (30000)" in (err.details() or ""), err.details()
+        details = err.details() or ""
+        assert details.startswith("tenant 'a' holds "), details
+        assert "its share while 2 tenants want them is 15000" in details, details
         trailers = dict(await _trailers(err))
         assert trailers.get("grpc-retry-pushback-ms") == "1000", trailers
 

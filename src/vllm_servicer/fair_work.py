@@ -59,7 +59,6 @@ __all__ = [
     "TenantWork",
     "WorkTicket",
     "WorkTotals",
-    "queued_prompts_message",
 ]
 
 PROMPT_TOKEN_PRICE = 1.0
@@ -266,25 +265,21 @@ class FairOrder:
             book.set_counter(ticket.name, max(counter + cost / ticket.weight, book.frontier()))
 
 
-def queued_prompts_message(tokens: int, queued: int, limit: int) -> str:
-    """The refusal's text for a request past the pool's total."""
-    return (
-        f"{queued} prompt tokens wait for their prefill here and this request brings "
-        f"{tokens}: past --max-queued-prompt-tokens ({limit}); retry later or elsewhere"
-    )
-
-
 class QueuedPrompts:
     """Prompt tokens admitted to the engine whose prefill has not yet run, and
     each tenant's share of their limit (`--max-queued-prompt-tokens`).
 
     A request's prompt counts from its admission to its first output. A
-    tenant alone may fill the pool; once others want it, each is held to its
-    weighted share (`shares.FairShares`, in tokens), so a flood of long
-    prompts from one tenant is refused (RESOURCE_EXHAUSTED, with a retry
-    hint) before it queues ahead of another's work. A request is admitted
-    when its tenant holds none, whatever its length (a share is one request
-    at least), and when nothing waits at all.
+    tenant alone is never refused: the engine is its own while no one else
+    wants it (`--max-inflight` bounds its calls). Once others want the
+    tokens (they hold some, or were refused within the last seconds), each
+    tenant is held to its weighted share of the limit (`shares.FairShares`,
+    in tokens), so a flood of long prompts is refused (RESOURCE_EXHAUSTED,
+    with a retry hint) before it queues further ahead of another's work. A
+    request is admitted when its tenant holds none, whatever its length (a
+    share is one request at least). Callers without a tenant (no key, an
+    administrator) are counted and never refused: there is no one to be
+    fair to among them.
 
     Args:
         limit: the pool's size in tokens; None: counted, never refused.
@@ -337,18 +332,14 @@ class QueuedPrompts:
         return None
 
     def _refusal(self, name: str | None, weight: float, tokens: int) -> str | None:
-        if self.limit is None:
-            return None
         shares = self._shares
-        # The tenant's share named where it binds below the pool (others want it too).
-        if shares is not None and name is not None and shares.share(name, weight) < self.limit:
-            refusal = shares.refusal(name, weight, "the prompt tokens waiting for prefill", tokens)
-            if refusal is not None:
-                return refusal
-        queued = int(self._total.value)
-        if queued and queued + tokens > self.limit and (name is None or self.held(name)):
-            return queued_prompts_message(tokens, queued, self.limit)
-        return None
+        if self.limit is None or shares is None or name is None:
+            return None
+        # A tenant alone is never refused (the engine is its own while no one
+        # else wants it); once others want the tokens, its share binds.
+        if shares.share(name, weight) >= self.limit:
+            return None
+        return shares.refusal(name, weight, "the prompt tokens waiting for prefill", tokens)
 
     def give_back(self, name: str | None, weight: float, tokens: int) -> None:
         """`name`'s request's prefill ran (or it ended first): its tokens leave the pool."""

@@ -199,10 +199,10 @@ class MountOptions:
     )
     max_queued_prompt_tokens: int = _option(
         DEFAULT_MAX_QUEUED_PROMPT_TOKENS,
-        help="most prompt tokens waiting for their prefill at once, every tenant's; while "
-        "several tenants want them each is held to its weighted share, and a request past it "
-        "is answered RESOURCE_EXHAUSTED (HTTP 503) naming the share, with a retry hint; "
-        "0: no limit",
+        help="prompt tokens waiting for their prefill that tenants share: while several want "
+        "them each is held to its weighted share of this many, and a request past it is "
+        "answered RESOURCE_EXHAUSTED (HTTP 503) naming the share, with a retry hint; a tenant "
+        "alone, callers without a key and admins are not held; 0: no shares",
     )
 
     def __post_init__(self) -> None:

@@ -159,32 +159,30 @@ class TenantEngine:
 
     # ----- the engine's work, shared by what each tenant brings ---------------
 
-    def generate(
-        self, prompt: Any, sampling_params: Any, request_id: str, *args: Any, **kwargs: Any
-    ) -> AsyncGenerator[Any, None]:
-        """`engine.generate` for the current caller's tenant, in the fair order.
+    def generate(self, *args: Any, **kwargs: Any) -> AsyncGenerator[Any, None]:
+        """`engine.generate(prompt, sampling_params, request_id, ...)` for the current
+        caller's tenant, in the fair order (arguments as the engine takes them).
 
         Raises:
             TokenShareError: the prompt is past the tokens waiting for prefill
                 that the tenant's share (or the pool) allows.
         """
-        kind = getattr(sampling_params, "output_kind", None)
+        sampling = _argument(args, kwargs, 1, "sampling_params")
         return self._in_order(
-            prompt,
-            kind,
+            _argument(args, kwargs, 0, "prompt"),
+            getattr(sampling, "output_kind", None),
             kwargs,
-            lambda kw: self.engine.generate(prompt, sampling_params, request_id, *args, **kw),
+            lambda kw: self.engine.generate(*args, **kw),
         )
 
-    def encode(
-        self, prompt: Any, pooling_params: Any, request_id: str, *args: Any, **kwargs: Any
-    ) -> AsyncGenerator[Any, None]:
-        """`engine.encode` for the current caller's tenant, in the fair order (as `generate`)."""
+    def encode(self, *args: Any, **kwargs: Any) -> AsyncGenerator[Any, None]:
+        """`engine.encode(prompt, pooling_params, request_id, ...)` for the current
+        caller's tenant, in the fair order (as `generate`)."""
         return self._in_order(
-            prompt,
+            _argument(args, kwargs, 0, "prompt"),
             None,
             kwargs,
-            lambda kw: self.engine.encode(prompt, pooling_params, request_id, *args, **kw),
+            lambda kw: self.engine.encode(*args, **kw),
         )
 
     def _in_order(
@@ -251,6 +249,13 @@ class TenantEngine:
         finally:
             if queued:
                 self.queued.give_back(name, weight, tokens)
+
+
+def _argument(args: tuple[Any, ...], kwargs: dict[str, Any], index: int, name: str) -> Any:
+    """An engine call's argument, by name or by place (vLLM's handlers pass names)."""
+    if name in kwargs:
+        return kwargs[name]
+    return args[index] if len(args) > index else None
 
 
 def _output_tokens(output: Any) -> int:
