@@ -19,6 +19,10 @@ flooding tenant's prompt tokens/s and its refusals, and the ratios that the
 fairness promises bound: B's p50 under each flood against B's alone (at most
 2), and A alone against the other tree's (within 10%). `--http` sends B's and
 the flood's requests to the HTTP API's /v1/completions instead of gRPC.
+
+`--alternate N` measures A alone only, with both trees' launchers up at once:
+N rounds of one phase each in A B B A order (drift cancels), then the median
+prompt tokens/s of each and their ratio.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import json
 import os
 import random
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -279,6 +284,50 @@ def print_rows(tree: str, rows: dict[str, Any]) -> None:
             print(f"          failed: {row['failed']}")
 
 
+async def alternate(
+    servers: dict[str, tuple[str, str]], seconds: float, rounds: int
+) -> dict[str, list[float]]:
+    """A alone on each tree's launcher in turn (A B B A ...): prompt tokens/s per phase."""
+    names = list(servers)
+    rates: dict[str, list[float]] = {name: [] for name in names}
+    for address, http_url in servers.values():  # each engine warmed first
+        await phase(address, http_url, 3, False, "A", False)
+    for round_ in range(rounds):
+        order = names if round_ % 2 == 0 else names[::-1]
+        for name in order:
+            await asyncio.sleep(1.5)  # the other engine's spinning ends first
+            address, http_url = servers[name]
+            tallies = await phase(address, http_url, seconds, False, "A", False)
+            rates[name].append(tallies["A"].prompt_tokens / seconds)
+    return rates
+
+
+def run_alternating(trees: dict[str, Path], flags: list[str], seconds: float, rounds: int) -> None:
+    with contextlib.ExitStack() as stack:
+        servers = {}
+        for tree, src in trees.items():
+            work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="fairness-")))
+            proc, address, http_url = start_launcher(src, work, flags)
+            stack.callback(_stop, proc)
+            servers[tree] = (address, http_url)
+        rates = asyncio.run(alternate(servers, seconds, rounds))
+    for tree, values in rates.items():
+        print(
+            f"{tree:<10} A alone prompt tok/s: median {statistics.median(values):,.0f}  "
+            f"({', '.join(f'{v:,.0f}' for v in values)})"
+        )
+    ours, theirs = (statistics.median(v) for v in rates.values())
+    print(f"ratio this tree / against: {ours / theirs:.3f}")
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(60)
+    if proc.poll() is None:
+        proc.kill()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -292,11 +341,19 @@ def main() -> int:
     )
     parser.add_argument("--http", action="store_true", help="over the HTTP API instead of gRPC")
     parser.add_argument("--json", action="store_true", help="one JSON object on the last line")
+    parser.add_argument(
+        "--alternate", type=int, metavar="N", help="A alone only, both trees up, N rounds"
+    )
     args = parser.parse_args()
     random.seed(0)
     trees = {"this tree": ROOT / "src"}
     if args.against_src:
         trees["against"] = Path(args.against_src).resolve() / "src"
+    if args.alternate:
+        if len(trees) != 2:
+            parser.error("--alternate needs --against-src")
+        run_alternating(trees, args.launcher_flag, args.seconds, args.alternate)
+        return 0
     results = {}
     for tree, src in trees.items():
         with tempfile.TemporaryDirectory(prefix="fairness-") as work:
@@ -304,11 +361,7 @@ def main() -> int:
             try:
                 results[tree] = asyncio.run(measure(address, http_url, args.seconds, args.http))
             finally:
-                proc.terminate()
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(60)
-                if proc.poll() is None:
-                    proc.kill()
+                _stop(proc)
         print_rows(f"{tree} ({src})", results[tree])
     if "against" in results:
         ours = results["this tree"]["A alone"]["heavy_prompt_tokens_per_s"]

@@ -25,14 +25,15 @@ import time
 import uuid
 from collections.abc import Callable
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from .. import vllm_releases
 from ..budgets import RequestBudgets, check_request_id
-from ..context import current_request_id, kept_usage
+from ..context import current_request_id, engine_trace_headers, kept_usage
 from ..engine import EngineClient, require_engine
 from ..errors import InvalidRequestError, UnsupportedError
 from ..multimodal.decoded import DecodedMedia, RequestMedia
+from ..ranks import engine_index, engine_index_if_served
 from ..wire import fields
 from ..wire.usage import GenerationUsage, RequestSummary
 from .lora import AdapterHold
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("vllm_servicer")
 
 Builder = TypeVar("Builder")
+Built = TypeVar("Built", covariant=True)
 
 
 @dataclasses.dataclass(slots=True)
@@ -68,6 +70,69 @@ class EngineCall(Generic[Builder]):
     kwargs: dict[str, Any]
     builder: Builder
     adapter: AdapterHold | None = None
+
+
+class GenerationReader(Protocol[Built]):
+    """One protocol's generation request, as the one preparation reads it
+    (`EngineCallSteps.prepare`).
+
+    Each protocol reads its own message and names its own fields in its
+    refusals; the order of the steps is the preparation's, the same for
+    every protocol. A new generation protocol is one reader and one wire module.
+    """
+
+    seed_field: str
+    """The field a refusal of seeded sampling names."""
+
+    def refuse_unserved(self) -> None:
+        """Refuse the fields this server does not serve (UnimplementedFieldError)."""
+        ...
+
+    def check_budgets(self) -> None:
+        """Refuse what passes a budget or names what is not served (stop strings,
+        sequences, the constraint's size, the model, client ids, the priority floor)."""
+        ...
+
+    def pinned_rank(self) -> tuple[int | None, str]:
+        """The global data-parallel rank the request pins (None: any), and the
+        field or header that names it."""
+        ...
+
+    def routing_data(self) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """The connectors' parameters for the engine's `extra_args`, each checked
+        against the caller's role and the engine's connectors, and the KV ones alone."""
+        ...
+
+    def sampling(self, extra_args: dict[str, Any]) -> SamplingParams:
+        """vLLM's sampling parameters for the request."""
+        ...
+
+    def engine_kwargs(self, sampling: SamplingParams) -> dict[str, Any]:
+        """The protocol's own `engine.generate` arguments (a release's fields, the
+        client's priority, its session), completing `sampling` where they need it."""
+        ...
+
+    def tokenization(self) -> dict[str, Any] | None:
+        """The tokenizer's arguments when the engine is to tokenize (truncation)."""
+        ...
+
+    def prompt(self, limit: int | None) -> Any:
+        """The request's prompt: a text, or its token ids within `limit`."""
+        ...
+
+    async def with_media(self, prompt: Any, media: RequestMedia | None) -> tuple[Any, str | None]:
+        """`prompt` with the request's images, not yet rendered, and the field
+        that names them (None: no images); "" for an engine input the client
+        rendered itself (a router's processor output)."""
+        ...
+
+    def builder(self) -> Built:
+        """The protocol's response builder for the request."""
+        ...
+
+    def adapter(self) -> AdapterHold | None:
+        """The LoRA adapter held for the request (None: the base model)."""
+        ...
 
 
 class EngineCallSteps:
@@ -177,6 +242,61 @@ class EngineCallSteps:
             images: whether the request may hold decoded images.
         """
         return CallFrame(self, summary, given, prefix, method, failure, images)
+
+    # ----- the one preparation ---------------------------------------------
+
+    async def prepare(
+        self, reader: GenerationReader[Built], frame: CallFrame, context: Any
+    ) -> EngineCall[Built]:
+        """The `engine.generate` call a request asks for, each step once and in
+        one order for every protocol.
+
+        Refused fields, budgets, the pinned rank and the routing data first;
+        from there on the KV connector is told of a failure. Then sampling,
+        its seed and pace, the prompt within its limit, its images, the
+        tenant's salt (before vLLM renders it: its processor reads the media
+        uuids then), the render, the trace, and the adapter last, with nothing
+        after it to fail.
+
+        Raises:
+            UnimplementedFieldError, InvalidRequestError, NotFoundError,
+                UnsupportedError: the request asks for what this server or
+                engine cannot do, is malformed, or passes a budget.
+            RoutingDataError: routing data from a caller who is no router.
+            BudgetFullError: the process's decoded-media budget is full.
+        """
+        reader.refuse_unserved()
+        reader.check_budgets()
+        rank, rank_field = reader.pinned_rank()
+        extra_args, kv_transfer = reader.routing_data()
+        # The KV connector is told of a failure from here on, on every protocol.
+        frame.kv_transfer, frame.rank = kv_transfer, engine_index_if_served(self.engine, rank)
+        kwargs: dict[str, Any] = {}
+        if rank is not None:  # a global rank; the engine takes its own index
+            kwargs["data_parallel_rank"] = engine_index(self.engine, rank, rank_field)
+        sampling = reader.sampling(extra_args)
+        kwargs.update(reader.engine_kwargs(sampling))
+        self.check_seed(sampling, reader.seed_field)
+        self.pace(sampling)
+        tokenization = reader.tokenization()
+        if tokenization is not None:  # the engine renders it, truncating it first
+            kwargs["tokenization_kwargs"] = tokenization
+        prompt = reader.prompt(self.prompt_limit(tokenization is not None))
+        prompt, images = await reader.with_media(prompt, frame.media)
+        prompt = self.salted(prompt)
+        if tokenization is None and images != "":
+            if images is not None:
+                prompt = await self.render_with_images(prompt, images)
+            elif not isinstance(prompt, str) and "prompt_token_ids" in prompt:
+                prompt = self.render_tokens(prompt)
+        trace = engine_trace_headers(context)
+        if trace is not None:
+            kwargs["trace_headers"] = trace
+        builder = reader.builder()
+        adapter = reader.adapter()
+        if adapter is not None and adapter.request is not None:
+            kwargs["lora_request"] = adapter.request
+        return EngineCall(prompt, sampling, kwargs, builder, adapter)
 
     # ----- the checks -------------------------------------------------------
 

@@ -21,7 +21,7 @@ from .. import _vllm_version  # noqa: F401
 
 # isort: split
 from .. import vllm_releases
-from ..context import engine_trace_headers, priority_floor
+from ..context import priority_floor
 from ..engine import require_engine, served_model_name
 from ..errors import (
     ROUTER_ROLE_HINT,
@@ -34,12 +34,11 @@ from ..multimodal import inference_media
 from ..multimodal.decoded import RequestMedia
 from ..proto import INFERENCE_SERVICE, inference_pb2_grpc
 from ..proto import inference_pb2 as pb
-from ..ranks import engine_index
 from ..wire import fields
 from ..wire import inference as wire
 from ..wire.usage import RequestSummary
-from .engine_call import CallFrame, EngineCall
-from .lora import LoraRegistry
+from .engine_call import CallFrame, EngineCall, GenerationReader
+from .lora import AdapterHold, LoraRegistry
 from .state import MountState
 
 if TYPE_CHECKING:
@@ -103,7 +102,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     async def Generate(self, request: pb.GenerateRequest, context: Context) -> pb.GenerateResponse:
         """The whole generation in one message: `prompt_info`, then the finished sequence."""
         async with self._frame(request, "Generate") as frame:
-            call = frame.call = await self._engine_call(request, context, frame, stream=False)
+            reader = _GenerateReader(self, request, context, stream=False)
+            call: EngineCall[wire.ResponseBuilder] = await self._steps.prepare(
+                reader, frame, context
+            )
+            frame.call = call
             final = None
             async for output in self._steps.tenant.generate(
                 call.prompt, call.sampling, frame.request_id, **call.kwargs
@@ -125,7 +128,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     ) -> AsyncIterator[pb.GenerateResponse]:
         """`prompt_info` alone, then one message per engine step; the last has `finish_info`."""
         async with self._frame(request, "GenerateStream") as frame:
-            call = frame.call = await self._engine_call(request, context, frame, stream=True)
+            reader = _GenerateReader(self, request, context, stream=True)
+            call = frame.call = await self._steps.prepare(reader, frame, context)
             usage, delta, started = frame.usage, call.builder.delta, False
             outputs = self._steps.tenant.generate(
                 call.prompt, call.sampling, frame.request_id, **call.kwargs
@@ -162,77 +166,6 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         )
 
     # ----- preparation ------------------------------------------------------
-
-    async def _engine_call(
-        self, request: pb.GenerateRequest, context: Context, frame: CallFrame, *, stream: bool
-    ) -> EngineCall[wire.ResponseBuilder]:
-        """The `engine.generate` call a request asks for, each field checked.
-
-        Raises:
-            InvalidRequestError, NotFoundError, UnsupportedError,
-                UnimplementedFieldError: the request asks for what this server
-                or engine cannot do, is malformed, or passes a budget (a
-                priority below the caller's floor among them).
-            RoutingDataError: routing data from a caller who is no router.
-            BudgetFullError: the process's decoded-media budget is full.
-        """
-        steps = self._steps
-        method = "GenerateStream" if stream else "Generate"
-        fields.refuse_unserved(INFERENCE_SERVICE, method, request)
-        self._budgets.check_stop("stopping.stop_strings", request.stopping.stop_strings)
-        constraint = wire.constraint_size(request.decoding)
-        if constraint is not None:
-            self._budgets.check_constraint(*constraint)
-        self._check_model(request.model)
-        kwargs: dict[str, Any] = {}
-        rank = data_parallel_rank(context)
-        if rank is not None:
-            kwargs["data_parallel_rank"] = engine_index(
-                self._engine, rank, DATA_PARALLEL_RANK_HEADER
-            )
-        extra_args, kv_transfer = self._routing_data(request)
-        # The KV connector is told of a failure from here on, as on VllmEngine:
-        # a remote prefill refused by any later step is reported on both.
-        frame.kv_transfer, frame.rank = kv_transfer, kwargs.get("data_parallel_rank")
-        wire.check_client_ids(request)
-        if request.priority:
-            floor = priority_floor(self._budgets.min_tenant_priority)
-            self._budgets.check_priority("priority", request.priority, floor)
-        sampling = wire.sampling_params_from_request(
-            request, stream=stream, defaults=self._defaults, extra_args=extra_args
-        )
-        self._released_fields(request, sampling, kwargs)
-        steps.check_seed(sampling, "sampling.seed")
-        steps.pace(sampling)
-        tokenization = wire.tokenization_kwargs(request)
-        if tokenization is not None:
-            kwargs["tokenization_kwargs"] = tokenization
-        limit = steps.prompt_limit(tokenization is not None)
-        prompt: Any = wire.prompt_from_request(request, limit)
-        if request.media:
-            prompt = await self._with_media(request, prompt, frame.media)
-        # Salted before it is rendered: vLLM's multimodal processor reads the
-        # items' uuids when it renders, by then the tenant's own keys.
-        prompt = steps.salted(prompt)
-        if tokenization is None:  # else the engine renders it (truncating it first)
-            if request.media:
-                prompt = await steps.render_with_images(prompt, "media")
-            elif "prompt_token_ids" in prompt:
-                prompt = steps.render_tokens(prompt)
-        if request.priority:
-            # Lower runs first (--scheduling-policy priority); checked against the floor above.
-            kwargs["priority"] = request.priority
-        if request.HasField("session_id") and request.session_id:
-            kwargs["session_id"] = request.session_id
-        trace = engine_trace_headers(context)
-        if trace is not None:
-            kwargs["trace_headers"] = trace
-        builder = wire.ResponseBuilder(request.response)
-        # Last, with nothing after it to fail: the handler releases it when the request ends.
-        adapter = self.loras.hold(request.lora_name)
-        if adapter.request is not None:
-            kwargs["lora_request"] = adapter.request
-        return EngineCall(prompt, sampling, kwargs, builder, adapter)
 
     def _released_fields(
         self, request: pb.GenerateRequest, sampling: SamplingParams, kwargs: dict[str, Any]
@@ -327,6 +260,85 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         if uuids is not None:
             prompt["multi_modal_uuids"] = {"image": uuids}
         return prompt
+
+
+class _GenerateReader(GenerationReader[wire.ResponseBuilder]):
+    """A vllm.Inference GenerateRequest as the one preparation reads it
+    (`EngineCallSteps.prepare`), for Generate or GenerateStream."""
+
+    seed_field = "sampling.seed"
+
+    def __init__(
+        self,
+        servicer: InferenceServicer,
+        request: pb.GenerateRequest,
+        context: Context,
+        *,
+        stream: bool,
+    ) -> None:
+        self._servicer = servicer
+        self._request = request
+        self._context = context
+        self._stream = stream
+
+    def refuse_unserved(self) -> None:
+        method = "GenerateStream" if self._stream else "Generate"
+        fields.refuse_unserved(INFERENCE_SERVICE, method, self._request)
+
+    def check_budgets(self) -> None:
+        request, budgets = self._request, self._servicer._budgets
+        budgets.check_stop("stopping.stop_strings", request.stopping.stop_strings)
+        constraint = wire.constraint_size(request.decoding)
+        if constraint is not None:
+            budgets.check_constraint(*constraint)
+        self._servicer._check_model(request.model)
+        wire.check_client_ids(request)
+        if request.priority:
+            floor = priority_floor(budgets.min_tenant_priority)
+            budgets.check_priority("priority", request.priority, floor)
+
+    def pinned_rank(self) -> tuple[int | None, str]:
+        return data_parallel_rank(self._context), DATA_PARALLEL_RANK_HEADER
+
+    def routing_data(self) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        return self._servicer._routing_data(self._request)
+
+    def sampling(self, extra_args: dict[str, Any]) -> SamplingParams:
+        return wire.sampling_params_from_request(
+            self._request,
+            stream=self._stream,
+            defaults=self._servicer._defaults,
+            extra_args=extra_args,
+        )
+
+    def engine_kwargs(self, sampling: SamplingParams) -> dict[str, Any]:
+        request = self._request
+        kwargs: dict[str, Any] = {}
+        self._servicer._released_fields(request, sampling, kwargs)
+        if request.priority:
+            # Lower runs first: a class across tenants (fair_work.py), checked
+            # against the caller's floor with the budgets.
+            kwargs["priority"] = request.priority
+        if request.HasField("session_id") and request.session_id:
+            kwargs["session_id"] = request.session_id
+        return kwargs
+
+    def tokenization(self) -> dict[str, Any] | None:
+        return wire.tokenization_kwargs(self._request)
+
+    def prompt(self, limit: int | None) -> Any:
+        return wire.prompt_from_request(self._request, limit)
+
+    async def with_media(self, prompt: Any, media: RequestMedia | None) -> tuple[Any, str | None]:
+        if not self._request.media:
+            return prompt, None
+        return await self._servicer._with_media(self._request, prompt, media), "media"
+
+    def builder(self) -> wire.ResponseBuilder:
+        return wire.ResponseBuilder(self._request.response)
+
+    def adapter(self) -> AdapterHold:
+        return self._servicer.loras.hold(self._request.lora_name)
 
 
 def _summary(request: pb.GenerateRequest) -> RequestSummary:

@@ -17,9 +17,10 @@ import base64
 import binascii
 import io
 import uuid
-from collections.abc import AsyncIterator, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import TYPE_CHECKING, Any, NamedTuple
 
+from ..budgets import RequestBudgets
 from ..errors import InvalidRequestError
 from ..multimodal.decoded import DecodedMedia, RequestMedia
 from ..proto import RENDER_SERVICE, render_pb2_grpc
@@ -58,15 +59,7 @@ class RenderServicer(render_pb2_grpc.RenderServicer):
     async def RenderChat(
         self, request: pb.RenderChatRequest, context: Context
     ) -> pb.RenderedPrompt:
-        note_request("render_chat")
-        handlers = self._handlers
-        # An adapter renders as the served model: vLLM's renderer is the engine's one.
-        handlers.check_model("model", request.model)
-        self._budgets.check_render_items("messages", _chat_items(request))
-        # Counted before anything is tokenized: every field's bytes but the
-        # images' (counted as images), at least the chat's characters.
-        self._budgets.check_render_chars("messages", wire.chat_size(request))
-        render = await handlers.handler("serving_render", "generate", "render chat prompts")
+        handlers, render = self._handlers, await self._head(_RENDER_CHAT, request)
         body = wire.render_chat_body(request, handlers.limits())
         account = self._decoded_media.request()
         try:
@@ -82,12 +75,7 @@ class RenderServicer(render_pb2_grpc.RenderServicer):
     async def RenderCompletion(
         self, request: pb.RenderCompletionRequest, context: Context
     ) -> pb.RenderCompletionResponse:
-        note_request("render_completion")
-        handlers = self._handlers
-        handlers.check_model("model", request.model)
-        self._budgets.check_render_items("prompt", len(request.prompt))
-        self._budgets.check_render_chars("prompt", sum(len(text) for text in request.prompt))
-        render = await handlers.handler("serving_render", "generate", "render prompts")
+        handlers, render = self._handlers, await self._head(_RENDER_COMPLETION, request)
         body = wire.render_completion_body(request, handlers.limits())
         completion = vllm_request("render_completion", {**body, "request_id": _RENDER_ID})
         answers = rendered(await render_prompts(render, completion, chat=False))
@@ -98,14 +86,7 @@ class RenderServicer(render_pb2_grpc.RenderServicer):
     async def DerenderChat(
         self, request: pb.DerenderChatRequest, context: Context
     ) -> pb.DerenderChatResponse:
-        note_request("derender_chat")
-        handlers = self._handlers
-        handlers.check_model("chat.model", request.chat.model)
-        self._budgets.check_n("choices", len(request.choices))
-        self._budgets.check_derender_tokens("choices", wire.derender_token_count(request))
-        self._budgets.check_render_items("chat.messages", _chat_items(request.chat))
-        self._budgets.check_render_chars("chat.messages", wire.chat_size(request.chat))
-        derender = await handlers.handler("serving_derender", "generate", "derender outputs")
+        handlers, derender = self._handlers, await self._head(_DERENDER_CHAT, request)
         body = wire.derender_chat_body(
             request, handlers.limits(), handlers.vocabulary(), _request_id(), handlers.eos_ids()
         )
@@ -121,13 +102,7 @@ class RenderServicer(render_pb2_grpc.RenderServicer):
     async def DerenderCompletion(
         self, request: pb.DerenderCompletionRequest, context: Context
     ) -> pb.DerenderCompletionResponse:
-        note_request("derender_completion")
-        handlers = self._handlers
-        handlers.check_model("model", request.model)
-        self._budgets.check_render_items("prompts", len(request.prompts))
-        self._budgets.check_n("prompts.choices", sum(len(p.choices) for p in request.prompts))
-        self._budgets.check_derender_tokens("prompts", wire.derender_token_count(request))
-        derender = await handlers.handler("serving_derender", "generate", "derender outputs")
+        handlers, derender = self._handlers, await self._head(_DERENDER_COMPLETION, request)
         body = wire.derender_completion_body(
             request, handlers.limits(), handlers.vocabulary(), _request_id(), handlers.eos_ids()
         )
@@ -144,19 +119,10 @@ class RenderServicer(render_pb2_grpc.RenderServicer):
     async def DerenderChatStream(
         self, requests: AsyncIterator[pb.DerenderChatStreamRequest], context: Context
     ) -> AsyncIterator[pb.DerenderChatDelta]:
-        note_request("derender_chat_stream")
-        handlers = self._handlers
         stream = aiter(requests)
-        first = await anext(stream, None)
-        if first is None or not first.HasField("start"):
-            raise InvalidRequestError("start", "the first message carries the chat (start)")
-        start = first.start
-        handlers.check_model("start.chat.model", start.chat.model)
-        self._budgets.check_render_items("start.chat.messages", _chat_items(start.chat))
-        self._budgets.check_render_chars("start.chat.messages", wire.chat_size(start.chat))
-        tokens = len(start.prompt_token_ids)
-        self._budgets.check_derender_tokens("start.prompt_token_ids", tokens)
-        derender = await handlers.handler("serving_derender", "generate", "derender outputs")
+        first = await _first(stream, "the chat")
+        start, tokens = first.start, len(first.start.prompt_token_ids)
+        handlers, derender = self._handlers, await self._head(_DERENDER_CHAT_STREAM, first)
         vocabulary = handlers.vocabulary()
         chat, prompt_token_ids = wire.derender_chat_start(start, handlers.limits(), vocabulary)
         # Validated once: each chunk's request takes the same objects.
@@ -183,17 +149,10 @@ class RenderServicer(render_pb2_grpc.RenderServicer):
     async def DerenderCompletionStream(
         self, requests: AsyncIterator[pb.DerenderCompletionStreamRequest], context: Context
     ) -> AsyncIterator[pb.DerenderCompletionDelta]:
-        note_request("derender_completion_stream")
-        handlers = self._handlers
         stream = aiter(requests)
-        first = await anext(stream, None)
-        if first is None or not first.HasField("start"):
-            raise InvalidRequestError("start", "the first message carries the prompt (start)")
-        start = first.start
-        handlers.check_model("start.model", start.model)
-        tokens = len(start.prompt_token_ids)
-        self._budgets.check_derender_tokens("start.prompt_token_ids", tokens)
-        derender = await handlers.handler("serving_derender", "generate", "derender outputs")
+        first = await _first(stream, "the prompt")
+        start, tokens = first.start, len(first.start.prompt_token_ids)
+        handlers, derender = self._handlers, await self._head(_DERENDER_COMPLETION_STREAM, first)
         vocabulary = handlers.vocabulary()
         prompt_token_ids = wire.derender_completion_start(start, vocabulary)
         note_prompt_tokens(tokens)
@@ -213,6 +172,16 @@ class RenderServicer(render_pb2_grpc.RenderServicer):
                 answer_body(answer)
             delta, state = answer
             yield wire.completion_delta(delta.model_dump(mode="json"))
+
+    async def _head(self, route: _Route, request: Any) -> Any:
+        """What every Render method opens with: the call noted, the model
+        checked (an adapter renders as the served model: vLLM's renderer is the
+        engine's one), the route's budgets (counted before anything is
+        tokenized), and vLLM's handler."""
+        note_request(route.operation)
+        self._handlers.check_model(route.model_field, _field(request, route.model_field))
+        route.budgets(self._budgets, request)
+        return await self._handlers.handler(route.handler, "generate", route.what)
 
     async def _chunks(
         self, first: Any, stream: AsyncIterator[Any], tokens: int, *, replays: bool = False
@@ -258,6 +227,96 @@ class RenderServicer(render_pb2_grpc.RenderServicer):
 
     def _rendered(self, answer: Mapping[str, Any]) -> pb.RenderedPrompt:
         return wire.rendered_prompt(answer, self._handlers.text_of(answer["token_ids"]))
+
+
+class _Route(NamedTuple):
+    """One Render method as vLLM's route it maps to."""
+
+    operation: str  # the call record's operation
+    model_field: str  # the field that names the model (a stream's: under its first message)
+    handler: str  # vLLM's handler object (its app state's attribute)
+    what: str  # what the call asks for, in a refusal
+    budgets: Callable[[RequestBudgets, Any], None]  # the budgets, checked before any work
+
+
+def _chat_budgets(budgets: RequestBudgets, chat: Any, prefix: str = "") -> None:
+    budgets.check_render_items(f"{prefix}messages", _chat_items(chat))
+    # Every field's bytes but the images' (counted as images), at least the
+    # chat's characters.
+    budgets.check_render_chars(f"{prefix}messages", wire.chat_size(chat))
+
+
+def _completion_budgets(budgets: RequestBudgets, request: pb.RenderCompletionRequest) -> None:
+    budgets.check_render_items("prompt", len(request.prompt))
+    budgets.check_render_chars("prompt", sum(len(text) for text in request.prompt))
+
+
+def _derender_chat_budgets(budgets: RequestBudgets, request: pb.DerenderChatRequest) -> None:
+    budgets.check_n("choices", len(request.choices))
+    budgets.check_derender_tokens("choices", wire.derender_token_count(request))
+    _chat_budgets(budgets, request.chat, "chat.")
+
+
+def _derender_completion_budgets(
+    budgets: RequestBudgets, request: pb.DerenderCompletionRequest
+) -> None:
+    budgets.check_render_items("prompts", len(request.prompts))
+    budgets.check_n("prompts.choices", sum(len(p.choices) for p in request.prompts))
+    budgets.check_derender_tokens("prompts", wire.derender_token_count(request))
+
+
+def _stream_budgets(budgets: RequestBudgets, first: Any, chat: bool) -> None:
+    start = first.start
+    if chat:
+        _chat_budgets(budgets, start.chat, "start.chat.")
+    budgets.check_derender_tokens("start.prompt_token_ids", len(start.prompt_token_ids))
+
+
+_RENDER_CHAT = _Route(
+    "render_chat", "model", "serving_render", "render chat prompts", _chat_budgets
+)
+_RENDER_COMPLETION = _Route(
+    "render_completion", "model", "serving_render", "render prompts", _completion_budgets
+)
+_DERENDER_CHAT = _Route(
+    "derender_chat", "chat.model", "serving_derender", "derender outputs", _derender_chat_budgets
+)
+_DERENDER_COMPLETION = _Route(
+    "derender_completion",
+    "model",
+    "serving_derender",
+    "derender outputs",
+    _derender_completion_budgets,
+)
+_DERENDER_CHAT_STREAM = _Route(
+    "derender_chat_stream",
+    "start.chat.model",
+    "serving_derender",
+    "derender outputs",
+    lambda budgets, first: _stream_budgets(budgets, first, chat=True),
+)
+_DERENDER_COMPLETION_STREAM = _Route(
+    "derender_completion_stream",
+    "start.model",
+    "serving_derender",
+    "derender outputs",
+    lambda budgets, first: _stream_budgets(budgets, first, chat=False),
+)
+
+
+def _field(message: Any, path: str) -> Any:
+    """`message`'s field at a dotted `path`."""
+    for name in path.split("."):
+        message = getattr(message, name)
+    return message
+
+
+async def _first(stream: AsyncIterator[Any], carries: str) -> Any:
+    """A derender stream's first message, which must carry its start."""
+    first = await anext(stream, None)
+    if first is None or not first.HasField("start"):
+        raise InvalidRequestError("start", f"the first message carries {carries} (start)")
+    return first
 
 
 # A render starts no engine request and states no id: named, vLLM's request

@@ -1,11 +1,11 @@
 """`VllmEngineServicer`: the `vllm.grpc.engine.VllmEngine` service over a vLLM engine.
 
 Generate and Embed run in the engine call's frame (`engine_call.CallFrame`),
-as vllm.Inference's handlers do. Generate's preparation is read here in one
-place (`_engine_call`: its message as the `EngineCall` it asks for, converted
-by `wire/vllm_engine.py`, with the steps every protocol shares); its stream
-loop stays in Generate itself: a generator between it and grpc would cost a
-hop per message sent.
+as vllm.Inference's handlers do. Generate is prepared by the one preparation
+of every generation protocol (`EngineCallSteps.prepare`), which reads its
+message through `_GenerateReader` (converted by `wire/vllm_engine.py`); its
+stream loop stays in Generate itself: a generator between it and grpc would
+cost a hop per message sent.
 """
 
 from __future__ import annotations
@@ -35,18 +35,18 @@ from ..load_reports import stats_tap
 from ..multimodal import tensors as mm_tensors
 from ..proto import VLLM_ENGINE_SERVICE, common_pb2, vllm_engine_pb2_grpc
 from ..proto import vllm_engine_pb2 as pb
-from ..ranks import engine_index, engine_index_if_served
 from ..wire import fields
 from ..wire import vllm_engine as wire
 from ..wire.usage import RequestSummary
 from . import admin, info, kv_events, loads
-from .engine_call import CallFrame, EngineCall
+from .engine_call import GenerationReader
 from .state import MountState
 from .tenancy import SubscriberLimit
 from .tokenizer_bundle import TokenizerBundle, chunks, tokenizer_dir
 
 if TYPE_CHECKING:
     import grpc.aio
+    from vllm.sampling_params import SamplingParams
 
     from ..multimodal.decoded import DecodedMedia, RequestMedia
 
@@ -130,7 +130,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             "Generate",
             failure=lambda exc: wire.constraint_error(exc, params),
         ) as frame:
-            call = frame.call = await self._engine_call(request, context, frame)
+            reader = _GenerateReader(self, request)
+            call = frame.call = await self._steps.prepare(reader, frame, context)
             usage, stream, started = frame.usage, request.stream, False
             chunk, complete = call.builder.chunk, call.builder.complete
             outputs = self._steps.tenant.generate(
@@ -202,95 +203,6 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             )
 
     # ----- preparation ------------------------------------------------------
-
-    async def _engine_call(
-        self, request: pb.GenerateRequest, context: Context, frame: CallFrame
-    ) -> EngineCall[wire.ResponseBuilder]:
-        """The `engine.generate` call a GenerateRequest asks for, each field checked.
-
-        Raises:
-            UnsupportedError, InvalidRequestError, UnimplementedFieldError: the
-                request asks for what this engine cannot do, is malformed, or
-                passes a budget.
-            RoutingDataError: KV transfer parameters from a caller who is no router.
-            BudgetFullError: the process's decoded-media budget is full.
-        """
-        steps = self._steps
-        fields.refuse_unserved(VLLM_ENGINE_SERVICE, "Generate", request)
-        kv_transfer = wire.kv_transfer_params(request)
-        # A pin names a global rank (`ranks.py`); the engine takes its own index.
-        rank = request.data_parallel_rank if request.HasField("data_parallel_rank") else None
-        # The KV connector is told of a failure from here on.
-        frame.kv_transfer, frame.rank = kv_transfer, engine_index_if_served(self._engine, rank)
-        if rank is not None:
-            rank = engine_index(self._engine, rank)
-        params = request.sampling_params
-        self._check_budgets(params)
-        if kv_transfer is not None:
-            json_set = request.HasField("kv_transfer_params_json")
-            steps.check_kv_transfer("kv_transfer_params_json" if json_set else "kv_transfer_params")
-        sampling = wire.sampling_params_from_proto(
-            params, stream=request.stream, kv_transfer=kv_transfer
-        )
-        steps.check_seed(sampling, "sampling_params.seed")
-        steps.pace(sampling)
-        tokenization = wire.tokenization_kwargs(params)
-        truncating = tokenization is not None
-        prompt = wire.prompt_from_request(request, steps.prompt_limit(truncating))
-        images = request.HasField("media_refs")
-        tensors = mm_tensors.sent(request)
-        if tensors:
-            # The router's own processor output: the engine input as it stands.
-            prompt = await mm_tensors.engine_input(
-                request,
-                prompt,
-                self._model_media,
-                max_shm_bytes=self._budgets.max_request_shm_bytes,
-            )
-        elif images:
-            # vLLM's processor expands each image placeholder, off the event loop.
-            prompt = await self._with_images(request, prompt, frame.media, truncating)
-        kwargs: dict[str, Any] = {}
-        if tokenization is not None:
-            kwargs["tokenization_kwargs"] = tokenization
-        elif not isinstance(prompt, str) and not images and not tensors:
-            prompt = steps.render_tokens(prompt)
-        if rank is not None:
-            kwargs["data_parallel_rank"] = rank
-        trace = engine_trace_headers(context)
-        if trace is not None:
-            kwargs["trace_headers"] = trace
-        if wire.grammar_from_first_token(params):
-            kwargs["reasoning_ended"] = True
-        # Salted once rendered: this protocol names no media uuid (vLLM keys
-        # `media_refs`' images and preprocessed tensors by their content), and
-        # the engine reads the salt off the rendered prompt as off the raw one.
-        return EngineCall(steps.salted(prompt), sampling, kwargs, wire.ResponseBuilder(params))
-
-    def _check_budgets(self, params: pb.SamplingParams) -> None:
-        """Refuse sampling parameters past a budget, before anything is built from them."""
-        self._budgets.check_n("sampling_params.n", params.n)
-        self._budgets.check_stop("sampling_params.stop", params.stop)
-        constraint = wire.constraint_size(params)
-        if constraint is not None:
-            self._budgets.check_constraint(*constraint)
-
-    async def _with_images(
-        self, request: pb.GenerateRequest, prompt: Any, media: RequestMedia | None, truncating: bool
-    ) -> Any:
-        """`prompt` with the images of `request.media_refs` as its multimodal data."""
-        if self._media is None or not self._media.takes_images or media is None:
-            raise UnimplementedFieldError("media_refs", fields.MEDIA_REFS_HINT)
-        if isinstance(prompt, str):
-            # As the reference server: the router tokenizes, placeholders included.
-            raise InvalidRequestError(
-                "media_refs", "needs tokenized input (token ids with one placeholder per image)"
-            )
-        images = await self._media.images(request.media_refs, media)
-        prompt["multi_modal_data"] = {"image": images[0] if len(images) == 1 else images}
-        if truncating:
-            return prompt  # the engine processes it (truncating it first)
-        return await self._steps.render_with_images(prompt, "media_refs")
 
     async def Abort(self, request: pb.AbortRequest, context: Context) -> pb.AbortResponse:
         # Idempotent: vLLM ignores ids it does not know (finished or never seen).
@@ -441,3 +353,87 @@ def _generate_summary(request: pb.GenerateRequest) -> RequestSummary:
         top_p=params.top_p if params.top_p != 0.0 else None,  # 0: unset (top_p 1)
         n=params.n,
     )
+
+
+class _GenerateReader(GenerationReader[wire.ResponseBuilder]):
+    """A VllmEngine GenerateRequest as the one preparation reads it (`EngineCallSteps.prepare`)."""
+
+    seed_field = "sampling_params.seed"
+
+    def __init__(self, servicer: VllmEngineServicer, request: pb.GenerateRequest) -> None:
+        self._servicer = servicer
+        self._request = request
+        self._params = request.sampling_params
+        self._kv_transfer: dict[str, Any] | None = None
+
+    def refuse_unserved(self) -> None:
+        fields.refuse_unserved(VLLM_ENGINE_SERVICE, "Generate", self._request)
+
+    def check_budgets(self) -> None:
+        budgets, params = self._servicer._budgets, self._params
+        budgets.check_n("sampling_params.n", params.n)
+        budgets.check_stop("sampling_params.stop", params.stop)
+        constraint = wire.constraint_size(params)
+        if constraint is not None:
+            budgets.check_constraint(*constraint)
+
+    def pinned_rank(self) -> tuple[int | None, str]:
+        request = self._request
+        rank = request.data_parallel_rank if request.HasField("data_parallel_rank") else None
+        return rank, "data_parallel_rank"
+
+    def routing_data(self) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        request = self._request
+        kv_transfer = self._kv_transfer = wire.kv_transfer_params(request)
+        if kv_transfer is not None:
+            json_set = request.HasField("kv_transfer_params_json")
+            self._servicer._steps.check_kv_transfer(
+                "kv_transfer_params_json" if json_set else "kv_transfer_params"
+            )
+        return {}, kv_transfer
+
+    def sampling(self, extra_args: dict[str, Any]) -> SamplingParams:
+        return wire.sampling_params_from_proto(
+            self._params, stream=self._request.stream, kv_transfer=self._kv_transfer
+        )
+
+    def engine_kwargs(self, sampling: SamplingParams) -> dict[str, Any]:
+        if wire.grammar_from_first_token(self._params):
+            return {"reasoning_ended": True}
+        return {}
+
+    def tokenization(self) -> dict[str, Any] | None:
+        return wire.tokenization_kwargs(self._params)
+
+    def prompt(self, limit: int | None) -> Any:
+        return wire.prompt_from_request(self._request, limit)
+
+    async def with_media(self, prompt: Any, media: RequestMedia | None) -> tuple[Any, str | None]:
+        request, servicer = self._request, self._servicer
+        if mm_tensors.sent(request):
+            # The router's own processor output: the engine input as it stands.
+            rendered = await mm_tensors.engine_input(
+                request,
+                prompt,
+                servicer._model_media,
+                max_shm_bytes=servicer._budgets.max_request_shm_bytes,
+            )
+            return rendered, ""
+        if not request.HasField("media_refs"):
+            return prompt, None
+        if servicer._media is None or not servicer._media.takes_images or media is None:
+            raise UnimplementedFieldError("media_refs", fields.MEDIA_REFS_HINT)
+        if isinstance(prompt, str):
+            # As the reference server: the router tokenizes, placeholders included.
+            raise InvalidRequestError(
+                "media_refs", "needs tokenized input (token ids with one placeholder per image)"
+            )
+        images = await servicer._media.images(request.media_refs, media)
+        prompt["multi_modal_data"] = {"image": images[0] if len(images) == 1 else images}
+        return prompt, "media_refs"
+
+    def builder(self) -> wire.ResponseBuilder:
+        return wire.ResponseBuilder(self._params)
+
+    def adapter(self) -> None:
+        return None

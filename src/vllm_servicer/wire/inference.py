@@ -31,7 +31,12 @@ from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOu
 from ..budgets import check_request_id
 from ..errors import InvalidRequestError
 from ..proto import inference_pb2 as pb
-from .structured_outputs import structured_output_error, structured_output_size
+from .structured_outputs import (
+    ConstraintFields,
+    structured_output_arguments,
+    structured_output_error,
+    structured_output_size,
+)
 
 if TYPE_CHECKING:
     from google.protobuf import struct_pb2
@@ -83,6 +88,10 @@ class ModelDefaults(NamedTuple):
 
 
 # ----- request -------------------------------------------------------------------------
+
+
+# An explicit `json_object: false` asks for no constraint, as in vLLM's Rust server.
+CONSTRAINT = ConstraintFields("structured_output", "decoding", "json", True)
 
 
 def prompt_from_request(
@@ -273,29 +282,13 @@ def thinking_budget(stopping: pb.StoppingCriteria) -> int | None:
 
 
 def _structured_outputs(decoding: pb.DecodingParameters) -> StructuredOutputsParams | None:
-    kind = decoding.WhichOneof("structured_output")
-    if kind is None:
-        return None
-    if kind == "json":
-        return StructuredOutputsParams(json=decoding.json)
-    if kind == "regex":
-        return StructuredOutputsParams(regex=decoding.regex)
-    if kind == "grammar":
-        return StructuredOutputsParams(grammar=decoding.grammar)
-    if kind == "structural_tag":
-        return StructuredOutputsParams(structural_tag=decoding.structural_tag)
-    if kind == "json_object":
-        # An explicit false asks for no constraint, as in vLLM's Rust server.
-        return StructuredOutputsParams(json_object=True) if decoding.json_object else None
-    choices = list(decoding.choice.choices)
-    if not choices:
-        raise InvalidRequestError("decoding.choice.choices", "needs at least one choice")
-    return StructuredOutputsParams(choice=choices)
+    arguments = structured_output_arguments(decoding, CONSTRAINT)
+    return None if arguments is None else StructuredOutputsParams(**arguments)
 
 
 def constraint_size(decoding: pb.DecodingParameters) -> tuple[str, int] | None:
     """The request's structured-output field and its size in bytes, if it has one."""
-    return structured_output_size(decoding, "structured_output", "decoding")
+    return structured_output_size(decoding, CONSTRAINT)
 
 
 def _logit_bias(decoding: pb.DecodingParameters) -> dict[int, float] | None:

@@ -23,7 +23,12 @@ from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOu
 from ..budgets import check_request_id
 from ..errors import InvalidRequestError
 from ..proto import vllm_engine_pb2 as pb
-from .structured_outputs import structured_output_error, structured_output_size
+from .structured_outputs import (
+    ConstraintFields,
+    structured_output_arguments,
+    structured_output_error,
+    structured_output_size,
+)
 
 if TYPE_CHECKING:
     from vllm.outputs import CompletionOutput, RequestOutput
@@ -32,6 +37,10 @@ logger = logging.getLogger("vllm_servicer")
 
 GenerateResponse = pb.GenerateResponse
 GenerateComplete = pb.GenerateComplete
+
+
+# The reference schema's spelling; `json_object` handed on as sent.
+CONSTRAINT = ConstraintFields("constraint", "sampling_params", "json_schema", False)
 
 
 def prompt_from_request(
@@ -68,28 +77,13 @@ def prompt_from_request(
 
 
 def _structured_outputs(params: pb.SamplingParams) -> StructuredOutputsParams | None:
-    kind = params.WhichOneof("constraint")
-    if kind is None:
-        return None
-    if kind == "json_schema":
-        return StructuredOutputsParams(json=params.json_schema)
-    if kind == "regex":
-        return StructuredOutputsParams(regex=params.regex)
-    if kind == "grammar":
-        return StructuredOutputsParams(grammar=params.grammar)
-    if kind == "structural_tag":
-        return StructuredOutputsParams(structural_tag=params.structural_tag)
-    if kind == "json_object":
-        return StructuredOutputsParams(json_object=params.json_object)
-    choices = list(params.choice.choices)
-    if not choices:
-        raise InvalidRequestError("sampling_params.choice.choices", "needs at least one choice")
-    return StructuredOutputsParams(choice=choices)
+    arguments = structured_output_arguments(params, CONSTRAINT)
+    return None if arguments is None else StructuredOutputsParams(**arguments)
 
 
 def constraint_size(params: pb.SamplingParams) -> tuple[str, int] | None:
     """The request's structured-output constraint field and its size in bytes, if it has one."""
-    return structured_output_size(params, "constraint", "sampling_params")
+    return structured_output_size(params, CONSTRAINT)
 
 
 def _finite(name: str, value: float) -> float:
