@@ -21,6 +21,7 @@ vLLM) at run time.
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 import textwrap
@@ -635,3 +636,47 @@ def test_the_public_names_load_on_use(first: str) -> None:
             raise AssertionError("an unknown name resolved")
         """
     )
+
+
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+
+
+def _table_rows(text: str) -> list[list[str]]:
+    """Every row of every table in `text`, as its cells."""
+    return [
+        [cell.strip() for cell in line.strip().strip("|").split("|")]
+        for line in text.splitlines()
+        if line.startswith("| ") and not line.startswith("|---")
+    ]
+
+
+def test_the_architecture_names_every_module() -> None:
+    """docs/architecture.md's module table names each module of the package: by
+    its path, or by its file name in a row that begins with its folder."""
+    rows = [row for row in _table_rows(ARCHITECTURE.read_text()) if not row[0].isdigit()]
+    missing = []
+    for path in sorted(PACKAGE_DIR.rglob("*.py")):
+        relative = path.relative_to(PACKAGE_DIR).as_posix()
+        generated = "_pb2" in path.name or relative.startswith("proto/vllm_servicer/")
+        if generated or (path.name == "__init__.py" and "/" in relative):
+            continue
+        folder = relative.rsplit("/", 1)[0] + "/" if "/" in relative else None
+        named = any(
+            f"`{relative}`" in " ".join(row)
+            or (folder and row[0].startswith(f"`{folder}") and f"`{path.name}`" in " ".join(row))
+            for row in rows
+        )
+        if not named:
+            missing.append(relative)
+    assert not missing, f"docs/architecture.md names no row for {missing}"
+
+
+def test_the_architectures_layers_are_the_ones_the_imports_keep() -> None:
+    """Its table of layers lists the parts of `LAYERS`, layer by layer."""
+    documented: dict[int, set[str]] = {}
+    for row in _table_rows(ARCHITECTURE.read_text()):
+        if len(row) == 3 and row[0].isdigit():
+            parts = re.findall(r"`([^`]+)`", row[1])
+            documented[int(row[0])] = {p.removesuffix(".py").rstrip("/") for p in parts}
+    expected = {level: set(parts) for level, parts in enumerate(LAYERS)}
+    assert documented == expected

@@ -1,1 +1,3 @@
-"""Images and other media for Generate: tensors, shared memory, media references."""
+"""Images and other media for both generation protocols: VllmEngine's media
+references, tensors and shared memory, vllm.Inference's media items, and the
+decoded images' budget."""

@@ -260,7 +260,8 @@ class ServeArgs:
     max_inflight: int = flag(
         1024,
         group=_SERVING,
-        help="most Generate/Embed calls in flight (default 1024); beyond it calls get "
+        help="most engine calls in flight, every protocol's and the HTTP API's (default 1024); "
+        "beyond it calls get "
         "RESOURCE_EXHAUSTED with a retry hint (0: no limit); each key is held to its fair "
         "share of them while other keys want some (see --no-fair-shares)",
     )

@@ -45,6 +45,8 @@ logger = logging.getLogger("vllm_servicer")
 
 # vLLM's RequestOutputKind.DELTA: each output holds the new tokens only.
 _DELTA = 1
+# Output tokens a request's tenant is charged at once in the fair order.
+_CHARGE_EVERY = 16
 
 __all__ = ["TenantEngine"]
 
@@ -226,12 +228,12 @@ class TenantEngine:
         if self.ordered:
             kwargs["priority"] = ticket.priority
         work = self.work.of(ticket.name)
-        queued, counted = True, 0
+        queued, generated, charged = True, 0, 0
+        delta = kind == _DELTA
         try:
             # Closed here, not when collected: the engine aborts an unfinished request.
             async with contextlib.aclosing(start(kwargs)) as outputs:
                 async for output in outputs:
-                    cached = 0
                     if queued:  # the prefill ran
                         queued = False
                         self.queued.give_back(name, weight, tokens)
@@ -239,16 +241,22 @@ class TenantEngine:
                         cached = getattr(output, "num_cached_tokens", None) or 0
                         work.prompt_tokens += tokens
                         work.cached_prompt_tokens += cached
+                        if cached:
+                            self.order.served(ticket, 0, cached)
+                    # On the path of every token: a sum, and a charge each
+                    # `_CHARGE_EVERY` tokens (the counter need not move by one).
                     new = _output_tokens(output)
-                    if kind != _DELTA:  # cumulative: what is new since the last
-                        new, counted = new - counted, new
-                    if new or cached:
-                        work.output_tokens += new
-                        self.order.served(ticket, new, cached)
+                    generated = generated + new if delta else new
+                    if generated - charged >= _CHARGE_EVERY:
+                        self.order.served(ticket, generated - charged)
+                        charged = generated
                     yield output
         finally:
             if queued:
                 self.queued.give_back(name, weight, tokens)
+            if generated > charged:
+                self.order.served(ticket, generated - charged)
+            work.output_tokens += generated
 
 
 def _argument(args: tuple[Any, ...], kwargs: dict[str, Any], index: int, name: str) -> Any:
@@ -263,6 +271,8 @@ def _output_tokens(output: Any) -> int:
     completions = getattr(output, "outputs", None)
     if not isinstance(completions, list):
         return 0
+    if len(completions) == 1:
+        return len(completions[0].token_ids)
     return sum(len(c.token_ids) for c in completions)
 
 

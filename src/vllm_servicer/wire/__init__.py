@@ -1,1 +1,2 @@
-"""The protocol's messages and vLLM's objects, both ways: no grpc here."""
+"""Each protocol's messages and vLLM's objects, both ways (VllmEngine,
+vllm.Inference, Pooling, Render, and what they share): no grpc here."""
