@@ -306,6 +306,26 @@ def test_call_slots_benchmark_prices_a_unary_call_through_both_trees_stacks() ->
     assert len(result["ratios"]) == 2
 
 
+@pytest.mark.timeout(600)
+def test_fairness_benchmark_measures_every_phase_on_the_launcher() -> None:
+    import subprocess
+
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "fairness.py"), "--seconds", "3", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-2000:]
+    rows = json.loads(done.stdout.splitlines()[-1])["this tree"]
+    assert list(rows) == ["B alone", "B + A", "B + C", "A alone"]
+    assert all(not row["failed"] for row in rows.values()), rows
+    assert rows["B alone"]["b_requests"] > 0 and rows["B + A"]["b_requests"] > 0
+    assert rows["B + A"]["heavy_prompt_tokens_per_s"] > 0
+    assert rows["A alone"]["heavy_prompt_tokens_per_s"] > 0
+    assert rows["B + C"]["b_ttft_p50_ratio"] > 0
+
+
 @pytest.mark.timeout(900)
 def test_gateway_benchmark_gets_every_token_through_smg_on_both_sides(tmp_path: Path) -> None:
     import subprocess

@@ -23,18 +23,18 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import functools
 import hashlib
 import multiprocessing
 import os
 import shutil
 import signal
 import tempfile
-from collections.abc import Awaitable, Callable, Hashable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from .errors import TableFullError
 from .fair_work import TagRecord, TagRecords
+from .shares import WANTING_ONLY_RECORDS, ShareRecord, ShareRecords
 
 __all__ = [
     "DEFAULT_CAPACITY",
@@ -71,11 +71,6 @@ STREAM_COUNTERS = b"kv-subscribers"
 # How many running ids each owner holds, keyed by the owner's hash.
 CLAIM_COUNTERS = b"id-claims"
 
-SHARE_HOLDERS = b"share-holders"
-
-WANTING_ONLY_RECORDS = 256
-"""Records for identities that hold no engine slot but were refused one within
-the fair-share window, beyond the one per holder (`ShareRecords`)."""
 DEFAULT_SHARE_RECORDS = 1024 + WANTING_ONLY_RECORDS
 """Enough for the launcher's default `--max-inflight` (1024)."""
 
@@ -205,116 +200,6 @@ class SharedTable:
         words[hole * _WORDS : hole * _WORDS + _WORDS] = [0] * _WORDS
 
 
-class _ShareRecord(ctypes.Structure):
-    _fields_ = [
-        ("key", ctypes.c_uint64),  # the identity's name hashed in SHARE_HOLDERS
-        ("held", ctypes.c_int64),  # engine slots it holds, in every process
-        ("until", ctypes.c_double),  # monotonic time it wants the pool until
-        ("weight", ctypes.c_double),
-    ]
-
-
-@functools.lru_cache(maxsize=4096)
-def _share_key(name: str) -> int:
-    return key_hash(name, SHARE_HOLDERS)
-
-
-class ShareRecords:
-    """`shares.ShareBook` in the group's shared memory: what each identity holds
-    of the engine slots of all the processes, and until when it wants them.
-
-    One record per identity that holds a slot or wants one, kept at the front
-    of a fixed array (a record let go is filled with the last one), so reading
-    the identities that want the pool walks those records only. The array has
-    a record for every holder (at most the pool's size: each holds a slot)
-    and `WANTING_ONLY_RECORDS` more; past those, the identity that only wants
-    whose window ends first is forgotten first. Callers hold the group's lock
-    around every method (`FrontendGroup.locked`).
-    """
-
-    def __init__(self, records: Any, used: Any) -> None:
-        self._records = records
-        self._used = used
-
-    @property
-    def capacity(self) -> int:
-        """Identities the records can hold at once."""
-        return len(self._records)
-
-    def key(self, name: str) -> Hashable:
-        return _share_key(name)
-
-    def _find(self, key: int) -> Any:
-        records = self._records
-        for i in range(self._used.value):
-            if records[i].key == key:
-                return records[i]
-        return None
-
-    def held(self, name: str) -> int:
-        record = self._find(_share_key(name))
-        return 0 if record is None else int(record.held)
-
-    def wanting(self, now: float) -> dict[Hashable, float]:
-        self._forget(now)
-        records = self._records
-        return {records[i].key: records[i].weight for i in range(self._used.value)}
-
-    def add(self, name: str, weight: float, delta: int, now: float) -> None:
-        key = _share_key(name)
-        record = self._find(key)
-        if record is None:
-            if delta <= 0:
-                return
-            record = self._new(key, now)
-        record.held += delta
-        if delta > 0:  # a slot given back says nothing of the weight
-            record.weight = weight
-        if record.held <= 0 and record.until <= now:
-            self._forget(now)
-
-    def want(self, name: str, weight: float, until: float, now: float) -> None:
-        key = _share_key(name)
-        record = self._find(key)
-        if record is None:
-            record = self._new(key, now, holder=False)
-            if record is None:
-                return  # every record holds slots: the pool is full of holders
-        record.until = until
-        record.weight = weight
-
-    def _forget(self, now: float) -> None:
-        """Let go of the records of identities that neither hold nor want any more."""
-        records, used = self._records, self._used
-        i = 0
-        while i < used.value:
-            if records[i].held <= 0 and records[i].until <= now:
-                used.value -= 1
-                records[i] = records[used.value]
-                records[used.value] = _ShareRecord()
-            else:
-                i += 1
-
-    def _new(self, key: int, now: float, *, holder: bool = True) -> Any:
-        """A fresh record for `key`: a free one, else an identity's that only wants."""
-        records, used = self._records, self._used
-        if used.value == len(records):
-            self._forget(now)
-        if used.value == len(records):
-            wanting_only = [i for i in range(used.value) if records[i].held <= 0]
-            if not wanting_only:
-                if holder:
-                    raise TableFullError("every fair-share record holds engine slots")
-                return None
-            oldest = min(wanting_only, key=lambda i: records[i].until)
-            used.value -= 1
-            records[oldest] = records[used.value]
-        record = records[used.value]
-        record.key, record.held, record.until, record.weight = key, 0, 0.0, 1.0
-        used.value += 1
-        return record
-
-
 class FrontendGroup:
     """The N frontend processes' shared state, and which of them this one is.
 
@@ -356,7 +241,7 @@ class FrontendGroup:
         self._inflight = ctx.RawArray(ctypes.c_int64, count)
         self._streams = ctx.RawArray(ctypes.c_int64, count)
         # Each identity's part of the engine slots (shares.py's rule reads it).
-        self._share_records = ctx.RawArray(_ShareRecord, max(1, share_records))
+        self._share_records = ctx.RawArray(ShareRecord, max(1, share_records))
         self._share_used = ctx.RawValue(ctypes.c_int64, 0)
         # The engine's work by what each tenant brings (fair_work.py): the fair
         # order's counters and frontier, the prompt tokens waiting for prefill
@@ -364,7 +249,7 @@ class FrontendGroup:
         self._tag_records = ctx.RawArray(TagRecord, max(1, share_records))
         self._tag_used = ctx.RawValue(ctypes.c_int64, 0)
         self._frontier = ctx.RawValue(ctypes.c_double, 0.0)
-        self._token_records = ctx.RawArray(_ShareRecord, max(1, share_records))
+        self._token_records = ctx.RawArray(ShareRecord, max(1, share_records))
         self._token_used = ctx.RawValue(ctypes.c_int64, 0)
         self.queued_prompt_tokens = ctx.RawValue(ctypes.c_int64, 0)
         # Engine calls ended in each process, and how many failed: the rates

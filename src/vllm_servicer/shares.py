@@ -19,8 +19,8 @@ change the server for everyone anyway.
 
 Where the counts live is a `ShareBook`: this process's dictionaries
 (`LocalBook`), or the shared memory of the frontend processes of
-`--api-server-count` (`frontends.FrontendGroup.share_book`), so that a share
-holds across the processes. The rule reads the book; the book only counts.
+`--api-server-count` (`ShareRecords`, in `frontends.FrontendGroup`), so that a
+share holds across the processes. The rule reads the book; the book only counts.
 
 No grpc and no vLLM here; the pools' interceptors and the HTTP API's guard
 ask one `FairShares` each.
@@ -28,19 +28,31 @@ ask one `FairShares` each.
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import hashlib
 import math
 import time
 from collections.abc import Callable, Hashable, Iterable
-from typing import Protocol
+from typing import Any, Protocol
+
+from .errors import TableFullError
 
 __all__ = [
     "DEFAULT_WANT_WINDOW",
     "FairShares",
     "LocalBook",
     "ShareBook",
+    "ShareRecord",
+    "ShareRecords",
+    "WANTING_ONLY_RECORDS",
     "fair_share",
     "share_message",
 ]
+
+WANTING_ONLY_RECORDS = 256
+"""Records for identities that hold none of a shared pool but were refused
+within the want window, beyond the one per holder (`ShareRecords`)."""
 
 DEFAULT_WANT_WINDOW = 10.0
 """Seconds an identity refused for want of a free slot counts as wanting the
@@ -141,6 +153,119 @@ class LocalBook:
     def want(self, name: str, weight: float, until: float, now: float) -> None:
         self._wanting_until[name] = until
         self._weights[name] = weight
+
+
+class ShareRecord(ctypes.Structure):
+    """One identity's part of a pool in shared memory (`ShareRecords`)."""
+
+    _fields_ = [
+        ("key", ctypes.c_uint64),  # the identity's name, hashed (`_share_key`)
+        ("held", ctypes.c_int64),  # engine slots it holds, in every process
+        ("until", ctypes.c_double),  # monotonic time it wants the pool until
+        ("weight", ctypes.c_double),
+    ]
+
+
+@functools.lru_cache(maxsize=4096)
+def _share_key(name: str) -> int:
+    digest = hashlib.blake2b(name.encode(), digest_size=8, person=b"share-holders").digest()
+    return int.from_bytes(digest, "little") or 1  # 0 marks a free record
+
+
+class ShareRecords:
+    """`shares.ShareBook` in the group's shared memory: what each identity holds
+    of the engine slots of all the processes, and until when it wants them.
+
+    One record per identity that holds a slot or wants one, kept at the front
+    of a fixed array (a record let go is filled with the last one), so reading
+    the identities that want the pool walks those records only. The array has
+    a record for every holder (at most the pool's size: each holds a slot)
+    and `WANTING_ONLY_RECORDS` more; past those, the identity that only wants
+    whose window ends first is forgotten first. Callers hold the group's lock
+    around every method (`FrontendGroup.locked`).
+    """
+
+    def __init__(self, records: Any, used: Any) -> None:
+        self._records = records
+        self._used = used
+
+    @property
+    def capacity(self) -> int:
+        """Identities the records can hold at once."""
+        return len(self._records)
+
+    def key(self, name: str) -> Hashable:
+        return _share_key(name)
+
+    def _find(self, key: int) -> Any:
+        records = self._records
+        for i in range(self._used.value):
+            if records[i].key == key:
+                return records[i]
+        return None
+
+    def held(self, name: str) -> int:
+        record = self._find(_share_key(name))
+        return 0 if record is None else int(record.held)
+
+    def wanting(self, now: float) -> dict[Hashable, float]:
+        self._forget(now)
+        records = self._records
+        return {records[i].key: records[i].weight for i in range(self._used.value)}
+
+    def add(self, name: str, weight: float, delta: int, now: float) -> None:
+        key = _share_key(name)
+        record = self._find(key)
+        if record is None:
+            if delta <= 0:
+                return
+            record = self._new(key, now)
+        record.held += delta
+        if delta > 0:  # a slot given back says nothing of the weight
+            record.weight = weight
+        if record.held <= 0 and record.until <= now:
+            self._forget(now)
+
+    def want(self, name: str, weight: float, until: float, now: float) -> None:
+        key = _share_key(name)
+        record = self._find(key)
+        if record is None:
+            record = self._new(key, now, holder=False)
+            if record is None:
+                return  # every record holds slots: the pool is full of holders
+        record.until = until
+        record.weight = weight
+
+    def _forget(self, now: float) -> None:
+        """Let go of the records of identities that neither hold nor want any more."""
+        records, used = self._records, self._used
+        i = 0
+        while i < used.value:
+            if records[i].held <= 0 and records[i].until <= now:
+                used.value -= 1
+                records[i] = records[used.value]
+                records[used.value] = ShareRecord()
+            else:
+                i += 1
+
+    def _new(self, key: int, now: float, *, holder: bool = True) -> Any:
+        """A fresh record for `key`: a free one, else an identity's that only wants."""
+        records, used = self._records, self._used
+        if used.value == len(records):
+            self._forget(now)
+        if used.value == len(records):
+            wanting_only = [i for i in range(used.value) if records[i].held <= 0]
+            if not wanting_only:
+                if holder:
+                    raise TableFullError("every fair-share record holds engine slots")
+                return None
+            oldest = min(wanting_only, key=lambda i: records[i].until)
+            used.value -= 1
+            records[oldest] = records[used.value]
+        record = records[used.value]
+        record.key, record.held, record.until, record.weight = key, 0, 0.0, 1.0
+        used.value += 1
+        return record
 
 
 class FairShares:

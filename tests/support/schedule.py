@@ -57,6 +57,7 @@ STARTS: dict[str, int] = {
     "test_disaggregation.py": 2,
     "test_examples.py": 2,
     "test_fair_shares.py": 2,
+    "test_fair_work_order.py": 2,
     "test_kv_events.py": 2,
     "test_load_balancing.py": 2,
     "test_one_guard.py": 1,

@@ -37,7 +37,8 @@ from dataclasses import dataclass
 from multiprocessing import connection
 from typing import Any
 
-from ..frontends import WANTING_ONLY_RECORDS, FrontendGroup, id_room, table_capacity
+from ..frontends import FrontendGroup, id_room, table_capacity
+from ..shares import WANTING_ONLY_RECORDS
 from .args import ServeArgs
 from .engine_processes import apart_from_stop_signals
 from .launcher import Frontend, serve
