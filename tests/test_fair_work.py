@@ -61,15 +61,20 @@ def test_output_tokens_move_the_counter_and_cached_tokens_give_back(order: FairO
     order.served(first, output_tokens=50)
     second = order.admit("a", 1.0, 100)
     assert second.priority == first.priority + 50 * OUTPUT_TOKEN_PRICE + 100
-    order.served(second, output_tokens=0, cached_prompt_tokens=100)
+    order.served(second, output_tokens=0, prompt_correction=-100)  # all of it cached
     assert order.admit("a", 1.0, 0).priority == second.priority - 100
 
 
 def test_a_refund_never_takes_a_counter_behind_the_frontier(order: FairOrder) -> None:
     ticket = order.admit("a", 1.0, 100)
     order.started(order.admit("b", 1.0, 5000))
-    order.served(ticket, 0, cached_prompt_tokens=100)
+    order.served(ticket, 0, prompt_correction=-10_000)  # more than was ever charged
     assert order.admit("a", 1.0, 0).priority >= order.book.frontier()
+
+
+def test_a_clients_priority_stays_within_32_bits(order: FairOrder) -> None:
+    ticket = order.admit("a", 1.0, 16, client_priority=2**40)
+    assert ticket.priority < 2**63 and ticket.priority == (2**31 - 1) * CLASS_SPAN + 16
 
 
 def test_a_clients_priority_is_a_class_across_tenants(order: FairOrder) -> None:

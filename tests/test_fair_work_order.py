@@ -191,21 +191,32 @@ async def test_loads_give_the_prompt_tokens_waiting(launcher: Launched) -> None:
 async def test_each_tenants_tokens_are_in_the_metrics(
     launcher: Launched, request: pytest.FixtureRequest
 ) -> None:
+    """A streamed generation's every token is counted for its tenant (DELTA
+    outputs, each with its new tokens), and its prompt's."""
     if request.node.callspec.params["launcher"] != 1:
         pytest.skip("per-tenant series are collected in the one-process layout (docs/metrics.md)")
-    async with grpc.aio.insecure_channel(launcher.address) as channel:
-        stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
-        async for _ in stub.Generate(_request(40, 3), metadata=bearer(KEY_B), timeout=120):
-            pass
-    async with httpx.AsyncClient(base_url=launcher.http_url, timeout=30) as http:
-        text = (await http.get("/metrics", headers=dict(bearer(KEY_B)))).text
 
-    def value(series: str, tenant: str) -> float:
+    async def scrape() -> str:
+        async with httpx.AsyncClient(base_url=launcher.http_url, timeout=30) as http:
+            return (await http.get("/metrics", headers=dict(bearer(KEY_B)))).text
+
+    def value(text: str, series: str, tenant: str) -> float:
         for line in text.splitlines():
             if line.startswith(series + "{") and f'tenant="{tenant}"' in line:
                 return float(line.rsplit(" ", 1)[1])
-        raise AssertionError(f"no {series} for tenant {tenant!r} in /metrics")
+        return 0.0
 
-    assert value("vllm_servicer_tenant_prompt_tokens_total", "b") >= 40
-    assert value("vllm_servicer_tenant_output_tokens_total", "b") >= 3
-    assert value("vllm_servicer_tenant_waiting_prompt_tokens", "b") == 0
+    before = await scrape()
+    async with grpc.aio.insecure_channel(launcher.address) as channel:
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+        message = _request(40, 37)
+        message.stream = True
+        chunks = [m async for m in stub.Generate(message, metadata=bearer(KEY_B), timeout=120)]
+    assert sum(len(m.chunk.token_ids) for m in chunks if m.HasField("chunk")) == 37
+    after = await scrape()
+    for series, tokens in (
+        ("vllm_servicer_tenant_prompt_tokens_total", 40),
+        ("vllm_servicer_tenant_output_tokens_total", 37),
+    ):
+        assert value(after, series, "b") - value(before, series, "b") == tokens, series
+    assert value(after, "vllm_servicer_tenant_waiting_prompt_tokens", "b") == 0

@@ -121,6 +121,15 @@ async def test_the_floor_holds_over_http_too(launcher: Launched) -> None:
         assert (await complete(TENANT_A, 0)).status_code == 200
         assert (await complete(TENANT_B, -5)).status_code == 200
         assert (await complete(ROUTER, -100)).status_code == 200
+        # vLLM's HTTP models take any integer; the engine's priority is 64 bits,
+        # and a tenant's class (2**31 virtual tokens apart) must stay within it:
+        # outside 32 bits the request is refused, whoever sends it, and the
+        # engine keeps serving.
+        for key, priority in ((TENANT_A, 2**40), (ROUTER, -(2**40))):
+            refused = await complete(key, priority)
+            assert refused.status_code == 400, refused.text
+            assert "(32 bits)" in refused.json()["error"]["message"]
+        assert (await complete(TENANT_A, 2**31 - 1)).status_code == 200
 
 
 def test_the_floor_is_a_launcher_flag_and_a_key_file_setting(tmp_path: Path) -> None:

@@ -92,6 +92,7 @@ DEFAULT_MAX_DERENDER_WORK = DEFAULT_MAX_DERENDER_CHUNKS * (DEFAULT_MAX_DERENDER_
 DEFAULT_MIN_TENANT_PRIORITY = 0
 # vLLM's request priority is a 32-bit integer on every protocol.
 _MIN_PRIORITY = -(2**31)
+_MAX_PRIORITY = 2**31 - 1
 # Stop strings: vLLM matches every one against every new token's text on the
 # serving event loop (1 M of them, 11 MB, stalled every other stream and the
 # health Check for 5.6 s). OpenAI's API takes 4; routers and agent frameworks
@@ -386,7 +387,13 @@ class RequestBudgets:
 
     def check_priority(self, field: str, priority: int, floor: int | None) -> None:
         """Refuse a `priority` below `floor` (None: any), the caller's
-        (`context.priority_floor`), naming the flag that sets it."""
+        (`context.priority_floor`), naming the flag that sets it; and, whoever
+        asks, one outside 32 bits (vLLM's HTTP models take any integer, and
+        the fair order's classes must stay within the engine's 64 bits)."""
+        if not _MIN_PRIORITY <= priority <= _MAX_PRIORITY:
+            raise InvalidRequestError(
+                field, f"{priority} is outside {_MIN_PRIORITY}..{_MAX_PRIORITY} (32 bits)"
+            )
         if floor is not None and priority < floor:
             raise InvalidRequestError(
                 field,

@@ -237,6 +237,8 @@ class FairOrder:
         """A request of `prompt_tokens` from `name` (None: a caller without a tenant), tagged."""
         key = name or ""
         weight = weight if weight > 0 else 1.0
+        # 32 bits, as every way in checks: a class stays within the engine's 64.
+        client_priority = max(-(2**31), min(client_priority, 2**31 - 1))
         with self._locked():
             book = self.book
             start = max(book.counter(key), book.frontier())
@@ -249,18 +251,20 @@ class FairOrder:
         with self._locked():
             self.book.advance(ticket.start)
 
-    def served(self, ticket: WorkTicket, output_tokens: int, cached_prompt_tokens: int = 0) -> None:
-        """The engine generated `output_tokens` more for the request (and found
-        `cached_prompt_tokens` of its prompt in the prefix cache, which cost no
-        prefill): its tenant's counter moves on by the difference."""
-        cost = output_tokens * OUTPUT_TOKEN_PRICE - cached_prompt_tokens * PROMPT_TOKEN_PRICE
+    def served(self, ticket: WorkTicket, output_tokens: int, prompt_correction: int = 0) -> None:
+        """The engine generated `output_tokens` more for the request; and its
+        prompt cost `prompt_correction` tokens more than it was charged (less,
+        negative: tokens the prefix cache served, an estimate above the real
+        count, a request that ended before its prefill ran). Its tenant's
+        counter moves by the difference, never back behind the frontier."""
+        cost = output_tokens * OUTPUT_TOKEN_PRICE + prompt_correction * PROMPT_TOKEN_PRICE
         if not cost:
             return
         with self._locked():
             book = self.book
             if cost > 0:
                 counter = max(book.counter(ticket.name), book.frontier())
-            else:  # a refund never takes a counter behind the frontier
+            else:
                 counter = book.counter(ticket.name)
             book.set_counter(ticket.name, max(counter + cost / ticket.weight, book.frontier()))
 
@@ -326,9 +330,9 @@ class QueuedPrompts:
                 if self._shares is not None:
                     self._shares.wants(name, weight)
                 return refusal
-            self._total.value = int(self._total.value) + tokens
-            if self._shares is not None:
+            if self._shares is not None:  # first: a full shared book raises here
                 self._shares.take(name, weight, tokens)
+            self._total.value = int(self._total.value) + tokens
         return None
 
     def _refusal(self, name: str | None, weight: float, tokens: int) -> str | None:

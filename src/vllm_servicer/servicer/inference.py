@@ -293,7 +293,7 @@ class _GenerateReader(GenerationReader[wire.ResponseBuilder]):
             budgets.check_constraint(*constraint)
         self._servicer._check_model(request.model)
         wire.check_client_ids(request)
-        if request.priority:
+        if request.priority:  # an int32 on this wire
             floor = priority_floor(budgets.min_tenant_priority)
             budgets.check_priority("priority", request.priority, floor)
 

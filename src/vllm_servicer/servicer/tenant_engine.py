@@ -37,7 +37,7 @@ from typing import Any
 
 from ..context import current_identity, may_route, tenant_of
 from ..errors import RoutingDataError, TokenShareError
-from ..fair_work import FairOrder, QueuedPrompts, WorkTotals
+from ..fair_work import FairOrder, QueuedPrompts, TenantWork, WorkTicket, WorkTotals
 from ..prefix_cache import salted
 from .tenancy import Claim, RunningRequests
 
@@ -86,6 +86,8 @@ class TenantEngine:
         self.order = order if order is not None else FairOrder()
         self.queued = queued if queued is not None else QueuedPrompts(None)
         self.work = WorkTotals()
+        max_len = getattr(getattr(engine, "model_config", None), "max_model_len", None)
+        self._max_prompt_tokens = int(max_len) if isinstance(max_len, int) and max_len else 2**31
         # vLLM orders its queue by priority only when told to; an engine in
         # arrival order (fcfs) ignores the tags, and gets them not.
         self.ordered = scheduling_policy(engine) == "priority"
@@ -197,7 +199,8 @@ class TenantEngine:
         identity = current_identity.get()
         name = tenant_of(identity)
         weight = identity.weight if identity is not None else 1.0
-        tokens = prompt_tokens(prompt)
+        # At most the context: a longer prompt is refused by the engine anyway.
+        tokens = min(prompt_tokens(prompt), self._max_prompt_tokens)
         # Refused here, before a stream's first message (HTTP: its status line).
         refusal = self.queued.refusal(name, weight, tokens)
         if refusal is not None:
@@ -224,13 +227,14 @@ class TenantEngine:
         if refusal is not None:
             self._refused(name, tokens)
             raise TokenShareError(refusal)
-        ticket = self.order.admit(name, weight, tokens, kwargs.get("priority") or 0)
-        if self.ordered:
-            kwargs["priority"] = ticket.priority
-        work = self.work.of(ticket.name)
-        queued, generated, charged = True, 0, 0
-        delta = kind == _DELTA
+        queued, ticket, generated, charged = True, None, 0, 0
+        # vLLM's RequestOutputKind by value: DELTA outputs hold new tokens only.
+        delta = getattr(kind, "value", kind) == _DELTA
+        work = self.work.of(name or "")
         try:
+            ticket = self.order.admit(name, weight, tokens, kwargs.get("priority") or 0)
+            if self.ordered:
+                kwargs["priority"] = ticket.priority
             # Closed here, not when collected: the engine aborts an unfinished request.
             async with contextlib.aclosing(start(kwargs)) as outputs:
                 async for output in outputs:
@@ -238,11 +242,7 @@ class TenantEngine:
                         queued = False
                         self.queued.give_back(name, weight, tokens)
                         self.order.started(ticket)
-                        cached = getattr(output, "num_cached_tokens", None) or 0
-                        work.prompt_tokens += tokens
-                        work.cached_prompt_tokens += cached
-                        if cached:
-                            self.order.served(ticket, 0, cached)
+                        self._prompt_ran(ticket, work, output, tokens)
                     # On the path of every token: a sum, and a charge each
                     # `_CHARGE_EVERY` tokens (the counter need not move by one).
                     new = _output_tokens(output)
@@ -254,9 +254,21 @@ class TenantEngine:
         finally:
             if queued:
                 self.queued.give_back(name, weight, tokens)
-            if generated > charged:
+                if ticket is not None:  # no prefill ran: its prompt costs nothing
+                    self.order.served(ticket, 0, -tokens)
+            elif ticket is not None and generated > charged:
                 self.order.served(ticket, generated - charged)
             work.output_tokens += generated
+
+    def _prompt_ran(self, ticket: WorkTicket, work: TenantWork, output: Any, charged: int) -> None:
+        """The first output: the prompt's real cost in place of what was charged
+        (a text's estimate; the prefix cache's tokens, which ran no prefill)."""
+        real = len(getattr(output, "prompt_token_ids", None) or ()) or charged
+        cached = min(getattr(output, "num_cached_tokens", None) or 0, real)
+        work.prompt_tokens += real
+        work.cached_prompt_tokens += cached
+        if real - cached != charged:
+            self.order.served(ticket, 0, real - cached - charged)
 
 
 def _argument(args: tuple[Any, ...], kwargs: dict[str, Any], index: int, name: str) -> Any:
