@@ -373,13 +373,28 @@ class WorkTotals:
 
     Bounded as the tenants are: a tenant is a key's name, and an operator's
     key file lists them.
+
+    Attributes:
+        mirror: also told of each count (tenant, `TenantWork` field, amount):
+            counters that Prometheus's multiprocess mode merges across the
+            frontend processes of `--api-server-count` (`tenant_metrics`).
     """
 
     def __init__(self) -> None:
         self.by_tenant: dict[str, TenantWork] = {}
+        self.mirror: Callable[[str, str, int], None] | None = None
 
     def of(self, name: str) -> TenantWork:
         work = self.by_tenant.get(name)
         if work is None:
             work = self.by_tenant[name] = TenantWork()
         return work
+
+    def add(self, name: str, field: str, amount: int) -> None:
+        """`amount` more of `field` (a `TenantWork` field) for tenant `name`."""
+        if not amount:
+            return
+        work = self.of(name)
+        setattr(work, field, getattr(work, field) + amount)
+        if self.mirror is not None:
+            self.mirror(name, field, amount)

@@ -8,6 +8,12 @@ administrators). The launcher registers it beside its other series; a host
 that mounts the servicers registers it on its own registry:
 
     registry.register(TenantWorkCollector(mounted.state.tenant, model_name="my-model"))
+
+With `--api-server-count` above 1 the parent serves every process's series
+through Prometheus's multiprocess mode, which merges counters, not
+collectors: each frontend then counts into `TenantWorkCounters` (the same
+series names), and the parent reads the prompt tokens waiting, every
+process's, from their shared memory (`WaitingPromptTokens`).
 """
 
 from __future__ import annotations
@@ -15,13 +21,15 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from prometheus_client import Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.registry import Collector
+from prometheus_client.registry import Collector, CollectorRegistry
 
 if TYPE_CHECKING:
+    from .frontends import FrontendGroup
     from .servicer.tenant_engine import TenantEngine
 
-__all__ = ["TenantWorkCollector"]
+__all__ = ["TenantWorkCollector", "TenantWorkCounters", "WaitingPromptTokens"]
 
 _COUNTERS = (
     (
@@ -86,4 +94,46 @@ class TenantWorkCollector(Collector):
             labels=["model_name"],
         )
         total.add_metric([self._model], queued.total)
+        yield total
+
+
+class TenantWorkCounters:
+    """The per-tenant counters as `prometheus_client` counters, for a process
+    whose series a parent merges (`--api-server-count`): set `add` as the
+    mount's `TenantEngine.work.mirror`.
+
+    Args:
+        model_name: the `model_name` label.
+        registry: where they are registered (None: nowhere; in multiprocess
+            mode their values reach the parent's collector all the same).
+    """
+
+    def __init__(self, model_name: str = "", registry: CollectorRegistry | None = None) -> None:
+        self._model = model_name
+        # The counter's name without `_total`: prometheus_client adds it.
+        self._counters = {
+            attribute: Counter(name, text, ["model_name", "tenant"], registry=registry)
+            for attribute, name, text in _COUNTERS
+        }
+
+    def add(self, tenant: str, field: str, amount: int) -> None:
+        self._counters[field].labels(self._model, tenant).inc(amount)
+
+
+class WaitingPromptTokens(Collector):
+    """`vllm_servicer_waiting_prompt_tokens` from the frontend processes'
+    shared memory, for the parent that serves their series."""
+
+    def __init__(self, group: FrontendGroup, model_name: str = "") -> None:
+        self._group = group
+        self._model = model_name
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        total = GaugeMetricFamily(
+            "vllm_servicer_waiting_prompt_tokens",
+            "Prompt tokens admitted whose prefill has not run yet, every tenant's "
+            "(--max-queued-prompt-tokens bounds them)",
+            labels=["model_name"],
+        )
+        total.add_metric([self._model], int(self._group.queued_prompt_tokens.value))
         yield total

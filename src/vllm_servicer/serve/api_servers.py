@@ -137,7 +137,7 @@ def _run(args: ServeArgs, group: FrontendGroup, frontends: Any, ready: Any, star
             "engine and %d frontends ready in %.1f s", len(processes), time.monotonic() - started
         )
         if args.metrics_port is not None:
-            metrics = _serve_metrics(args)
+            metrics = _serve_metrics(args, group)
         # Printed (not only logged) so scripts and tests can read the ports.
         print(f"vllm-servicer listening on {args.host}:{args.port}", flush=True)
         if args.http_port is not None:
@@ -297,14 +297,19 @@ def _with_fixed_ports(args: ServeArgs) -> ServeArgs:
     )
 
 
-def _serve_metrics(args: ServeArgs) -> Any:
-    """Every frontend's series, and vLLM's, at one `/metrics`."""
+def _serve_metrics(args: ServeArgs, group: FrontendGroup) -> Any:
+    """Every frontend's series, and vLLM's, at one `/metrics`; the prompt
+    tokens waiting for prefill from the frontends' shared memory."""
     from prometheus_client import CollectorRegistry, multiprocess
 
     from ..interceptors import start_metrics_server
+    from ..tenant_metrics import WaitingPromptTokens
 
     registry = CollectorRegistry()
     multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+    # The model label as the frontends' series carry it (vLLM's served name).
+    names = args.engine.get("served_model_name")
+    registry.register(WaitingPromptTokens(group, names[0] if names else str(args.engine["model"])))
     server, _ = start_metrics_server(
         args.metrics_port or 0, addr=args.metrics_address, registry=registry
     )

@@ -36,7 +36,7 @@ from ..interceptors.call_slots import CallSlotsInterceptor
 from ..interceptors.keyless import KeylessLimitInterceptor
 from ..mounting import mount
 from ..options import server_options, shared_port
-from ..tenant_metrics import TenantWorkCollector
+from ..tenant_metrics import TenantWorkCollector, TenantWorkCounters
 from ..tls import server_credentials
 from ..vllm_releases import engine_core_died
 from .args import ServeArgs
@@ -110,6 +110,10 @@ async def serve(args: ServeArgs, frontend: Frontend | None = None) -> int:
             # Each tenant's tokens, read at each scrape (one process's counts).
             collector = TenantWorkCollector(mounted.state.tenant, metrics.model_name)
             metrics.registry.register(collector)
+        elif metrics is not None:
+            # Counters the parent's multiprocess collector merges (api_servers.py).
+            counters = TenantWorkCounters(metrics.model_name)
+            mounted.state.tenant.work.mirror = counters.add
         if group is not None:
             side.peers = await start_peers(group, engine)
         http_keys = http_verifier(args, verifier)

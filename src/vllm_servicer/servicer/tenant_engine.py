@@ -37,7 +37,7 @@ from typing import Any
 
 from ..context import current_identity, may_route, tenant_of
 from ..errors import RoutingDataError, TokenShareError
-from ..fair_work import FairOrder, QueuedPrompts, TenantWork, WorkTicket, WorkTotals
+from ..fair_work import FairOrder, QueuedPrompts, WorkTicket, WorkTotals
 from ..prefix_cache import salted
 from .tenancy import Claim, RunningRequests
 
@@ -209,9 +209,8 @@ class TenantEngine:
         return self._metered(name, weight, tokens, kind, kwargs, start)
 
     def _refused(self, name: str | None, tokens: int) -> None:
-        work = self.work.of(name or "")
-        work.refused_requests += 1
-        work.refused_prompt_tokens += tokens
+        self.work.add(name or "", "refused_requests", 1)
+        self.work.add(name or "", "refused_prompt_tokens", tokens)
 
     async def _metered(
         self,
@@ -230,7 +229,6 @@ class TenantEngine:
         queued, ticket, generated, charged = True, None, 0, 0
         # vLLM's RequestOutputKind by value: DELTA outputs hold new tokens only.
         delta = getattr(kind, "value", kind) == _DELTA
-        work = self.work.of(name or "")
         try:
             ticket = self.order.admit(name, weight, tokens, kwargs.get("priority") or 0)
             if self.ordered:
@@ -242,7 +240,7 @@ class TenantEngine:
                         queued = False
                         self.queued.give_back(name, weight, tokens)
                         self.order.started(ticket)
-                        self._prompt_ran(ticket, work, output, tokens)
+                        self._prompt_ran(ticket, output, tokens)
                     # On the path of every token: a sum, and a charge each
                     # `_CHARGE_EVERY` tokens (the counter need not move by one).
                     new = _output_tokens(output)
@@ -258,15 +256,15 @@ class TenantEngine:
                     self.order.served(ticket, 0, -tokens)
             elif ticket is not None and generated > charged:
                 self.order.served(ticket, generated - charged)
-            work.output_tokens += generated
+            self.work.add(name or "", "output_tokens", generated)
 
-    def _prompt_ran(self, ticket: WorkTicket, work: TenantWork, output: Any, charged: int) -> None:
+    def _prompt_ran(self, ticket: WorkTicket, output: Any, charged: int) -> None:
         """The first output: the prompt's real cost in place of what was charged
         (a text's estimate; the prefix cache's tokens, which ran no prefill)."""
         real = len(getattr(output, "prompt_token_ids", None) or ()) or charged
         cached = min(getattr(output, "num_cached_tokens", None) or 0, real)
-        work.prompt_tokens += real
-        work.cached_prompt_tokens += cached
+        self.work.add(ticket.name, "prompt_tokens", real)
+        self.work.add(ticket.name, "cached_prompt_tokens", cached)
         if real - cached != charged:
             self.order.served(ticket, 0, real - cached - charged)
 
