@@ -157,12 +157,8 @@ async def test_a_tenant_past_its_share_of_the_waiting_prompts_is_refused_with_a_
         details = err.details() or ""
         assert details.startswith("tenant 'a' holds "), details
         assert "its share while 2 tenants want them is 15000" in details, details
-        trailers = dict(await _trailers(err))
+        trailers = dict(err.trailing_metadata() or ())
         assert trailers.get("grpc-retry-pushback-ms") == "1000", trailers
-
-
-async def _trailers(err: grpc.aio.AioRpcError) -> list[tuple[str, str | bytes]]:
-    return list(err.trailing_metadata() or ())
 
 
 async def test_loads_give_the_prompt_tokens_waiting(launcher: Launched) -> None:

@@ -39,12 +39,10 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
-import functools
-import hashlib
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from .shares import FairShares
+from .shares import FairShares, find_record, record_key
 
 __all__ = [
     "CLASS_SPAN",
@@ -135,10 +133,8 @@ class TagRecord(ctypes.Structure):
     _fields_ = [("key", ctypes.c_uint64), ("counter", ctypes.c_double)]
 
 
-@functools.lru_cache(maxsize=4096)
 def _tag_key(name: str) -> int:
-    digest = hashlib.blake2b(name.encode(), digest_size=8, person=b"fair-tags").digest()
-    return int.from_bytes(digest, "little") or 1  # 0 marks a free record
+    return record_key(name, b"fair-tags")
 
 
 class TagRecords:
@@ -172,20 +168,13 @@ class TagRecords:
             else:
                 i += 1
 
-    def _find(self, key: int) -> Any:
-        records = self._records
-        for i in range(self._used.value):
-            if records[i].key == key:
-                return records[i]
-        return None
-
     def counter(self, name: str) -> float:
-        record = self._find(_tag_key(name))
+        record = find_record(self._records, self._used, _tag_key(name))
         return 0.0 if record is None else float(record.counter)
 
     def set_counter(self, name: str, value: float) -> None:
         key = _tag_key(name)
-        record = self._find(key)
+        record = find_record(self._records, self._used, key)
         if record is None:
             records, used = self._records, self._used
             if used.value == len(records):

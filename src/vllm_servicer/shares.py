@@ -47,6 +47,8 @@ __all__ = [
     "ShareRecords",
     "WANTING_ONLY_RECORDS",
     "fair_share",
+    "find_record",
+    "record_key",
     "share_message",
 ]
 
@@ -167,9 +169,23 @@ class ShareRecord(ctypes.Structure):
 
 
 @functools.lru_cache(maxsize=4096)
-def _share_key(name: str) -> int:
-    digest = hashlib.blake2b(name.encode(), digest_size=8, person=b"share-holders").digest()
+def record_key(name: str, space: bytes) -> int:
+    """`name`'s nonzero 64-bit key in a shared book's `space` (a BLAKE2b
+    personalization; Python's own `hash` differs per process)."""
+    digest = hashlib.blake2b(name.encode(), digest_size=8, person=space).digest()
     return int.from_bytes(digest, "little") or 1  # 0 marks a free record
+
+
+def find_record(records: Any, used: Any, key: int) -> Any:
+    """The record of `key` among the first `used.value` of `records`, or None."""
+    for i in range(used.value):
+        if records[i].key == key:
+            return records[i]
+    return None
+
+
+def _share_key(name: str) -> int:
+    return record_key(name, b"share-holders")
 
 
 class ShareRecords:
@@ -198,11 +214,7 @@ class ShareRecords:
         return _share_key(name)
 
     def _find(self, key: int) -> Any:
-        records = self._records
-        for i in range(self._used.value):
-            if records[i].key == key:
-                return records[i]
-        return None
+        return find_record(self._records, self._used, key)
 
     def held(self, name: str) -> int:
         record = self._find(_share_key(name))

@@ -87,14 +87,7 @@ class TenantWorkCollector(Collector):
         for tenant in works:
             waiting.add_metric([self._model, tenant], queued.held(tenant))
         yield waiting
-        total = GaugeMetricFamily(
-            "vllm_servicer_waiting_prompt_tokens",
-            "Prompt tokens admitted whose prefill has not run yet, every tenant's "
-            "(--max-queued-prompt-tokens bounds them)",
-            labels=["model_name"],
-        )
-        total.add_metric([self._model], queued.total)
-        yield total
+        yield _waiting_total(self._model, queued.total)
 
 
 class TenantWorkCounters:
@@ -129,11 +122,15 @@ class WaitingPromptTokens(Collector):
         self._model = model_name
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        total = GaugeMetricFamily(
-            "vllm_servicer_waiting_prompt_tokens",
-            "Prompt tokens admitted whose prefill has not run yet, every tenant's "
-            "(--max-queued-prompt-tokens bounds them)",
-            labels=["model_name"],
-        )
-        total.add_metric([self._model], int(self._group.queued_prompt_tokens.value))
-        yield total
+        yield _waiting_total(self._model, int(self._group.queued_prompt_tokens.value))
+
+
+def _waiting_total(model: str, tokens: int) -> GaugeMetricFamily:
+    total = GaugeMetricFamily(
+        "vllm_servicer_waiting_prompt_tokens",
+        "Prompt tokens admitted whose prefill has not run yet, every tenant's "
+        "(--max-queued-prompt-tokens bounds them)",
+        labels=["model_name"],
+    )
+    total.add_metric([model], tokens)
+    return total

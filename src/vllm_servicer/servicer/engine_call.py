@@ -184,8 +184,7 @@ class EngineCallSteps:
         self._min_inflight = min_inflight
         self._in_flight = in_flight if in_flight is not None else running.__len__
         # A token prompt past the model's context is refused by its length alone.
-        max_len = getattr(engine.model_config, "max_model_len", None)
-        self.max_prompt_tokens: int | None = int(max_len) if max_len else None
+        self.max_prompt_tokens = tenant.max_prompt_tokens
         config = engine.vllm_config
         # Prefill/decode hand-off needs a KV connector in the engine (--kv-transfer-config);
         # encoder-cache hand-off an EC one (--ec-transfer-config).

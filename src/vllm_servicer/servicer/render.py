@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import io
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -293,14 +294,14 @@ _DERENDER_CHAT_STREAM = _Route(
     "start.chat.model",
     "serving_derender",
     "derender outputs",
-    lambda budgets, first: _stream_budgets(budgets, first, chat=True),
+    functools.partial(_stream_budgets, chat=True),
 )
 _DERENDER_COMPLETION_STREAM = _Route(
     "derender_completion_stream",
     "start.model",
     "serving_derender",
     "derender outputs",
-    lambda budgets, first: _stream_budgets(budgets, first, chat=False),
+    functools.partial(_stream_budgets, chat=False),
 )
 
 

@@ -86,17 +86,19 @@ class TenantEngine:
         self.order = order if order is not None else FairOrder()
         self.queued = queued if queued is not None else QueuedPrompts(None)
         self.work = WorkTotals()
+        # A token prompt past the model's context is refused by its length alone.
         max_len = getattr(getattr(engine, "model_config", None), "max_model_len", None)
-        self._max_prompt_tokens = int(max_len) if isinstance(max_len, int) and max_len else 2**31
+        self.max_prompt_tokens: int | None = int(max_len) if max_len else None
         # vLLM orders its queue by priority only when told to; an engine in
         # arrival order (fcfs) ignores the tags, and gets them not.
-        self.ordered = scheduling_policy(engine) == "priority"
+        policy = scheduling_policy(engine)
+        self.ordered = policy == "priority"
         if not self.ordered:
             logger.info(
                 "the engine runs requests in arrival order (--scheduling-policy %s): tenants' "
                 "requests are not ordered by the work each brings; start it with "
                 "--scheduling-policy priority for that",
-                scheduling_policy(engine),
+                policy,
             )
 
     # ----- ids ----------------------------------------------------------------
@@ -200,7 +202,7 @@ class TenantEngine:
         name = tenant_of(identity)
         weight = identity.weight if identity is not None else 1.0
         # At most the context: a longer prompt is refused by the engine anyway.
-        tokens = min(prompt_tokens(prompt), self._max_prompt_tokens)
+        tokens = min(prompt_tokens(prompt), self.max_prompt_tokens or 2**31)
         # Refused here, before a stream's first message (HTTP: its status line).
         refusal = self.queued.refusal(name, weight, tokens)
         if refusal is not None:
