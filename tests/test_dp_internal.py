@@ -4,6 +4,9 @@
 balances unpinned calls between them. A call pinned to a rank runs there, on
 both protocols (GetLoads shows it); Abort ends a pinned stream; a rank past
 the engine's is refused naming those served; each rank has its readiness.
+Each rank publishes its KV events where GetKvEventSources names it (one
+source per rank, numbered by its global rank), and SubscribeKvEvents relays
+both ranks' batches, each with its rank.
 When one rank's engine dies, the launcher ends the call on it UNAVAILABLE and
 exits 1 within seconds, as with one engine. The layout is started once for
 the module; the engine's death is its last test.
@@ -13,14 +16,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 from collections.abc import AsyncIterator
 
 import grpc
+import msgspec
 import pytest
+import zmq
+import zmq.asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # type: ignore[import-untyped]
-from support import collect
+from support import collect, free_port, next_kv_event, request
 from support.launcher import (
     START_TIMEOUT,
     Launched,
@@ -33,7 +40,14 @@ from support.launcher import (
 )
 from support.ranks import pinned, running, until_running
 
-from vllm_servicer.proto import inference_pb2, inference_pb2_grpc, vllm_engine_pb2_grpc
+from vllm_servicer.proto import (
+    common_pb2,
+    control_pb2,
+    control_pb2_grpc,
+    inference_pb2,
+    inference_pb2_grpc,
+    vllm_engine_pb2_grpc,
+)
 from vllm_servicer.proto import vllm_engine_pb2 as pb
 
 # Several engine cores: run apart from the suite's other worker (make test-dp).
@@ -45,13 +59,32 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-async def launched(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Launched]:
+def events_port() -> int:
+    """Rank 0's publisher port; vLLM gives rank N the port N above it."""
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+async def launched(
+    tmp_path_factory: pytest.TempPathFactory, events_port: int
+) -> AsyncIterator[Launched]:
     env = launcher_env(
         tmp_path_factory.mktemp("cache"),
         VLLM_CPU_OMP_THREADS_BIND="nobind",
         VLLM_CPU_KVCACHE_SPACE="1",
     )
-    served = await launch("--data-parallel-size", "2", env=env)
+    events = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://[::ffff:127.0.0.1]:{events_port}",
+        "topic": "kv-events",
+    }
+    served = await launch(
+        "--data-parallel-size", "2",
+        "--services", "vllm-engine", "inference", "control",
+        "--kv-events-config", json.dumps(events),
+        env=env,
+    )  # fmt: skip
     try:
         yield served
     finally:
@@ -119,6 +152,46 @@ async def test_abort_ends_a_pinned_stream_and_a_rank_not_served_is_refused(
                 health_pb2.HealthCheckRequest(service=f"data_parallel_rank/{rank}")
             )
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_each_rank_publishes_where_its_source_says_and_the_relay_names_the_rank(
+    launched: Launched, events_port: int
+) -> None:
+    async with grpc.aio.insecure_channel(launched.address) as channel:
+        control = control_pb2_grpc.ControlStub(channel)
+        reply = await control.GetKvEventSources(control_pb2.GetKvEventSourcesRequest())
+        sources = {s.data_parallel_rank: s.endpoint for s in reply.sources}
+        assert sources == {rank: f"tcp://127.0.0.1:{events_port + rank}" for rank in (0, 1)}, reply
+
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+        context = zmq.asyncio.Context()
+        subscriber = context.socket(zmq.SUB)  # a router's own, at rank 1's source
+        subscriber.setsockopt(zmq.LINGER, 0)
+        subscriber.setsockopt(zmq.SUBSCRIBE, b"kv-events")
+        subscriber.connect(sources[1])
+        relayed = stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest())
+        try:
+            await asyncio.wait_for(relayed.initial_metadata(), 30)
+            await asyncio.sleep(0.5)  # ZMQ subscriptions reach the publishers asynchronously
+            for rank in (1, 0):
+                # A prompt new to both caches, a little over one 128-token block.
+                prompt = [(7 * i + 13 * rank + 3) % 240 + 3 for i in range(133)]
+                message = request(prompt, max_tokens=1)
+                message.data_parallel_rank = rank
+                await collect(stub.Generate(message, timeout=120))
+                batch, event = await next_kv_event(relayed, "stored", timeout=60)
+                assert batch.dp_rank == rank, batch
+                assert list(event.stored.blocks[0].token_ids) == prompt[:128]
+                if rank == 1:
+                    frames = await asyncio.wait_for(subscriber.recv_multipart(), 30)
+                    _, _, published_rank = msgspec.msgpack.decode(frames[2])
+                    assert published_rank == 1
+            # Rank 1's publisher carries rank 1's events only.
+            assert not await subscriber.poll(timeout=1000)
+        finally:
+            relayed.cancel()
+            subscriber.close(linger=0)
+            context.term()
 
 
 async def test_a_dead_rank_ends_its_calls_and_the_launcher(launched: Launched) -> None:

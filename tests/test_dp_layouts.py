@@ -12,7 +12,9 @@ coordination (`--data-parallel-address`, `--data-parallel-rpc-port`):
 
 A router pins a call by the rank GetLoads names (the global one); vLLM's
 `AsyncLLM` takes an index among the frontend's own engines, which the
-launcher translates (`ranks.py`). Each layout is started once, its launchers
+launcher translates (`ranks.py`). Each launcher names one KV-event source per
+rank it serves, by the global rank, and relays those ranks' batches so
+numbered. Each layout is started once, its launchers
 together; the ranks share the two cores (`VLLM_CPU_OMP_THREADS_BIND=nobind`,
 a small KV cache each).
 """
@@ -30,11 +32,14 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # type: ignore[import-untyped]
-from support import collect, free_port
+from support import collect, free_port, next_kv_event, request
 from support.launcher import START_TIMEOUT, Launched, launch, launcher_env, stop_launched
 from support.ranks import kept_running, pinned, running, until_running
 
 from vllm_servicer.proto import (
+    common_pb2,
+    control_pb2,
+    control_pb2_grpc,
     inference_pb2,
     inference_pb2_grpc,
     orca_pb2,
@@ -63,9 +68,10 @@ LAYOUTS: dict[str, tuple[range, range]] = {
 class Node:
     """A launcher and the ranks it serves."""
 
-    def __init__(self, launched: Launched, ranks: range) -> None:
+    def __init__(self, launched: Launched, ranks: range, events_port: int) -> None:
         self.launched = launched
         self.ranks = ranks
+        self.events_port = events_port  # rank 0's publisher port; rank N's is N above
 
 
 def _experts_model(directory: Path) -> Path:
@@ -78,7 +84,15 @@ def _experts_model(directory: Path) -> Path:
     return model
 
 
-def _flags(layout: str, ranks: range, size: int, rpc_port: int, model: Path | None) -> list[str]:
+def _flags(
+    layout: str, ranks: range, size: int, rpc_port: int, model: Path | None, events_port: int
+) -> list[str]:
+    events = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://[::ffff:127.0.0.1]:{events_port}",
+        "topic": "kv-events",
+    }
     flags = [
         "--data-parallel-size",
         str(size),
@@ -86,6 +100,12 @@ def _flags(layout: str, ranks: range, size: int, rpc_port: int, model: Path | No
         "127.0.0.1",
         "--data-parallel-rpc-port",
         str(rpc_port),
+        "--kv-events-config",
+        json.dumps(events),
+        "--services",
+        "vllm-engine",
+        "inference",
+        "control",
     ]
     if layout == "hybrid":
         flags += ["--data-parallel-size-local", str(len(ranks))]
@@ -113,9 +133,12 @@ async def nodes(
         model = _experts_model(tmp_path_factory.mktemp("moe") / "model")
     served_ranks = LAYOUTS[layout]
     size = sum(len(r) for r in served_ranks)
-    port = free_port()
+    port, events_port = free_port(), free_port()
     started = await asyncio.gather(
-        *(launch(*_flags(layout, r, size, port, model), env=env) for r in served_ranks),
+        *(
+            launch(*_flags(layout, r, size, port, model, events_port), env=env)
+            for r in served_ranks
+        ),
         return_exceptions=True,
     )
     served = [s for s in started if isinstance(s, Launched)]
@@ -123,7 +146,7 @@ async def nodes(
         for failed in started:
             if isinstance(failed, BaseException):
                 raise failed
-        yield [Node(s, r) for s, r in zip(served, served_ranks, strict=True)]
+        yield [Node(s, r, events_port) for s, r in zip(served, served_ranks, strict=True)]
     finally:
         # The first launcher's last: it runs the coordinator the others use.
         for launched in reversed(served):
@@ -172,6 +195,35 @@ async def test_a_call_pinned_by_its_global_rank_runs_on_that_rank(
             finally:
                 stream.cancel()
             assert await until_running(stub, rank, 0) == 0
+
+
+@pytest.mark.parametrize("node", [0, 1])
+async def test_kv_event_sources_and_batches_are_named_by_the_global_rank(
+    nodes: list[Node], node: int
+) -> None:
+    served = nodes[node]
+    async with _channel(served.launched) as channel:
+        control = control_pb2_grpc.ControlStub(channel)
+        reply = await control.GetKvEventSources(control_pb2.GetKvEventSourcesRequest())
+        assert {s.data_parallel_rank: s.endpoint for s in reply.sources} == {
+            rank: f"tcp://127.0.0.1:{served.events_port + rank}" for rank in served.ranks
+        }, reply
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+        relayed = stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest())
+        try:
+            await asyncio.wait_for(relayed.initial_metadata(), 30)
+            await asyncio.sleep(0.5)  # ZMQ subscriptions reach the publishers asynchronously
+            for rank in served.ranks:
+                # A prompt new to every cache, a little over one 128-token block.
+                prompt = [(5 * i + 11 * rank + 7) % 240 + 3 for i in range(133)]
+                message = request(prompt, max_tokens=1)
+                message.data_parallel_rank = rank
+                await collect(stub.Generate(message, timeout=120))
+                batch, event = await next_kv_event(relayed, "stored", timeout=60)
+                assert batch.dp_rank == rank, batch
+                assert list(event.stored.blocks[0].token_ids) == prompt[:128]
+        finally:
+            relayed.cancel()
 
 
 @pytest.mark.parametrize("node", [0, 1])
