@@ -48,6 +48,15 @@ def test_without_model_the_tiny_model_settings_apply_and_user_flags_win() -> Non
     assert args.max_model_len == 256
 
 
+@pytest.mark.parametrize("form", [["--served-model-name", "demo"], ["--served_model_name=demo"]])
+def test_the_tiny_model_takes_a_served_name(form: list[str]) -> None:
+    # vLLM's own parser refuses --served-model-name before a model is named.
+    args = parse_args(["serve", *form, "--max-model-len", "256"])
+    assert args.engine["served_model_name"] == ["demo"]
+    assert Path(args.model, "config.json").exists() and args.load_format == "dummy"
+    assert args.max_model_len == 256
+
+
 def test_vllm_tls_flag_names_are_accepted() -> None:
     tls = ["--ssl-certfile", "c.pem", "--ssl-keyfile", "k.pem", "--enable-ssl-refresh"]
     args = parse_args(["serve", "--model", "m", *tls])

@@ -17,6 +17,8 @@ import argparse
 import dataclasses
 import logging
 import os
+import re
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from operator import not_
@@ -679,11 +681,20 @@ def parse_args(argv: Sequence[str] | None = None) -> ServeArgs:
     Args:
         argv: the arguments after the program name (default: `sys.argv[1:]`).
     """
-    from ..testing.tiny_model import TINY_ENGINE_KWARGS
+    from ..testing.tiny_model import TINY_ENGINE_KWARGS, default_model_dir
 
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    flags = parser.parse_args(argv)
-    tiny = flags.model_tag is None and flags.model is None
+    try:
+        flags = parser.parse_args(argv)
+    except ValueError:
+        # vLLM's parser refuses --served-model-name without a model named first;
+        # without one the model is the tiny one, which the name then names.
+        if not any(re.match(r"^--served[-_]model[-_]name(=|$)", arg) for arg in argv):
+            raise
+        argv = [*argv[:1], str(default_model_dir()), *argv[1:]]
+        flags = None
+    tiny = flags is None or (flags.model_tag is None and flags.model is None)
     if tiny:
         # Parsed again with the tiny model's settings as defaults, so that
         # flags the user gave still win over them.
