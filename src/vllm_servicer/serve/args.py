@@ -687,14 +687,14 @@ def parse_args(argv: Sequence[str] | None = None) -> ServeArgs:
     parser = build_parser()
     try:
         flags = parser.parse_args(argv)
+        tiny = flags.model_tag is None and flags.model is None
     except ValueError:
         # vLLM's parser refuses --served-model-name without a model named first;
         # without one the model is the tiny one, which the name then names.
         if not any(re.match(r"^--served[-_]model[-_]name(=|$)", arg) for arg in argv):
             raise
         argv = [*argv[:1], str(default_model_dir()), *argv[1:]]
-        flags = None
-    tiny = flags is None or (flags.model_tag is None and flags.model is None)
+        tiny = True
     if tiny:
         # Parsed again with the tiny model's settings as defaults, so that
         # flags the user gave still win over them.
