@@ -48,7 +48,7 @@ async def _serve() -> None:
         KeylessLimitInterceptor,
     )
     from vllm_servicer.interceptors._pipeline import wrapped_handler
-    from vllm_servicer.interceptors.auth import ApiKeyVerifier
+    from vllm_servicer.interceptors.api_keys import ApiKeyVerifier
 
     stack: list[Any] = [KeylessLimitInterceptor(), AuthInterceptor(ApiKeyVerifier([KEY]))]
     try:

@@ -55,7 +55,7 @@ def build_interceptors(name: str) -> tuple[Sequence[Any], Callable[[], None]]:
     from prometheus_client import CollectorRegistry
 
     from vllm_servicer.interceptors import AuthInterceptor, InflightInterceptor, MetricsInterceptor
-    from vllm_servicer.interceptors.auth import ApiKeyVerifier
+    from vllm_servicer.interceptors.api_keys import ApiKeyVerifier
 
     def nothing() -> None:
         pass

@@ -16,8 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from vllm_servicer import AuthInterceptor, MetricsInterceptor, mount, server_options
 from vllm_servicer.engine import served_model_name
-from vllm_servicer.interceptors import start_metrics_server
-from vllm_servicer.interceptors.auth import ApiKeyVerifier
+from vllm_servicer.interceptors import ApiKeyVerifier, start_metrics_server
 
 log = logging.getLogger("host")
 

@@ -17,16 +17,14 @@ from support import bearer, collect, completes, placed, request, serving, unfini
 
 from vllm_servicer import SERVICE_NAME, server_options
 from vllm_servicer.interceptors._base import methods_of
+from vllm_servicer.interceptors.api_keys import ApiKeyVerifier, key_label
 from vllm_servicer.interceptors.auth import (
-    AllOf,
-    ApiKeyVerifier,
     AuthInterceptor,
-    CallableVerifier,
     Identity,
     Unauthenticated,
     current_identity,
-    key_label,
 )
+from vllm_servicer.interceptors.verifiers import AllOf, CallableVerifier
 from vllm_servicer.proto import vllm_engine_pb2 as pb
 from vllm_servicer.proto import vllm_engine_pb2_grpc
 

@@ -26,7 +26,8 @@ from vllm_servicer._registration import register
 from vllm_servicer.interceptors._base import CallInterceptor as CallInterceptorBase
 from vllm_servicer.interceptors._base import all_methods
 from vllm_servicer.interceptors._pipeline import wrapped_handler
-from vllm_servicer.interceptors.auth import ApiKeyVerifier, AuthInterceptor
+from vllm_servicer.interceptors.api_keys import ApiKeyVerifier
+from vllm_servicer.interceptors.auth import AuthInterceptor
 from vllm_servicer.interceptors.tracing import TracingInterceptor
 from vllm_servicer.proto import vllm_engine_pb2 as pb
 

@@ -40,7 +40,7 @@ from support.vllm_protocol import reference_modules
 
 from vllm_servicer import SERVICE_NAME, AuthInterceptor, MediaRefOptions, RequestBudgets
 from vllm_servicer.frontends import FrontendGroup, TableFullError, id_room, table_capacity
-from vllm_servicer.interceptors.auth import ApiKeyVerifier
+from vllm_servicer.interceptors.api_keys import ApiKeyVerifier
 from vllm_servicer.proto import CONTROL_SERVICE, INFERENCE_SERVICE, common_pb2, vllm_engine_pb2_grpc
 from vllm_servicer.proto import vllm_engine_pb2 as pb
 from vllm_servicer.testing.tiny_vlm import IMAGE_TOKEN

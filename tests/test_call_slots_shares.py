@@ -26,9 +26,10 @@ from vllm_servicer._registration import register
 from vllm_servicer.context import ADMIN_ROLE, Identity
 from vllm_servicer.interceptors._pipeline import wrapped_handler
 from vllm_servicer.interceptors._reclaim import STILL_AFTER_S
-from vllm_servicer.interceptors.auth import AuthInterceptor, CallableVerifier
+from vllm_servicer.interceptors.auth import AuthInterceptor
 from vllm_servicer.interceptors.call_slots import CallSlotsInterceptor
 from vllm_servicer.interceptors.inflight import InflightInterceptor
+from vllm_servicer.interceptors.verifiers import CallableVerifier
 
 SERVICE = "test.Keyed"
 METHOD = f"/{SERVICE}/Echo"

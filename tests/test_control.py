@@ -35,7 +35,8 @@ from vllm.config.kv_events import KVEventsConfig
 from vllm_servicer import SERVICE_NAME, mount
 from vllm_servicer.errors import NotFoundError, UnsupportedError
 from vllm_servicer.frontends import FrontendGroup
-from vllm_servicer.interceptors.auth import ApiKeyVerifier, AuthInterceptor
+from vllm_servicer.interceptors.api_keys import ApiKeyVerifier
+from vllm_servicer.interceptors.auth import AuthInterceptor
 from vllm_servicer.proto import CONTROL_SERVICE, INFERENCE_SERVICE, vllm_engine_pb2_grpc
 from vllm_servicer.servicer.lora import BASE_MODEL, AdapterHold, LoraRegistry
 from vllm_servicer.testing.stand_in import StandInEngine

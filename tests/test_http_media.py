@@ -31,7 +31,7 @@ from typing import Any
 import httpx
 import pytest
 
-from vllm_servicer.interceptors.auth import ApiKeyVerifier
+from vllm_servicer.interceptors.api_keys import ApiKeyVerifier
 from vllm_servicer.serve.args import parse_args
 from vllm_servicer.serve.http_api import HttpApi
 

@@ -31,7 +31,8 @@ from support import bearer, collect, completes, free_port, request, serving, wai
 
 from vllm_servicer import SERVICE_NAME, MediaRefOptions
 from vllm_servicer.context import ADMIN_ROLE, ROUTER_ROLE, Identity, current_identity
-from vllm_servicer.interceptors.auth import ApiKeyVerifier, AuthInterceptor
+from vllm_servicer.interceptors.api_keys import ApiKeyVerifier
+from vllm_servicer.interceptors.auth import AuthInterceptor
 from vllm_servicer.prefix_cache import keyed_media_uuids, salted, tenant_media_uuid
 from vllm_servicer.proto import INFERENCE_SERVICE, common_pb2, vllm_engine_pb2_grpc
 from vllm_servicer.proto import vllm_engine_pb2 as pb

@@ -37,7 +37,8 @@ from support import (
 from support.kv_echo_connector import FINISHED_LOG
 
 from vllm_servicer import SERVICE_NAME
-from vllm_servicer.interceptors.auth import ApiKeyVerifier, AuthInterceptor
+from vllm_servicer.interceptors.api_keys import ApiKeyVerifier
+from vllm_servicer.interceptors.auth import AuthInterceptor
 from vllm_servicer.proto import INFERENCE_SERVICE, vllm_engine_pb2_grpc
 from vllm_servicer.proto import vllm_engine_pb2 as engine_pb
 from vllm_servicer.serve.args import parse_args

@@ -14,7 +14,7 @@ from support import collect, placed, request, serving, settle, wait_until_idle
 from vllm_servicer import SERVICE_NAME
 from vllm_servicer.context import ADMIN_ROLE, Identity
 from vllm_servicer.interceptors import AuthInterceptor, InflightInterceptor
-from vllm_servicer.interceptors.auth import CallableVerifier
+from vllm_servicer.interceptors.verifiers import CallableVerifier
 from vllm_servicer.proto import vllm_engine_pb2 as pb
 from vllm_servicer.proto import vllm_engine_pb2_grpc
 

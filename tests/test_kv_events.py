@@ -38,14 +38,9 @@ from vllm.distributed.kv_events import (
 )
 
 from vllm_servicer.errors import EventsLostError, FieldOutOfRangeError, TooManySubscribersError
-from vllm_servicer.interceptors.auth import (
-    ADMIN_ROLE,
-    AnyOf,
-    ApiKeyVerifier,
-    AuthInterceptor,
-    Identity,
-    current_identity,
-)
+from vllm_servicer.interceptors.api_keys import ApiKeyVerifier
+from vllm_servicer.interceptors.auth import ADMIN_ROLE, AuthInterceptor, Identity, current_identity
+from vllm_servicer.interceptors.verifiers import AnyOf
 from vllm_servicer.proto import common_pb2, vllm_engine_pb2_grpc
 from vllm_servicer.servicer.kv_events import BatchDecoder, Source, relay, to_int64
 from vllm_servicer.servicer.tenancy import SubscriberLimit

@@ -37,7 +37,7 @@ from vllm_servicer.interceptors import (
     KeylessLimits,
     LoadReportInterceptor,
 )
-from vllm_servicer.interceptors.auth import ApiKeyVerifier
+from vllm_servicer.interceptors.api_keys import ApiKeyVerifier
 from vllm_servicer.load_reports.report import (
     TRAILER_KEY,
     CallRates,

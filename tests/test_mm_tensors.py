@@ -28,7 +28,8 @@ from support.router_side import BLUE, PROMPT, RED, Routed, router_request, solid
 
 from vllm_servicer import MediaRefOptions
 from vllm_servicer.context import ROUTER_ROLE, Identity
-from vllm_servicer.interceptors.auth import AuthInterceptor, CallableVerifier
+from vllm_servicer.interceptors.auth import AuthInterceptor
+from vllm_servicer.interceptors.verifiers import CallableVerifier
 from vllm_servicer.proto import common_pb2, vllm_engine_pb2_grpc
 from vllm_servicer.proto import vllm_engine_pb2 as pb
 

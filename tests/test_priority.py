@@ -24,7 +24,7 @@ from support import bearer
 from support.launcher import START_TIMEOUT, Launched, launched, launcher_env
 
 from vllm_servicer.budgets import RequestBudgets
-from vllm_servicer.interceptors.auth import ApiKeyVerifier
+from vllm_servicer.interceptors.api_keys import ApiKeyVerifier
 from vllm_servicer.proto import inference_pb2, inference_pb2_grpc
 from vllm_servicer.serve.args import parse_args
 

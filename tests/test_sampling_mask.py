@@ -3,7 +3,7 @@
 vLLM captures the mask (the token ids each sampled position could have taken
 after top-k, top-p and min-p) only in its GPU model runner, with
 `--return-sampling-mask`; its CPU runner has no such capture, so no engine
-here produces one. These tests hand `wire.inference.ResponseBuilder` vLLM's
+here produces one. These tests hand `wire.inference_responses.ResponseBuilder` vLLM's
 own `RequestOutput`, `CompletionOutput` and `SamplingMask` as that runner's
 output processor builds them: one mask per engine step of a stream, the
 whole mask in a unary call's one output. On a GPU host:
@@ -15,7 +15,7 @@ from __future__ import annotations
 from vllm.outputs import CompletionOutput, RequestOutput, SamplingMask
 
 from vllm_servicer.proto import inference_pb2 as pb
-from vllm_servicer.wire.inference import ResponseBuilder
+from vllm_servicer.wire.inference_responses import ResponseBuilder
 
 
 def _output(tokens: list[int], mask: list[list[int]] | None, finished: bool) -> RequestOutput:

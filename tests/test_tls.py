@@ -13,14 +13,9 @@ import pytest
 from support import Serving, bearer, collect, completes, request, serving
 from support.certs import CertificateAuthority, Pem
 
-from vllm_servicer.interceptors.auth import (
-    AllOf,
-    ApiKeyVerifier,
-    AuthInterceptor,
-    Identity,
-    MtlsVerifier,
-    current_identity,
-)
+from vllm_servicer.interceptors.api_keys import ApiKeyVerifier
+from vllm_servicer.interceptors.auth import AuthInterceptor, Identity, current_identity
+from vllm_servicer.interceptors.verifiers import AllOf, MtlsVerifier
 from vllm_servicer.proto import vllm_engine_pb2 as pb
 from vllm_servicer.proto import vllm_engine_pb2_grpc
 from vllm_servicer.tls import is_loopback, server_credentials, warn_if_exposed

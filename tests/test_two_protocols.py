@@ -28,7 +28,8 @@ from support.launcher import ROOT, Launched, launch, launched
 from vllm_servicer.proto import vllm_engine_pb2 as pb
 from vllm_servicer.proto import vllm_engine_pb2_grpc
 from vllm_servicer.serve.args import parse_args
-from vllm_servicer.serve.http_api import _Front, frontend_args, uvicorn_config
+from vllm_servicer.serve.http_api import frontend_args, uvicorn_config
+from vllm_servicer.serve.http_front import Front
 from vllm_servicer.serve.stack import key_verifier as _key_verifier
 
 KEY = "two-protocols-0123456789abcdefABCDEF"
@@ -412,7 +413,7 @@ async def test_http_keys_are_the_grpc_verifier_with_admin_paths_for_admin_keys(
     args = parse_args(
         ["serve", "--model", "m", "--api-key-file", str(keys), "--admin-api-key", admin]
     )
-    front = _Front(_echo, _key_verifier(args))
+    front = Front(_echo, _key_verifier(args))
     transport = httpx.ASGITransport(app=front)
     async with httpx.AsyncClient(transport=transport, base_url="http://x") as http:
 

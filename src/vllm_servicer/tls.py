@@ -40,7 +40,7 @@ def server_credentials(
         key_file: its PEM private key.
         client_ca_file: PEM CA certificates for client certificates. When
             given, every client must present a certificate signed by one of
-            them (mTLS); `interceptors.auth.MtlsVerifier` then reads who it is.
+            them (mTLS); `interceptors.verifiers.MtlsVerifier` then reads who it is.
         reload: re-read the files when their modification time, size or inode
             changes. A changed set that does not load (a key that does not
             match the certificate, a half-written file) is ignored with an

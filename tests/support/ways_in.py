@@ -440,7 +440,7 @@ HTTP_ADMIN_PATHS = (
     "POST /adapters",
     "DELETE /adapters/{adapter_name}",
 )
-"""vLLM's routes outside the front's inference paths (serve/http_api.py): an admin key's."""
+"""vLLM's routes outside the front's inference paths (serve/http_front.py): an admin key's."""
 
 WAYS_IN: tuple[WayIn, ...] = (
     # ----- VllmEngine

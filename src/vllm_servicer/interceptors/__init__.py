@@ -16,6 +16,7 @@ from ._base import (
 )
 from ._call import Call, Refusal
 from ._pipeline import Pipeline
+from .api_keys import ApiKeyVerifier
 from .auth import AuthInterceptor
 from .inflight import ENGINE_REQUESTS, InflightInterceptor
 from .keyless import KeylessLimitInterceptor, KeylessLimits
@@ -24,10 +25,15 @@ from .metrics import MetricsInterceptor, start_metrics_server
 
 # Tracing needs the `otel` extra only when used: importing it here is safe.
 from .tracing import TracingInterceptor, configure_tracing_from_env, served_model_name
+from .verifiers import AllOf, AnyOf, CallableVerifier, MtlsVerifier, Verifier
 
 __all__ = [
     "ENGINE_REQUESTS",
+    "AllOf",
+    "AnyOf",
+    "ApiKeyVerifier",
     "AuthInterceptor",
+    "CallableVerifier",
     "Call",
     "CallInterceptor",
     "InflightInterceptor",
@@ -37,9 +43,11 @@ __all__ = [
     "MethodFilter",
     "MetricsInterceptor",
     "MountContext",
+    "MtlsVerifier",
     "Pipeline",
     "Refusal",
     "TracingInterceptor",
+    "Verifier",
     "all_methods",
     "configure_tracing_from_env",
     "except_methods_of",

@@ -21,7 +21,7 @@ want of a free slot takes the slot of such a call from a tenant over its
 share (`_reclaim.py`).
 
 The HTTP API's requests take their slots from the same interceptor
-(`claim`/`release`, from `serve/http_api.py`), so both protocols' keyed callers
+(`claim`/`release`, from `serve/http_front.py`), so both protocols' keyed callers
 share one pool and one tenant's share of it per process.
 """
 

@@ -31,9 +31,9 @@ from ..frontends import FrontendGroup
 from ..guard import EngineGuard
 from ..health import EngineHealthServicer
 from ..interceptors import CallInterceptor, MetricsInterceptor, start_metrics_server
-from ..interceptors.auth import Verifier
 from ..interceptors.call_slots import CallSlotsInterceptor
 from ..interceptors.keyless import KeylessLimitInterceptor
+from ..interceptors.verifiers import Verifier
 from ..mounting import mount
 from ..options import server_options, shared_port
 from ..tenant_metrics import TenantWorkCollector, TenantWorkCounters

@@ -18,19 +18,16 @@ from ..interceptors import (
     TracingInterceptor,
     configure_tracing_from_env,
 )
+from ..interceptors.api_keys import ApiKeyVerifier
 from ..interceptors.auth import (
     ADMIN_ROLE,
     ROUTER_ROLE,
-    AnyOf,
-    ApiKeyVerifier,
-    CallableVerifier,
     Identity,
-    MtlsVerifier,
-    Verifier,
     role_permissions,
     routing_for_every_key,
 )
 from ..interceptors.call_slots import CallSlotsInterceptor
+from ..interceptors.verifiers import AnyOf, CallableVerifier, MtlsVerifier, Verifier
 from .args import ADMIN_KEY_ENV, API_KEY_ENV, ROUTER_KEY_ENV, ServeArgs
 
 __all__ = ["authenticates", "build_interceptors", "http_verifier", "key_verifier"]

@@ -36,6 +36,7 @@ from ..proto import INFERENCE_SERVICE, inference_pb2_grpc
 from ..proto import inference_pb2 as pb
 from ..wire import fields
 from ..wire import inference as wire
+from ..wire.inference_responses import ResponseBuilder
 from ..wire.usage import RequestSummary
 from .engine_call import CallFrame, EngineCall, GenerationReader
 from .lora import AdapterHold, LoraRegistry
@@ -103,9 +104,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         """The whole generation in one message: `prompt_info`, then the finished sequence."""
         async with self._frame(request, "Generate") as frame:
             reader = _GenerateReader(self, request, context, stream=False)
-            call: EngineCall[wire.ResponseBuilder] = await self._steps.prepare(
-                reader, frame, context
-            )
+            call: EngineCall[ResponseBuilder] = await self._steps.prepare(reader, frame, context)
             frame.call = call
             final = None
             async for output in self._steps.tenant.generate(
@@ -262,7 +261,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         return prompt
 
 
-class _GenerateReader(GenerationReader[wire.ResponseBuilder]):
+class _GenerateReader(GenerationReader[ResponseBuilder]):
     """A vllm.Inference GenerateRequest as the one preparation reads it
     (`EngineCallSteps.prepare`), for Generate or GenerateStream."""
 
@@ -334,8 +333,8 @@ class _GenerateReader(GenerationReader[wire.ResponseBuilder]):
             return prompt, None
         return await self._servicer._with_media(self._request, prompt, media), "media"
 
-    def builder(self) -> wire.ResponseBuilder:
-        return wire.ResponseBuilder(self._request.response)
+    def builder(self) -> ResponseBuilder:
+        return ResponseBuilder(self._request.response)
 
     def adapter(self) -> AdapterHold:
         return self._servicer.loras.hold(self._request.lora_name)

@@ -8,7 +8,7 @@ import logging
 from typing import Any
 
 from ..engine import EngineClient, served_model_name
-from ..multimodal import tensors as mm_tensors
+from ..multimodal import model_media as mm_model_media
 from ..multimodal.media import MediaResolver
 from ..proto import vllm_engine_pb2 as pb
 
@@ -55,7 +55,7 @@ async def server_info(
     active_requests: int,
     last_receive_timestamp: float,
     uptime_seconds: float,
-    model_media: mm_tensors.ModelMedia,
+    model_media: mm_model_media.ModelMedia,
     media: MediaResolver | None,
 ) -> pb.GetServerInfoResponse:
     """GetServerInfo: the engine's configuration and this server's state.
@@ -101,7 +101,7 @@ async def server_info(
         mm_media_ref_schemes=",".join(media.schemes) if media is not None and takes_images else "",
         # What a router reads to send tensors, and through shared memory.
         mm_item_limits=model_media.item_limits,
-        shm_namespace_id=mm_tensors.shm_namespace()
+        shm_namespace_id=mm_model_media.shm_namespace()
         if model_media.shm and model_media.limits
         else "",
         mm_encoder_budget=budget,

@@ -27,6 +27,7 @@ from ..multimodal.decoded import DecodedMedia, RequestMedia
 from ..proto import RENDER_SERVICE, render_pb2_grpc
 from ..proto import render_pb2 as pb
 from ..vllm_releases import render_prompts
+from ..wire import derender as derender_wire
 from ..wire import render as wire
 from ..wire.fields import REFUSED
 from .state import MountState
@@ -88,11 +89,11 @@ class RenderServicer(render_pb2_grpc.RenderServicer):
         self, request: pb.DerenderChatRequest, context: Context
     ) -> pb.DerenderChatResponse:
         handlers, derender = self._handlers, await self._head(_DERENDER_CHAT, request)
-        body = wire.derender_chat_body(
+        body = derender_wire.derender_chat_body(
             request, handlers.limits(), handlers.vocabulary(), _request_id(), handlers.eos_ids()
         )
         answer = await derender.derender_chat_response(vllm_request("derender_chat", body))
-        reply = wire.derendered_chat(
+        reply = derender_wire.derendered_chat(
             _derendered(answer), request.tool_choice if request.chat.tools else "none"
         )
         # Every generated id, a stop token left out of the text included.
@@ -104,13 +105,13 @@ class RenderServicer(render_pb2_grpc.RenderServicer):
         self, request: pb.DerenderCompletionRequest, context: Context
     ) -> pb.DerenderCompletionResponse:
         handlers, derender = self._handlers, await self._head(_DERENDER_COMPLETION, request)
-        body = wire.derender_completion_body(
+        body = derender_wire.derender_completion_body(
             request, handlers.limits(), handlers.vocabulary(), _request_id(), handlers.eos_ids()
         )
         answer = await derender.derender_completion_response(
             vllm_request("derender_completion", body)
         )
-        reply = wire.derendered_completion(_derendered(answer))
+        reply = derender_wire.derendered_completion(_derendered(answer))
         reply.completion_tokens = sum(
             len(choice.token_ids) for prompt in request.prompts for choice in prompt.choices
         )
@@ -125,14 +126,16 @@ class RenderServicer(render_pb2_grpc.RenderServicer):
         start, tokens = first.start, len(first.start.prompt_token_ids)
         handlers, derender = self._handlers, await self._head(_DERENDER_CHAT_STREAM, first)
         vocabulary = handlers.vocabulary()
-        chat, prompt_token_ids = wire.derender_chat_start(start, handlers.limits(), vocabulary)
+        chat, prompt_token_ids = derender_wire.derender_chat_start(
+            start, handlers.limits(), vocabulary
+        )
         # Validated once: each chunk's request takes the same objects.
         chat_request = vllm_request("render_chat", chat)
         note_prompt_tokens(tokens)
         request_id, state = _request_id(), None
         chunks = self._chunks(first, stream, tokens, replays=_replays(derender))
         async for chunk in chunks:
-            body = wire.derender_chat_chunk_body(
+            body = derender_wire.derender_chat_chunk_body(
                 chunk,
                 vocabulary,
                 request_id,
@@ -145,7 +148,7 @@ class RenderServicer(render_pb2_grpc.RenderServicer):
             if getattr(answer, "error", None) is not None:
                 answer_body(answer)
             delta, state = answer
-            yield wire.chat_delta(delta.model_dump(mode="json"))
+            yield derender_wire.chat_delta(delta.model_dump(mode="json"))
 
     async def DerenderCompletionStream(
         self, requests: AsyncIterator[pb.DerenderCompletionStreamRequest], context: Context
@@ -155,11 +158,11 @@ class RenderServicer(render_pb2_grpc.RenderServicer):
         start, tokens = first.start, len(first.start.prompt_token_ids)
         handlers, derender = self._handlers, await self._head(_DERENDER_COMPLETION_STREAM, first)
         vocabulary = handlers.vocabulary()
-        prompt_token_ids = wire.derender_completion_start(start, vocabulary)
+        prompt_token_ids = derender_wire.derender_completion_start(start, vocabulary)
         note_prompt_tokens(tokens)
         request_id, state = _request_id(), None
         async for chunk in self._chunks(first, stream, tokens):
-            body = wire.derender_completion_chunk_body(
+            body = derender_wire.derender_completion_chunk_body(
                 chunk,
                 vocabulary,
                 request_id,
@@ -172,7 +175,7 @@ class RenderServicer(render_pb2_grpc.RenderServicer):
             if getattr(answer, "error", None) is not None:
                 answer_body(answer)
             delta, state = answer
-            yield wire.completion_delta(delta.model_dump(mode="json"))
+            yield derender_wire.completion_delta(delta.model_dump(mode="json"))
 
     async def _head(self, route: _Route, request: Any) -> Any:
         """What every Render method opens with: the call noted, the model
@@ -216,7 +219,7 @@ class RenderServicer(render_pb2_grpc.RenderServicer):
                 self._budgets.check_derender_chunks("chunk", chunks)
                 # With a parser vLLM replays the whole sequence on every chunk:
                 # the ids of the whole stream count against the budget.
-                tokens += wire.derender_chunk_tokens(chunk)
+                tokens += derender_wire.derender_chunk_tokens(chunk)
                 self._budgets.check_derender_tokens("chunk.token_ids", tokens)
                 if replays:
                     sequence += len(chunk.token_ids)
@@ -254,7 +257,7 @@ def _completion_budgets(budgets: RequestBudgets, request: pb.RenderCompletionReq
 
 def _derender_chat_budgets(budgets: RequestBudgets, request: pb.DerenderChatRequest) -> None:
     budgets.check_n("choices", len(request.choices))
-    budgets.check_derender_tokens("choices", wire.derender_token_count(request))
+    budgets.check_derender_tokens("choices", derender_wire.derender_token_count(request))
     _chat_budgets(budgets, request.chat, "chat.")
 
 
@@ -263,7 +266,7 @@ def _derender_completion_budgets(
 ) -> None:
     budgets.check_render_items("prompts", len(request.prompts))
     budgets.check_n("prompts.choices", sum(len(p.choices) for p in request.prompts))
-    budgets.check_derender_tokens("prompts", wire.derender_token_count(request))
+    budgets.check_derender_tokens("prompts", derender_wire.derender_token_count(request))
 
 
 def _stream_budgets(budgets: RequestBudgets, first: Any, chat: bool) -> None:

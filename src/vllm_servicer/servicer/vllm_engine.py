@@ -32,6 +32,7 @@ from ..errors import (
     UnsupportedError,
 )
 from ..load_reports import stats_tap
+from ..multimodal import model_media as mm_model_media
 from ..multimodal import tensors as mm_tensors
 from ..proto import VLLM_ENGINE_SERVICE, common_pb2, vllm_engine_pb2_grpc
 from ..proto import vllm_engine_pb2 as pb
@@ -75,7 +76,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self._decoded_media = state.decoded_media
         self._media = state.media
         # What preprocessed tensors (mm_inputs) this model takes.
-        self._model_media = mm_tensors.ModelMedia.of(engine, shm=options.shm_tensors)
+        self._model_media = mm_model_media.ModelMedia.of(engine, shm=options.shm_tensors)
         self._kv_subscribers = SubscriberLimit(options.max_kv_subscribers, state.frontends)
         self._group = state.frontends
         self._started_monotonic = time.monotonic()

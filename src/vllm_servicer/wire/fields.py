@@ -185,7 +185,7 @@ _ENGINE_REFUSED: Mapping[str, Mapping[str, RefusedField]] = {
         "extra_mm_inputs.pixel_values.remote": RefusedField(
             UnimplementedFieldError, _ANY_TENSOR, REMOTE_TENSOR_HINT
         ),
-        # Honoured when on (multimodal/tensors.py): the segment is read and copied,
+        # Honoured when on (multimodal/tensor_payloads.py): the segment is read and copied,
         # never unlinked (its owner_id does that).
         "mm_inputs.pixel_values.shm": RefusedField(
             UnsupportedError,
@@ -383,7 +383,8 @@ _INFERENCE_REFUSED: Mapping[str, RefusedField] = {
     ),
 }
 
-# vllm_servicer.v1.Pooling and Render (wire/pooling.py and wire/render.py read each of these):
+# vllm_servicer.v1.Pooling and Render (wire/pooling.py, wire/render.py and wire/derender.py read
+# each of these):
 # a model name that is neither the served one nor a LoRA adapter's is NOT_FOUND,
 # a truncation past the context or texts past --max-pooling-inputs
 # INVALID_ARGUMENT, naming the field.
@@ -426,7 +427,7 @@ _RENDER_HONOURED = {
         {"prompt", "add_special_tokens", "model", "truncate_prompt_tokens"}
     ),
 }
-# A generated sequence, as the derenders take it (wire/render.py).
+# A generated sequence, as the derenders take it (wire/derender.py).
 _GENERATED = (
     "index",
     "token_ids",
