@@ -680,3 +680,21 @@ def test_the_architectures_layers_are_the_ones_the_imports_keep() -> None:
             documented[int(row[0])] = {p.removesuffix(".py").rstrip("/") for p in parts}
     expected = {level: set(parts) for level, parts in enumerate(LAYERS)}
     assert documented == expected
+
+
+MODULE_LINES = 500
+"""A module past this many lines is read as holding more than one job."""
+MODULES_PAST_IT = 10
+"""How many may still run past it (the launcher's flags, the call wrapper, ...)."""
+
+
+def test_few_modules_run_past_500_lines() -> None:
+    """Hand-written modules longer than MODULE_LINES stay at most MODULES_PAST_IT:
+    a module that grows past it is split where it holds two jobs."""
+    long = sorted(
+        (len(path.read_text().splitlines()), path.relative_to(PACKAGE_DIR).as_posix())
+        for path in PACKAGE_DIR.rglob("*.py")
+        if "_pb2" not in path.name
+    )
+    past = [(lines, name) for lines, name in long if lines > MODULE_LINES]
+    assert len(past) <= MODULES_PAST_IT, past
