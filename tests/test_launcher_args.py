@@ -57,6 +57,27 @@ def test_the_tiny_model_takes_a_served_name(form: list[str]) -> None:
     assert args.max_model_len == 256
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        # A model after the name: vLLM would take it for a second name.
+        ["--served-model-name", "prod", "/models/llama"],
+        ["--port", "1", "--served-model-name", "prod", "--port", "2", "/models/llama"],
+        # A config file names the model, or here fails to.
+        ["--config", "{config}", "--served-model-name", "prod"],
+    ],
+)
+def test_a_model_named_after_its_served_name_is_refused_not_replaced(
+    argv: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "serve.yaml"
+    config.write_text("max-model-len: 256\n")
+    with pytest.raises(SystemExit) as ended:
+        parse_args(["serve", *(arg.format(config=config) for arg in argv)])
+    assert ended.value.code == 2
+    assert "tiny" not in capsys.readouterr().err
+
+
 def test_vllm_tls_flag_names_are_accepted() -> None:
     tls = ["--ssl-certfile", "c.pem", "--ssl-keyfile", "k.pem", "--enable-ssl-refresh"]
     args = parse_args(["serve", "--model", "m", *tls])

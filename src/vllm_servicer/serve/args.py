@@ -688,11 +688,12 @@ def parse_args(argv: Sequence[str] | None = None) -> ServeArgs:
     try:
         flags = parser.parse_args(argv)
         tiny = flags.model_tag is None and flags.model is None
-    except ValueError:
-        # vLLM's parser refuses --served-model-name without a model named first;
-        # without one the model is the tiny one, which the name then names.
-        if not any(re.match(r"^--served[-_]model[-_]name(=|$)", arg) for arg in argv):
-            raise
+    except ValueError as refused:
+        # vLLM's parser refuses --served-model-name before a model is named. With
+        # no model at all, the name is the tiny model's; anything else (a model
+        # named later, a config file) stays the operator's to fix.
+        if not _names_only_the_tiny_model(argv):
+            parser.error(str(refused))
         argv = [*argv[:1], str(default_model_dir()), *argv[1:]]
         tiny = True
     if tiny:
@@ -704,6 +705,24 @@ def parse_args(argv: Sequence[str] | None = None) -> ServeArgs:
     except ValueError as refused:
         parser.error(str(refused))
     return _with_tiny_model(args) if tiny else args
+
+
+_SERVED_NAME = re.compile(r"^--served[-_]model[-_]name(=.+)?$")
+
+
+def _names_only_the_tiny_model(argv: Sequence[str]) -> bool:
+    """Whether `argv` gives the served model one name and names no model: no
+    config file, and the name followed by a flag or nothing (a second word
+    after it would be read as a second name, though meant as the model)."""
+    if any(re.match(r"^--config(=.+|$)", arg) for arg in argv):
+        return False
+    for index, arg in enumerate(argv):
+        if named := _SERVED_NAME.match(arg):
+            if named.group(1):
+                return True
+            name, *after = argv[index + 1 : index + 3] or ["-"]
+            return not name.startswith("-") and (not after or after[0].startswith("-"))
+    return False
 
 
 def _with_tiny_model(args: ServeArgs) -> ServeArgs:
