@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import signal
 from collections.abc import AsyncIterator
@@ -27,7 +26,7 @@ import pytest
 import zmq
 import zmq.asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # type: ignore[import-untyped]
-from support import collect, free_port, next_kv_event, request
+from support import KV_TOPIC, collect, free_port, loopback_kv_events
 from support.launcher import (
     START_TIMEOUT,
     Launched,
@@ -38,10 +37,9 @@ from support.launcher import (
     named,
     stop_launched,
 )
-from support.ranks import pinned, running, until_running
+from support.ranks import pinned, relayed_events, running, stored_on, until_running
 
 from vllm_servicer.proto import (
-    common_pb2,
     control_pb2,
     control_pb2_grpc,
     inference_pb2,
@@ -73,16 +71,10 @@ async def launched(
         VLLM_CPU_OMP_THREADS_BIND="nobind",
         VLLM_CPU_KVCACHE_SPACE="1",
     )
-    events = {
-        "enable_kv_cache_events": True,
-        "publisher": "zmq",
-        "endpoint": f"tcp://[::ffff:127.0.0.1]:{events_port}",
-        "topic": "kv-events",
-    }
     served = await launch(
         "--data-parallel-size", "2",
         "--services", "vllm-engine", "inference", "control",
-        "--kv-events-config", json.dumps(events),
+        "--kv-events-config", loopback_kv_events(events_port),
         env=env,
     )  # fmt: skip
     try:
@@ -167,29 +159,18 @@ async def test_each_rank_publishes_where_its_source_says_and_the_relay_names_the
         context = zmq.asyncio.Context()
         subscriber = context.socket(zmq.SUB)  # a router's own, at rank 1's source
         subscriber.setsockopt(zmq.LINGER, 0)
-        subscriber.setsockopt(zmq.SUBSCRIBE, b"kv-events")
+        subscriber.setsockopt(zmq.SUBSCRIBE, KV_TOPIC.encode())
         subscriber.connect(sources[1])
-        relayed = stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest())
         try:
-            await asyncio.wait_for(relayed.initial_metadata(), 30)
-            await asyncio.sleep(0.5)  # ZMQ subscriptions reach the publishers asynchronously
-            for rank in (1, 0):
-                # A prompt new to both caches, a little over one 128-token block.
-                prompt = [(7 * i + 13 * rank + 3) % 240 + 3 for i in range(133)]
-                message = request(prompt, max_tokens=1)
-                message.data_parallel_rank = rank
-                await collect(stub.Generate(message, timeout=120))
-                batch, event = await next_kv_event(relayed, "stored", timeout=60)
-                assert batch.dp_rank == rank, batch
-                assert list(event.stored.blocks[0].token_ids) == prompt[:128]
-                if rank == 1:
-                    frames = await asyncio.wait_for(subscriber.recv_multipart(), 30)
-                    _, _, published_rank = msgspec.msgpack.decode(frames[2])
-                    assert published_rank == 1
+            async with relayed_events(stub) as relayed:
+                await stored_on(stub, relayed, 1)
+                frames = await asyncio.wait_for(subscriber.recv_multipart(), 30)
+                _, _, published_rank = msgspec.msgpack.decode(frames[2])
+                assert published_rank == 1
+                await stored_on(stub, relayed, 0)
             # Rank 1's publisher carries rank 1's events only.
             assert not await subscriber.poll(timeout=1000)
         finally:
-            relayed.cancel()
             subscriber.close(linger=0)
             context.term()
 

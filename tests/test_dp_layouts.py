@@ -32,12 +32,11 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # type: ignore[import-untyped]
-from support import collect, free_port, next_kv_event, request
+from support import collect, free_port, loopback_kv_events
 from support.launcher import START_TIMEOUT, Launched, launch, launcher_env, stop_launched
-from support.ranks import kept_running, pinned, running, until_running
+from support.ranks import kept_running, pinned, relayed_events, running, stored_on, until_running
 
 from vllm_servicer.proto import (
-    common_pb2,
     control_pb2,
     control_pb2_grpc,
     inference_pb2,
@@ -87,12 +86,6 @@ def _experts_model(directory: Path) -> Path:
 def _flags(
     layout: str, ranks: range, size: int, rpc_port: int, model: Path | None, events_port: int
 ) -> list[str]:
-    events = {
-        "enable_kv_cache_events": True,
-        "publisher": "zmq",
-        "endpoint": f"tcp://[::ffff:127.0.0.1]:{events_port}",
-        "topic": "kv-events",
-    }
     flags = [
         "--data-parallel-size",
         str(size),
@@ -101,7 +94,7 @@ def _flags(
         "--data-parallel-rpc-port",
         str(rpc_port),
         "--kv-events-config",
-        json.dumps(events),
+        loopback_kv_events(events_port),
         "--services",
         "vllm-engine",
         "inference",
@@ -209,21 +202,9 @@ async def test_kv_event_sources_and_batches_are_named_by_the_global_rank(
             rank: f"tcp://127.0.0.1:{served.events_port + rank}" for rank in served.ranks
         }, reply
         stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
-        relayed = stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest())
-        try:
-            await asyncio.wait_for(relayed.initial_metadata(), 30)
-            await asyncio.sleep(0.5)  # ZMQ subscriptions reach the publishers asynchronously
+        async with relayed_events(stub) as relayed:
             for rank in served.ranks:
-                # A prompt new to every cache, a little over one 128-token block.
-                prompt = [(5 * i + 11 * rank + 7) % 240 + 3 for i in range(133)]
-                message = request(prompt, max_tokens=1)
-                message.data_parallel_rank = rank
-                await collect(stub.Generate(message, timeout=120))
-                batch, event = await next_kv_event(relayed, "stored", timeout=60)
-                assert batch.dp_rank == rank, batch
-                assert list(event.stored.blocks[0].token_ids) == prompt[:128]
-        finally:
-            relayed.cancel()
+                await stored_on(stub, relayed, rank)
 
 
 @pytest.mark.parametrize("node", [0, 1])

@@ -16,7 +16,6 @@ GetKvEventSources and SubscribeKvEvents refuse, naming the forms that listen.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ import msgspec
 import pytest
 import zmq
 import zmq.asyncio
-from support import collect, free_port, next_kv_event, request
+from support import KV_TOPIC, collect, free_port, loopback_kv_events, next_kv_event, request
 from support.launcher import Launched, launched, launcher_env
 from vllm.config.kv_events import KVEventsConfig
 from vllm.distributed.kv_events import AllBlocksCleared, KVEventBatch, ZmqEventPublisher
@@ -39,8 +38,6 @@ from vllm_servicer.proto import common_pb2, control_pb2, control_pb2_grpc, vllm_
 from vllm_servicer.proto import vllm_engine_pb2 as pb
 from vllm_servicer.servicer import kv_events
 from vllm_servicer.testing.stand_in import StandInEngine
-
-TOPIC = "kv-events"
 
 
 @dataclass
@@ -56,13 +53,7 @@ class Server:
 async def server(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Server]:
     work = tmp_path_factory.mktemp("router-reads")
     port = free_port()
-    events = {
-        "enable_kv_cache_events": True,
-        "publisher": "zmq",
-        "endpoint": f"tcp://[::ffff:127.0.0.1]:{port}",
-        "topic": TOPIC,
-    }
-    flags = ["--services", "vllm-engine", "control", "--kv-events-config", json.dumps(events)]
+    flags = ["--services", "vllm-engine", "control", "--kv-events-config", loopback_kv_events(port)]
     before_start = time.time()
     async with launched(*flags, env=launcher_env(work / "cache")) as served:
         yield Server(launched=served, port=port, before_start=before_start)
@@ -110,7 +101,7 @@ async def test_a_plain_zmq_subscriber_at_the_reported_endpoint_reads_the_events(
     (source,) = (await control.GetKvEventSources(control_pb2.GetKvEventSourcesRequest())).sources
     # Where the publisher listens, as any ZeroMQ socket (IPv6 off) dials it.
     assert source.endpoint == f"tcp://127.0.0.1:{server.port}", source
-    assert (source.transport, source.topic) == ("zmq", TOPIC)
+    assert (source.transport, source.topic) == ("zmq", KV_TOPIC)
 
     context = zmq.asyncio.Context()
     subscriber = context.socket(zmq.SUB)
@@ -126,7 +117,7 @@ async def test_a_plain_zmq_subscriber_at_the_reported_endpoint_reads_the_events(
         await collect(stub.Generate(request(prompt, max_tokens=2), timeout=120))
 
         frames, event = await asyncio.wait_for(_stored(subscriber), 60)
-        assert frames[0] == TOPIC.encode()
+        assert frames[0] == KV_TOPIC.encode()
         size = int(event["block_size"])
         assert size > 0 and list(event["token_ids"][:size]) == prompt[:size]
         # The launcher's relay reads the same publisher.
@@ -148,7 +139,7 @@ async def test_vllms_publisher_listens_where_listens_says(form: str, tmp_path: P
     """vLLM's own publisher, given each form: a subscriber at the connectable
     address hears it exactly when `listens` says that it listens."""
     endpoint = form.format(port=free_port(), dir=tmp_path)
-    publisher = ZmqEventPublisher(0, endpoint=endpoint, topic=TOPIC)
+    publisher = ZmqEventPublisher(0, endpoint=endpoint, topic=KV_TOPIC)
     context = zmq.asyncio.Context()
     subscriber = context.socket(zmq.SUB)
     subscriber.setsockopt(zmq.LINGER, 0)

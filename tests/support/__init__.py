@@ -25,16 +25,19 @@ from .calls import collect, completes, error_info, next_kv_event, request, strea
 from .probes import hold_hand_over, note_releases, rss_kb, settle, unfinished, wait_until_idle
 from .servers import (
     ENGINE_STOP_SECONDS,
+    KV_TOPIC,
     PLACEMENTS,
     Serving,
     bearer,
     free_port,
+    loopback_kv_events,
     placed,
     serving,
 )
 
 __all__ = [
     "ENGINE_STOP_SECONDS",
+    "KV_TOPIC",
     "PLACEMENTS",
     "Serving",
     "bearer",
@@ -44,6 +47,7 @@ __all__ = [
     "next_kv_event",
     "free_port",
     "hold_hand_over",
+    "loopback_kv_events",
     "placed",
     "note_releases",
     "request",

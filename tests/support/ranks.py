@@ -13,9 +13,10 @@ from typing import Any
 
 import grpc
 
+from vllm_servicer.proto import common_pb2
 from vllm_servicer.proto import vllm_engine_pb2 as pb
 
-from .calls import request
+from .calls import collect, next_kv_event, request
 
 LONG_TOKENS = 400
 """A long stream's tokens: most of what the tiny model's 512-token context leaves
@@ -83,3 +84,29 @@ async def kept_running(stub: Any, rank: int) -> AsyncIterator[None]:
                 await keeping
     finally:
         current[0].cancel()
+
+
+@contextlib.asynccontextmanager
+async def relayed_events(stub: Any) -> AsyncIterator[Any]:
+    """A SubscribeKvEvents stream once it reads every rank's publisher; cancelled after."""
+    relayed = stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest())
+    try:
+        await asyncio.wait_for(relayed.initial_metadata(), 30)
+        await asyncio.sleep(0.5)  # ZMQ subscriptions reach the publishers asynchronously
+        yield relayed
+    finally:
+        relayed.cancel()
+
+
+async def stored_on(stub: Any, relayed: Any, rank: int) -> list[int]:
+    """A prompt new to every cache (a little over one 128-token block) run on
+    `rank`: the relay's next stored block is that rank's, and is the prompt's.
+    Returns the prompt."""
+    prompt = [(7 * i + 13 * rank + 3) % 240 + 3 for i in range(133)]
+    message = request(prompt, max_tokens=1)
+    message.data_parallel_rank = rank
+    await collect(stub.Generate(message, timeout=120))
+    batch, event = await next_kv_event(relayed, "stored", timeout=60)
+    assert batch.dp_rank == rank, batch
+    assert list(event.stored.blocks[0].token_ids) == prompt[:128]
+    return prompt

@@ -8,6 +8,7 @@ its server with `placed()`.
 
 from __future__ import annotations
 
+import json
 import socket
 from collections.abc import Sequence
 from typing import Any
@@ -17,7 +18,17 @@ import pytest
 
 from vllm_servicer.testing.serving import Serving, serving
 
-__all__ = ["PLACEMENTS", "Serving", "bearer", "free_port", "placed", "placement", "serving"]
+__all__ = [
+    "KV_TOPIC",
+    "PLACEMENTS",
+    "Serving",
+    "bearer",
+    "free_port",
+    "loopback_kv_events",
+    "placed",
+    "placement",
+    "serving",
+]
 
 PLACEMENTS = ("server_wide", "mounted")
 """Where interceptors go: `grpc.aio.server(interceptors=...)`, or `mount(..., interceptors=...)`."""
@@ -64,3 +75,21 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+KV_TOPIC = "kv-events"
+"""The topic the tests' KV-event publishers send under."""
+
+
+def loopback_kv_events(port: int) -> str:
+    """`--kv-events-config` for a publisher that listens on loopback alone at
+    `port` (rank N's at `port` + N), the private form docs/routers.md advises."""
+    endpoint = f"tcp://[::ffff:127.0.0.1]:{port}"
+    return json.dumps(
+        {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": endpoint,
+            "topic": KV_TOPIC,
+        }
+    )
