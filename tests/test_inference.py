@@ -1002,7 +1002,7 @@ async def test_a_rejected_remote_prefill_is_reported_to_the_connector_as_on_vllm
     """The same refusal VllmEngine reports (test_protocol_fields.py's
     `test_a_rejected_remote_prefill_request_is_reported_to_the_connector`):
     a temperature below 0, after the routing data was read."""
-    rid = f"rejected-prefill-{method}"
+    rid = f"rejected-prefill-{method}-call"  # neither method's id a prefix of the other's
     message = generate_request(ref, PROMPT, 2, request_id=rid)
     message.temperature = -1.0
     sent = {"do_remote_prefill": True, "remote_block_ids": [3]}
