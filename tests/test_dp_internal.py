@@ -9,7 +9,7 @@ source per rank, numbered by its global rank), and SubscribeKvEvents relays
 both ranks' batches, each with its rank.
 When one rank's engine dies, the launcher ends the call on it UNAVAILABLE and
 exits 1 within seconds, as with one engine. The layout is started once for
-the module; the engine's death is its last test.
+the module, and once more for the engine's death.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import contextlib
 import os
 import signal
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
 import msgspec
@@ -62,15 +63,9 @@ def events_port() -> int:
     return free_port()
 
 
-@pytest.fixture(scope="module")
-async def launched(
-    tmp_path_factory: pytest.TempPathFactory, events_port: int
-) -> AsyncIterator[Launched]:
-    env = launcher_env(
-        tmp_path_factory.mktemp("cache"),
-        VLLM_CPU_OMP_THREADS_BIND="nobind",
-        VLLM_CPU_KVCACHE_SPACE="1",
-    )
+@contextlib.asynccontextmanager
+async def _two_ranks(cache: Path, events_port: int) -> AsyncIterator[Launched]:
+    env = launcher_env(cache, VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_CPU_KVCACHE_SPACE="1")
     served = await launch(
         "--data-parallel-size", "2",
         "--services", "vllm-engine", "inference", "control",
@@ -80,9 +75,24 @@ async def launched(
     try:
         yield served
     finally:
-        # Also after the last test's engine death ended it: its output read to the end.
+        # Also after an engine's death ended it: its output read to the end.
         with contextlib.suppress(TimeoutError):
             await stop_launched(served, expect=None)
+
+
+@pytest.fixture(scope="module")
+async def launched(
+    tmp_path_factory: pytest.TempPathFactory, events_port: int
+) -> AsyncIterator[Launched]:
+    async with _two_ranks(tmp_path_factory.mktemp("cache"), events_port) as served:
+        yield served
+
+
+@pytest.fixture
+async def dying(tmp_path: Path) -> AsyncIterator[Launched]:
+    """A layout of its own for the test that kills a rank: the others' stays up."""
+    async with _two_ranks(tmp_path / "cache", free_port()) as served:
+        yield served
 
 
 @pytest.mark.parametrize("rank", [0, 1])
@@ -175,16 +185,14 @@ async def test_each_rank_publishes_where_its_source_says_and_the_relay_names_the
             context.term()
 
 
-async def test_a_dead_rank_ends_its_calls_and_the_launcher(launched: Launched) -> None:
+async def test_a_dead_rank_ends_its_calls_and_the_launcher(dying: Launched) -> None:
     engines = {
-        pid: line
-        for pid, line in named(children(launched.proc.pid)).items()
-        if "EngineCore" in line
+        pid: line for pid, line in named(children(dying.proc.pid)).items() if "EngineCore" in line
     }
     # vLLM names each engine core's process by its rank (EngineCore_DP1).
     rank_1 = [pid for pid, line in engines.items() if "DP1" in line] or list(engines)[-1:]
     assert rank_1, f"no engine process under the launcher: {engines}"
-    async with grpc.aio.insecure_channel(launched.address) as channel:
+    async with grpc.aio.insecure_channel(dying.address) as channel:
         stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
         stream = stub.Generate(pinned(1, max_tokens=400, ignore_eos=True, stream=True), timeout=120)
         assert (await stream.read()).WhichOneof("response") == "chunk"
@@ -196,4 +204,4 @@ async def test_a_dead_rank_ends_its_calls_and_the_launcher(launched: Launched) -
                 pass
         assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
         assert asyncio.get_running_loop().time() - killed < 30
-    assert await asyncio.wait_for(exit_code(launched.proc), 90) == 1
+    assert await asyncio.wait_for(exit_code(dying.proc), 90) == 1
