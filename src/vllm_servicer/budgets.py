@@ -19,8 +19,10 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Sequence
+from typing import Any, ClassVar
 
 from .errors import InvalidRequestError
+from .flags import flag, flag_name
 
 # vLLM's own cap (VLLM_MAX_N_SEQUENCES) is 16,384: n=10,000 passes it and
 # runs for seconds. 128 is more than sampling-based search asks for (best-of
@@ -120,16 +122,16 @@ DEFAULT_MAX_REQUEST_SHM_BYTES = 1 << 30
 _CONTROL_CHARACTERS = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
-def _flag(help_text: str) -> dict[str, str]:
-    return {"help": help_text}
+def _budget(default: int, help_text: str) -> Any:
+    """A `RequestBudgets` field: its flag's help shows the default."""
+    return flag(default, help=f"{help_text} (default {default})", type=int)
 
 
 @dataclasses.dataclass(frozen=True)
 class RequestBudgets:
     """What one request may cost, and decoded media the whole process may hold.
 
-    Each field is the launcher flag of the same name (`--max-n`); its help is
-    the field's metadata.
+    Each field is the launcher flag of the same name (`--max-n`), with its help.
 
     Attributes:
         max_n: most sequences one VllmEngine Generate asks for (`sampling_params.n`),
@@ -172,119 +174,99 @@ class RequestBudgets:
             per-request media budget above the process's.
     """
 
-    max_n: int = dataclasses.field(
-        default=DEFAULT_MAX_N,
-        metadata=_flag(
-            "most sequences one Generate may ask for (sampling_params.n; the HTTP API's n)"
-        ),
-    )
-    max_constraint_bytes: int = dataclasses.field(
-        default=DEFAULT_MAX_CONSTRAINT_BYTES,
-        metadata=_flag(
-            "largest structured-output constraint in bytes (JSON schema, regex, grammar, "
-            "structural tag, all choices together)"
-        ),
-    )
-    max_abort_ids: int = dataclasses.field(
-        default=DEFAULT_MAX_ABORT_IDS,
-        metadata=_flag("most request ids one Abort may name"),
-    )
-    max_request_media_pixels: int = dataclasses.field(
-        default=DEFAULT_MAX_REQUEST_MEDIA_PIXELS,
-        metadata=_flag("most pixels of all one request's images together"),
-    )
-    max_request_media_bytes: int = dataclasses.field(
-        default=DEFAULT_MAX_REQUEST_MEDIA_BYTES,
-        metadata=_flag("most bytes one request's images may take decoded"),
-    )
-    max_media_bytes_in_flight: int = dataclasses.field(
-        default=DEFAULT_MAX_MEDIA_BYTES_IN_FLIGHT,
-        metadata=_flag(
-            "most bytes of decoded images this process holds for the requests running; "
-            "past it a request with images gets RESOURCE_EXHAUSTED"
-        ),
-    )
-    max_request_shm_bytes: int = dataclasses.field(
-        default=DEFAULT_MAX_REQUEST_SHM_BYTES,
-        metadata=_flag("most bytes one request's tensors may name in shared memory"),
+    FLAG_TITLE: ClassVar[str] = (
+        "vllm-servicer: per-request budgets (refused before any engine work)"
     )
 
-    max_pooling_inputs: int = dataclasses.field(
-        default=DEFAULT_MAX_POOLING_INPUTS,
-        metadata=_flag(
-            "most texts one Classify, Score or Rerank may carry (inputs, text_2, documents)"
-        ),
+    max_n: int = _budget(
+        DEFAULT_MAX_N,
+        "most sequences one Generate may ask for (sampling_params.n; the HTTP API's n)",
+    )
+    max_constraint_bytes: int = _budget(
+        DEFAULT_MAX_CONSTRAINT_BYTES,
+        "largest structured-output constraint in bytes (JSON schema, regex, grammar, "
+        "structural tag, all choices together)",
+    )
+    max_abort_ids: int = _budget(
+        DEFAULT_MAX_ABORT_IDS,
+        "most request ids one Abort may name",
+    )
+    max_request_media_pixels: int = _budget(
+        DEFAULT_MAX_REQUEST_MEDIA_PIXELS,
+        "most pixels of all one request's images together",
+    )
+    max_request_media_bytes: int = _budget(
+        DEFAULT_MAX_REQUEST_MEDIA_BYTES,
+        "most bytes one request's images may take decoded",
+    )
+    max_media_bytes_in_flight: int = _budget(
+        DEFAULT_MAX_MEDIA_BYTES_IN_FLIGHT,
+        "most bytes of decoded images this process holds for the requests running; "
+        "past it a request with images gets RESOURCE_EXHAUSTED",
+    )
+    max_request_shm_bytes: int = _budget(
+        DEFAULT_MAX_REQUEST_SHM_BYTES,
+        "most bytes one request's tensors may name in shared memory",
     )
 
-    max_pooling_chars: int = dataclasses.field(
-        default=DEFAULT_MAX_POOLING_CHARS,
-        metadata=_flag(
-            "most characters one Classify, Score or Rerank gives the tokenizer, a query "
-            "counted once per text it is paired with"
-        ),
+    max_pooling_inputs: int = _budget(
+        DEFAULT_MAX_POOLING_INPUTS,
+        "most texts one Classify, Score or Rerank may carry (inputs, text_2, documents)",
     )
 
-    max_render_items: int = dataclasses.field(
-        default=DEFAULT_MAX_RENDER_ITEMS,
-        metadata=_flag(
-            "most messages, content parts, tool calls and tools one RenderChat lays out "
-            "(prompts of one RenderCompletion)"
-        ),
+    max_pooling_chars: int = _budget(
+        DEFAULT_MAX_POOLING_CHARS,
+        "most characters one Classify, Score or Rerank gives the tokenizer, a query "
+        "counted once per text it is paired with",
     )
 
-    max_render_chars: int = dataclasses.field(
-        default=DEFAULT_MAX_RENDER_CHARS,
-        metadata=_flag(
-            "most characters one RenderChat or RenderCompletion gives the tokenizer, all its "
-            "messages or prompts together"
-        ),
+    max_render_items: int = _budget(
+        DEFAULT_MAX_RENDER_ITEMS,
+        "most messages, content parts, tool calls and tools one RenderChat lays out "
+        "(prompts of one RenderCompletion)",
     )
 
-    max_derender_tokens: int = dataclasses.field(
-        default=DEFAULT_MAX_DERENDER_TOKENS,
-        metadata=_flag(
-            "most token ids one DerenderChat or DerenderCompletion turns into text, or one "
-            "DerenderChatStream or DerenderCompletionStream in all its chunks: generated ids, "
-            "prompt ids and logprob candidates together"
-        ),
+    max_render_chars: int = _budget(
+        DEFAULT_MAX_RENDER_CHARS,
+        "most characters one RenderChat or RenderCompletion gives the tokenizer, all its "
+        "messages or prompts together",
     )
 
-    max_derender_chunks: int = dataclasses.field(
-        default=DEFAULT_MAX_DERENDER_CHUNKS,
-        metadata=_flag(
-            "most chunks one DerenderChatStream or DerenderCompletionStream answers (with a "
-            "parser vLLM replays every earlier chunk on each one)"
-        ),
+    max_derender_tokens: int = _budget(
+        DEFAULT_MAX_DERENDER_TOKENS,
+        "most token ids one DerenderChat or DerenderCompletion turns into text, or one "
+        "DerenderChatStream or DerenderCompletionStream in all its chunks: generated ids, "
+        "prompt ids and logprob candidates together",
     )
 
-    max_derender_work: int = dataclasses.field(
-        default=DEFAULT_MAX_DERENDER_WORK,
-        metadata=_flag(
-            "most tokens one DerenderChatStream's chunks make vLLM replay in all (with a "
-            "parser each chunk replays the sequence so far: n one-token chunks replay "
-            "n(n+1)/2)"
-        ),
+    max_derender_chunks: int = _budget(
+        DEFAULT_MAX_DERENDER_CHUNKS,
+        "most chunks one DerenderChatStream or DerenderCompletionStream answers (with a "
+        "parser vLLM replays every earlier chunk on each one)",
     )
 
-    min_tenant_priority: int = dataclasses.field(
-        default=DEFAULT_MIN_TENANT_PRIORITY,
-        metadata=_flag(
-            "lowest priority a tenant's request may ask for (lower runs first with "
-            "--scheduling-policy priority; at most 0; a key file's min_priority= sets a key's "
-            "own; routers and admins are not bounded)"
-        ),
+    max_derender_work: int = _budget(
+        DEFAULT_MAX_DERENDER_WORK,
+        "most tokens one DerenderChatStream's chunks make vLLM replay in all (with a "
+        "parser each chunk replays the sequence so far: n one-token chunks replay "
+        "n(n+1)/2)",
     )
 
-    max_stop_strings: int = dataclasses.field(
-        default=DEFAULT_MAX_STOP_STRINGS,
-        metadata=_flag(
-            "most stop strings one generation may carry (every protocol and the HTTP API's stop)"
-        ),
+    min_tenant_priority: int = _budget(
+        DEFAULT_MIN_TENANT_PRIORITY,
+        "lowest priority a tenant's request may ask for (lower runs first with "
+        "--scheduling-policy priority; at most 0; a key file's min_priority= sets a key's "
+        "own; routers and admins are not bounded)",
     )
 
-    max_stop_bytes: int = dataclasses.field(
-        default=DEFAULT_MAX_STOP_BYTES,
-        metadata=_flag("most bytes of one generation's stop strings together"),
+    max_stop_strings: int = _budget(
+        DEFAULT_MAX_STOP_STRINGS,
+        "most stop strings one generation may carry (every protocol and the HTTP API's stop)",
+    )
+
+    max_stop_bytes: int = _budget(
+        DEFAULT_MAX_STOP_BYTES,
+        "most bytes of one generation's stop strings together",
     )
 
     def __post_init__(self) -> None:
@@ -462,11 +444,6 @@ def check_priority_floor(where: str, floor: object) -> int:
     if not isinstance(floor, int) or isinstance(floor, bool) or not _MIN_PRIORITY <= floor <= 0:
         raise ValueError(f"{where} must be an integer from {_MIN_PRIORITY} to 0, got {floor!r}")
     return floor
-
-
-def flag_name(field: str) -> str:
-    """The launcher flag of a `RequestBudgets` field (`max_n`: `--max-n`)."""
-    return "--" + field.replace("_", "-")
 
 
 def encoded_size(*texts: str) -> int:

@@ -174,17 +174,19 @@ def mount(
         inflight=inflight,
         load_reports=LoadReportInterceptor(reporter) if reporter is not None else None,
     )
-    served = tuple(name for name in SERVICES if name in options.services)
+    served = tuple(name for name in SERVICES if name in options.served.services)
     # Built first: Control tells it when the engine's state changes. Readiness
     # for the whole server ("") and each protocol served.
-    health = EngineHealthServicer(engine, services=("", *served)) if options.health else None
+    health = EngineHealthServicer(engine, services=("", *served)) if options.served.health else None
     recheck = health.recheck if health is not None else None
     servicers: dict[str, Any] = {name: _PROTOCOLS[name].build(state, recheck) for name in served}
     recorder = HandlerRecorder()
     for name, servicer in servicers.items():
         _PROTOCOLS[name].add(servicer, recorder)
     orca = OpenRcaServicer(reporter) if reporter is not None else None
-    names = _add_standard_services(recorder, served, health, orca, options.reflection_service)
+    names = _add_standard_services(
+        recorder, served, health, orca, options.served.reflection_service
+    )
     _register_wrapped(server, recorder, pipeline)
     return MountedServices(
         state=state,
@@ -202,22 +204,16 @@ def mount(
     )
 
 
-_OPTION_NAMES = frozenset(field.name for field in dataclasses.fields(MountOptions))
-
-
 def _options_of(options: MountOptions | None, keywords: dict[str, Any]) -> MountOptions:
     """`options`, or the deprecated keywords `mount()` took before it as `MountOptions`."""
     if not keywords:
         return options if options is not None else MountOptions()
-    unknown = sorted(set(keywords) - _OPTION_NAMES)
-    if unknown:
-        raise TypeError(f"mount() got an unexpected keyword argument {unknown[0]!r}")
     if options is not None:
         raise TypeError("mount() takes options or MountOptions' fields as keywords, not both")
     named = ", ".join(f"{name}=..." for name in keywords)
     warnings.warn(
         f"mount(server, engine, {named}) is deprecated: pass "
-        f"mount(server, engine, MountOptions({named})); the keywords go in the next release",
+        f"mount(server, engine, MountOptions.of({named})); the keywords go in the next release",
         DeprecationWarning,
         stacklevel=3,
     )
@@ -227,7 +223,10 @@ def _options_of(options: MountOptions | None, keywords: dict[str, Any]) -> Mount
         for name, value in keywords.items()
         if value is not None or name not in ("budgets", "lora_modules")
     }
-    return MountOptions(**given)
+    try:
+        return MountOptions.of(**given)
+    except TypeError as unknown:
+        raise TypeError(f"mount() got an unexpected keyword argument: {unknown}") from None
 
 
 def _add_standard_services(

@@ -1,5 +1,6 @@
 """Options: the grpc.aio server's that suit LLM traffic (`server_options`), and
-what `mount()` serves and how (`MountOptions`)."""
+what `mount()` serves and how (`MountOptions`, in groups that are also the
+launcher's flags)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import dataclasses
 import socket
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from .budgets import RequestBudgets
+from .flags import flag, group, held_groups, not_a_flag
 from .proto import CONTROL_SERVICE, INFERENCE_SERVICE, POOLING_SERVICE, RENDER_SERVICE, SERVICE_NAME
 
 if TYPE_CHECKING:
@@ -42,167 +44,104 @@ DEFAULT_SERVICES: tuple[str, ...] = (
 rendering (each refuses what the model cannot do), not vLLM's Control."""
 
 
-def _option(
-    default: Any = dataclasses.MISSING,
-    *,
-    help: str,
-    default_factory: Any = dataclasses.MISSING,
-    flag: str | None = "",
-    metavar: str | None = None,
-) -> Any:
-    """A `MountOptions` field: its help (the one description of it, which the
-    launcher's flag shows too) and how the launcher spells its flag.
-
-    `flag`: "" for `--` and the field's name, None for no flag of its own; a
-    field on by default is turned off by its flag (`--no-reflection`).
-    """
-    metadata: dict[str, Any] = {"help": help, "flag": flag}
-    if metavar is not None:
-        metadata["metavar"] = metavar
-    return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
+# The protocols by the launcher's short names (`--services`).
+SERVICES_BY_SHORT_NAME: Mapping[str, str] = MappingProxyType(
+    {
+        "vllm-engine": SERVICE_NAME,
+        "inference": INFERENCE_SERVICE,
+        "control": CONTROL_SERVICE,
+        "pooling": POOLING_SERVICE,
+        "render": RENDER_SERVICE,
+    }
+)
 
 
-def option_flag(field: dataclasses.Field[Any]) -> str | None:
-    """The launcher flag of a `MountOptions` field (`--max-kv-subscribers`), or None."""
-    flag: str | None = field.metadata["flag"]
-    if flag == "":
-        return "--" + field.name.replace("_", "-")
-    return flag
+def _services(names: list[str] | None) -> tuple[str, ...]:
+    """`--services` as full names; not named, `DEFAULT_SERVICES` (the launcher
+    widens them to every protocol when calls need credentials)."""
+    if names is None:
+        return DEFAULT_SERVICES
+    return tuple(SERVICES_BY_SHORT_NAME[name] for name in names)
+
+
+def _lora_modules(given: list[str]) -> Mapping[str, str]:
+    """`name=path` pairs (vLLM's `--lora-modules` form) as a mapping."""
+    modules: dict[str, str] = {}
+    for item in given:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules takes name=path, got {item!r}")
+        if name in modules:
+            raise ValueError(f"--lora-modules names {name!r} twice")
+        modules[name] = path
+    return MappingProxyType(modules)
+
+
+def _media_refs(enabled: bool) -> MediaRefOptions | None:
+    """`--enable-media-refs` as `MediaOptions.media_refs`: the launcher's rules, or None."""
+    from .multimodal.media import MediaRefOptions
+
+    return MediaRefOptions() if enabled else None
 
 
 @dataclasses.dataclass(frozen=True)
-class MountOptions:
-    """What `mount()` serves and how: one object, validated here once.
+class ServedOptions:
+    """What is served: the protocols, health, reflection, load reports and LoRA adapters.
 
-    Each field carries its help in its metadata (`dataclasses.fields`), which
-    the launcher shows as the help of the flag that sets it (`option_flag`):
-    a serving option is a field here plus the code that reads it. `mount()`
-    reads the services, health and reflection; the servicers it builds read
-    their own fields from the state they share (`MountState.options`).
+    Attributes:
+        services: the protocol services to serve, by full name (`SERVICES`;
+            default: all but vllm.Control). vllm.Control changes the engine for
+            everyone (adapters, pause, sleep, weight updates, shutdown): serve
+            it where callers are authenticated and only administrators may
+            call it (`AuthInterceptor` does so).
+        health: serve grpc.health.v1.Health (services "" and each one served;
+            NOT_SERVING while the engine is dead). Off where the host runs its own.
 
     Raises:
-        ValueError: `services` names none, or a service this package does not
-            serve; a stream interval out of range.
+        ValueError: `services` names none, or one this package does not serve;
+            LoRA adapters with no protocol that serves them.
     """
 
-    services: tuple[str, ...] = _option(
+    FLAG_TITLE: ClassVar[str] = "vllm-servicer: what is served"
+
+    services: tuple[str, ...] = flag(
         DEFAULT_SERVICES,
-        help="the protocol services to serve, by full name (`SERVICES`; default: all but "
-        "vllm.Control). vllm.Control changes the engine for everyone (adapters, pause, sleep, "
-        "weight updates, shutdown): serve it where callers are authenticated and only "
-        "administrators may call it (`AuthInterceptor` does so)",
-        flag=None,  # the launcher names them its own way (--services)
+        help="the protocols to serve: vllm-engine (vllm.grpc.engine.VllmEngine), "
+        "inference (vLLM's vllm.Inference), pooling (vllm_servicer.v1.Pooling: classify, "
+        "score, rerank), render (vllm_servicer.v1.Render: prompts as the engine runs them) "
+        "and control (vLLM's vllm.Control: adapters, pause, sleep, weight updates, shutdown; "
+        "administrators only when keys are set); default: all of them with API keys or "
+        "--tls-client-ca, else all but control (naming control then serves it to anyone "
+        "who reaches the port, with a warning)",
+        nargs="+",
+        choices=tuple(SERVICES_BY_SHORT_NAME),
+        parsed_default=None,
+        convert=_services,
     )
-    health: bool = _option(
-        True,
-        help='serve grpc.health.v1.Health (services "" and each one served; NOT_SERVING '
-        "while the engine is dead). Off where the host runs its own",
-        flag=None,
-    )
-    reflection_service: bool = _option(
+    health: bool = not_a_flag(True)
+    reflection_service: bool = flag(
         True,
         help="serve server reflection (v1alpha) for the services mounted: it resolves their "
         "files and imports, nothing else of the process",
-        flag="--no-reflection",
+        spelled="--no-reflection",
     )
-    load_reports: bool = _option(
+    load_reports: bool = flag(
         True,
         help="send balancers the engine's load as ORCA reports, which gRPC's "
         "weighted_round_robin and Envoy read: in the endpoint-load-metrics-bin trailer of "
         "every engine call that ends OK (Generate, Embed...), and on "
         "xds.service.orca.v3.OpenRcaService (no key needed, as health)",
-        flag="--no-load-reports",
+        spelled="--no-load-reports",
     )
-    max_kv_subscribers: int = _option(
-        DEFAULT_MAX_KV_SUBSCRIBERS,
-        help="most SubscribeKvEvents streams open at once; the next one is answered "
-        "RESOURCE_EXHAUSTED",
-    )
-    media_refs: MediaRefOptions | None = _option(
-        None,
-        help="resolve images that Generate names by URL (media_refs) by these rules (the "
-        "launcher's: data: URLs, file: under --allowed-local-media-path, http(s): only to "
-        "--allowed-media-domains); None refuses them with UNIMPLEMENTED",
-        flag="--enable-media-refs",
-    )
-    shm_tensors: bool = _option(
-        False,
-        help="take preprocessed image tensors (mm_inputs) through this host's shared memory "
-        "too, not only inline: a caller names the segment and the server reads any its user "
-        "can, so only where every caller may read this host's shared memory",
-        flag="--enable-shm-tensors",
-    )
-    lora_modules: Mapping[str, str] = _option(
+    lora_modules: Mapping[str, str] = flag(
         default_factory=lambda: MappingProxyType({}),
         help="LoRA adapters to serve by name from the start, each name's path on this host "
         "(vLLM's --lora-modules; needs --enable-lora), loaded at first use; more can be "
         "loaded through vllm.Control's LoadLora",
         metavar="NAME=PATH",
-    )
-    budgets: RequestBudgets = _option(
-        default_factory=RequestBudgets,
-        help="what one request may cost (decoded image pixels and bytes, n, constraint size, "
-        "ids per Abort, shared-memory bytes...), and the decoded images the process holds at "
-        "once; past one, a call is refused before any engine work",
-        flag=None,  # a flag per field, declared there
-    )
-    stream_interval: int = _option(
-        1,
-        help="new tokens a streamed generation's message gathers before it is sent, both "
-        "gRPC generation protocols (vLLM's per-request stream_interval; the first and the "
-        "last token go at once): fewer messages cost the serving process less per token, "
-        "and a token waits up to N-1 engine steps; the engine's own --stream-interval (every "
-        "frontend, vLLM's HTTP API included) stays the floor (default 1: every step)",
-        flag="--grpc-stream-interval",
-        metavar="N",
-    )
-    stream_interval_min_inflight: int = _option(
-        0,
-        help="apply the stream interval only to streams that start while at least this many "
-        "engine calls are in flight (the new one counted), so that a lightly loaded server "
-        "streams every step (default 0: always)",
-        flag="--grpc-stream-interval-min-inflight",
-        metavar="K",
-    )
-    chat_template: str | None = _option(
-        None,
-        help="chat template (a file or inline Jinja) instead of the model's, for Render and "
-        "the launcher's HTTP API (/v1/chat/completions), as vLLM's own --chat-template",
-    )
-    tool_call_parser: str | None = _option(
-        None,
-        help="vLLM's tool-call parser by name (hermes, pythonic, ...), as vLLM's own "
-        "--tool-call-parser: Render's DerenderChat parses tool calls with it, and so does the "
-        "launcher's HTTP API; the engine's --reasoning-parser splits reasoning for both",
-    )
-    enable_auto_tool_choice: bool = _option(
-        False,
-        help="let the model choose to call tools (tool_choice auto) and parse its calls with "
-        "--tool-call-parser, as vLLM's own --enable-auto-tool-choice",
-    )
-    routing_data_for_every_key: bool = _option(
-        False,
-        help="take KV transfer parameters (kv_transfer_params: they make a prefill engine "
-        "hold KV blocks, a decode engine connect to a host the caller names) from every "
-        "authenticated caller, not only from identities with the router or admin role (others "
-        "get PERMISSION_DENIED; calls without credentials always may). KV events follow the "
-        "authentication's permissions instead: the launcher opens both to every key, carrying "
-        "every tenant's token ids, so only where no tenant may be kept from another's prompts",
-    )
-    shared_prefix_cache: bool = _option(
-        False,
-        help="one prefix cache for every tenant, as vLLM has it: tenants' prompts are not "
-        "salted by their name (admin callers' and unauthenticated ones never are), so a common "
-        "system prompt is reused across tenants, and each can read from cached token counts "
-        "whether another's prompts share a prefix it guesses. Only where tenants trust each "
-        "other",
-    )
-    max_queued_prompt_tokens: int = _option(
-        DEFAULT_MAX_QUEUED_PROMPT_TOKENS,
-        help="prompt tokens waiting for their prefill that tenants share: while several want "
-        "them each is held to its weighted share of this many, and a request past it is "
-        "answered RESOURCE_EXHAUSTED (HTTP 503) naming the share, with a retry hint; a tenant "
-        "alone, callers without a key and admins are not held; 0: no shares",
+        nargs="+",
+        parsed_default=[],
+        convert=_lora_modules,
     )
 
     def __post_init__(self) -> None:
@@ -214,16 +153,59 @@ class MountOptions:
             raise ValueError(
                 f"services must be some of {', '.join(SERVICES)}; got {unknown or 'none'}"
             )
-        if self.enable_auto_tool_choice and not self.tool_call_parser:
+        if self.lora_modules and set(self.services) <= {SERVICE_NAME}:
             raise ValueError(
-                "enable_auto_tool_choice needs a tool_call_parser "
-                "(the launcher's --enable-auto-tool-choice needs --tool-call-parser)"
+                "--lora-modules are served through vllm.Inference (lora_name), vllm.Control "
+                "and Pooling and Render (model), not VllmEngine: add one of them to --services"
             )
-        if self.max_queued_prompt_tokens < 0:
-            raise ValueError(
-                "max_queued_prompt_tokens must be 0 (no limit) or more, "
-                f"got {self.max_queued_prompt_tokens} (the launcher's --max-queued-prompt-tokens)"
-            )
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Handed to each frontend process (--api-server-count): a read-only
+        # mapping does not pickle, so the adapters travel as a dict.
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        fields["lora_modules"] = dict(self.lora_modules)
+        return (_unpickle_served, (fields,))
+
+
+def _unpickle_served(fields: dict[str, Any]) -> ServedOptions:
+    return ServedOptions(**fields)
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamingOptions:
+    """How streams are sent: tokens per message, and KV event subscribers.
+
+    Raises:
+        ValueError: an interval or a limit out of range.
+    """
+
+    FLAG_TITLE: ClassVar[str] = "vllm-servicer: streaming"
+
+    stream_interval: int = flag(
+        1,
+        help="new tokens a streamed generation's message gathers before it is sent, both "
+        "gRPC generation protocols (vLLM's per-request stream_interval; the first and the "
+        "last token go at once): fewer messages cost the serving process less per token, "
+        "and a token waits up to N-1 engine steps; the engine's own --stream-interval (every "
+        "frontend, vLLM's HTTP API included) stays the floor (default 1: every step)",
+        spelled="--grpc-stream-interval",
+        metavar="N",
+    )
+    stream_interval_min_inflight: int = flag(
+        0,
+        help="apply the stream interval only to streams that start while at least this many "
+        "engine calls are in flight (the new one counted), so that a lightly loaded server "
+        "streams every step (default 0: always)",
+        spelled="--grpc-stream-interval-min-inflight",
+        metavar="K",
+    )
+    max_kv_subscribers: int = flag(
+        DEFAULT_MAX_KV_SUBSCRIBERS,
+        help="most SubscribeKvEvents streams open at once; the next one is answered "
+        "RESOURCE_EXHAUSTED",
+    )
+
+    def __post_init__(self) -> None:
         if self.stream_interval < 1:
             raise ValueError(
                 f"stream_interval must be at least 1, got {self.stream_interval} "
@@ -236,16 +218,157 @@ class MountOptions:
                 "(the launcher's --grpc-stream-interval-min-inflight)"
             )
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        # Handed to each frontend process (--api-server-count): a read-only
-        # mapping does not pickle, so the adapters travel as a dict.
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        fields["lora_modules"] = dict(self.lora_modules)
-        return (_unpickle_mount_options, (fields,))
+
+@dataclasses.dataclass(frozen=True)
+class MediaOptions:
+    """Where images may come from besides the request itself: URLs, shared memory."""
+
+    FLAG_TITLE: ClassVar[str] = "vllm-servicer: media"
+
+    media_refs: MediaRefOptions | None = flag(
+        None,
+        help="resolve images that Generate names by URL (media_refs) by these rules (the "
+        "launcher's: data: URLs, file: under --allowed-local-media-path, http(s): only to "
+        "--allowed-media-domains); None refuses them with UNIMPLEMENTED",
+        spelled="--enable-media-refs",
+        action="store_true",
+        parsed_default=False,
+        convert=_media_refs,
+    )
+    shm_tensors: bool = flag(
+        False,
+        help="take preprocessed image tensors (mm_inputs) through this host's shared memory "
+        "too, not only inline: a caller names the segment and the server reads any its user "
+        "can, so only where every caller may read this host's shared memory",
+        spelled="--enable-shm-tensors",
+    )
 
 
-def _unpickle_mount_options(fields: dict[str, Any]) -> MountOptions:
-    return MountOptions(**fields)
+@dataclasses.dataclass(frozen=True)
+class ChatOptions:
+    """How chats are laid out and read back, for Render and the HTTP API.
+
+    Raises:
+        ValueError: automatic tool choice without a tool-call parser.
+    """
+
+    FLAG_TITLE: ClassVar[str] = "vllm-servicer: chat (Render and the HTTP API)"
+
+    chat_template: str | None = flag(
+        None,
+        help="chat template (a file or inline Jinja) instead of the model's, for Render and "
+        "the launcher's HTTP API (/v1/chat/completions), as vLLM's own --chat-template",
+    )
+    tool_call_parser: str | None = flag(
+        None,
+        help="vLLM's tool-call parser by name (hermes, pythonic, ...), as vLLM's own "
+        "--tool-call-parser: Render's DerenderChat parses tool calls with it, and so does the "
+        "launcher's HTTP API; the engine's --reasoning-parser splits reasoning for both",
+    )
+    enable_auto_tool_choice: bool = flag(
+        False,
+        help="let the model choose to call tools (tool_choice auto) and parse its calls with "
+        "--tool-call-parser, as vLLM's own --enable-auto-tool-choice",
+    )
+
+    def __post_init__(self) -> None:
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ValueError(
+                "enable_auto_tool_choice needs a tool_call_parser "
+                "(the launcher's --enable-auto-tool-choice needs --tool-call-parser)"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class TenancyOptions:
+    """What tenants share: routing data, the prefix cache, queued prompt tokens.
+
+    Raises:
+        ValueError: a negative token ceiling.
+    """
+
+    FLAG_TITLE: ClassVar[str] = "vllm-servicer: tenancy"
+
+    routing_data_for_every_key: bool = flag(
+        False,
+        help="take KV transfer parameters (kv_transfer_params: they make a prefill engine "
+        "hold KV blocks, a decode engine connect to a host the caller names) from every "
+        "authenticated caller, not only from identities with the router or admin role (others "
+        "get PERMISSION_DENIED; calls without credentials always may). KV events follow the "
+        "authentication's permissions instead: the launcher opens both to every key, carrying "
+        "every tenant's token ids, so only where no tenant may be kept from another's prompts",
+    )
+    shared_prefix_cache: bool = flag(
+        False,
+        help="one prefix cache for every tenant, as vLLM has it: tenants' prompts are not "
+        "salted by their name (admin callers' and unauthenticated ones never are), so a common "
+        "system prompt is reused across tenants, and each can read from cached token counts "
+        "whether another's prompts share a prefix it guesses. Only where tenants trust each "
+        "other",
+    )
+    max_queued_prompt_tokens: int = flag(
+        DEFAULT_MAX_QUEUED_PROMPT_TOKENS,
+        help="prompt tokens waiting for their prefill that tenants share: while several want "
+        "them each is held to its weighted share of this many, and a request past it is "
+        "answered RESOURCE_EXHAUSTED (HTTP 503) naming the share, with a retry hint; a tenant "
+        "alone, callers without a key and admins are not held; 0: no shares",
+    )
+
+    def __post_init__(self) -> None:
+        if self.max_queued_prompt_tokens < 0:
+            raise ValueError(
+                "max_queued_prompt_tokens must be 0 (no limit) or more, "
+                f"got {self.max_queued_prompt_tokens} (the launcher's --max-queued-prompt-tokens)"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class MountOptions:
+    """What `mount()` serves and how: one object of groups, each validated once.
+
+    Each group is a frozen dataclass whose fields carry their help, which the
+    launcher shows as the help of the flag that sets each (`flags.py`): a
+    serving option is a field of its group plus the code that reads it.
+    `mount()` reads what is served; the servicers it builds read their own
+    groups from the state they share (`MountState.options`).
+
+    Attributes:
+        served: the protocols, health, reflection, load reports, LoRA adapters.
+        streaming: tokens per streamed message, KV event subscribers.
+        media: images by URL and through shared memory.
+        chat: the chat template and tool calls, for Render and the HTTP API.
+        tenancy: what tenants share.
+        budgets: what one request may cost (decoded image pixels and bytes, n,
+            constraint size, ids per Abort, shared-memory bytes...), and the
+            decoded images the process holds at once; past one, a call is
+            refused before any engine work.
+    """
+
+    served: ServedOptions = group(ServedOptions)
+    streaming: StreamingOptions = group(StreamingOptions)
+    media: MediaOptions = group(MediaOptions)
+    chat: ChatOptions = group(ChatOptions)
+    tenancy: TenancyOptions = group(TenancyOptions)
+    budgets: RequestBudgets = group(RequestBudgets)
+
+    @classmethod
+    def of(cls, **fields: Any) -> MountOptions:
+        """`MountOptions` from its groups' fields by name, each put in its group:
+        `MountOptions.of(load_reports=False, stream_interval=4)`. A group's own
+        name takes the whole group (`budgets=RequestBudgets(...)`).
+
+        Raises:
+            TypeError: a name that is no group's field.
+        """
+        groups: dict[str, Any] = {}
+        for name, of in held_groups(cls).items():
+            if name in fields:
+                groups[name] = fields.pop(name)
+            elif mine := {f.name for f in dataclasses.fields(of)} & set(fields):
+                groups[name] = of(**{option: fields.pop(option) for option in mine})
+        if fields:
+            raise TypeError(f"MountOptions has no option {sorted(fields)[0]!r}")
+        return cls(**groups)
 
 
 def server_options(

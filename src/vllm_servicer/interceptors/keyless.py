@@ -28,11 +28,12 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import grpc
 
 from ..errors import KeylessLimitError
+from ..flags import flag, flag_name, not_a_flag
 from ._base import CallInterceptor, MethodFilter
 from ._call import Call, ClientWait, ReadDeadline, client_wait
 from .auth import requires_auth_by_default
@@ -48,7 +49,10 @@ def keyless_methods(method: str) -> bool:
 
 @dataclass(frozen=True)
 class KeylessLimits:
-    """How many keyless calls may run at once, per process.
+    """Calls that need no key: how many may run at once, per process.
+
+    Their slots come on top of --max-concurrent-rpcs, so keyless calls never
+    take one a keyed call needs.
 
     Attributes:
         max_keyless_streams: streaming keyless calls (health Watch, reflection,
@@ -61,15 +65,29 @@ class KeylessLimits:
             (a few bytes: health's service name, ORCA's interval).
     """
 
-    max_keyless_streams: int = 64
-    max_keyless_checks: int = 64
-    max_keyless_per_connection: int = 8
-    read_timeout: float = 2.0
+    FLAG_TITLE: ClassVar[str] = "vllm-servicer: calls that need no key"
+
+    max_keyless_streams: int = flag(
+        64,
+        help="most health Watch, reflection and ORCA load-report streams (no key needed) open "
+        "at once; past it RESOURCE_EXHAUSTED. Slots of their own, on top of "
+        "--max-concurrent-rpcs (default 64)",
+    )
+    max_keyless_checks: int = flag(
+        64,
+        help="most health Check calls at once, apart from the streams so that probes are "
+        "answered while those are full; on top of --max-concurrent-rpcs (default 64)",
+    )
+    max_keyless_per_connection: int = flag(
+        8,
+        help="most health, reflection and load-report calls at once on one connection (default 8)",
+    )
+    read_timeout: float = not_a_flag(2.0)
 
     def __post_init__(self) -> None:
-        for name, value in vars(self).items():
-            if name != "read_timeout" and value < 1:
-                raise ValueError(f"{name} must be at least 1, got {value}")
+        for name in ("max_keyless_streams", "max_keyless_checks", "max_keyless_per_connection"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{flag_name(name)} must be at least 1, got {getattr(self, name)}")
         if self.read_timeout <= 0:
             raise ValueError(f"read_timeout must be above 0, got {self.read_timeout}")
 

@@ -72,11 +72,11 @@ def frontend_main(
     launch.group.join(index)
     configure_logging(launch.args)
     frontend = Frontend(launch.group, client_config, launch.ready)
-    end_process(run_until_done(serve(launch.args, frontend), launch.args.event_loop))
+    end_process(run_until_done(serve(launch.args, frontend), launch.args.server.event_loop))
 
 
 def serve_frontends(args: ServeArgs) -> int:
-    """Start the engine and `args.api_server_count` frontends; serve until a
+    """Start the engine and `args.server.api_server_count` frontends; serve until a
     stop signal, then drain them all and stop the engine. The exit code.
 
     `EXIT_STOPPED` (0) after a stop asked for by a signal; `EXIT_FAILED` (1)
@@ -87,7 +87,7 @@ def serve_frontends(args: ServeArgs) -> int:
 
     from .. import vllm_releases
 
-    count = args.api_server_count
+    count = args.server.api_server_count
     # Before anything imports prometheus_client's value class in a frontend:
     # each process writes its series to files in a directory this one reads.
     setup_multiprocess_prometheus()  # type: ignore[no-untyped-call]
@@ -96,16 +96,18 @@ def serve_frontends(args: ServeArgs) -> int:
     args = _with_fixed_ports(args)
     # Sized from what the budgets let run at once, and no one identity holds
     # more ids than that: others always find room in the table.
-    ids = id_room(args.max_inflight, args.options.budgets.max_pooling_inputs)
+    ids = id_room(args.slots.max_inflight, args.options.budgets.max_pooling_inputs)
     capacity = table_capacity(
-        args.max_inflight, args.options.budgets.max_pooling_inputs, args.options.max_kv_subscribers
+        args.slots.max_inflight,
+        args.options.budgets.max_pooling_inputs,
+        args.options.streaming.max_kv_subscribers,
     )
     # A fair-share record for every tenant that can hold a slot, and some that only want one.
     group = FrontendGroup(
         count,
         capacity,
         claims_per_owner=ids,
-        share_records=args.max_inflight + WANTING_ONLY_RECORDS,
+        share_records=args.slots.max_inflight + WANTING_ONLY_RECORDS,
     )
     ready = multiprocessing.get_context("spawn").Queue()
     engine_args = args.engine_args()
@@ -136,17 +138,20 @@ def _run(args: ServeArgs, group: FrontendGroup, frontends: Any, ready: Any, star
         logger.info(
             "engine and %d frontends ready in %.1f s", len(processes), time.monotonic() - started
         )
-        if args.metrics_port is not None:
+        if args.observability.metrics_port is not None:
             metrics = _serve_metrics(args, group)
         # Printed (not only logged) so scripts and tests can read the ports.
-        print(f"vllm-servicer listening on {args.host}:{args.port}", flush=True)
-        if args.http_port is not None:
-            scheme = "https" if args.tls is not None else "http"
+        print(f"vllm-servicer listening on {args.server.host}:{args.server.port}", flush=True)
+        if args.http.http_port is not None:
+            scheme = "https" if args.security.tls is not None else "http"
             print(
-                f"vllm-servicer http on {scheme}://{args.http_address}:{args.http_port}", flush=True
+                f"vllm-servicer http on {scheme}://{args.http_address}:{args.http.http_port}",
+                flush=True,
             )
-        if args.health_port is not None:
-            print(f"vllm-servicer health (plaintext) on {args.host}:{args.health_port}", flush=True)
+        if (health_port := args.security.health_port) is not None:
+            print(
+                f"vllm-servicer health (plaintext) on {args.server.host}:{health_port}", flush=True
+            )
         pids = " ".join(str(p.pid) for p in processes)
         print(f"vllm-servicer frontends: {len(processes)} processes, pids {pids}", flush=True)
         return _wait_until_ended(args, group, processes, frontends.engine_manager, stop)
@@ -239,7 +244,9 @@ def _wait_until_ended(
     alive: dict[Any, multiprocessing.process.BaseProcess] = {p.sentinel: p for p in processes}
     engine = list(engine_manager.sentinels()) if hasattr(engine_manager, "sentinels") else []
     # A frontend's longest stop: its drain, then its hard stop's deadline.
-    allowed = args.drain_grace + float(args.engine.get("shutdown_timeout") or 0) + _EXIT_MARGIN
+    allowed = (
+        args.server.drain_grace + float(args.engine.get("shutdown_timeout") or 0) + _EXIT_MARGIN
+    )
     while alive:
         timeout = 1.0
         if stop.requested_at is not None:
@@ -287,13 +294,17 @@ def _with_fixed_ports(args: ServeArgs) -> ServeArgs:
             sock.bind((host.strip("[]"), 0))
             return int(sock.getsockname()[1])
 
-    port = fixed(args.host, args.port)
+    port = fixed(args.server.host, args.server.port)
     assert port is not None  # --port always has a value
     return dataclasses.replace(
         args,
-        port=port,
-        http_port=fixed(args.http_address, args.http_port),
-        health_port=fixed(args.host, args.health_port),
+        server=dataclasses.replace(args.server, port=port),
+        http=dataclasses.replace(
+            args.http, http_port=fixed(args.http_address, args.http.http_port)
+        ),
+        security=dataclasses.replace(
+            args.security, health_port=fixed(args.server.host, args.security.health_port)
+        ),
     )
 
 
@@ -311,7 +322,7 @@ def _serve_metrics(args: ServeArgs, group: FrontendGroup) -> Any:
     names = args.engine.get("served_model_name")
     registry.register(WaitingPromptTokens(group, names[0] if names else str(args.engine["model"])))
     server, _ = start_metrics_server(
-        args.metrics_port or 0, addr=args.metrics_address, registry=registry
+        args.observability.metrics_port or 0, addr=args.metrics_address, registry=registry
     )
     print(
         f"vllm-servicer metrics on http://{args.metrics_address}:{server.server_port}/metrics",

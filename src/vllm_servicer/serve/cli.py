@@ -33,8 +33,8 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     args = parse_args(argv)
     configure_logging(args)
     check_kv_publisher(args.engine)
-    if args.headless:
+    if args.server.headless:
         end_process(serve_headless(args))
-    if args.api_server_count > 1:
+    if args.server.api_server_count > 1:
         end_process(serve_frontends(args))
-    end_process(run_until_done(serve(args), args.event_loop))
+    end_process(run_until_done(serve(args), args.server.event_loop))

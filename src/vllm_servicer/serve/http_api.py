@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import socket
@@ -42,21 +43,19 @@ from .http_guard import GuardedEngine
 from .http_media import gate_media_fetching
 from .http_timeouts import guarded_protocol
 
-__all__ = ["HTTP_APP_FLAGS", "HttpApi", "frontend_args", "uvicorn_config"]
+__all__ = ["HttpApi", "frontend_args", "uvicorn_config"]
 
 logger = logging.getLogger(__name__)
+
 
 # The mount options (`MountOptions`, flags of the launcher) that vLLM's app
 # reads. The app's host and port are the HTTP API's; the launcher's keys, TLS,
 # limits and other ports stay its own.
-HTTP_APP_FLAGS = ("chat_template", "tool_call_parser", "enable_auto_tool_choice")
-
-
 def frontend_args(args: ServeArgs, host: str, port: int) -> argparse.Namespace:
     """vLLM's serve arguments: its frontend defaults, the launcher's engine settings.
 
     The HTTP side takes vLLM's defaults for every frontend option (CORS...) but
-    `HTTP_APP_FLAGS` (`--chat-template`, the tool-call parser) and
+    the chat group's (`--chat-template`, the tool-call parser: `ChatOptions`) and
     `--enable-scale-out` (vLLM's render, derender and token-id routes); every
     engine flag, model names and the reasoning parser included, comes from the
     launcher. vLLM's own key middleware
@@ -74,9 +73,8 @@ def frontend_args(args: ServeArgs, host: str, port: int) -> argparse.Namespace:
     parser_class: Any = FlexibleArgumentParser  # untyped in vLLM
     served: argparse.Namespace = make_arg_parser(parser_class()).parse_args([])
     vars(served).update(args.engine)
-    for name in HTTP_APP_FLAGS:
-        setattr(served, name, getattr(args.options, name))
-    served.enable_scale_out = args.enable_scale_out
+    vars(served).update(dataclasses.asdict(args.options.chat))
+    served.enable_scale_out = args.http.enable_scale_out
     served.host, served.port, served.api_key = host, port, None
     return served
 
@@ -198,7 +196,7 @@ class HttpApi:
 
         Args:
             engine: the launcher's `AsyncLLM`.
-            args: the launcher's arguments (engine flags, model names, `HTTP_APP_FLAGS`).
+            args: the launcher's arguments (engine flags, model names, its chat group).
             host: address to bind.
             port: port to bind; 0 picks a free one (read `port` after `start()`).
             verifier: the gRPC side's key verifier, or None for no keys.
@@ -217,14 +215,14 @@ class HttpApi:
             )
         )
         app = await _build_app(client, frontend_args(args, host, port))
-        front = Front(app, verifier, slots, args.max_message_bytes, args.options.budgets)
+        front = Front(app, verifier, slots, args.server.max_message_bytes, args.options.budgets)
         config = uvicorn_config(
             front,
             host,
             port,
             tls,
-            header_timeout=args.http_header_timeout,
-            max_connections=args.max_http_connections or None,
+            header_timeout=args.http.http_header_timeout,
+            max_connections=args.http.max_http_connections or None,
         )
         return cls(_Server(config), front)
 

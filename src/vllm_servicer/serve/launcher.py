@@ -91,11 +91,11 @@ async def serve(args: ServeArgs, frontend: Frontend | None = None) -> int:
     group = frontend.group if frontend is not None else None
     # One verifier for both protocols: a key file re-read for one is re-read for both.
     verifier = key_verifier(args)
-    credentials = server_credentials(*args.tls) if args.tls is not None else None
+    credentials = server_credentials(*args.security.tls) if args.security.tls is not None else None
     if frontend is None and not addresses_usable(args):
         return EXIT_FAILED
     engine = _start_engine(args, frontend)
-    if args.warm_up and frontend is None:
+    if args.server.warm_up and frontend is None:
         await _warm_up(engine)
     settle_process_for_serving()
     side = _SideServers()
@@ -130,7 +130,7 @@ async def serve(args: ServeArgs, frontend: Frontend | None = None) -> int:
             print(f"vllm-servicer frontend {index} serving (pid {os.getpid()})", flush=True)
         else:
             # Printed (not only logged) so scripts and tests can read the bound ports.
-            print(f"vllm-servicer listening on {args.host}:{port}", flush=True)
+            print(f"vllm-servicer listening on {args.server.host}:{port}", flush=True)
             if side.http is not None:
                 url = f"{side.http.scheme}://{args.http_address}:{side.http.port}"
                 print(f"vllm-servicer http on {url}", flush=True)
@@ -148,7 +148,7 @@ def _start_engine(args: ServeArgs, frontend: Frontend | None = None) -> AsyncLLM
     if frontend is not None:
         return _engine_client(args, frontend)
     started = time.monotonic()
-    logger.info("starting the vLLM engine for %s (loading the model)...", args.model)
+    logger.info("starting the vLLM engine for %s (loading the model)...", args.engine["model"])
     # Its processes must leave stop signals to us: we drain, then stop them.
     with apart_from_stop_signals():
         # A server's batch defaults, as vLLM's own servers take (on a large GPU,
@@ -226,18 +226,18 @@ def _grpc_server(
 ) -> tuple[grpc.aio.Server, MountedServices, int]:
     """The gRPC server (not started), the servicer mounted, and its bound port (0: logged)."""
     options = server_options(
-        args.max_message_bytes,
-        max_connection_age=args.max_connection_age,
-        request_compression=args.allow_request_compression,
+        args.server.max_message_bytes,
+        max_connection_age=args.server.max_connection_age,
+        request_compression=args.server.allow_request_compression,
     )
     if group is not None:
         options = shared_port(options)  # every frontend binds this one port
-    limits = args.keyless_limits
+    limits = args.keyless
     server = grpc.aio.server(
         # Health and reflection need no key: their slots come on top of what
         # --max-concurrent-rpcs keeps for every other call, and their own caps
         # (outermost, so that a refusal costs no span nor key check) keep them there.
-        maximum_concurrent_rpcs=limits.grpc_cap(args.max_concurrent_rpcs or None),
+        maximum_concurrent_rpcs=limits.grpc_cap(args.slots.max_concurrent_rpcs or None),
         options=options,
     )
     mounted = mount(
@@ -247,7 +247,7 @@ def _grpc_server(
         interceptors=[KeylessLimitInterceptor(limits), *interceptors],
         frontends=group,
     )
-    address = f"{args.host}:{args.port}"
+    address = f"{args.server.host}:{args.server.port}"
     if credentials is not None:
         port = server.add_secure_port(address, credentials)
     else:
@@ -278,21 +278,23 @@ class _SideServers:
     ) -> None:
         """Start the metrics endpoint (when `metrics`); build the HTTP API, whose
         port `open` opens."""
-        if args.metrics_port is not None and metrics:
-            self.metrics, _ = start_metrics_server(args.metrics_port, addr=args.metrics_address)
+        if args.observability.metrics_port is not None and metrics:
+            self.metrics, _ = start_metrics_server(
+                args.observability.metrics_port, addr=args.metrics_address
+            )
             print(
                 f"vllm-servicer metrics on http://{args.metrics_address}:"
                 f"{self.metrics.server_port}/metrics",
                 flush=True,
             )
-        if args.http_port is not None:
+        if args.http.http_port is not None:
             self.http = await HttpApi.build(
                 engine,
                 args,
                 host=args.http_address,
-                port=args.http_port,
+                port=args.http.http_port,
                 verifier=verifier,
-                tls=args.tls,
+                tls=args.security.tls,
                 guard=guard,
                 slots=slots,
             )
@@ -302,12 +304,12 @@ class _SideServers:
         `shared`: other frontend processes bind them too."""
         if self.http is not None:
             await self.http.start(reuse_port=shared)
-        if args.health_port is not None and mounted.health is not None:
+        if args.security.health_port is not None and mounted.health is not None:
             self.probes, port = await start_probe_port(
-                mounted.health, args.host, args.health_port, shared=shared
+                mounted.health, args.server.host, args.security.health_port, shared=shared
             )
             if not shared:  # else the parent prints the one port they share
-                print(f"vllm-servicer health (plaintext) on {args.host}:{port}", flush=True)
+                print(f"vllm-servicer health (plaintext) on {args.server.host}:{port}", flush=True)
 
     async def close(self, engine: AsyncLLM) -> None:
         """Stop these servers and the engine, in the order a clean end needs, and log it."""
@@ -335,8 +337,8 @@ def _shutdown(
     shutdown = GracefulShutdown(
         server,
         mounted,
-        grace_period=args.drain_grace,
-        timeout=float(args.shutdown_timeout or 0),
+        grace_period=args.server.drain_grace,
+        timeout=float(args.engine["shutdown_timeout"] or 0),
         on_drain=[metrics.mark_shutdown] if metrics is not None else [],
         # Whatever hangs (a client, the engine), the process ends in time.
         hard_stop=HardStop(exit_now),

@@ -12,7 +12,6 @@ from ..options import port_in_use
 from ..proto import CONTROL_SERVICE
 from ..tls import is_loopback, warn_if_exposed
 from .args import ADMIN_KEY_ENV, ServeArgs
-from .stack import authenticates
 
 __all__ = ["CONTROL_ALLOWS", "addresses_usable", "announce_control", "listening_addresses"]
 
@@ -21,20 +20,20 @@ logger = logging.getLogger("vllm_servicer.serve")
 
 def listening_addresses(args: ServeArgs) -> list[tuple[str, str, int]]:
     """(flag, host, port) of each port the launcher listens on (port 0: any free one)."""
-    addresses = [("--port", args.host, args.port)]
-    if args.http_port is not None:
-        addresses.append(("--http-port", args.http_address, args.http_port))
-    if args.health_port is not None:
-        addresses.append(("--health-port", args.host, args.health_port))
+    addresses = [("--port", args.server.host, args.server.port)]
+    if args.http.http_port is not None:
+        addresses.append(("--http-port", args.http_address, args.http.http_port))
+    if args.security.health_port is not None:
+        addresses.append(("--health-port", args.server.host, args.security.health_port))
     return addresses
 
 
 def addresses_usable(args: ServeArgs) -> bool:
     """Warn about exposed addresses and an unauthenticated vllm.Control; False
     (logged) when a port is already taken."""
-    tls, auth = args.tls is not None, authenticates(args)
-    warn_if_exposed(args.host, tls=tls, auth=auth)
-    if args.http_port is not None and args.http_address != args.host:
+    tls, auth = args.security.tls is not None, args.security.authenticates()
+    warn_if_exposed(args.server.host, tls=tls, auth=auth)
+    if args.http.http_port is not None and args.http_address != args.server.host:
         warn_if_exposed(args.http_address, tls=tls, auth=auth)
     announce_control(args)
     for flag, host, port in listening_addresses(args):
@@ -55,9 +54,9 @@ CONTROL_ALLOWS = (
 
 def announce_control(args: ServeArgs) -> None:
     """Log why vllm.Control is left out without authentication, or warn that it is served."""
-    if authenticates(args):
+    if args.security.authenticates():
         return
-    if CONTROL_SERVICE not in args.options.services:
+    if CONTROL_SERVICE not in args.options.served.services:
         if not args.services_named:
             logger.info(
                 "vllm.Control is not served: without API keys or --tls-client-ca anyone "
@@ -66,13 +65,13 @@ def announce_control(args: ServeArgs) -> None:
                 CONTROL_ALLOWS,
             )
         return
-    who = "any local user or process" if is_loopback(args.host) else "anyone"
+    who = "any local user or process" if is_loopback(args.server.host) else "anyone"
     logger.warning(
         "serving vllm.Control without authentication (--services names it): %s who reaches "
         "%s:%d can %s. Add --admin-api-key-file (or $%s) to keep it to administrators.",
         who,
-        args.host,
-        args.port,
+        args.server.host,
+        args.server.port,
         CONTROL_ALLOWS,
         ADMIN_KEY_ENV,
     )

@@ -30,7 +30,7 @@ from ..interceptors.call_slots import CallSlotsInterceptor
 from ..interceptors.verifiers import AnyOf, CallableVerifier, MtlsVerifier, Verifier
 from .args import ADMIN_KEY_ENV, API_KEY_ENV, ROUTER_KEY_ENV, ServeArgs
 
-__all__ = ["authenticates", "build_interceptors", "http_verifier", "key_verifier"]
+__all__ = ["build_interceptors", "http_verifier", "key_verifier"]
 
 
 def build_interceptors(
@@ -68,29 +68,31 @@ def build_interceptors(
     if tracer_provider is not None:
         stack.append(TracingInterceptor(tracer_provider=tracer_provider, model=model))
     metrics = None
-    if args.metrics_port is not None or args.http_port is not None:
+    if args.observability.metrics_port is not None or args.http.http_port is not None:
         metrics = MetricsInterceptor(model_name=model)
         stack.append(metrics)
     if verifier is None:
         verifier = key_verifier(args)
-    if verifier is None and args.tls_client_ca:
+    if verifier is None and args.security.client_ca:
         verifier = _certificate_verifier(args)
     if verifier is not None:
         # KV events are a router's unless the operator opens them to every key.
-        every_key = args.options.routing_data_for_every_key
+        every_key = args.options.tenancy.routing_data_for_every_key
         permissions = routing_for_every_key if every_key else role_permissions
         stack.append(AuthInterceptor(verifier, permissions=permissions))
     stack.append(
         CallSlotsInterceptor(
-            args.max_concurrent_rpcs or None,
-            read_timeout=args.request_read_timeout,
-            write_timeout=args.response_write_timeout,
+            args.slots.max_concurrent_rpcs or None,
+            read_timeout=args.slots.request_read_timeout,
+            write_timeout=args.slots.response_write_timeout,
         )
     )
-    if args.max_inflight or group is not None:
+    if args.slots.max_inflight or group is not None:
         stack.append(
             InflightInterceptor(
-                args.max_inflight or None, group=group, fair_shares=not args.no_fair_shares
+                args.slots.max_inflight or None,
+                group=group,
+                fair_shares=not args.slots.no_fair_shares,
             )
         )
     return stack, metrics
@@ -111,10 +113,11 @@ def key_verifier(args: ServeArgs) -> Verifier | None:
             return ApiKeyVerifier.from_env(env, roles=roles)
         return None
 
+    security = args.security
     found = [
-        keys(args.admin_api_key, args.admin_api_key_file, ADMIN_KEY_ENV, (ADMIN_ROLE,)),
-        keys(args.router_api_key, args.router_api_key_file, ROUTER_KEY_ENV, (ROUTER_ROLE,)),
-        keys(args.api_key, args.api_key_file, API_KEY_ENV, ()),
+        keys(security.admin_api_key, security.admin_api_key_file, ADMIN_KEY_ENV, (ADMIN_ROLE,)),
+        keys(security.router_api_key, security.router_api_key_file, ROUTER_KEY_ENV, (ROUTER_ROLE,)),
+        keys(security.api_key, security.api_key_file, API_KEY_ENV, ()),
     ]
     verifiers: list[Verifier] = [v for v in found if v is not None]
     if not verifiers:
@@ -132,8 +135,8 @@ def _certificate_verifier(args: ServeArgs) -> Verifier:
     verifiers: list[Verifier] = [
         MtlsVerifier(allowed_subjects=subjects, roles=(role,))
         for subjects, role in (
-            (args.admin_tls_subject, ADMIN_ROLE),
-            (args.router_tls_subject, ROUTER_ROLE),
+            (args.security.admin_tls_subject, ADMIN_ROLE),
+            (args.security.router_tls_subject, ROUTER_ROLE),
         )
         if subjects
     ]
@@ -151,12 +154,7 @@ def http_verifier(args: ServeArgs, keys: Verifier | None) -> Verifier | None:
         args: the launcher's arguments.
         keys: the gRPC side's key verifier (`key_verifier(args)`), or None.
     """
-    if keys is not None or not args.tls_client_ca:
+    if keys is not None or not args.security.client_ca:
         return keys
     holder = Identity(name="client-certificate", kind="mtls")
     return CallableVerifier(lambda metadata, auth_context: holder, reads_auth_context=False)
-
-
-def authenticates(args: ServeArgs) -> bool:
-    """Whether calls need credentials: a key from any source, or client certificates."""
-    return args.has_keys() or bool(args.tls_client_ca)

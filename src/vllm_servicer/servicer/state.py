@@ -110,23 +110,23 @@ class MountState:
         tenant = TenantEngine(
             engine,
             running,
-            routing_for_every_key=options.routing_data_for_every_key,
-            shared_prefix_cache=options.shared_prefix_cache,
+            routing_for_every_key=options.tenancy.routing_data_for_every_key,
+            shared_prefix_cache=options.tenancy.shared_prefix_cache,
             order=fair_order(frontends),
-            queued=queued_prompts(options.max_queued_prompt_tokens, frontends),
+            queued=queued_prompts(options.tenancy.max_queued_prompt_tokens, frontends),
         )
         # First: it checks the engine's members, which the registry reads.
         steps = EngineCallSteps(
             tenant,
-            stream_interval=options.stream_interval,
-            min_inflight=options.stream_interval_min_inflight,
+            stream_interval=options.streaming.stream_interval,
+            min_inflight=options.streaming.stream_interval_min_inflight,
             in_flight=in_flight,
             decoded_media=decoded_media,
         )
         several = frontends is not None and frontends.count > 1
-        loras = LoraRegistry(engine, options.lora_modules, fixed=several)
+        loras = LoraRegistry(engine, options.served.lora_modules, fixed=several)
         reporter = None
-        if options.load_reports:
+        if options.served.load_reports:
             queued = tenant.queued
             reader = EngineLoadReader(
                 engine,
@@ -146,15 +146,15 @@ class MountState:
             VllmHandlers(
                 tenant,
                 loras,
-                options.chat_template,
-                tool_call_parser=options.tool_call_parser,
-                enable_auto_tool_choice=options.enable_auto_tool_choice,
+                options.chat.chat_template,
+                tool_call_parser=options.chat.tool_call_parser,
+                enable_auto_tool_choice=options.chat.enable_auto_tool_choice,
             ),
             inflight,
             frontends,
             reporter,
-            MediaResolver(options.media_refs, engine.model_config)
-            if options.media_refs is not None
+            MediaResolver(options.media.media_refs, engine.model_config)
+            if options.media.media_refs is not None
             else None,
         )
 

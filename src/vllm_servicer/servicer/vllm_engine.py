@@ -76,8 +76,10 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self._decoded_media = state.decoded_media
         self._media = state.media
         # What preprocessed tensors (mm_inputs) this model takes.
-        self._model_media = mm_model_media.ModelMedia.of(engine, shm=options.shm_tensors)
-        self._kv_subscribers = SubscriberLimit(options.max_kv_subscribers, state.frontends)
+        self._model_media = mm_model_media.ModelMedia.of(engine, shm=options.media.shm_tensors)
+        self._kv_subscribers = SubscriberLimit(
+            options.streaming.max_kv_subscribers, state.frontends
+        )
         self._group = state.frontends
         self._started_monotonic = time.monotonic()
         self._steps = state.steps

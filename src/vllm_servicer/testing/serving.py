@@ -107,7 +107,7 @@ async def serving(
     if option_fields:
         if options is not None:
             raise TypeError("serving() takes options or MountOptions' fields, not both")
-        options = MountOptions(**option_fields)
+        options = MountOptions.of(**option_fields)
     mounted = mount(server, engine, options, interceptors=interceptors, frontends=frontends)
     address = "127.0.0.1:0"
     if credentials is None:
