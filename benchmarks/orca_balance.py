@@ -11,7 +11,7 @@ weighing by the per-call trailers, and by out-of-band reports
 (`enableOobLoadReport`).
 
 The cost: one tiny engine in this process, mounted twice, with load reports
-and without (`MountOptions(load_reports=...)`); the benchmarks' load generator
+and without (`MountOptions.of(load_reports=...)`); the benchmarks' load generator
 (`loadgen.py`, in a subprocess pinned to one core) sends bursts of unary
 1-token Generates to each in turn, the order swapped every round. Reported
 per configuration: calls per second and the CPU time of this process's event
@@ -233,7 +233,7 @@ def _cost_server(engine: Any, reports: bool) -> grpc.aio.Server:
 
     server = grpc.aio.server()
     if engine is not None:
-        mount(server, engine, MountOptions(load_reports=reports))
+        mount(server, engine, MountOptions.of(load_reports=reports))
         return server
     reporter = LoadReporter(lambda: EngineLoad(1, 0, 16, 0.01), CallRates())
     pipeline, _ = engine_pipeline(

@@ -146,15 +146,15 @@ class Servers:
 
         a = self.args
         layers = {
-            "keyless": lambda: KeylessLimitInterceptor(a.keyless_limits),
+            "keyless": lambda: KeylessLimitInterceptor(a.keyless),
             "metrics": lambda: MetricsInterceptor(
                 CollectorRegistry(), model_name=served_model_name(self.engine)
             ),
             "callslots": lambda: CallSlotsInterceptor(
-                a.max_concurrent_rpcs or None, read_timeout=a.request_read_timeout
+                a.slots.max_concurrent_rpcs or None, read_timeout=a.slots.request_read_timeout
             ),
             "inflight": lambda: InflightInterceptor(
-                a.max_inflight or None, fair_shares=not a.no_fair_shares
+                a.slots.max_inflight or None, fair_shares=not a.slots.no_fair_shares
             ),
         }
         return [make() for name, make in layers.items() if name != without]
@@ -171,11 +171,11 @@ class Servers:
 
         a = self.args
         server = grpc.aio.server(
-            maximum_concurrent_rpcs=a.keyless_limits.grpc_cap(a.max_concurrent_rpcs or None),
+            maximum_concurrent_rpcs=a.keyless.grpc_cap(a.slots.max_concurrent_rpcs or None),
             options=server_options(
-                a.max_message_bytes,
-                max_connection_age=a.max_connection_age,
-                request_compression=a.allow_request_compression,
+                a.server.max_message_bytes,
+                max_connection_age=a.server.max_connection_age,
+                request_compression=a.server.allow_request_compression,
             ),
         )
         if interceptors is None:

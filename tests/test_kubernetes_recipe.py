@@ -204,15 +204,15 @@ def _port(container: dict[str, Any], name: str) -> int:
 def test_the_launcher_takes_the_deployments_arguments_and_serves_its_ports() -> None:
     container = server_container()
     args = parse_args(container["args"])  # every flag exists, none contradicts another
-    assert args.host == "0.0.0.0"
-    assert args.port == _port(container, "grpc")
-    assert args.metrics_port == _port(container, "metrics")
-    assert args.api_key_file  # the gateway passes the client's authorization header on
+    assert args.server.host == "0.0.0.0"
+    assert args.server.port == _port(container, "grpc")
+    assert args.observability.metrics_port == _port(container, "metrics")
+    assert args.security.api_key_file  # the gateway passes the client's authorization header on
     # vllm:lora_requests_info, which the picker reads, exists only with LoRA on.
     assert args.engine["enable_lora"] is True
     deployment = _one("deployment.yaml", "Deployment")
     annotations = deployment["spec"]["template"]["metadata"]["annotations"]
-    assert int(annotations["prometheus.io/port"]) == args.metrics_port
+    assert int(annotations["prometheus.io/port"]) == args.observability.metrics_port
 
 
 def test_probes_are_grpc_health_on_the_serving_port() -> None:
@@ -237,15 +237,15 @@ def test_the_drain_fits_the_grace_period_and_the_probe() -> None:
     pod = _one("deployment.yaml", "Deployment")["spec"]["template"]["spec"]
     # The launcher's own ceiling for a stop (drain.py): never cut by SIGKILL first.
     ceiling = (
-        args.drain_grace
-        + args.shutdown_timeout
+        args.server.drain_grace
+        + args.engine["shutdown_timeout"]
         + 2 * _ABORT_FLUSH_SECONDS
         + _ENGINE_SHUTDOWN_SECONDS
     )
     assert pod["terminationGracePeriodSeconds"] >= ceiling
     # New calls keep being served until the probe has seen NOT_SERVING.
     readiness = container["readinessProbe"]
-    assert args.drain_grace > readiness["periodSeconds"] * readiness["failureThreshold"]
+    assert args.server.drain_grace > readiness["periodSeconds"] * readiness["failureThreshold"]
     picker_pod = _one("epp.yaml", "Deployment")["spec"]["template"]["spec"]
     assert picker_pod["terminationGracePeriodSeconds"] >= pod["terminationGracePeriodSeconds"]
 
@@ -276,7 +276,7 @@ def test_the_picker_scrapes_the_metrics_port_and_parses_vllm_grpc() -> None:
     source = next(p for p in plugins.values() if p["type"] == "metrics-data-source")
     args = parse_args(server_container()["args"])
     # Without `port` the picker scrapes the pool's target port, which speaks gRPC only.
-    assert source["parameters"]["port"] == args.metrics_port
+    assert source["parameters"]["port"] == args.observability.metrics_port
     assert source["parameters"]["path"] == "/metrics"
     assert source["parameters"]["scheme"] == "http"
     parsers = [p["pluginRef"] for p in config["requestHandler"]["parsers"]]

@@ -19,11 +19,11 @@ import yaml
 
 from vllm_servicer import SERVICE_NAME
 from vllm_servicer.budgets import RequestBudgets
+from vllm_servicer.flags import flag, flag_groups, from_flags, held_groups
 from vllm_servicer.health import LIVENESS_SERVICE
 from vllm_servicer.multimodal.media import MediaRefOptions
-from vllm_servicer.options import MountOptions, option_flag
+from vllm_servicer.options import MountOptions
 from vllm_servicer.serve.args import ADMIN_KEY_ENV, API_KEY_ENV, ServeArgs, build_parser, parse_args
-from vllm_servicer.serve.flags import declared_flags, flag, flag_values
 from vllm_servicer.serve.http_api import frontend_args
 from vllm_servicer.vllm_releases import make_arg_parser
 
@@ -37,15 +37,15 @@ def _cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_model_flag_and_positional_both_work() -> None:
-    assert parse_args(["serve", "--model", "/models/x"]).model == "/models/x"
-    assert parse_args(["serve", "/models/y"]).model == "/models/y"
+    assert parse_args(["serve", "--model", "/models/x"]).engine["model"] == "/models/x"
+    assert parse_args(["serve", "/models/y"]).engine["model"] == "/models/y"
 
 
 def test_without_model_the_tiny_model_settings_apply_and_user_flags_win() -> None:
     args = parse_args(["serve", "--max-model-len", "256"])
-    assert Path(args.model, "config.json").exists()
-    assert args.load_format == "dummy" and args.gpu_memory_utilization == 0.2
-    assert args.max_model_len == 256
+    assert Path(args.engine["model"], "config.json").exists()
+    assert args.engine["load_format"] == "dummy" and args.engine["gpu_memory_utilization"] == 0.2
+    assert args.engine["max_model_len"] == 256
 
 
 @pytest.mark.parametrize("form", [["--served-model-name", "demo"], ["--served_model_name=demo"]])
@@ -53,8 +53,10 @@ def test_the_tiny_model_takes_a_served_name(form: list[str]) -> None:
     # vLLM's own parser refuses --served-model-name before a model is named.
     args = parse_args(["serve", *form, "--max-model-len", "256"])
     assert args.engine["served_model_name"] == ["demo"]
-    assert Path(args.model, "config.json").exists() and args.load_format == "dummy"
-    assert args.max_model_len == 256
+    assert (
+        Path(args.engine["model"], "config.json").exists() and args.engine["load_format"] == "dummy"
+    )
+    assert args.engine["max_model_len"] == 256
 
 
 @pytest.mark.parametrize(
@@ -81,10 +83,14 @@ def test_a_model_named_after_its_served_name_is_refused_not_replaced(
 def test_vllm_tls_flag_names_are_accepted() -> None:
     tls = ["--ssl-certfile", "c.pem", "--ssl-keyfile", "k.pem", "--enable-ssl-refresh"]
     args = parse_args(["serve", "--model", "m", *tls])
-    assert (args.tls_cert, args.tls_key, args.tls_client_ca) == ("c.pem", "k.pem", None)
+    assert (args.security.tls_cert, args.security.tls_key, args.security.client_ca) == (
+        "c.pem",
+        "k.pem",
+        None,
+    )
     required = ["--ssl-ca-certs", "ca.pem", "--ssl-cert-reqs", "2"]
     args = parse_args(["serve", "--model", "m", *tls, *required])
-    assert args.tls_client_ca == "ca.pem"  # client certificates required, as in vLLM
+    assert args.security.client_ca == "ca.pem"  # client certificates required, as in vLLM
     with pytest.raises(SystemExit):  # a CA file alone would verify nothing
         parse_args(["serve", "--model", "m", *tls, "--ssl-ca-certs", "ca.pem"])
 
@@ -97,21 +103,21 @@ def test_the_launcher_serves_every_protocol_unless_told(
     # vllm.Control only with credentials (or when named): without them anyone could call it.
     ours = ("vllm_servicer.v1.Pooling", "vllm_servicer.v1.Render")
     args = parse_args(["serve", "--model", "m"])
-    assert args.options.services == (SERVICE_NAME, "vllm.Inference", *ours)
+    assert args.options.served.services == (SERVICE_NAME, "vllm.Inference", *ours)
     assert not args.services_named
     args = parse_args(["serve", "--model", "m", "--api-key", "k"])
-    assert args.options.services == (SERVICE_NAME, "vllm.Inference", "vllm.Control", *ours)
+    assert args.options.served.services == (SERVICE_NAME, "vllm.Inference", "vllm.Control", *ours)
     args = parse_args(["serve", "--model", "m", "--services", "pooling", "render"])
-    assert args.options.services == ours
+    assert args.options.served.services == ours
     args = parse_args(["serve", "--model", "m", "--services", "vllm-engine", "control"])
-    assert args.options.services == (SERVICE_NAME, "vllm.Control")
+    assert args.options.served.services == (SERVICE_NAME, "vllm.Control")
     assert args.services_named
-    assert args.options.lora_modules == {}
+    assert args.options.served.lora_modules == {}
     args = parse_args(["serve", "--model", "m", "--services", "inference"])
-    assert args.options.services == ("vllm.Inference",)
+    assert args.options.served.services == ("vllm.Inference",)
     lora = ["--lora-modules", "sql=/adapters/sql", "chat=/adapters/chat"]
     args = parse_args(["serve", "--model", "m", *lora])
-    assert args.options.lora_modules == {"sql": "/adapters/sql", "chat": "/adapters/chat"}
+    assert args.options.served.lora_modules == {"sql": "/adapters/sql", "chat": "/adapters/chat"}
     for bad, says in (
         (["--lora-modules", "sql"], "name=path"),
         (["--lora-modules", "a=/x", "a=/y"], "twice"),
@@ -127,7 +133,7 @@ def test_the_launcher_serves_every_protocol_unless_told(
     "serving", [["--http-port", "8000"], ["--metrics-port", "9000"], ["--api-server-count", "2"]]
 )
 def test_a_headless_node_takes_no_serving_flags(serving: list[str], capsys: Any) -> None:
-    assert parse_args(["serve", "--model", "m", "--headless"]).headless
+    assert parse_args(["serve", "--model", "m", "--headless"]).server.headless
     with pytest.raises(SystemExit) as exit_:
         parse_args(["serve", "--model", "m", "--headless", *serving])
     assert exit_.value.code == 2
@@ -136,14 +142,14 @@ def test_a_headless_node_takes_no_serving_flags(serving: list[str], capsys: Any)
 
 def test_safe_defaults() -> None:
     args = parse_args(["serve", "--model", "m"])
-    assert args.host == "127.0.0.1"
-    assert args.max_message_bytes == 32 * 1024 * 1024
-    assert args.shutdown_timeout == 30
+    assert args.server.host == "127.0.0.1"
+    assert args.server.max_message_bytes == 32 * 1024 * 1024
+    assert args.engine["shutdown_timeout"] == 30
     # Engine calls, calls of every kind (refused ones too) and KV-event
     # subscribers are bounded by default.
-    assert args.max_inflight == 1024
-    assert args.max_concurrent_rpcs == 2048
-    assert args.options.max_kv_subscribers == 16
+    assert args.slots.max_inflight == 1024
+    assert args.slots.max_concurrent_rpcs == 2048
+    assert args.options.streaming.max_kv_subscribers == 16
 
 
 def test_each_flag_s_default_is_its_field_s(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -159,50 +165,82 @@ def test_each_flag_s_default_is_its_field_s(monkeypatch: pytest.MonkeyPatch) -> 
     }
 
 
-def test_the_launcher_s_flags_are_serve_args_fields_and_nothing_else() -> None:
+def test_the_launcher_s_flags_are_its_groups_fields_and_nothing_else() -> None:
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    # Every field is a flag or marked as set otherwise (declared_flags refuses
-    # an unmarked one), and every launcher flag the parser has is a field's, a
-    # budget's, or one of vLLM's TLS spellings read into tls_client_ca.
+    # ServeArgs holds groups and two values set otherwise (flag_groups refuses
+    # an unmarked field); every launcher flag the parser has is a group's field.
     fields = {field.name for field in dataclasses.fields(ServeArgs)}
-    flags = declared_flags(ServeArgs)
-    assert fields - set(flags) == {"engine", "options", "services_named"}
+    assert fields - set(held_groups(ServeArgs)) == {"engine", "services_named"}
     parsed = vars(build_parser().parse_args(["serve", "--model", "m"]))
     engine = {field.name for field in dataclasses.fields(AsyncEngineArgs)}
-    budgets = {field.name for field in dataclasses.fields(RequestBudgets)}
-    vllm_tls = {"ssl_ca_certs", "ssl_cert_reqs", "enable_ssl_refresh"}
-    options = {
-        flag[2:].replace("-", "_")
-        for field in dataclasses.fields(MountOptions)
-        if (flag := option_flag(field)) is not None
-    }
-    launcher = {"command", "model_tag", "services", *flags, *budgets, *options, *vllm_tls}
-    assert set(parsed) - engine == launcher
+    declared = [
+        declared.dest(name)
+        for _, flags in flag_groups(ServeArgs)
+        for name, declared in flags.items()
+    ]
+    assert len(declared) == len(set(declared))  # no two fields share a flag
+    assert set(parsed) - engine == {"command", "model_tag", *declared}
 
 
-# A value other than the default for each kind of launcher flag.
-_GIVEN = {"services": ["control"], "lora_modules": ["a=/x"], "event_loop": ["asyncio"]}
+def test_each_group_is_an_argparse_group_titled_and_described_by_its_class() -> None:
+    parser = build_parser()
+    serve = next(
+        action for action in parser._actions if isinstance(action, argparse._SubParsersAction)
+    ).choices["serve"]
+    shown = {group.title: group for group in serve._action_groups}
+    for group_class, flags in flag_groups(ServeArgs):
+        arguments = shown[group_class.FLAG_TITLE]
+        assert arguments.description and arguments.description in " ".join(
+            (group_class.__doc__ or "").split()
+        )
+        assert {action.dest for action in arguments._group_actions} == {
+            declared.dest(name) for name, declared in flags.items()
+        }
+
+
+# A value other than the default for each kind of launcher flag, and the flags
+# whose value is no plain number, text or switch.
+_GIVEN = {
+    "services": ["control"],
+    "lora_modules": ["a=/x"],
+    "event_loop": ["asyncio"],
+    "ssl_cert_reqs": ["2"],
+    "min_tenant_priority": ["-7"],
+}
 _GIVEN_BY_TYPE = {int: ["7"], float: ["2.5"], str: ["x"], bool: [], tuple: ["x"]}
 
 
 def test_each_flag_reaches_its_field_with_the_field_s_type() -> None:
     parser = build_parser()
-    defaults = ServeArgs(engine={})
-    hints = typing.get_type_hints(ServeArgs)
-    for name in declared_flags(ServeArgs):
-        hint = hints[name]
-        if isinstance(hint, UnionType):  # X | None
-            [hint] = [arg for arg in typing.get_args(hint) if arg is not type(None)]
-        kind = typing.get_origin(hint) or hint
-        argv = ["--" + name.replace("_", "-"), *(_GIVEN.get(name) or _GIVEN_BY_TYPE[kind])]
-        value = flag_values(ServeArgs, parser.parse_args(["serve", "--model", "m", *argv]))[name]
-        assert value != getattr(defaults, name), argv
-        assert isinstance(value, Mapping if kind is Mapping else kind), (argv, value)
+    for group_class, flags in flag_groups(ServeArgs):
+        defaults = group_class()
+        hints = typing.get_type_hints(group_class, localns={"MediaRefOptions": MediaRefOptions})
+        for name, declared in flags.items():
+            hint = hints[name]
+            if isinstance(hint, UnionType):  # X | None
+                [hint] = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+            kind = typing.get_origin(hint) or hint
+            given = _GIVEN.get(name) or _GIVEN_BY_TYPE.get(kind, [])
+            argv = [declared.spelling(name), *given]
+            value = declared.value(parser.parse_args(["serve", "--model", "m", *argv]), name)
+            assert value != getattr(defaults, name), argv
+            assert isinstance(value, Mapping if kind is Mapping else kind), (argv, value)
 
 
-# A flag that sets each MountOptions field that has one to other than its default.
+def test_each_group_is_read_back_from_its_own_flags() -> None:
+    # from_flags builds every group from the namespace, so each validates itself.
+    flags = build_parser().parse_args(["serve", "--model", "m", "--grpc-stream-interval", "4"])
+    args = from_flags(ServeArgs, flags, engine={})
+    assert args.options.streaming.stream_interval == 4
+    assert args.options == MountOptions.of(stream_interval=4)
+    with pytest.raises(ValueError, match="--http-host needs --http-port"):
+        from_flags(ServeArgs, build_parser().parse_args(["serve", "--http-host", "::"]))
+
+
+# A flag that sets each mount() option to other than its default.
 _OPTION_ARGV = {
+    "services": (["--services", "control"], ("vllm.Control",)),
     "reflection_service": (["--no-reflection"], False),
     "load_reports": (["--no-load-reports"], False),
     "max_kv_subscribers": (["--max-kv-subscribers", "3"], 3),
@@ -223,25 +261,40 @@ _OPTION_ARGV = {
 }
 
 
+def _mount_option_flags() -> dict[str, tuple[str, Any]]:
+    """Each flag of `MountOptions`' groups but the budgets': (its group's field, its Flag)."""
+    where = {of: name for name, of in held_groups(MountOptions).items()}
+    return {
+        name: (where[group_class], declared)
+        for group_class, flags in flag_groups(MountOptions)
+        if group_class is not RequestBudgets
+        for name, declared in flags.items()
+    }
+
+
 def test_each_mount_option_s_flag_sets_its_field_and_shows_its_help() -> None:
-    # The flags are built from MountOptions' fields: each one that has a flag
-    # has it, with the field's help (a field on by default: "do not" and it).
+    # The flags are built from the groups' fields: each has its flag, with the
+    # field's help (a switch on by default: "do not" and it).
     parser = build_parser()
     serve = next(
         action for action in parser._actions if isinstance(action, argparse._SubParsersAction)
     ).choices["serve"]
     helps = {option: action.help for action in serve._actions for option in action.option_strings}
-    with_flags = {f.name: f for f in dataclasses.fields(MountOptions) if option_flag(f)}
-    assert set(with_flags) == set(_OPTION_ARGV)
+    option_flags = _mount_option_flags()
+    assert set(option_flags) == set(_OPTION_ARGV)
+    defaults = MountOptions()
     for name, (argv, value) in _OPTION_ARGV.items():
-        field = with_flags[name]
-        assert argv[0] == option_flag(field)
-        assert field.metadata["help"] in str(helps[argv[0]])
+        group_name, declared = option_flags[name]
+        assert argv[0] == declared.spelling(name)
+        assert declared.help in str(helps[argv[0]])
         args = parse_args(["serve", "--model", "m", *argv])
-        assert getattr(args.options, name) == value, name
-        assert getattr(parse_args(["serve", "--model", "m"]).options, name) == field.default or (
-            name == "lora_modules"
-        )
+        assert getattr(getattr(args.options, group_name), name) == value, name
+        default = getattr(getattr(defaults, group_name), name)
+        if name != "services":  # the launcher's follow the credentials
+            assert (
+                getattr(getattr(parse_args(["serve", "--model", "m"]).options, group_name), name)
+                == default
+            )
 
 
 # What mount() took as keywords before MountOptions: each is a field of that name.
@@ -254,29 +307,35 @@ _KEYWORDS_BEFORE_OPTIONS = {
 
 
 def test_the_api_docs_migration_table_names_every_old_keyword_and_its_flag() -> None:
-    # docs/api.md: each old mount() keyword, its MountOptions field, its flag.
+    # docs/api.md: each old mount() keyword, where it is in MountOptions, its flag.
     text = (Path(__file__).parents[1] / "docs" / "api.md").read_text()
     rows = [
         line.split("|")[1:4]
         for line in text.splitlines()
         if line.startswith("| `") and "=`" in line
     ]
-    table = {field.strip(" `"): flag.strip() for _, field, flag in rows}
+    table = {
+        keyword.strip(" `="): (field.strip(" `"), flag.strip()) for keyword, field, flag in rows
+    }
     assert set(table) == _KEYWORDS_BEFORE_OPTIONS
-    for field in dataclasses.fields(MountOptions):
-        spelled = option_flag(field)
-        if field.name in table and spelled is not None:
-            assert table[field.name] == f"`{spelled}`", field.name
+    for name, (group_name, declared) in _mount_option_flags().items():
+        if name in table:
+            assert table[name][0] == f"{group_name}.{name}", name
+            if name != "services":
+                assert table[name][1] == f"`{declared.spelling(name)}`", name
+    # Every old keyword still builds the same options through MountOptions.of.
+    assert MountOptions.of(health=False).served.health is False
 
 
 def test_a_field_that_is_not_marked_is_refused() -> None:
     @dataclasses.dataclass(frozen=True)
     class Options:
-        port: int = flag(1, group="g", help="the port")
+        FLAG_TITLE: typing.ClassVar[str] = "g"
+        port: int = flag(1, help="the port")
         forgotten: int = 0
 
     with pytest.raises(TypeError, match="forgotten"):
-        declared_flags(Options)
+        list(flag_groups(Options))
 
 
 @pytest.mark.parametrize(
@@ -350,17 +409,17 @@ def test_deployment_probes_drain_budget_and_flags() -> None:
     [container] = pod["containers"]
     args = parse_args(container["args"])  # every flag the manifest passes exists
     grpc_port = next(p["containerPort"] for p in container["ports"] if p["name"] == "grpc")
-    assert args.port == grpc_port and args.host == "0.0.0.0"
+    assert args.server.port == grpc_port and args.server.host == "0.0.0.0"
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert container[probe]["grpc"]["port"] == grpc_port
     assert container["readinessProbe"]["grpc"]["service"] == SERVICE_NAME
     # Liveness stays SERVING through a drain: the pod is not restarted mid-drain.
     assert container["livenessProbe"]["grpc"]["service"] == LIVENESS_SERVICE
     pre_stop = container["lifecycle"]["preStop"]["sleep"]["seconds"]
-    budget = pre_stop + args.drain_grace + args.shutdown_timeout
+    budget = pre_stop + args.server.drain_grace + args.engine["shutdown_timeout"]
     assert pod["terminationGracePeriodSeconds"] > budget
     annotations = deployment["spec"]["template"]["metadata"]["annotations"]
-    assert int(annotations["prometheus.io/port"]) == args.metrics_port
+    assert int(annotations["prometheus.io/port"]) == args.observability.metrics_port
 
 
 def test_container_recipe_runs_the_launcher_on_its_exposed_ports() -> None:
@@ -371,7 +430,9 @@ def test_container_recipe_runs_the_launcher_on_its_exposed_ports() -> None:
     assert instructions["ARG"].startswith("VLLM_IMAGE=vllm/vllm-openai:v0.33")
     assert json.loads(instructions["ENTRYPOINT"]) == ["vllm-servicer"]
     args = parse_args(json.loads(instructions["CMD"]))  # every flag exists
-    assert {args.port, args.metrics_port} == {int(p) for p in instructions["EXPOSE"].split()}
+    assert {args.server.port, args.observability.metrics_port} == {
+        int(p) for p in instructions["EXPOSE"].split()
+    }
     # The Kubernetes example runs this image: its args replace CMD.
     [container] = _load("deployment.yaml")["spec"]["template"]["spec"]["containers"]
     assert container["args"][0] == "serve" and "command" not in container
@@ -472,7 +533,7 @@ def _loop_run_by(choice: str) -> str:
     ("choice", "loop_module"), [("auto", "uvloop"), ("uvloop", "uvloop"), ("asyncio", "asyncio")]
 )
 def test_the_event_loop_is_the_one_asked_for(choice: str, loop_module: str) -> None:
-    assert parse_args(["serve", "--event-loop", choice]).event_loop == choice
+    assert parse_args(["serve", "--event-loop", choice]).server.event_loop == choice
     assert _loop_run_by(choice) == loop_module
 
 

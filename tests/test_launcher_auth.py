@@ -26,7 +26,7 @@ from vllm_servicer.interceptors.auth import ADMIN_ROLE
 from vllm_servicer.proto import common_pb2, vllm_engine_pb2_grpc
 from vllm_servicer.proto import vllm_engine_pb2 as pb
 from vllm_servicer.serve.args import parse_args
-from vllm_servicer.serve.stack import authenticates, build_interceptors
+from vllm_servicer.serve.stack import build_interceptors
 from vllm_servicer.serve.stack import http_verifier as _http_verifier
 from vllm_servicer.tls import server_credentials, warn_if_exposed
 
@@ -213,7 +213,7 @@ async def test_abort_of_unknown_ids_is_quietly_ok(
 async def test_api_key_from_the_environment(engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_API_KEY", TENANT_A)
     args = parse_args(["serve", "--model", "m"])
-    assert authenticates(args)
+    assert args.security.authenticates()
     server, mounted, address = await _serve(engine, [])
     try:
         async with grpc.aio.insecure_channel(address) as channel:
@@ -233,16 +233,18 @@ def test_server_only_tls_does_not_silence_the_exposure_warning(
     caplog: pytest.LogCaptureFixture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     tls_only = parse_args(["serve", "--model", "m", "--tls-cert", "c.pem", "--tls-key", "k.pem"])
-    assert not authenticates(tls_only)
+    assert not tls_only.security.authenticates()
     with caplog.at_level(logging.WARNING, logger="vllm_servicer.tls"):
-        assert warn_if_exposed("0.0.0.0", tls=True, auth=authenticates(tls_only))
+        assert warn_if_exposed("0.0.0.0", tls=True, auth=tls_only.security.authenticates())
     assert "authentication" in caplog.text
     mtls = ["--tls-cert", "c.pem", "--tls-key", "k.pem", "--tls-client-ca", "ca.pem"]
-    assert authenticates(parse_args(["serve", "--model", "m", *mtls]))
-    assert authenticates(parse_args(["serve", "--model", "m", "--admin-api-key", ADMIN]))
+    assert parse_args(["serve", "--model", "m", *mtls]).security.authenticates()
+    assert parse_args(["serve", "--model", "m", "--admin-api-key", ADMIN]).security.authenticates()
     key_file = tmp_path / "keys"
     key_file.write_text(TENANT_A)
-    assert authenticates(parse_args(["serve", "--model", "m", "--api-key-file", str(key_file)]))
+    assert parse_args(
+        ["serve", "--model", "m", "--api-key-file", str(key_file)]
+    ).security.authenticates()
 
 
 @pytest.mark.parametrize(

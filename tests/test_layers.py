@@ -230,6 +230,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "shares",
         "fair_work",
         "prefix_cache",
+        "flags",
     ),
     ("multimodal", "status", "health", "reflection"),
     # Side by side: they share `context`, never import one another.

@@ -54,4 +54,4 @@ def test_the_probe_port_is_refused_without_tls() -> None:
         parse_args(["serve", "--model", "m", "--health-port", "8081"])
     args = parse_args(["serve", "--model", "m", "--health-port", "8081",
                        "--tls-cert", "c.pem", "--tls-key", "k.pem"])  # fmt: skip
-    assert args.health_port == 8081
+    assert args.security.health_port == 8081

@@ -73,7 +73,7 @@ def test_a_request_keeps_a_longer_interval_of_its_own() -> None:
 )
 def test_out_of_range_options_are_refused(fields: dict[str, int], match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        MountOptions(**fields)
+        MountOptions.of(**fields)
 
 
 # ----- over the real engine ----------------------------------------------------------------

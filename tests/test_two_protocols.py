@@ -379,13 +379,14 @@ async def _tokens_of(call: Any) -> list[int]:
 
 
 def test_http_api_is_off_by_default_and_its_flags_need_it() -> None:
-    assert parse_args(["serve", "--model", "m"]).http_port is None
+    assert parse_args(["serve", "--model", "m"]).http.http_port is None
     for argv in (["--http-host", "0.0.0.0"], ["--http-port", "50051"]):
         with pytest.raises(SystemExit):
             parse_args(["serve", "--model", "m", *argv])
     # The chat template serves Render too: it needs no HTTP API.
     assert (
-        parse_args(["serve", "--model", "m", "--chat-template", "x"]).options.chat_template == "x"
+        parse_args(["serve", "--model", "m", "--chat-template", "x"]).options.chat.chat_template
+        == "x"
     )
 
 

@@ -25,8 +25,7 @@ if TYPE_CHECKING:  # the names of _SOURCES, for type checkers (test_packaging co
         TracingInterceptor,
     )
     from .mounting import MountedServices, MountError, mount
-    from .multimodal.media import MediaRefOptions
-    from .options import MountOptions, server_options
+    from .options import MediaRefOptions, MountOptions, server_options
     from .proto import SERVICE_NAME, VLLM_ENGINE_SERVICE
     from .servicer import VllmEngineServicer
     from .servicer.state import MountState
@@ -46,7 +45,7 @@ _SOURCES: dict[str, str] = {
     "AuthInterceptor": ".interceptors",
     "InflightInterceptor": ".interceptors",
     "InvalidRequestError": ".errors",
-    "MediaRefOptions": ".multimodal.media",
+    "MediaRefOptions": ".options",
     "MetricsInterceptor": ".interceptors",
     "MountError": ".mounting",
     "TracingInterceptor": ".interceptors",

@@ -52,7 +52,7 @@ class InvalidRequestError(FieldError, ValueError):
 ROUTER_ROLE_HINT = (
     "it needs the router role: a router key (--router-api-key, or role=router on its line "
     "of the key file), a --router-tls-subject certificate or an admin key; or serve with "
-    "--routing-data-for-every-key (MountOptions(routing_data_for_every_key=True))"
+    "--routing-data-for-every-key (MountOptions.of(routing_data_for_every_key=True))"
 )
 """How a caller gets routing data: the message every refusal of it carries."""
 

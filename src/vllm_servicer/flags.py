@@ -98,9 +98,13 @@ class Flag:
     default: Any = _FIELD_DEFAULT
     convert: Callable[[Any], object] | None = None
 
+    def spelling(self, field: str) -> str:
+        """Its name on the command line, for the field `field`."""
+        return self.spelled or flag_name(field)
+
     def dest(self, field: str) -> str:
         """Its argparse destination: its spelling, in underscores."""
-        return (self.spelled or flag_name(field))[2:].replace("-", "_")
+        return self.spelling(field)[2:].replace("-", "_")
 
     def add_to(self, group: argparse._ArgumentGroup, field: str) -> None:
         """Add this flag, for the field `field`, to an argparse group."""
@@ -110,7 +114,7 @@ class Flag:
             if (value := getattr(self, key)) is not None
         }
         group.add_argument(
-            self.spelled or flag_name(field),
+            self.spelling(field),
             *self.aliases,
             dest=self.dest(field),
             default=self.default,

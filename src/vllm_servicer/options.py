@@ -6,16 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import socket
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from .budgets import RequestBudgets
 from .flags import flag, group, held_groups, not_a_flag
 from .proto import CONTROL_SERVICE, INFERENCE_SERVICE, POOLING_SERVICE, RENDER_SERVICE, SERVICE_NAME
-
-if TYPE_CHECKING:
-    from .multimodal.media import MediaRefOptions
 
 DEFAULT_MAX_MESSAGE_BYTES = 32 * 1024 * 1024
 # Concurrent SubscribeKvEvents streams: each holds a socket in the serving
@@ -77,10 +74,38 @@ def _lora_modules(given: list[str]) -> Mapping[str, str]:
     return MappingProxyType(modules)
 
 
+DEFAULT_MAX_ITEM_BYTES = 16 * 1024 * 1024
+# Pillow's own warning threshold for decompression bombs.
+DEFAULT_MAX_IMAGE_PIXELS = 89_478_485
+
+
+@dataclasses.dataclass(frozen=True)
+class MediaRefOptions:
+    """Turns on `media_refs` and bounds what the server will read.
+
+    Attributes:
+        data_urls: accept base64 `data:` URLs.
+        allowed_local_media_path: directory `file:` URLs must lie under; None
+            takes the engine's `--allowed-local-media-path` ("" there: no files).
+        allowed_media_domains: hosts `http(s):` URLs may name; None takes the
+            engine's `--allowed-media-domains` (none there: no network fetch).
+        max_item_bytes: largest encoded image accepted, in bytes.
+        max_image_pixels: largest decoded image accepted, in pixels.
+    """
+
+    data_urls: bool = True
+    allowed_local_media_path: str | None = None
+    allowed_media_domains: Sequence[str] | None = None
+    max_item_bytes: int = DEFAULT_MAX_ITEM_BYTES
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+
+    def __post_init__(self) -> None:
+        if self.max_item_bytes <= 0 or self.max_image_pixels <= 0:
+            raise ValueError("max_item_bytes and max_image_pixels must be positive")
+
+
 def _media_refs(enabled: bool) -> MediaRefOptions | None:
     """`--enable-media-refs` as `MediaOptions.media_refs`: the launcher's rules, or None."""
-    from .multimodal.media import MediaRefOptions
-
     return MediaRefOptions() if enabled else None
 
 

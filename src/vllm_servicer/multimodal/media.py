@@ -1,6 +1,6 @@
 """`media_refs`: images a request names by URL, resolved by this server.
 
-Off unless the operator turns it on (`MountOptions(media_refs=MediaRefOptions())`,
+Off unless the operator turns it on (`MountOptions.of(media_refs=MediaRefOptions())`,
 the launcher's `--enable-media-refs`). Which URLs are then accepted follows
 vLLM's own options for its OpenAI server, read from the engine's model config
 unless given here:
@@ -23,51 +23,29 @@ where vLLM's own processor turns them into model input.
 
 from __future__ import annotations
 
+__all__ = [
+    "DEFAULT_MAX_IMAGE_PIXELS",
+    "DEFAULT_MAX_ITEM_BYTES",
+    "MediaRefOptions",
+    "MediaResolver",
+]
+
 import asyncio
 import base64
 import binascii
-import dataclasses
 import io
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 from urllib.request import url2pathname
 
 from ..errors import InvalidRequestError, MediaUnavailableError, UnimplementedFieldError
+from ..options import DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_ITEM_BYTES, MediaRefOptions
 from ..proto import common_pb2
 from ..proto import vllm_engine_pb2 as pb
 from .decoded import RequestMedia
 
-DEFAULT_MAX_ITEM_BYTES = 16 * 1024 * 1024
-# Pillow's own warning threshold for decompression bombs.
-DEFAULT_MAX_IMAGE_PIXELS = 89_478_485
 _FETCH_TIMEOUT_S = 10.0
-
-
-@dataclasses.dataclass(frozen=True)
-class MediaRefOptions:
-    """Turns on `media_refs` and bounds what the server will read.
-
-    Attributes:
-        data_urls: accept base64 `data:` URLs.
-        allowed_local_media_path: directory `file:` URLs must lie under; None
-            takes the engine's `--allowed-local-media-path` ("" there: no files).
-        allowed_media_domains: hosts `http(s):` URLs may name; None takes the
-            engine's `--allowed-media-domains` (none there: no network fetch).
-        max_item_bytes: largest encoded image accepted, in bytes.
-        max_image_pixels: largest decoded image accepted, in pixels.
-    """
-
-    data_urls: bool = True
-    allowed_local_media_path: str | None = None
-    allowed_media_domains: Sequence[str] | None = None
-    max_item_bytes: int = DEFAULT_MAX_ITEM_BYTES
-    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
-
-    def __post_init__(self) -> None:
-        if self.max_item_bytes <= 0 or self.max_image_pixels <= 0:
-            raise ValueError("max_item_bytes and max_image_pixels must be positive")
 
 
 class MediaResolver:

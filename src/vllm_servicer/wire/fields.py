@@ -151,7 +151,7 @@ KV_CONNECTOR_HINT = (
 )
 SHM_TENSORS_HINT = (
     "tensors in shared memory are off on this server; send them inline, or start it with "
-    "--enable-shm-tensors (MountOptions(shm_tensors=True)) where every caller may read "
+    "--enable-shm-tensors (MountOptions.of(shm_tensors=True)) where every caller may read "
     "this host's shared memory"
 )
 REMOTE_TENSOR_HINT = (
@@ -163,7 +163,7 @@ REMOTE_TENSOR_HINT = (
 _ANY_TENSOR = "set on any tensor of the batch (model_specific_tensors values too)"
 MEDIA_REFS_HINT = (
     "this server does not resolve media references; serve a model that takes images and "
-    "start the server with --enable-media-refs (MountOptions(media_refs=MediaRefOptions()))"
+    "start the server with --enable-media-refs (MountOptions.of(media_refs=MediaRefOptions()))"
 )
 _AT_START = "set when the engine starts (--profiler-config), not per request"
 _BEFORE_033 = "on vLLM before 0.33"
@@ -241,7 +241,7 @@ EC_CONNECTOR_HINT = (
 )
 INFERENCE_MEDIA_HINT = (
     "this server does not resolve media; serve a model that takes images and start the "
-    "server with --enable-media-refs (MountOptions(media_refs=MediaRefOptions()))"
+    "server with --enable-media-refs (MountOptions.of(media_refs=MediaRefOptions()))"
 )
 THINKING_BUDGET_HINT = (
     "a thinking budget needs the engine's reasoning parser to tell thinking from the "
