@@ -308,7 +308,7 @@ async def serve_and_measure(opts: argparse.Namespace) -> int:
         else:  # the global registry holds the first one's series
             interceptors = servers.stack()[1:]
         await servers.add(
-            name, [KeylessLimitInterceptor(args.keyless_limits), *interceptors], RenderServicer
+            name, [KeylessLimitInterceptor(args.keyless), *interceptors], RenderServicer
         )
     configs = [c for c in [*servers.targets, "direct"] if not opts.only or c in opts.only]
 
