@@ -19,7 +19,7 @@ import yaml
 
 from vllm_servicer import SERVICE_NAME
 from vllm_servicer.budgets import RequestBudgets
-from vllm_servicer.flags import flag, flag_groups, from_flags, held_groups
+from vllm_servicer.flags import add_flag_groups, flag, flag_groups, from_flags, group, held_groups
 from vllm_servicer.health import LIVENESS_SERVICE
 from vllm_servicer.multimodal.media import MediaRefOptions
 from vllm_servicer.options import MountOptions
@@ -130,7 +130,14 @@ def test_the_launcher_serves_every_protocol_unless_told(
 
 
 @pytest.mark.parametrize(
-    "serving", [["--http-port", "8000"], ["--metrics-port", "9000"], ["--api-server-count", "2"]]
+    "serving",
+    [
+        ["--http-port", "8000"],
+        ["--metrics-port", "9000"],
+        ["--api-server-count", "2"],
+        # Refused for --headless before the security group's own check (it needs TLS).
+        ["--health-port", "9001"],
+    ],
 )
 def test_a_headless_node_takes_no_serving_flags(serving: list[str], capsys: Any) -> None:
     assert parse_args(["serve", "--model", "m", "--headless"]).server.headless
@@ -338,6 +345,44 @@ def test_a_field_that_is_not_marked_is_refused() -> None:
         list(flag_groups(Options))
 
 
+def test_a_group_must_describe_itself_and_take_flags_of_its_own() -> None:
+    @dataclasses.dataclass(frozen=True)
+    class Undescribed:
+        FLAG_TITLE: typing.ClassVar[str] = "g"
+        port: int = flag(1, help="the port")
+
+    @dataclasses.dataclass(frozen=True)
+    class Taking:
+        """Takes a flag another group has."""
+
+        FLAG_TITLE: typing.ClassVar[str] = "g"
+        port: int = flag(1, help="the port", spelled="--max-n")
+
+    @dataclasses.dataclass(frozen=True)
+    class Holding:
+        taking: Taking = group(Taking)
+        budgets: RequestBudgets = group(RequestBudgets)
+
+    with pytest.raises(TypeError, match="docstring"):
+        add_flag_groups(argparse.ArgumentParser(), Undescribed)
+    with pytest.raises(TypeError, match="max_n is taken"):
+        add_flag_groups(argparse.ArgumentParser(), Holding)
+
+
+def test_a_switch_s_parsed_default_follows_its_field_s() -> None:
+    @dataclasses.dataclass(frozen=True)
+    class Inverted:
+        """A switch on by default, with a parsed default that would invert it."""
+
+        FLAG_TITLE: typing.ClassVar[str] = "g"
+        reports: bool = flag(
+            True, help="send reports", spelled="--no-reports", parsed_default=False
+        )
+
+    with pytest.raises(TypeError, match="parsed default"):
+        list(flag_groups(Inverted))
+
+
 @pytest.mark.parametrize(
     "argv",
     [
@@ -346,6 +391,7 @@ def test_a_field_that_is_not_marked_is_refused() -> None:
         ["--tls-client-ca", "ca.pem"],
         ["--grpc-stream-interval", "0"],
         ["--grpc-stream-interval-min-inflight", "-1"],
+        ["--max-connection-age", "0"],
     ],
     ids=[
         "two-key-sources",
@@ -353,6 +399,7 @@ def test_a_field_that_is_not_marked_is_refused() -> None:
         "client-ca-without-cert",
         "no-stream-interval",
         "negative-threshold",
+        "no-connection-age",
     ],
 )
 def test_contradictory_flags_are_refused(argv: list[str]) -> None:

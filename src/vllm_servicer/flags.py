@@ -219,12 +219,17 @@ def flag_groups(cls: type) -> Iterator[tuple[type[FlagGroup], dict[str, Flag]]]:
 
 def add_flag_groups(parser: argparse.ArgumentParser, cls: type) -> None:
     """Add an argparse group to `parser` for each group `cls` is or holds, with its flags."""
+    taken = {action.dest for action in parser._actions}
     for group_class, flags in flag_groups(cls):
-        description = inspect.getdoc(group_class) or ""
-        arguments = parser.add_argument_group(
-            group_class.FLAG_TITLE, description.split("\n\n")[0].replace("\n", " ")
-        )
+        docstring = vars(group_class).get("__doc__") or ""
+        if not docstring or docstring.startswith(f"{group_class.__name__}("):  # dataclass' own
+            raise TypeError(f"{group_class.__name__}: its docstring describes its flags' group")
+        description = inspect.cleandoc(docstring).split("\n\n")[0].replace("\n", " ")
+        arguments = parser.add_argument_group(group_class.FLAG_TITLE, description)
         for name, declared in flags.items():
+            if declared.dest(name) in taken:
+                raise TypeError(f"{group_class.__name__}.{name}: {declared.dest(name)} is taken")
+            taken.add(declared.dest(name))
             declared.add_to(arguments, name)
 
 
@@ -254,6 +259,8 @@ def _completed(declared: Flag, field: dataclasses.Field[Any], cls: type) -> Flag
     if declared.type or declared.action or declared.convert:
         return dataclasses.replace(declared, default=default)
     hint = _annotation(field, cls)
+    if hint is bool and declared.default is not _FIELD_DEFAULT:
+        raise TypeError(f"{field.name}: a switch's parsed default follows from its field's")
     if hint is bool and default is False:
         return dataclasses.replace(declared, default=False, action="store_true")
     if hint is bool and default is True:
@@ -277,12 +284,22 @@ def _completed(declared: Flag, field: dataclasses.Field[Any], cls: type) -> Flag
 
 
 def _annotation(field: dataclasses.Field[Any], cls: type) -> object:
-    """The field's annotation, evaluated: only those of plain flags need be
-    importable at run time (a type named for type checkers alone stays a name)."""
+    """The field's annotation, evaluated where it was written (the class of
+    `cls`'s bases that declares it): only those of plain flags need be
+    importable at run time (a type named for type checkers alone stays a name).
+
+    Raises:
+        TypeError: an annotation that names what its module does not have.
+    """
     if not isinstance(field.type, str):
         return field.type
-    module = sys.modules[cls.__module__]
-    return eval(field.type, vars(module))  # the module's own annotation text
+    declaring = next(c for c in cls.__mro__ if field.name in vars(c).get("__annotations__", {}))
+    try:
+        return eval(field.type, vars(sys.modules[declaring.__module__]))  # the module's own text
+    except NameError as unknown:
+        raise TypeError(
+            f"{cls.__name__}.{field.name}: {unknown}; give the flag a type, action or convert"
+        ) from None
 
 
 def _optional_of(hint: object) -> object:

@@ -14,6 +14,7 @@ from grpc_reflection.v1alpha import reflection_pb2 as _reflection_pb2  # noqa: F
 
 from ._registration import HandlerRecorder, register, server_started
 from .engine import EngineClient
+from .flags import held_groups
 from .frontends import FrontendGroup
 from .guard import EngineGuard
 from .health import EngineHealthServicer
@@ -122,7 +123,7 @@ def mount(
     `vllm.grpc.engine.VllmEngine` and vLLM's own `vllm.Inference` by default,
     this package's `vllm_servicer.v1.Pooling` (Classify, Score, Rerank) and
     `vllm_servicer.v1.Render` (a prompt as the engine would run it), and
-    `vllm.Control` when `options.services` names it. Also mounts the standard
+    `vllm.Control` when `options.served.services` names it. Also mounts the standard
     health service (services "" and each mounted name; NOT_SERVING while the
     engine is dead), server reflection, and the engine's load for balancers
     (ORCA: a report in every engine call's trailer and `xds.service.orca.v3.
@@ -208,6 +209,11 @@ def _options_of(options: MountOptions | None, keywords: dict[str, Any]) -> Mount
     """`options`, or the deprecated keywords `mount()` took before it as `MountOptions`."""
     if not keywords:
         return options if options is not None else MountOptions()
+    groups = held_groups(MountOptions)
+    known = {*groups, *(field.name for of in groups.values() for field in dataclasses.fields(of))}
+    unknown = sorted(set(keywords) - known)
+    if unknown:
+        raise TypeError(f"mount() got an unexpected keyword argument {unknown[0]!r}")
     if options is not None:
         raise TypeError("mount() takes options or MountOptions' fields as keywords, not both")
     named = ", ".join(f"{name}=..." for name in keywords)
@@ -223,10 +229,7 @@ def _options_of(options: MountOptions | None, keywords: dict[str, Any]) -> Mount
         for name, value in keywords.items()
         if value is not None or name not in ("budgets", "lora_modules")
     }
-    try:
-        return MountOptions.of(**given)
-    except TypeError as unknown:
-        raise TypeError(f"mount() got an unexpected keyword argument: {unknown}") from None
+    return MountOptions.of(**given)
 
 
 def _add_standard_services(

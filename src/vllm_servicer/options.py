@@ -180,8 +180,9 @@ class ServedOptions:
             )
         if self.lora_modules and set(self.services) <= {SERVICE_NAME}:
             raise ValueError(
-                "--lora-modules are served through vllm.Inference (lora_name), vllm.Control "
-                "and Pooling and Render (model), not VllmEngine: add one of them to --services"
+                "lora_modules are served through vllm.Inference (lora_name), vllm.Control "
+                "and Pooling and Render (model), not VllmEngine: add one of them to services "
+                "(the launcher's --lora-modules and --services)"
             )
 
     def __reduce__(self) -> tuple[object, ...]:

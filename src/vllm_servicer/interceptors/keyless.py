@@ -87,7 +87,10 @@ class KeylessLimits:
     def __post_init__(self) -> None:
         for name in ("max_keyless_streams", "max_keyless_checks", "max_keyless_per_connection"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{flag_name(name)} must be at least 1, got {getattr(self, name)}")
+                raise ValueError(
+                    f"{name} must be at least 1, got {getattr(self, name)} "
+                    f"(the launcher's {flag_name(name)})"
+                )
         if self.read_timeout <= 0:
             raise ValueError(f"read_timeout must be above 0, got {self.read_timeout}")
 

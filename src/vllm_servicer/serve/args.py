@@ -83,15 +83,13 @@ class ServeArgs:
 
     def __post_init__(self) -> None:
         if self.server.headless:
-            for given, option in (
-                (self.server.api_server_count > 1, "--api-server-count"),
-                (self.http.http_port is not None, "--http-port"),
-                (self.security.health_port is not None, "--health-port"),
-                (self.observability.metrics_port is not None, "--metrics-port"),
-                (self.server.warm_up, "--warm-up"),
-            ):
-                if given:
-                    raise ValueError(f"--headless serves nothing here: {option} has no use")
+            _refuse_serving_flags(
+                self.server.api_server_count,
+                self.http.http_port,
+                self.security.health_port,
+                self.observability.metrics_port,
+                self.server.warm_up,
+            )
         http_port = self.http.http_port
         if http_port and http_port == self.server.port and self.http_address == self.server.host:
             raise ValueError("--http-port must differ from --port")
@@ -110,6 +108,14 @@ class ServeArgs:
         Raises:
             ValueError: flags that contradict each other; the message names them.
         """
+        if flags.headless:  # before each group's own checks: they would not apply
+            _refuse_serving_flags(
+                flags.api_server_count,
+                flags.http_port,
+                flags.health_port,
+                flags.metrics_port,
+                flags.warm_up,
+            )
         args = from_flags(
             cls, flags, engine=_engine_flags(flags), services_named=flags.services is not None
         )
@@ -134,6 +140,29 @@ class ServeArgs:
         from vllm.engine.arg_utils import AsyncEngineArgs
 
         return AsyncEngineArgs(**self.engine)
+
+
+def _refuse_serving_flags(
+    api_server_count: int,
+    http_port: int | None,
+    health_port: int | None,
+    metrics_port: int | None,
+    warm_up: bool,
+) -> None:
+    """Refuse, on a headless node, the flags of what it does not serve.
+
+    Raises:
+        ValueError: the first such flag given, named.
+    """
+    for given, option in (
+        (api_server_count > 1, "--api-server-count"),
+        (http_port is not None, "--http-port"),
+        (health_port is not None, "--health-port"),
+        (metrics_port is not None, "--metrics-port"),
+        (warm_up, "--warm-up"),
+    ):
+        if given:
+            raise ValueError(f"--headless serves nothing here: {option} has no use")
 
 
 def _unpickle_serve_args(fields: dict[str, Any]) -> ServeArgs:

@@ -99,6 +99,8 @@ class ServerFlags:
     def __post_init__(self) -> None:
         if self.api_server_count < 1:
             raise ValueError(f"--api-server-count must be at least 1, got {self.api_server_count}")
+        if self.max_connection_age is not None:
+            _positive(self.max_connection_age, "--max-connection-age")
 
 
 @dataclass(frozen=True)
@@ -292,6 +294,7 @@ class SecurityFlags:
         help="with --tls-cert: also serve grpc.health.v1 alone, in plaintext, on this port "
         "(0: any free port), for probes that cannot speak TLS (Kubernetes' gRPC probes)",
     )
+    # As given; the CA in force, vLLM's spelling included, is `client_ca`.
     tls_client_ca: str | None = flag(
         None,
         help="CA bundle (PEM) for client certificates; when given, clients must present one. "

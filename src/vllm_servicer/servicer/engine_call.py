@@ -148,7 +148,7 @@ class EngineCallSteps:
             every other way in (a gRPC call's in-flight slot is taken by the
             in-flight interceptor, so the claim is all a frame takes).
         stream_interval: the tokens a streamed generation's message gathers
-            (`MountOptions.stream_interval`), from `min_inflight` engine calls
+            (`MountOptions.streaming.stream_interval`), from `min_inflight` engine calls
             in flight on, as `in_flight` counts them.
         decoded_media: the decoded images the process holds for running
             requests, and their budget (a frame opens each request's account).

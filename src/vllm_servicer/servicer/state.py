@@ -69,9 +69,9 @@ class MountState:
         frontends: the frontend processes sharing the engine (`serve
             --api-server-count`), or None.
         load_reporter: the engine's ORCA load report, or None when the mount
-            sends none (`MountOptions.load_reports`).
+            sends none (`MountOptions.served.load_reports`).
         media: the images named by URL the servicers fetch, within the
-            operator's rules (`MountOptions.media_refs`); None when they are off.
+            operator's rules (`MountOptions.media.media_refs`); None when they are off.
     """
 
     engine: EngineClient

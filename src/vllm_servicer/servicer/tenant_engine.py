@@ -59,9 +59,9 @@ class TenantEngine:
         running: the mount's registry of running request ids (shared by the
             frontend processes of `--api-server-count` through its group).
         routing_for_every_key: take routing data from every caller, not only
-            routers and administrators (`MountOptions.routing_data_for_every_key`).
+            routers and administrators (`MountOptions.tenancy.routing_data_for_every_key`).
         shared_prefix_cache: one prefix cache for every tenant, their prompts
-            unsalted (`MountOptions.shared_prefix_cache`); media uuids are
+            unsalted (`MountOptions.tenancy.shared_prefix_cache`); media uuids are
             keyed all the same.
         order: the fair order's counters (shared by the frontend processes
             of `--api-server-count`); default: this process's.
