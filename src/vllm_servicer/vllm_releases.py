@@ -11,19 +11,23 @@ What each difference means for clients is in `docs/index.md` ("vLLM releases").
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
 import importlib.util
 import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 # Before vLLM is imported below: an untested vLLM release fails here, naming both versions.
 from . import _vllm_version  # noqa: F401
 
 # isort: split
 from vllm import exceptions as _exceptions
+
+if TYPE_CHECKING:
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 # ----- errors ----------------------------------------------------------------
 
@@ -80,7 +84,7 @@ until it resumes. "keep" mode queues them on every release."""
 # ----- the HTTP API's argument parser ------------------------------------------
 
 
-def make_arg_parser(parser: Any) -> Any:
+def make_arg_parser(parser: FlexibleArgumentParser) -> FlexibleArgumentParser:
     """vLLM's OpenAI-server argument parser, wherever the release keeps it.
 
     0.33 moved it to `vllm.entrypoints.common.cli_args`; 0.31 and 0.32 have
@@ -92,7 +96,17 @@ def make_arg_parser(parser: Any) -> Any:
         )
     except ImportError:
         from vllm.entrypoints.launchers.cli_args import make_arg_parser as make
-    return make(parser)
+    made: FlexibleArgumentParser = make(parser)
+    return made
+
+
+def serve_defaults() -> argparse.Namespace:
+    """vLLM's OpenAI-server arguments, each at its default (`make_arg_parser`'s parse of none)."""
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    new_parser: Callable[[], FlexibleArgumentParser] = FlexibleArgumentParser  # untyped __init__
+    served: argparse.Namespace = make_arg_parser(new_parser()).parse_args([])
+    return served
 
 
 # ----- the profiler ------------------------------------------------------------
