@@ -19,6 +19,8 @@ if TYPE_CHECKING:
     from vllm.pooling_params import PoolingParams
     from vllm.renderers.inputs.tokenize import TokPrompt
     from vllm.sampling_params import SamplingParams
+    from vllm.tasks import SupportedTask
+    from vllm.tokenizers import TokenizerLike
     from vllm.v1.metrics.loggers import StatLoggerManager
 
     EnginePrompt: TypeAlias = PromptType | EngineInput
@@ -71,6 +73,10 @@ class Renderer(Protocol):
     async def process_for_engine_async(
         self, prompt: TokPrompt, arrival_time: float
     ) -> EngineInput: ...
+
+    def get_tokenizer(self) -> TokenizerLike:
+        """The engine's tokenizer (vLLM's `AsyncLLM.renderer` has one in every release)."""
+        ...
 
 
 class EngineCoreClient(Protocol):
@@ -140,7 +146,7 @@ class EngineClient(Protocol):
 
     async def is_paused(self) -> bool: ...
 
-    async def get_supported_tasks(self) -> tuple[str, ...]: ...
+    async def get_supported_tasks(self) -> tuple[SupportedTask, ...]: ...
 
     async def notify_kv_transfer_request_rejected(
         self,

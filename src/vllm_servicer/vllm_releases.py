@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 
     from vllm.config import VllmConfig
     from vllm.entrypoints.pooling.base.io_processor import PoolingIOProcessor
+    from vllm.entrypoints.pooling.base.serving import PoolingServing
+    from vllm.entrypoints.pooling.typing import AnyPoolingRequest, PoolingServeContext
     from vllm.sampling_params import SamplingParams
     from vllm.utils.argparse_utils import FlexibleArgumentParser
     from vllm.v1.engine.coordinator import DPCoordinator
@@ -456,7 +458,9 @@ def _posts_nothing(io_processor: PoolingIOProcessor) -> bool:
     return type(io_processor).post_process_online is PoolingIOProcessor.post_process_online
 
 
-async def pooling_outputs(handler: Any, request: Any) -> Any | None:
+async def pooling_outputs(
+    handler: PoolingServing, request: AnyPoolingRequest
+) -> PoolingServeContext[AnyPoolingRequest] | None:
     """vLLM's pooling handler run on `request` up to its outputs, before it
     writes its answer: its serving context (`PoolingServeContext`), whose
     `final_res_batch` holds one `PoolingRequestOutput` per engine request in
@@ -472,7 +476,9 @@ async def pooling_outputs(handler: Any, request: Any) -> Any | None:
     if getattr(handler, "enable_flash_late_interaction", False):
         return None
     io_processor = handler.get_io_processor(request)
-    ctx = await handler._init_ctx(io_processor, request, None)
+    ctx: PoolingServeContext[AnyPoolingRequest] = await handler._init_ctx(
+        io_processor, request, None
+    )
     await handler._preprocessing(io_processor, ctx)
     await handler._prepare_generators(ctx)
     await handler._collect_batch(ctx)
