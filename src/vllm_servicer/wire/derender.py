@@ -15,7 +15,7 @@ Pure data: no grpc, no vLLM.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, TypedDict
+from typing import Any
 
 from ..errors import InvalidRequestError
 from ..proto import render_pb2 as render_pb
@@ -39,6 +39,7 @@ __all__ = [
 
 
 _TOOL_CHOICE_MODES = frozenset({"auto", "none", "required"})
+_Sequences = Sequence[render_pb.GeneratedSequence]
 
 
 def _tool_choice(chat: render_pb.RenderChatRequest, choice: str) -> str | dict[str, object]:
@@ -67,11 +68,7 @@ def _check_ids(field: str, token_ids: Iterable[int], vocabulary: int) -> None:
 
 
 def _generated(
-    sequences: Sequence[render_pb.GeneratedSequence],
-    field: str,
-    request_id: str,
-    vocabulary: int,
-    eos_ids: frozenset[int],
+    sequences: _Sequences, field: str, request_id: str, vocabulary: int, eos_ids: frozenset[int]
 ) -> dict[str, object]:
     """vLLM's token-id generate response (`GenerateTokensResponse`) for `sequences`."""
     if not sequences:
@@ -175,9 +172,7 @@ def derender_token_count(
 ) -> int:
     """The token ids a derender decodes: generated, prompt and logprob candidates."""
     if isinstance(request, render_pb.DerenderChatRequest):
-        generations: list[tuple[Sequence[int], Sequence[render_pb.GeneratedSequence]]] = [
-            (request.prompt_token_ids, request.choices)
-        ]
+        generations = [(request.prompt_token_ids, request.choices)]
     else:
         generations = [(prompt.prompt_token_ids, prompt.choices) for prompt in request.prompts]
     return sum(
@@ -369,14 +364,7 @@ def derender_completion_body(
     }
 
 
-class _StopReason(TypedDict, total=False):
-    """What a choice stopped on, as the reply's oneof states it."""
-
-    stop_token_id: int
-    stop_string: str
-
-
-def _stop_reason(choice: Mapping[str, Any]) -> _StopReason:
+def _stop_reason(choice: Mapping[str, Any]) -> dict[str, Any]:
     reason = choice.get("stop_reason")
     if reason is None:
         return {}
