@@ -9,10 +9,26 @@ without vLLM.
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Iterable, Mapping
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, TypeAlias, runtime_checkable
+
+if TYPE_CHECKING:
+    from vllm.config import ModelConfig, VllmConfig
+    from vllm.config.kv_events import KVEventsConfig
+    from vllm.inputs import EngineInput, PromptType
+    from vllm.outputs import PoolingRequestOutput, RequestOutput
+    from vllm.pooling_params import PoolingParams
+    from vllm.renderers.inputs.tokenize import TokPrompt
+    from vllm.sampling_params import SamplingParams
+    from vllm.tasks import SupportedTask
+    from vllm.tokenizers import TokenizerLike
+    from vllm.v1.metrics.loggers import StatLoggerManager
+
+    EnginePrompt: TypeAlias = PromptType | EngineInput
+    """A prompt as the engine takes it: a text, token or embeddings prompt
+    (vLLM's `PromptType`), or one already rendered (`EngineInput`)."""
 
 
-def missing_members(engine: Any) -> list[str]:
+def missing_members(engine: object) -> list[str]:
     """The `EngineClient` members that `engine` lacks (none for vLLM's `AsyncLLM`)."""
     declared = set(EngineClient.__annotations__) | {
         name for name in vars(EngineClient) if not name.startswith("_")
@@ -20,7 +36,7 @@ def missing_members(engine: Any) -> list[str]:
     return sorted(name for name in declared if not hasattr(engine, name))
 
 
-def require_engine(engine: Any) -> None:
+def require_engine(engine: object) -> None:
     """Refuse an engine that lacks an `EngineClient` member, naming what it lacks.
 
     Raised when a servicer is built, not as an AttributeError in the middle
@@ -37,7 +53,7 @@ def require_engine(engine: Any) -> None:
         )
 
 
-def served_model_name(engine: Any) -> str:
+def served_model_name(engine: object) -> str:
     """The model name the engine serves (`--served-model-name`, else the model path).
 
     vLLM's `ModelConfig` settles it when built (its `get_served_model_name`:
@@ -52,9 +68,15 @@ def served_model_name(engine: Any) -> str:
 class Renderer(Protocol):
     """The part of vLLM's renderer (`AsyncLLM.renderer`) used: prompt to engine input."""
 
-    def process_for_engine(self, prompt: Any, arrival_time: float) -> Any: ...
+    def process_for_engine(self, prompt: TokPrompt, arrival_time: float) -> EngineInput: ...
 
-    async def process_for_engine_async(self, prompt: Any, arrival_time: float) -> Any: ...
+    async def process_for_engine_async(
+        self, prompt: TokPrompt, arrival_time: float
+    ) -> EngineInput: ...
+
+    def get_tokenizer(self) -> TokenizerLike:
+        """The engine's tokenizer (vLLM's `AsyncLLM.renderer` has one in every release)."""
+        ...
 
 
 class EngineCoreClient(Protocol):
@@ -87,8 +109,8 @@ class EngineClient(Protocol):
     `isinstance(x, EngineClient)` checks only that the members exist.
     """
 
-    model_config: Any  # vllm.config.ModelConfig
-    vllm_config: Any  # vllm.config.VllmConfig
+    model_config: ModelConfig
+    vllm_config: VllmConfig
 
     @property
     def errored(self) -> bool: ...
@@ -101,35 +123,35 @@ class EngineClient(Protocol):
 
     def generate(
         self,
-        prompt: Any,
-        sampling_params: Any,
+        prompt: EnginePrompt,
+        sampling_params: SamplingParams,
         request_id: str,
         *,
-        tokenization_kwargs: dict[str, Any] | None = None,
+        tokenization_kwargs: dict[str, object] | None = None,
         trace_headers: Mapping[str, str] | None = None,
         data_parallel_rank: int | None = None,
         reasoning_ended: bool | None = None,
-    ) -> AsyncGenerator[Any, None]: ...
+    ) -> AsyncGenerator[RequestOutput, None]: ...
 
     def encode(
         self,
-        prompt: Any,
-        pooling_params: Any,
+        prompt: EnginePrompt,
+        pooling_params: PoolingParams,
         request_id: str,
         *,
         trace_headers: Mapping[str, str] | None = None,
-    ) -> AsyncGenerator[Any, None]: ...
+    ) -> AsyncGenerator[PoolingRequestOutput, None]: ...
 
     async def abort(self, request_id: str | Iterable[str]) -> None: ...
 
     async def is_paused(self) -> bool: ...
 
-    async def get_supported_tasks(self) -> tuple[str, ...]: ...
+    async def get_supported_tasks(self) -> tuple[SupportedTask, ...]: ...
 
     async def notify_kv_transfer_request_rejected(
         self,
         request_id: str,
-        kv_transfer_params: dict[str, Any],
+        kv_transfer_params: dict[str, object],
         *,
         data_parallel_rank: int | None = None,
     ) -> None: ...
@@ -140,15 +162,15 @@ class EngineClient(Protocol):
 
     async def stop_profile(self) -> None: ...
 
-    def get_kv_event_sources(self) -> dict[int, Any]:
+    def get_kv_event_sources(self) -> dict[int, KVEventsConfig]:
         """Each engine core's KVEventsConfig by rank, as they reported it (may be empty)."""
         ...
 
     # ----- present, but varying by vLLM release or engine configuration ----
 
-    # vllm.v1.metrics.loggers.StatLoggerManager, or None when the engine
-    # collects no stats (--disable-log-stats): `stats_tap.attach` handles None.
-    logger_manager: Any
+    # None when the engine collects no stats (--disable-log-stats):
+    # `stats_tap.attach` handles None.
+    logger_manager: StatLoggerManager | None
 
     async def start_profile(self, profile_prefix: str | None = None) -> None:
         """Start the profiler (vLLM 0.31's signature, which every supported release accepts).

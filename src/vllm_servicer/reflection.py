@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from google.protobuf import descriptor_pool
+from google.protobuf.descriptor import Descriptor, FileDescriptor
 
 from .proto import POOL
 
@@ -51,11 +52,11 @@ class ChainedPool:
                 todo.extend(file.dependencies)
         return seen
 
-    def _visible(self, file: Any, key: Any) -> None:
+    def _visible(self, file: FileDescriptor, key: object) -> None:
         if self._files is not None and file.name not in self._files:
             raise KeyError(key)
 
-    def _first(self, method: str, *args: Any) -> Any:
+    def _first(self, method: str, *args: object) -> Any:
         last: Exception | None = None
         for pool in self._pools:
             try:
@@ -64,27 +65,28 @@ class ChainedPool:
                 last = exc
         raise last if last is not None else KeyError(args)
 
-    def FindFileByName(self, name: str) -> Any:  # noqa: N802 - DescriptorPool's API
-        found = self._first("FindFileByName", name)
+    def FindFileByName(self, name: str) -> FileDescriptor:  # noqa: N802 - DescriptorPool's API
+        found: FileDescriptor = self._first("FindFileByName", name)
         self._visible(found, name)
         return found
 
-    def FindFileContainingSymbol(self, symbol: str) -> Any:  # noqa: N802
-        found = self._first("FindFileContainingSymbol", symbol)
+    def FindFileContainingSymbol(self, symbol: str) -> FileDescriptor:  # noqa: N802
+        found: FileDescriptor = self._first("FindFileContainingSymbol", symbol)
         self._visible(found, symbol)
         return found
 
-    def FindMessageTypeByName(self, name: str) -> Any:  # noqa: N802
-        found = self._first("FindMessageTypeByName", name)
+    def FindMessageTypeByName(self, name: str) -> Descriptor:  # noqa: N802
+        found: Descriptor = self._first("FindMessageTypeByName", name)
         self._visible(found.file, name)
         return found
 
-    def FindExtensionByNumber(self, message: Any, number: int) -> Any:  # noqa: N802
+    # An extension is a FieldDescriptor, whose `file` protobuf's stubs leave out.
+    def FindExtensionByNumber(self, message: Descriptor, number: int) -> Any:  # noqa: N802
         found = self._first("FindExtensionByNumber", message, number)
         self._visible(found.file, number)
         return found
 
-    def FindAllExtensions(self, message: Any) -> list[Any]:  # noqa: N802
+    def FindAllExtensions(self, message: Descriptor) -> list[Any]:  # noqa: N802
         found: list[Any] = []
         for pool in self._pools:
             try:

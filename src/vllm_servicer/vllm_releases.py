@@ -11,19 +11,31 @@ What each difference means for clients is in `docs/index.md` ("vLLM releases").
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
 import importlib.util
 import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 # Before vLLM is imported below: an untested vLLM release fails here, naming both versions.
 from . import _vllm_version  # noqa: F401
 
 # isort: split
 from vllm import exceptions as _exceptions
+
+if TYPE_CHECKING:
+    from multiprocessing.process import BaseProcess
+
+    from vllm.config import VllmConfig
+    from vllm.entrypoints.pooling.base.io_processor import PoolingIOProcessor
+    from vllm.entrypoints.pooling.base.serving import PoolingServing
+    from vllm.entrypoints.pooling.typing import AnyPoolingRequest, PoolingServeContext
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from vllm.v1.engine.coordinator import DPCoordinator
 
 # ----- errors ----------------------------------------------------------------
 
@@ -80,7 +92,7 @@ until it resumes. "keep" mode queues them on every release."""
 # ----- the HTTP API's argument parser ------------------------------------------
 
 
-def make_arg_parser(parser: Any) -> Any:
+def make_arg_parser(parser: FlexibleArgumentParser) -> FlexibleArgumentParser:
     """vLLM's OpenAI-server argument parser, wherever the release keeps it.
 
     0.33 moved it to `vllm.entrypoints.common.cli_args`; 0.31 and 0.32 have
@@ -92,13 +104,23 @@ def make_arg_parser(parser: Any) -> Any:
         )
     except ImportError:
         from vllm.entrypoints.launchers.cli_args import make_arg_parser as make
-    return make(parser)
+    made: FlexibleArgumentParser = make(parser)
+    return made
+
+
+def serve_defaults() -> argparse.Namespace:
+    """vLLM's OpenAI-server arguments, each at its default (`make_arg_parser`'s parse of none)."""
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    new_parser: Callable[[], FlexibleArgumentParser] = FlexibleArgumentParser  # untyped __init__
+    served: argparse.Namespace = make_arg_parser(new_parser()).parse_args([])
+    return served
 
 
 # ----- the profiler ------------------------------------------------------------
 
 
-def start_profile_options(start_profile: Any) -> frozenset[str]:
+def start_profile_options(start_profile: Callable[..., object]) -> frozenset[str]:
     """The keyword arguments beyond the prefix that `AsyncLLM.start_profile` takes.
 
     0.31: none. 0.32: `delay_iterations`, `max_iterations`. 0.33 adds
@@ -143,7 +165,7 @@ SEEDED_DRAW_REWINDS = _runner_rewinds_generators()
 which a CPU generator refuses (see `seeded_sampling_hazard`); 0.34+: no rewind."""
 
 
-def seeded_sampling_hazard(vllm_config: Any, *, rewinds: bool | None = None) -> str | None:
+def seeded_sampling_hazard(vllm_config: object, *, rewinds: bool | None = None) -> str | None:
     """Why a seeded sampling request would kill this engine, or None when it is safe.
 
     When vLLM 0.31 to 0.33 schedule part of a prompt (a chunked prefill), they
@@ -182,7 +204,7 @@ def seeded_sampling_hazard(vllm_config: Any, *, rewinds: bool | None = None) -> 
     return None
 
 
-def draws_from_own_generator(sampling: Any) -> bool:
+def draws_from_own_generator(sampling: SamplingParams) -> bool:
     """Whether vLLM gives this request a random generator of its own (a seed, sampling)."""
     return sampling.seed is not None and sampling.temperature >= _SAMPLING_EPS
 
@@ -201,7 +223,7 @@ INFERENCE_READY_UTILITY = _core_answers_inference_ready()
 frontend publishes as gRPC readiness."""
 
 
-async def accepts_new_requests(engine: Any) -> bool:
+async def accepts_new_requests(engine: object) -> bool:
     """Whether the engine would run a request sent now (what readiness reports).
 
     0.34+: the engine core's own answer: not paused (a checkpoint's drain
@@ -229,7 +251,7 @@ _CHECKPOINT_STATES_ALLOWED = {
 }
 
 
-async def checkpoint_refusal(engine: Any, action: str) -> str | None:
+async def checkpoint_refusal(engine: object, action: str) -> str | None:
     """Why the engine's checkpoint state forbids `action` now, None when it does not.
 
     0.34 added a process-checkpoint lifecycle (prepare, restore; driven over
@@ -261,17 +283,17 @@ async def checkpoint_refusal(engine: Any, action: str) -> str | None:
 class EngineWithFrontends:
     """The engine's processes and its frontend processes, once the engine is up."""
 
-    processes: list[Any]  # the frontends, multiprocessing processes
+    processes: list[BaseProcess]  # the frontends
     engine_manager: Any  # vLLM's CoreEngineProcManager: sentinels(), shutdown()
-    coordinator: Any  # vLLM's DPCoordinator, or None
+    coordinator: DPCoordinator | None
 
 
 @contextlib.contextmanager
 def engine_with_frontends(
-    vllm_config: Any,
+    vllm_config: VllmConfig,
     count: int,
     target: Callable[..., None],
-    payload: Any,
+    payload: object,
     *,
     log_stats: bool,
     apart: Callable[[], contextlib.AbstractContextManager[None]],
@@ -355,7 +377,7 @@ def engine_core_died(engine: Any) -> None:
         core.shutdown()
 
 
-def runs_adapter(engine: Any, lora_id: int) -> bool | None:
+def runs_adapter(engine: object, lora_id: int) -> bool | None:
     """Whether the engine still has a request on LoRA adapter `lora_id`, from its
     frontend's records of unfinished requests (`OutputProcessor.request_states`,
     alike in 0.31 to 0.34; a request leaves them when the engine core has
@@ -404,7 +426,7 @@ THINKING_TOKEN_BUDGET = _sampling_takes("thinking_token_budget")
 engine needs a reasoning parser, `--reasoning-parser`); else the field is refused."""
 
 
-def sleep_resets_connector(engine: Any) -> bool:
+def sleep_resets_connector(engine: object) -> bool:
     """Whether the engine's `sleep` takes `reset_connector` (0.34's does, default true;
     0.31 to 0.33's do not: a `SleepRequest` asking for a reset is refused naming the
     field). Read off the engine's own method, so a stand-in engine answers for itself."""
@@ -426,7 +448,7 @@ def sleep_resets_connector(engine: Any) -> bool:
 # made of: the stages below are vLLM's, named alike in 0.31 to 0.34.
 
 
-def _posts_nothing(io_processor: Any) -> bool:
+def _posts_nothing(io_processor: PoolingIOProcessor) -> bool:
     """Whether a pooling handler's IO processor leaves the outputs as the engine
     gave them (the base class's `post_process_online`: classification and
     cross-encoder scoring); bi-encoder and late-interaction scoring compute
@@ -436,7 +458,9 @@ def _posts_nothing(io_processor: Any) -> bool:
     return type(io_processor).post_process_online is PoolingIOProcessor.post_process_online
 
 
-async def pooling_outputs(handler: Any, request: Any) -> Any | None:
+async def pooling_outputs(
+    handler: PoolingServing, request: AnyPoolingRequest
+) -> PoolingServeContext[AnyPoolingRequest] | None:
     """vLLM's pooling handler run on `request` up to its outputs, before it
     writes its answer: its serving context (`PoolingServeContext`), whose
     `final_res_batch` holds one `PoolingRequestOutput` per engine request in
@@ -452,7 +476,9 @@ async def pooling_outputs(handler: Any, request: Any) -> Any | None:
     if getattr(handler, "enable_flash_late_interaction", False):
         return None
     io_processor = handler.get_io_processor(request)
-    ctx = await handler._init_ctx(io_processor, request, None)
+    ctx: PoolingServeContext[AnyPoolingRequest] = await handler._init_ctx(
+        io_processor, request, None
+    )
     await handler._preprocessing(io_processor, ctx)
     await handler._prepare_generators(ctx)
     await handler._collect_batch(ctx)

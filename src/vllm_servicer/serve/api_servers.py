@@ -35,7 +35,7 @@ import socket
 import time
 from dataclasses import dataclass
 from multiprocessing import connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..frontends import FrontendGroup, id_room, table_capacity
 from ..shares import WANTING_ONLY_RECORDS
@@ -44,6 +44,13 @@ from .engine_processes import apart_from_stop_signals
 from .launcher import Frontend, serve
 from .preflight import addresses_usable
 from .process import EXIT_FAILED, EXIT_STOPPED, configure_logging, end_process, run_until_done
+
+if TYPE_CHECKING:
+    from multiprocessing.queues import Queue
+    from types import FrameType
+    from wsgiref.simple_server import WSGIServer
+
+    from ..vllm_releases import EngineWithFrontends
 
 logger = logging.getLogger("vllm_servicer.serve")
 
@@ -57,11 +64,11 @@ class _Launch:
 
     args: ServeArgs
     group: FrontendGroup
-    ready: Any  # a multiprocessing queue: (index, pid) once serving
+    ready: Queue[tuple[int, int]]  # (index, pid) once serving
 
 
 def frontend_main(
-    listen_address: str, sock: Any, launch: _Launch, client_config: dict[str, Any]
+    listen_address: str, sock: socket.socket, launch: _Launch, client_config: dict[str, Any]
 ) -> None:
     """A frontend process: serve as client `client_index` until told to stop."""
     from vllm.utils.system_utils import set_process_title
@@ -127,7 +134,13 @@ def serve_frontends(args: ServeArgs) -> int:
         return _run(args, group, frontends, ready, started)
 
 
-def _run(args: ServeArgs, group: FrontendGroup, frontends: Any, ready: Any, started: float) -> int:
+def _run(
+    args: ServeArgs,
+    group: FrontendGroup,
+    frontends: EngineWithFrontends,
+    ready: Queue[tuple[int, int]],
+    started: float,
+) -> int:
     """From the engine up to every process gone."""
     processes: list[multiprocessing.process.BaseProcess] = list(frontends.processes)
     stop = _StopForwarding(processes)
@@ -184,7 +197,7 @@ class _StopForwarding:
             sig: signal.signal(sig, self._forward) for sig in (signal.SIGTERM, signal.SIGINT)
         }
 
-    def _forward(self, signum: int, frame: Any) -> None:
+    def _forward(self, signum: int, frame: FrameType | None) -> None:
         if self.requested_at is None:
             self.requested_at = time.monotonic()
             logger.info("stop requested: draining %d frontends", len(self._processes))
@@ -207,7 +220,9 @@ class _StopForwarding:
 
 
 def _wait_until_serving(
-    processes: list[multiprocessing.process.BaseProcess], ready: Any, stop: _StopForwarding
+    processes: list[multiprocessing.process.BaseProcess],
+    ready: Queue[tuple[int, int]],
+    stop: _StopForwarding,
 ) -> bool:
     """Until each frontend serves; False (logged) when one ended first or a stop came."""
     waiting = {p.pid for p in processes}
@@ -235,7 +250,7 @@ def _wait_until_ended(
     args: ServeArgs,
     group: FrontendGroup,
     processes: list[multiprocessing.process.BaseProcess],
-    engine_manager: Any,
+    engine_manager: object,
     stop: _StopForwarding,
 ) -> int:
     """Until every frontend has ended; the exit code. A frontend that ends on
@@ -308,7 +323,7 @@ def _with_fixed_ports(args: ServeArgs) -> ServeArgs:
     )
 
 
-def _serve_metrics(args: ServeArgs, group: FrontendGroup) -> Any:
+def _serve_metrics(args: ServeArgs, group: FrontendGroup) -> WSGIServer:
     """Every frontend's series, and vLLM's, at one `/metrics`; the prompt
     tokens waiting for prefill from the frontends' shared memory."""
     from prometheus_client import CollectorRegistry, multiprocess
@@ -316,6 +331,7 @@ def _serve_metrics(args: ServeArgs, group: FrontendGroup) -> Any:
     from ..interceptors import start_metrics_server
     from ..tenant_metrics import WaitingPromptTokens
 
+    server: WSGIServer
     registry = CollectorRegistry()
     multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
     # The model label as the frontends' series carry it (vLLM's served name).

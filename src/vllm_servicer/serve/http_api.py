@@ -30,7 +30,7 @@ import math
 import socket
 import ssl
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict, cast
 
 import uvicorn
 
@@ -38,19 +38,39 @@ from ..guard import EngineGuard
 from ..interceptors.call_slots import CallSlotsInterceptor
 from ..servicer.vllm_app import with_engine_parsers
 from .args import ServeArgs
+from .http_asgi import App
 from .http_front import Front
 from .http_guard import GuardedEngine
 from .http_media import gate_media_fetching
 from .http_timeouts import guarded_protocol
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+    from vllm.engine.protocol import EngineClient as VllmEngineClient
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from ..interceptors.verifiers import Verifier
 
 __all__ = ["HttpApi", "frontend_args", "uvicorn_config"]
 
 logger = logging.getLogger(__name__)
 
 
-# The mount options (`MountOptions`, flags of the launcher) that vLLM's app
-# reads. The app's host and port are the HTTP API's; the launcher's keys, TLS,
-# limits and other ports stay its own.
+class _Protocol(TypedDict, total=False):
+    """uvicorn's `http` protocol class, when it is not its own."""
+
+    http: type[asyncio.Protocol]
+
+
+class _Tls(TypedDict, total=False):
+    """uvicorn's TLS settings."""
+
+    ssl_certfile: str
+    ssl_keyfile: str
+    ssl_ca_certs: str
+    ssl_cert_reqs: int
+
+
 def frontend_args(args: ServeArgs, host: str, port: int) -> argparse.Namespace:
     """vLLM's serve arguments: its frontend defaults, the launcher's engine settings.
 
@@ -66,12 +86,9 @@ def frontend_args(args: ServeArgs, host: str, port: int) -> argparse.Namespace:
         host: the address the HTTP API binds.
         port: the port it binds.
     """
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from ..vllm_releases import serve_defaults
 
-    from ..vllm_releases import make_arg_parser
-
-    parser_class: Any = FlexibleArgumentParser  # untyped in vLLM
-    served: argparse.Namespace = make_arg_parser(parser_class()).parse_args([])
+    served = serve_defaults()
     vars(served).update(args.engine)
     vars(served).update(dataclasses.asdict(args.options.chat))
     served.enable_scale_out = args.http.enable_scale_out
@@ -97,7 +114,7 @@ def _root_logging_kept() -> Iterator[None]:
             handler.setLevel(level)
 
 
-async def _build_app(engine: Any, served: argparse.Namespace) -> Any:
+async def _build_app(engine: AsyncLLM | GuardedEngine, served: argparse.Namespace) -> FastAPI:
     with _root_logging_kept():
         from vllm.entrypoints.launchers.api_server.app_state import init_app_state
         from vllm.entrypoints.launchers.app import build_app
@@ -105,12 +122,14 @@ async def _build_app(engine: Any, served: argparse.Namespace) -> Any:
         tasks = await engine.get_supported_tasks()
         with_engine_parsers(served, engine)
         app = build_app(served, tasks, engine.model_config)
-        await init_app_state(engine, app.state, served, tasks)
+        # The guarded engine passes for vLLM's client: what it does not
+        # define itself is the engine's own (`GuardedEngine.__getattr__`).
+        await init_app_state(cast("VllmEngineClient", engine), app.state, served, tasks)
     return app
 
 
 def uvicorn_config(
-    app: Any,
+    app: App,
     host: str,
     port: int,
     tls: tuple[str, str, str | None] | None = None,
@@ -133,10 +152,10 @@ def uvicorn_config(
         max_connections: most connections open at once (`--max-http-connections`);
             None: any. Only with `header_timeout`.
     """
-    protocol: dict[str, Any] = {}
+    protocol: _Protocol = {}
     if header_timeout is not None:
         protocol = {"http": guarded_protocol(header_timeout, max_connections)}
-    ssl_options: dict[str, Any] = {}
+    ssl_options: _Tls = {}
     if tls is not None:
         cert, key, client_ca = tls
         ssl_options = {"ssl_certfile": cert, "ssl_keyfile": key}
@@ -182,12 +201,12 @@ class HttpApi:
     @classmethod
     async def build(
         cls,
-        engine: Any,
+        engine: AsyncLLM,
         args: ServeArgs,
         *,
         host: str,
         port: int,
-        verifier: Any = None,
+        verifier: Verifier | None = None,
         tls: tuple[str, str, str | None] | None = None,
         guard: EngineGuard | None = None,
         slots: CallSlotsInterceptor | None = None,

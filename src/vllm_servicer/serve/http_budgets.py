@@ -28,7 +28,7 @@ budget that applies is not parsed for them at all.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
 
 from ..budgets import RequestBudgets
 
@@ -55,7 +55,7 @@ def may_pass(path: str, size: int, budgets: RequestBudgets) -> bool:
     return False
 
 
-def check(path: str, data: Any, budgets: RequestBudgets) -> None:
+def check(path: str, data: object, budgets: RequestBudgets) -> None:
     """Refuse the parsed body `data` to `path` when it passes a budget (a
     malformed body is vLLM's to answer).
 
@@ -76,7 +76,7 @@ def check(path: str, data: Any, budgets: RequestBudgets) -> None:
             budgets.check_abort_ids("request_ids", [str(i) for i in ids])
 
 
-def _check_tokenize(data: dict[str, Any], budgets: RequestBudgets) -> None:
+def _check_tokenize(data: Mapping[str, object], budgets: RequestBudgets) -> None:
     messages = data.get("messages")
     if isinstance(messages, list):
         budgets.check_render_items("messages", _chat_items(messages, data.get("tools")))
@@ -90,7 +90,7 @@ def _check_tokenize(data: dict[str, Any], budgets: RequestBudgets) -> None:
         budgets.check_render_chars("prompt", _characters(prompt))
 
 
-def _chat_items(messages: list[Any], tools: Any) -> int:
+def _chat_items(messages: list[object], tools: object) -> int:
     """What a chat asks the template to lay out: messages, parts, tool calls, tools."""
     items = len(messages) + (len(tools) if isinstance(tools, list) else 0)
     for message in messages:
@@ -108,7 +108,7 @@ def _media(key: str) -> bool:
     return key.endswith("_url") or key.startswith("input_") or key.endswith("_embeds")
 
 
-def _characters(value: Any) -> int:
+def _characters(value: object) -> int:
     """The characters of every string in `value` (keys included), media payloads
     left out; iterative, so a deeply nested body costs no recursion."""
     count = 0

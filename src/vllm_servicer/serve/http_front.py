@@ -35,7 +35,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from ..budgets import RequestBudgets
 from ..context import Identity, current_identity
@@ -44,7 +45,11 @@ from ..interceptors.auth import AuthError, Unauthenticated
 from ..interceptors.call_slots import CallSlotsInterceptor, CallSlotsRefused
 from ..prefix_cache import keyed_tenant
 from . import http_request_ids as request_ids
+from .http_asgi import App, Message, Receive, Scope, Send, headers_of
 from .http_guard import HTTP_CALLER
+
+if TYPE_CHECKING:
+    from ..interceptors.verifiers import Verifier
 
 __all__ = ["Front"]
 
@@ -99,13 +104,13 @@ _RESPONSES_PREFIX = "/v1/responses"
 
 def _json(
     status: int,
-    body: dict[str, Any],
+    body: Mapping[str, object],
     *,
     headers: list[tuple[bytes, bytes]] | None = None,
     close: bool = False,
-) -> tuple[dict[str, Any], dict[str, Any]]:
+) -> tuple[Message, Message]:
     payload = json.dumps(body).encode()
-    start = {
+    start: Message = {
         "type": "http.response.start",
         "status": status,
         "headers": [
@@ -137,8 +142,8 @@ class Front:
 
     def __init__(
         self,
-        app: Any,
-        verifier: Any,
+        app: App,
+        verifier: Verifier | None,
         slots: CallSlotsInterceptor | None = None,
         max_body_bytes: int | None = None,
         budgets: RequestBudgets | None = None,
@@ -155,18 +160,18 @@ class Front:
         self.draining = False
         self.responses_stored = bool(envs.VLLM_ENABLE_RESPONSES_API_STORE)
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket") or scope.get("method") == "OPTIONS":
             await self.app(scope, receive, send)
             return
-        path = scope["path"].removeprefix(scope.get("root_path", ""))
+        path = str(scope["path"]).removeprefix(str(scope.get("root_path", "")))
         if self.draining and path == "/health":
             # Balancers probing HTTP stop sending, as gRPC probes see NOT_SERVING.
             await self._refuse(scope, send, 503, "draining")
             return
         caller: Identity | None = HTTP_CALLER
         if self.verifier is not None and not _public(path):
-            refusal, caller = await self._check(scope, path)
+            refusal, caller = await self._check(self.verifier, scope, path)
             if refusal is not None:
                 await self._refuse(scope, send, *refusal)
                 return
@@ -206,7 +211,7 @@ class Front:
             current_identity.reset(token)
 
     async def _serve(
-        self, scope: Any, path: str, receive: Any, send: Any, wait: ClientWait | None = None
+        self, scope: Scope, path: str, receive: Receive, send: Send, wait: ClientWait | None = None
     ) -> None:
         if not _public(path):
             # After the key (nothing is read for a caller refused), before
@@ -237,7 +242,7 @@ class Front:
                 return
         await self.app(scope, receive, send)
 
-    async def _busy(self, scope: Any, send: Any, message: str) -> None:
+    async def _busy(self, scope: Scope, send: Send, message: str) -> None:
         if scope["type"] == "websocket":
             await self._refuse(scope, send, 503, message)
             return
@@ -246,14 +251,16 @@ class Front:
         for event in _json(503, body, headers=headers):
             await send(event)
 
-    async def _check(self, scope: Any, path: str) -> tuple[tuple[int, str] | None, Identity | None]:
+    async def _check(
+        self, verifier: Verifier, scope: Scope, path: str
+    ) -> tuple[tuple[int, str] | None, Identity | None]:
         metadata = [
             ("authorization", value.decode("latin-1"))
-            for name, value in scope["headers"]
+            for name, value in headers_of(scope)
             if name == b"authorization"
         ]
         try:
-            identity = await self.verifier(metadata, {})
+            identity = await verifier(metadata, {})
         except Unauthenticated:
             return (401, "Unauthorized"), None
         except AuthError:
@@ -271,7 +278,7 @@ class Front:
         return None, identity
 
     @staticmethod
-    async def _refuse(scope: Any, send: Any, status: int, message: str) -> None:
+    async def _refuse(scope: Scope, send: Send, status: int, message: str) -> None:
         if scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008})  # policy violation
             return
@@ -279,7 +286,7 @@ class Front:
             await send(event)
 
 
-def _taken_in_time(send: Any, watch: WaitWatch, wait: ClientWait) -> Any:
+def _taken_in_time(send: Send, watch: WaitWatch, wait: ClientWait) -> Send:
     """`send` with each part of the response body taken by the client within
     `watch`'s deadline (`--response-write-timeout`), its wait marked meanwhile.
 
@@ -289,7 +296,7 @@ def _taken_in_time(send: Any, watch: WaitWatch, wait: ClientWait) -> Any:
     cancelled, and its handler closed (the engine aborts its requests).
     """
 
-    async def send_in_time(message: dict[str, Any]) -> None:
+    async def send_in_time(message: Message) -> None:
         if message["type"] != "http.response.body":
             await send(message)
             return
@@ -302,7 +309,7 @@ def _taken_in_time(send: Any, watch: WaitWatch, wait: ClientWait) -> Any:
     return send_in_time
 
 
-def _costless(scope: Any, path: str) -> bool:
+def _costless(scope: Scope, path: str) -> bool:
     """A request that takes no call slot: the probes, the GETs of fixed facts
     and the metrics page."""
     if _public(path):

@@ -39,9 +39,9 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import AsyncGenerator, Callable, Iterable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterable, Iterator, Mapping
 from http import HTTPStatus
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from vllm.exceptions import GracefulHTTPError
 
@@ -56,6 +56,15 @@ from ..errors import (
 )
 from ..guard import EngineGuard, ServerBusyError
 from ..ranks import engine_index, engine_index_if_served
+
+if TYPE_CHECKING:
+    from vllm.lora.request import LoRARequest
+    from vllm.outputs import PoolingRequestOutput, RequestOutput
+    from vllm.pooling_params import PoolingParams
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+Output = TypeVar("Output")
 
 __all__ = ["HTTP_CALLER", "GuardedEngine"]
 
@@ -105,7 +114,7 @@ class BudgetRefusalError(GracefulHTTPError):
         super().__init__(message, HTTPStatus.BAD_REQUEST)
 
 
-def _constraint_size(sampling_params: Any) -> tuple[str, int] | None:
+def _constraint_size(sampling_params: SamplingParams) -> tuple[str, int] | None:
     """The sampling parameters' structured-output constraint, named as vLLM's
     field (`structured_outputs.json`), and its size in bytes, if it has one.
 
@@ -166,7 +175,7 @@ class GuardedEngine:
 
     def __init__(
         self,
-        engine: Any,
+        engine: AsyncLLM,
         guard: EngineGuard,
         budgets: RequestBudgets | None = None,
         *,
@@ -193,8 +202,13 @@ class GuardedEngine:
         self._engine.check_admission(n, request_id)
 
     def generate(
-        self, prompt: Any, sampling_params: Any, request_id: str, *args: Any, **kwargs: Any
-    ) -> AsyncGenerator[Any, None]:
+        self,
+        prompt: Any,
+        sampling_params: SamplingParams,
+        request_id: str,
+        *args: Any,
+        **kwargs: Any,
+    ) -> AsyncGenerator[RequestOutput, None]:
         # Every route that takes `kv_transfer_params` (completions, chat, responses,
         # Anthropic's messages, token generation) hands them on here.
         extra = getattr(sampling_params, "extra_args", None) or {}
@@ -229,8 +243,13 @@ class GuardedEngine:
         return self._guarded("HTTP generate", request_id, lambda: outputs)
 
     def encode(
-        self, prompt: Any, pooling_params: Any, request_id: str, *args: Any, **kwargs: Any
-    ) -> AsyncGenerator[Any, None]:
+        self,
+        prompt: Any,
+        pooling_params: PoolingParams,
+        request_id: str,
+        *args: Any,
+        **kwargs: Any,
+    ) -> AsyncGenerator[PoolingRequestOutput, None]:
         with _as_http_errors():
             self._check_priority(kwargs)
             outputs = self.tenant.encode(
@@ -239,7 +258,7 @@ class GuardedEngine:
         return self._guarded("HTTP encode", request_id, lambda: outputs)
 
     async def notify_kv_transfer_request_rejected(
-        self, request_id: str, kv_transfer_params: dict[str, Any], *args: Any, **kwargs: Any
+        self, request_id: str, kv_transfer_params: dict[str, object], *args: Any, **kwargs: Any
     ) -> None:
         """vLLM tells the connector of a request refused before the engine ran it;
         a tenant's parameters were refused here, so there is nothing to tell (the
@@ -263,7 +282,7 @@ class GuardedEngine:
             return prompt
         return self.tenant.keyed(prompt, media=False)
 
-    def _check_priority(self, kwargs: dict[str, Any]) -> None:
+    def _check_priority(self, kwargs: Mapping[str, Any]) -> None:
         """A tenant's `priority` (vLLM's routes hand the body's on) no lower than its
         floor (`--min-tenant-priority`, its key's `min_priority=`): 400 past it."""
         floor = priority_floor(self._budgets.min_tenant_priority)
@@ -284,7 +303,7 @@ class GuardedEngine:
             return
         await self._guard.running.abort(self._engine, ids)
 
-    async def add_lora(self, lora_request: Any) -> Any:
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
         """An adapter into the engine: with keys, for an administrator only.
 
         vLLM's admin route (`/v1/load_lora_adapter`, already an admin key's)
@@ -302,8 +321,8 @@ class GuardedEngine:
         return await self._engine.add_lora(lora_request)
 
     def _guarded(
-        self, method: str, request_id: str, start: Callable[[], AsyncGenerator[Any, None]]
-    ) -> AsyncGenerator[Any, None]:
+        self, method: str, request_id: str, start: Callable[[], AsyncGenerator[Output, None]]
+    ) -> AsyncGenerator[Output, None]:
         # Checked at once: vLLM calls this before it answers a stream's
         # headers, so a refusal is the status line, not an event in a 200.
         with _as_http_errors():
@@ -311,8 +330,8 @@ class GuardedEngine:
         return self._held(method, request_id, start)
 
     async def _held(
-        self, method: str, request_id: str, start: Callable[[], AsyncGenerator[Any, None]]
-    ) -> AsyncGenerator[Any, None]:
+        self, method: str, request_id: str, start: Callable[[], AsyncGenerator[Output, None]]
+    ) -> AsyncGenerator[Output, None]:
         # Held from the first read (a generator never read holds nothing)
         # until it ends, fails or is closed (vLLM's handler closes it when
         # the client goes). The engine's stream is closed here, so that the

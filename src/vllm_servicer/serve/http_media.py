@@ -11,7 +11,10 @@ gRPC side allows only with --enable-media-refs and a domain list.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm.connections import HTTPConnection
 
 __all__ = ["MEDIA_FETCHING_OFF", "gate_media_fetching"]
 
@@ -35,7 +38,7 @@ def gate_media_fetching() -> None:
     """
     from vllm.multimodal.media import MEDIA_CONNECTOR_REGISTRY
 
-    registered: Any = MEDIA_CONNECTOR_REGISTRY.name2class.get("http")
+    registered = MEDIA_CONNECTOR_REGISTRY.name2class.get("http")
     if registered is None or getattr(registered, "_servicer_gated", False):
         return
     MEDIA_CONNECTOR_REGISTRY.register("http")(_gated_connector(registered))
@@ -46,19 +49,19 @@ def _gated_connector(base: Any) -> type:
         """vLLM's connector, fetching http(s) only from listed domains, without redirects."""
 
         _servicer_gated = True
-        connection: Any
+        connection: HTTPConnection | _WithoutRedirects
         allowed_media_domains: list[str]
 
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
+        def __init__(self, *args: object, **kwargs: object) -> None:
             super().__init__(*args, **kwargs)
             if "VLLM_MEDIA_URL_ALLOW_REDIRECTS" not in os.environ:
                 self.connection = _WithoutRedirects(self.connection)
 
-        def load_from_url(self, url: str, *args: Any, **kwargs: Any) -> Any:
+        def load_from_url(self, url: str, *args: object, **kwargs: object) -> object:
             self._refuse_unlisted(url)
             return super().load_from_url(url, *args, **kwargs)
 
-        async def load_from_url_async(self, url: str, *args: Any, **kwargs: Any) -> Any:
+        async def load_from_url_async(self, url: str, *args: object, **kwargs: object) -> object:
             self._refuse_unlisted(url)
             return await super().load_from_url_async(url, *args, **kwargs)
 
@@ -75,7 +78,7 @@ def _gated_connector(base: Any) -> type:
 class _WithoutRedirects:
     """vLLM's HTTP connection, with `allow_redirects` always off."""
 
-    def __init__(self, connection: Any) -> None:
+    def __init__(self, connection: HTTPConnection | _WithoutRedirects) -> None:
         self._connection = connection
 
     def get_bytes(self, url: str, **kwargs: Any) -> bytes:

@@ -32,21 +32,36 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 from ..budgets import RequestBudgets, check_request_id
 from ..errors import InvalidRequestError
 from ..prefix_cache import keyed_body_uuids
 from . import http_budgets
+from .http_asgi import Message, Receive, Scope, body_of, headers_of
 
 if TYPE_CHECKING:
     from ..interceptors._call import ClientWait, ReadDeadline
 
-__all__ = ["HEADER", "UNREAD_BODY", "Refusal", "checked", "error_body"]
+__all__ = ["HEADER", "UNREAD_BODY", "ErrorBody", "Refusal", "checked", "error_body"]
 
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Refusal = tuple[int, dict[str, Any]]
+
+class ErrorDetail(TypedDict):
+    """An error as vLLM's `ErrorResponse` states it."""
+
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorBody(TypedDict):
+    """The body of an error answer, in vLLM's shape."""
+
+    error: ErrorDetail
+
+
+Refusal = tuple[int, ErrorBody]
 """An HTTP status and its body in vLLM's error shape."""
 
 HEADER = "X-Request-Id"
@@ -73,7 +88,7 @@ UNREAD_BODY = frozenset({_TOO_LARGE, _TOO_LATE})
 
 
 async def checked(
-    scope: dict[str, Any],
+    scope: Scope,
     receive: Receive,
     max_body_bytes: int | None = None,
     *,
@@ -108,11 +123,9 @@ async def checked(
         naming the size limit or a 408 naming the read deadline, else None;
         once the body has been read, `receive` gives it again as one message.
     """
-    for name, value in scope["headers"]:
-        if name == _HEADER:
-            refusal = _refusal(HEADER, value.decode("latin-1"))
-            if refusal is not None:
-                return refusal, receive
+    refusal = _header_refusal(scope)
+    if refusal is not None:
+        return refusal, receive
     if scope["type"] != "http" or not _has_body(scope):
         return None, receive
     if max_body_bytes is not None:
@@ -124,6 +137,30 @@ async def checked(
         return _too_late(body.deadline, body.reason), receive
     if body is None:
         return _too_large(None, max_body_bytes), receive
+    return await _checked_body(scope, receive, body, budgets, path, media_tenant)
+
+
+def _header_refusal(scope: Scope) -> Refusal | None:
+    """A 400 for an `X-Request-Id` header `budgets.check_request_id` refuses."""
+    for name, value in headers_of(scope):
+        if name == _HEADER:
+            refusal = _refusal(HEADER, value.decode("latin-1"))
+            if refusal is not None:
+                return refusal
+    return None
+
+
+async def _checked_body(
+    scope: Scope,
+    receive: Receive,
+    body: bytes,
+    budgets: RequestBudgets | None,
+    path: str,
+    media_tenant: str | None,
+) -> tuple[Refusal | None, Receive]:
+    """`checked`'s verdict on the body read whole: parsed only when it can
+    name what is checked (the id, a budget's field, media uuids, features),
+    its media uuids keyed for `media_tenant`."""
     text = _as_utf8(body)
     escaped = b"\\u" in text  # a name may hide behind JSON escapes
     names_id = _FIELD.encode() in text or escaped
@@ -156,28 +193,28 @@ async def checked(
     return None, receive
 
 
-async def _with_body(scope: dict[str, Any], receive: Receive, body: bytes) -> Receive:
+async def _with_body(scope: Scope, receive: Receive, body: bytes) -> Receive:
     """`receive` (which replays the body read) giving `body` in its place, the
     scope's `Content-Length` made to match."""
     await receive()  # the body read, replayed: in memory
-    headers = [(k, v) for k, v in scope["headers"] if k not in _BODY_FRAMING]
+    headers = [(k, v) for k, v in headers_of(scope) if k not in _BODY_FRAMING]
     scope["headers"] = [*headers, (_CONTENT_LENGTH, str(len(body)).encode())]
     return _replaying([{"type": "http.request", "body": body, "more_body": False}], receive)
 
 
-def _has_body(scope: dict[str, Any]) -> bool:
+def _has_body(scope: Scope) -> bool:
     """Whether the request may carry a body: its method's kind, or headers
     declaring one (a GET may send one too, which its connection waits on)."""
     if scope.get("method") in _METHODS_WITH_BODIES:
         return True
-    for name, value in scope["headers"]:
+    for name, value in headers_of(scope):
         if name == _TRANSFER_ENCODING or (name == _CONTENT_LENGTH and value.strip() != b"0"):
             return True
     return False
 
 
-def _content_length(scope: dict[str, Any]) -> int | None:
-    for name, value in scope["headers"]:
+def _content_length(scope: Scope) -> int | None:
+    for name, value in headers_of(scope):
         if name == _CONTENT_LENGTH:
             try:
                 return int(value)
@@ -220,7 +257,7 @@ def _as_utf8(body: bytes) -> bytes:
 
 def error_body(
     field: str | None, message: str, code: int = 400, kind: str = "BadRequestError"
-) -> dict[str, Any]:
+) -> ErrorBody:
     """An error's body as vLLM's own (`ErrorResponse`), so OpenAI clients read it."""
     return {"error": {"message": message, "type": kind, "param": field, "code": code}}
 
@@ -282,7 +319,7 @@ async def _whole_body(
                 wait.since = None
         if message["type"] != "http.request":  # the client went: the app sees it too
             return b"", _replaying([message], receive)
-        chunk = message.get("body", b"")
+        chunk = body_of(message)
         size += len(chunk)
         if max_bytes is not None and size > max_bytes:
             # Counted as it streams: a chunked body has no Content-Length.
@@ -296,8 +333,8 @@ async def _whole_body(
     return body, _replaying([{"type": "http.request", "body": body, "more_body": False}], receive)
 
 
-def _replaying(messages: list[dict[str, Any]], receive: Receive) -> Receive:
-    async def replay() -> dict[str, Any]:
+def _replaying(messages: list[Message], receive: Receive) -> Receive:
+    async def replay() -> Message:
         if messages:
             return messages.pop(0)
         return await receive()

@@ -98,12 +98,28 @@ def guarded_protocol(
     Raises:
         ValueError: a deadline not above 0, or a cap below 1.
     """
+    _check_bounds(header_timeout, max_connections)
+    parent = base if base is not None else _default_protocol()
+    return _guarded_class(
+        parent,
+        header_timeout,
+        max_connections,
+        late=_late_response(header_timeout),
+        full=_full_response(max_connections),
+        refusals=_RefusalLog(max_connections),
+    )
+
+
+def _check_bounds(header_timeout: float, max_connections: int | None) -> None:
     if header_timeout <= 0:
         raise ValueError(f"header_timeout must be above 0, got {header_timeout}")
     if max_connections is not None and max_connections < 1:
         raise ValueError(f"max_connections must be at least 1, got {max_connections}")
-    parent: Any = base if base is not None else _default_protocol()
-    late = _response(
+
+
+def _late_response(header_timeout: float) -> bytes:
+    """The 408 for a connection whose request's headers came late."""
+    return _response(
         408,
         "Request Timeout",
         f"request headers not received in time: the limit (--http-header-timeout) is "
@@ -111,14 +127,32 @@ def guarded_protocol(
         "send a request's headers together",
         "RequestTimeoutError",
     )
-    full = _response(
+
+
+def _full_response(max_connections: int | None) -> bytes:
+    """The 503 for a connection past the cap."""
+    return _response(
         503,
         "Service Unavailable",
         f"server busy: {max_connections} HTTP connections open, the limit "
         f"(--max-http-connections) is {max_connections}; retry later or reuse a connection",
         "ServiceUnavailableError",
     )
-    refusals = _RefusalLog(max_connections)
+
+
+def _guarded_class(
+    parent: Any,
+    header_timeout: float,
+    max_connections: int | None,
+    *,
+    late: bytes,
+    full: bytes,
+    refusals: _RefusalLog,
+) -> type[asyncio.Protocol]:
+    """`parent` (uvicorn's protocol class, whose attributes are not typed) closing
+    connections whose headers come later than `header_timeout` (with `late`
+    when part of a request came) and answering `full` to those past
+    `max_connections`."""
 
     class GuardedHttpProtocol(parent):  # type: ignore[misc]
         """uvicorn's HTTP protocol, closing connections whose headers come late

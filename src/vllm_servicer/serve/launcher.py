@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from ..drain import GracefulShutdown, HardStop
-from ..engine import served_model_name
+from ..engine import EngineClient, served_model_name
 from ..frontends import FrontendGroup
 from ..guard import EngineGuard
 from ..health import EngineHealthServicer
@@ -50,6 +50,9 @@ from .remote_engines import watch_remote_engines
 from .stack import build_interceptors, http_verifier, key_verifier
 
 if TYPE_CHECKING:
+    from multiprocessing.queues import Queue
+    from wsgiref.simple_server import WSGIServer
+
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from ..mounting import MountedServices
@@ -72,7 +75,7 @@ class Frontend:
 
     group: FrontendGroup
     client_config: dict[str, Any]
-    ready: Any
+    ready: Queue[tuple[int, int]]
 
 
 async def serve(args: ServeArgs, frontend: Frontend | None = None) -> int:
@@ -261,7 +264,7 @@ def _grpc_server(
 class _SideServers:
     """The servers beside the gRPC one, each None until started: metrics, HTTP, probes."""
 
-    metrics: Any = None  # prometheus_client's WSGI server
+    metrics: WSGIServer | None = None  # prometheus_client's
     http: HttpApi | None = None
     probes: grpc.aio.Server | None = None
     peers: Peers | None = None  # the other frontends' way in (api_servers.py)
@@ -372,7 +375,7 @@ async def _serve_until_stopped(
 
 
 async def stop_when_engine_dies(
-    engine: Any,
+    engine: EngineClient,
     stop: Callable[[], object],
     group: FrontendGroup | None = None,
     interval: float = 0.5,

@@ -33,8 +33,12 @@ from .vllm_app import (
 
 if TYPE_CHECKING:
     import grpc.aio
+    from vllm.entrypoints.pooling.base.serving import PoolingServing
+    from vllm.entrypoints.pooling.typing import PoolingServeContext
 
     Context = grpc.aio.ServicerContext[Any, Any]
+
+_PoolingRequest = pb.ClassifyRequest | pb.ScoreRequest | pb.RerankRequest
 
 
 class PoolingServicer(pooling_pb2_grpc.PoolingServicer):
@@ -61,7 +65,9 @@ class PoolingServicer(pooling_pb2_grpc.PoolingServicer):
         reply = wire.rerank_response(body, request.request_id, request.return_documents)
         return _noted(reply, request)
 
-    async def _answer(self, route: _Route, request: Any, context: Context) -> Mapping[str, Any]:
+    async def _answer(
+        self, route: _Route, request: _PoolingRequest, context: Context
+    ) -> Mapping[str, Any]:
         """vLLM's answer to `request` on `route`, its engine requests claimed for the caller."""
         note_request(route.operation, request.request_id)
         budgets = self._budgets
@@ -96,8 +102,9 @@ class _Route(NamedTuple):
     pair: str | None  # the text paired with each of them (a query), if any
     handler: str  # vLLM's handler object (its app state's attribute)
     what: str  # what the call asks for, in a refusal
-    body: Callable[[Any, wire.ModelLimits], dict[str, Any]]
-    answer: Callable[[Any, Any], dict[str, Any]]  # vLLM's answer body from its outputs
+    body: Callable[[Any, wire.ModelLimits], dict[str, object]]
+    # vLLM's answer body from its outputs
+    answer: Callable[[PoolingServing, PoolingServeContext[Any]], dict[str, object]]
 
 
 _CLASSIFY = _Route(
@@ -133,7 +140,7 @@ def _tokenized_chars(route: _Route, body: Mapping[str, Any]) -> int:
 _Reply = TypeVar("_Reply", pb.ClassifyResponse, pb.ScoreResponse, pb.RerankResponse)
 
 
-def _noted(reply: _Reply, request: Any) -> _Reply:
+def _noted(reply: _Reply, request: _PoolingRequest) -> _Reply:
     """`reply`, its tokens in the call record and the model named as the request named it
     (vLLM's handler ran the served model's name; an adapter went to the engine apart)."""
     note_prompt_tokens(reply.prompt_tokens)

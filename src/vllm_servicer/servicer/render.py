@@ -19,7 +19,9 @@ import functools
 import io
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+
+from google.protobuf.message import Message
 
 from ..budgets import RequestBudgets
 from ..errors import InvalidRequestError
@@ -44,6 +46,9 @@ if TYPE_CHECKING:
     import grpc.aio
 
     Context = grpc.aio.ServicerContext[Any, Any]
+
+_StreamRequest = pb.DerenderChatStreamRequest | pb.DerenderCompletionStreamRequest
+_First = TypeVar("_First", bound=Message)
 
 
 class RenderServicer(render_pb2_grpc.RenderServicer):
@@ -188,7 +193,12 @@ class RenderServicer(render_pb2_grpc.RenderServicer):
         return await self._handlers.handler(route.handler, "generate", route.what)
 
     async def _chunks(
-        self, first: Any, stream: AsyncIterator[Any], tokens: int, *, replays: bool = False
+        self,
+        first: _StreamRequest,
+        stream: AsyncIterator[_StreamRequest],
+        tokens: int,
+        *,
+        replays: bool = False,
     ) -> AsyncIterator[pb.GeneratedSequence]:
         """A derender stream's chunks, from its first message on, each counted
         against the budgets before it is decoded; `tokens` are the ids its
@@ -202,7 +212,7 @@ class RenderServicer(render_pb2_grpc.RenderServicer):
         """
         chunks, finished = 0, False
         sequence = work = 0
-        message: Any = first
+        message: _StreamRequest | None = first
         while message is not None:
             if message is not first:
                 if message.HasField("start"):
@@ -243,7 +253,7 @@ class _Route(NamedTuple):
     budgets: Callable[[RequestBudgets, Any], None]  # the budgets, checked before any work
 
 
-def _chat_budgets(budgets: RequestBudgets, chat: Any, prefix: str = "") -> None:
+def _chat_budgets(budgets: RequestBudgets, chat: pb.RenderChatRequest, prefix: str = "") -> None:
     budgets.check_render_items(f"{prefix}messages", _chat_items(chat))
     # Every field's bytes but the images' (counted as images), at least the
     # chat's characters.
@@ -315,7 +325,7 @@ def _field(message: Any, path: str) -> Any:
     return message
 
 
-async def _first(stream: AsyncIterator[Any], carries: str) -> Any:
+async def _first(stream: AsyncIterator[_First], carries: str) -> _First:
     """A derender stream's first message, which must carry its start."""
     first = await anext(stream, None)
     if first is None or not first.HasField("start"):
@@ -333,7 +343,7 @@ def _request_id() -> str:
     return f"derender-{uuid.uuid4().hex}"
 
 
-def _replays(derender: Any) -> bool:
+def _replays(derender: object) -> bool:
     """Whether vLLM's derender handler replays a chat stream's sequence on each
     chunk: it does with a tool-call or reasoning parser (a parser's state cannot
     be carried between chunks). Assumed so when the handler does not say."""

@@ -33,14 +33,19 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncGenerator, Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..context import current_identity, may_route, tenant_of
+from ..engine import EngineClient
 from ..errors import RoutingDataError, TokenShareError
 from ..fair_work import FairOrder, QueuedPrompts, WorkTicket, WorkTotals
 from ..prefix_cache import salted
 from .tenancy import Claim, RunningRequests
 
+if TYPE_CHECKING:
+    from vllm.outputs import PoolingRequestOutput, RequestOutput
+
+Output = TypeVar("Output")
 logger = logging.getLogger("vllm_servicer")
 
 # vLLM's RequestOutputKind.DELTA: each output holds the new tokens only.
@@ -71,7 +76,7 @@ class TenantEngine:
 
     def __init__(
         self,
-        engine: Any,
+        engine: EngineClient,
         running: RunningRequests,
         *,
         routing_for_every_key: bool = False,
@@ -143,8 +148,8 @@ class TenantEngine:
     # ----- a request's run ---------------------------------------------------
 
     async def run(
-        self, claim: Claim, start: Callable[[], AsyncGenerator[Any, None]]
-    ) -> AsyncGenerator[Any, None]:
+        self, claim: Claim, start: Callable[[], AsyncGenerator[Output, None]]
+    ) -> AsyncGenerator[Output, None]:
         """The outputs of the engine stream `start` opens, under `claim`.
 
         A cancel (the caller gone, its call cancelled) takes the request out of
@@ -165,7 +170,7 @@ class TenantEngine:
 
     # ----- the engine's work, shared by what each tenant brings ---------------
 
-    def generate(self, *args: Any, **kwargs: Any) -> AsyncGenerator[Any, None]:
+    def generate(self, *args: Any, **kwargs: Any) -> AsyncGenerator[RequestOutput, None]:
         """`engine.generate(prompt, sampling_params, request_id, ...)` for the current
         caller's tenant, in the fair order (arguments as the engine takes them).
 
@@ -181,7 +186,7 @@ class TenantEngine:
             lambda kw: self.engine.generate(*args, **kw),
         )
 
-    def encode(self, *args: Any, **kwargs: Any) -> AsyncGenerator[Any, None]:
+    def encode(self, *args: Any, **kwargs: Any) -> AsyncGenerator[PoolingRequestOutput, None]:
         """`engine.encode(prompt, pooling_params, request_id, ...)` for the current
         caller's tenant, in the fair order (as `generate`)."""
         return self._in_order(
@@ -193,11 +198,11 @@ class TenantEngine:
 
     def _in_order(
         self,
-        prompt: Any,
-        kind: Any,
+        prompt: object,
+        kind: object,
         kwargs: dict[str, Any],
-        start: Callable[[dict[str, Any]], AsyncGenerator[Any, None]],
-    ) -> AsyncGenerator[Any, None]:
+        start: Callable[[dict[str, Any]], AsyncGenerator[Output, None]],
+    ) -> AsyncGenerator[Output, None]:
         identity = current_identity.get()
         name = tenant_of(identity)
         weight = identity.weight if identity is not None else 1.0
@@ -219,10 +224,10 @@ class TenantEngine:
         name: str | None,
         weight: float,
         tokens: int,
-        kind: Any,
+        kind: object,
         kwargs: dict[str, Any],
-        start: Callable[[dict[str, Any]], AsyncGenerator[Any, None]],
-    ) -> AsyncGenerator[Any, None]:
+        start: Callable[[dict[str, Any]], AsyncGenerator[Output, None]],
+    ) -> AsyncGenerator[Output, None]:
         # Taken at the first read: a stream never read holds nothing.
         refusal = self.queued.take(name, weight, tokens)
         if refusal is not None:
@@ -260,7 +265,7 @@ class TenantEngine:
                 self.order.served(ticket, generated - charged)
             self.work.add(name or "", "output_tokens", generated)
 
-    def _prompt_ran(self, ticket: WorkTicket, output: Any, charged: int) -> None:
+    def _prompt_ran(self, ticket: WorkTicket, output: object, charged: int) -> None:
         """The first output: the prompt's real cost in place of what was charged
         (a text's estimate; the prefix cache's tokens, which ran no prefill)."""
         real = len(getattr(output, "prompt_token_ids", None) or ()) or charged
@@ -271,14 +276,16 @@ class TenantEngine:
             self.order.served(ticket, 0, real - cached - charged)
 
 
-def _argument(args: tuple[Any, ...], kwargs: dict[str, Any], index: int, name: str) -> Any:
+def _argument(
+    args: tuple[object, ...], kwargs: Mapping[str, object], index: int, name: str
+) -> object:
     """An engine call's argument, by name or by place (vLLM's handlers pass names)."""
     if name in kwargs:
         return kwargs[name]
     return args[index] if len(args) > index else None
 
 
-def _output_tokens(output: Any) -> int:
+def _output_tokens(output: object) -> int:
     """Tokens in one engine output's completions (none for a pooling output)."""
     completions = getattr(output, "outputs", None)
     if not isinstance(completions, list):
@@ -288,7 +295,7 @@ def _output_tokens(output: Any) -> int:
     return sum(len(c.token_ids) for c in completions)
 
 
-def prompt_tokens(prompt: Any) -> int:
+def prompt_tokens(prompt: object) -> int:
     """The tokens `prompt` brings to the prefill: its token ids' count, or for a
     text not yet tokenized an estimate (four bytes a token), at least 1."""
     if isinstance(prompt, Mapping):
@@ -308,7 +315,7 @@ def prompt_tokens(prompt: Any) -> int:
     return 1
 
 
-def scheduling_policy(engine: Any) -> str:
+def scheduling_policy(engine: object) -> str:
     """The engine's scheduling policy ("fcfs" or "priority"), as its config names it."""
     scheduler = getattr(getattr(engine, "vllm_config", None), "scheduler_config", None)
     policy = getattr(scheduler, "policy", "fcfs")

@@ -17,13 +17,14 @@ its in-flight slot in the interceptors.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import contextvars
 import json
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
+from typing import TYPE_CHECKING, Any, TypedDict, TypeVar, cast
 
 from ..context import kept_usage
 from ..engine import EngineClient, served_model_name
@@ -35,7 +36,19 @@ from .tenancy import Claim
 from .tenant_engine import TenantEngine
 
 if TYPE_CHECKING:
+    import pydantic
+    from starlette.datastructures import State
+    from vllm.engine.protocol import EngineClient as VllmEngineClient
+    from vllm.entrypoints.pooling.base.serving import PoolingServing
+    from vllm.entrypoints.pooling.classify.protocol import ClassificationCompletionRequest
+    from vllm.entrypoints.pooling.scoring.protocol import RerankRequest, ScoreTextRequest
+    from vllm.entrypoints.pooling.typing import AnyPoolingRequest, PoolingServeContext
     from vllm.lora.request import LoRARequest
+    from vllm.outputs import PoolingRequestOutput
+    from vllm.tasks import SupportedTask
+    from vllm.tokenizers import TokenizerLike
+
+_Request = TypeVar("_Request", bound="AnyPoolingRequest")
 
 __all__ = [
     "ClaimingEngine",
@@ -87,7 +100,7 @@ class ClaimingEngine:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
 
-    def encode(self, *args: Any, **kwargs: Any) -> AsyncGenerator[Any, None]:
+    def encode(self, *args: Any, **kwargs: Any) -> AsyncGenerator[PoolingRequestOutput, None]:
         # vLLM's handlers pass every argument by name; the id is the third positionally.
         request_id = kwargs["request_id"] if "request_id" in kwargs else args[2]
         if kwargs.get("trace_headers") is None:
@@ -104,8 +117,8 @@ class ClaimingEngine:
         return self._claimed(request_id, lambda: self.tenant.encode(*args, **kwargs))
 
     async def _claimed(
-        self, request_id: str, start: Callable[[], AsyncGenerator[Any, None]]
-    ) -> AsyncGenerator[Any, None]:
+        self, request_id: str, start: Callable[[], AsyncGenerator[PoolingRequestOutput, None]]
+    ) -> AsyncGenerator[PoolingRequestOutput, None]:
         # Claimed from the first read to the end, an error or a close (a
         # cancelled call closes it; the engine aborts the request then).
         # (A cancel once released aborts nothing: the call ended, aborting its
@@ -173,8 +186,8 @@ class VllmHandlers:
         self._chat_template = chat_template
         self._tool_call_parser = tool_call_parser
         self._enable_auto_tool_choice = enable_auto_tool_choice
-        self._state: Any = None
-        self._tasks: tuple[str, ...] = ()
+        self._state: State | None = None
+        self._tasks: tuple[SupportedTask, ...] = ()
         self._lock = asyncio.Lock()
         self.claiming = ClaimingEngine(tenant, "pooling")
         self.served_model = served_model_name(engine)
@@ -288,13 +301,11 @@ class VllmHandlers:
             self._eos_ids = frozenset(ids)
         return self._eos_ids
 
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> TokenizerLike:
         """The engine's tokenizer (the renderer's own)."""
-        # vLLM's whole renderer, not only the part `EngineClient` declares.
-        renderer: Any = self._engine.renderer
-        return renderer.get_tokenizer()
+        return self._engine.renderer.get_tokenizer()
 
-    async def _built(self) -> Any:
+    async def _built(self) -> State:
         if self._state is not None:
             return self._state
         async with self._lock:
@@ -302,15 +313,13 @@ class VllmHandlers:
                 self._state = await self._build()
         return self._state
 
-    async def _build(self) -> Any:
+    async def _build(self) -> State:
         from starlette.datastructures import State
         from vllm.entrypoints.launchers.api_server.app_state import init_app_state
-        from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-        from ..vllm_releases import make_arg_parser
+        from ..vllm_releases import serve_defaults
 
-        parser_class: Any = FlexibleArgumentParser  # untyped in vLLM
-        args = make_arg_parser(parser_class()).parse_args([])
+        args = serve_defaults()
         config = self._engine.model_config
         args.model = config.model
         args.served_model_name = [self.served_model]
@@ -320,16 +329,16 @@ class VllmHandlers:
         with_engine_parsers(args, self._engine)
         self._tasks = tuple(await self._engine.get_supported_tasks())
         state = State()
-        engine: Any = self.claiming
-        tasks: Any = self._tasks
-        await init_app_state(engine, state, args, tasks)
+        # The claiming engine passes for vLLM's client: what it does not
+        # define itself is the engine's own (`ClaimingEngine.__getattr__`).
+        await init_app_state(cast("VllmEngineClient", self.claiming), state, args, self._tasks)
         logger.info(
             "vLLM's handlers for Pooling and Render built (tasks: %s)", ", ".join(self._tasks)
         )
         return state
 
 
-def with_engine_parsers(args: Any, engine: Any) -> None:
+def with_engine_parsers(args: argparse.Namespace, engine: object) -> None:
     """Give vLLM's parsed serve arguments the engine's own structured-output
     settings (its `--reasoning-parser` among them), which vLLM's handlers read
     from the arguments rather than from the engine."""
@@ -338,7 +347,7 @@ def with_engine_parsers(args: Any, engine: Any) -> None:
         args.structured_outputs_config = config
 
 
-def _request_model(kind: str) -> Any:
+def _request_model(kind: str) -> type[pydantic.BaseModel]:
     """vLLM's request model for each call, by its HTTP route's body (the same
     module paths in every supported release; imported where the checks of the
     next release can see them)."""
@@ -387,7 +396,7 @@ def _request_model(kind: str) -> Any:
     raise ValueError(f"no vLLM request model for {kind!r}")
 
 
-def vllm_request(kind: str, body: dict[str, Any]) -> Any:
+def vllm_request(kind: str, body: Mapping[str, object]) -> Any:
     """vLLM's request model of `kind` for the HTTP body `body`.
 
     Raises:
@@ -422,7 +431,9 @@ def rendered(answer: Any) -> list[dict[str, Any]]:
     ]
 
 
-def classify_answer(handler: Any, ctx: Any) -> dict[str, Any]:
+def classify_answer(
+    handler: PoolingServing, ctx: PoolingServeContext[ClassificationCompletionRequest]
+) -> dict[str, object]:
     """The body of vLLM's /classify answer from its handler's outputs
     (`vllm_releases.pooling_outputs`), as `ServingClassification._build_response`
     writes it (alike in 0.31 to 0.34): per text its probabilities, the label of
@@ -441,26 +452,31 @@ def classify_answer(handler: Any, ctx: Any) -> dict[str, Any]:
     return {"model": ctx.model_name, "data": data, "usage": {"prompt_tokens": tokens}}
 
 
-def _scores(ctx: Any) -> list[float]:
+def _scores(ctx: PoolingServeContext[_Request]) -> list[float]:
     from vllm.outputs import ScoringRequestOutput
 
     return [ScoringRequestOutput.from_base(output).outputs.score for output in ctx.final_res_batch]
 
 
-def _scored_tokens(handler: Any, ctx: Any) -> dict[str, int]:
+def _scored_tokens(handler: PoolingServing, ctx: PoolingServeContext[_Request]) -> dict[str, int]:
     # vLLM counts the prompts it built (each pair's), not the outputs'.
+    assert ctx.engine_inputs is not None  # vLLM's preprocessing set them, as its own answer reads
     tokens = sum(handler._extract_prompt_len(item["prompts"]) for item in ctx.engine_inputs)
     return {"prompt_tokens": tokens}
 
 
-def score_answer(handler: Any, ctx: Any) -> dict[str, Any]:
+def score_answer(
+    handler: PoolingServing, ctx: PoolingServeContext[ScoreTextRequest]
+) -> dict[str, object]:
     """The body of vLLM's /score answer from its handler's outputs, as
     `ServingScores._request_output_to_score_response` writes it (alike in 0.31 to 0.34)."""
     data = [{"index": index, "score": score} for index, score in enumerate(_scores(ctx))]
     return {"model": ctx.model_name, "data": data, "usage": _scored_tokens(handler, ctx)}
 
 
-def rerank_answer(handler: Any, ctx: Any) -> dict[str, Any]:
+def rerank_answer(
+    handler: PoolingServing, ctx: PoolingServeContext[RerankRequest]
+) -> dict[str, object]:
     """The body of vLLM's /rerank answer from its handler's outputs, as
     `ServingScores._request_output_to_rerank_response` writes it (alike in 0.31
     to 0.34): the documents by relevance, highest first (equal ones in their
@@ -468,7 +484,7 @@ def rerank_answer(handler: Any, ctx: Any) -> dict[str, Any]:
     documents = ctx.request.documents
     if not isinstance(documents, list):
         documents = [documents]
-    results: list[dict[str, Any]] = [
+    results: list[_Ranked] = [
         {
             "index": index,
             "document": {"text": document if isinstance(document, str) else None},
@@ -481,6 +497,14 @@ def rerank_answer(handler: Any, ctx: Any) -> dict[str, Any]:
     if top_n < len(documents):
         results = results[:top_n]
     return {"model": ctx.model_name, "results": results, "usage": _scored_tokens(handler, ctx)}
+
+
+class _Ranked(TypedDict):
+    """One document of vLLM's /rerank answer."""
+
+    index: int
+    document: dict[str, str | None]
+    relevance_score: float
 
 
 def answer_body(answer: Any) -> Any:

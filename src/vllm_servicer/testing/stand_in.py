@@ -18,14 +18,26 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator, Iterable, Mapping
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.exceptions import EngineDeadError
 
+if TYPE_CHECKING:
+    from vllm.config.kv_events import KVEventsConfig
+    from vllm.outputs import PoolingRequestOutput
+    from vllm.pooling_params import PoolingParams
+    from vllm.sampling_params import SamplingParams
+    from vllm.tasks import SupportedTask
+    from vllm.v1.metrics.loggers import StatLoggerManager
 
-async def _echo_prompt(prompt: Any, arrival_time: float) -> Any:
+    from ..engine import EnginePrompt
+
+_Prompt = TypeVar("_Prompt")
+
+
+async def _echo_prompt(prompt: _Prompt, arrival_time: float) -> _Prompt:
     return prompt
 
 
@@ -46,23 +58,33 @@ class StandInEngine:
             process_for_engine_async=_echo_prompt,
         )
         self.engine_core = SimpleNamespace(engine_ranks_managed=[0])
-        self.logger_manager: Any = None
+        self.logger_manager: StatLoggerManager | None = None
 
     @property
     def errored(self) -> bool:
         return False
 
     async def generate(
-        self, prompt: Any, sampling_params: Any, request_id: str, **kwargs: Any
-    ) -> Any:
+        self,
+        prompt: EnginePrompt,
+        sampling_params: SamplingParams,
+        request_id: str,
+        **kwargs: object,
+    ) -> AsyncGenerator[RequestOutput, None]:
         raise EngineDeadError() if self.errored else NotImplementedError("no generation here")
         yield  # pragma: no cover - makes this an async generator
 
-    async def encode(self, prompt: Any, pooling_params: Any, request_id: str, **kwargs: Any) -> Any:
+    async def encode(
+        self,
+        prompt: EnginePrompt,
+        pooling_params: PoolingParams,
+        request_id: str,
+        **kwargs: object,
+    ) -> AsyncGenerator[PoolingRequestOutput, None]:
         raise EngineDeadError() if self.errored else NotImplementedError("no pooling here")
         yield  # pragma: no cover - makes this an async generator
 
-    async def get_supported_tasks(self) -> tuple[str, ...]:
+    async def get_supported_tasks(self) -> tuple[SupportedTask, ...]:
         # AsyncLLM asks the EngineCore process, so this fails once it is gone.
         if self.errored:
             raise EngineDeadError()
@@ -80,7 +102,7 @@ class StandInEngine:
     async def notify_kv_transfer_request_rejected(
         self,
         request_id: str,
-        kv_transfer_params: dict[str, Any],
+        kv_transfer_params: dict[str, object],
         *,
         data_parallel_rank: int | None = None,
     ) -> None:
@@ -104,7 +126,7 @@ class StandInEngine:
     async def stop_profile(self) -> None:
         raise EngineDeadError() if self.errored else NotImplementedError("no profiler here")
 
-    def get_kv_event_sources(self) -> dict[int, Any]:
+    def get_kv_event_sources(self) -> dict[int, KVEventsConfig]:
         return {}
 
 
@@ -154,10 +176,10 @@ class FaultEngine(StandInEngine):
     async def generate(  # type: ignore[override]
         self,
         prompt: Any,
-        sampling_params: Any,
+        sampling_params: SamplingParams,
         request_id: str,
         *,
-        tokenization_kwargs: dict[str, Any] | None = None,
+        tokenization_kwargs: dict[str, object] | None = None,
         trace_headers: Mapping[str, str] | None = None,
         data_parallel_rank: int | None = None,
         reasoning_ended: bool | None = None,
@@ -199,11 +221,11 @@ class FaultEngine(StandInEngine):
 
     async def encode(  # type: ignore[override]
         self,
-        prompt: Any,
-        pooling_params: Any,
+        prompt: EnginePrompt,
+        pooling_params: PoolingParams,
         request_id: str,
         *,
         trace_headers: Mapping[str, str] | None = None,
-    ) -> AsyncGenerator[Any, None]:
+    ) -> AsyncGenerator[PoolingRequestOutput, None]:
         raise EngineDeadError() if self.errored else NotImplementedError("no pooling here")
         yield  # pragma: no cover - makes this an async generator

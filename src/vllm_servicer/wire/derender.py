@@ -14,7 +14,7 @@ Pure data: no grpc, no vLLM.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from ..errors import InvalidRequestError
@@ -39,9 +39,10 @@ __all__ = [
 
 
 _TOOL_CHOICE_MODES = frozenset({"auto", "none", "required"})
+_Sequences = Sequence[render_pb.GeneratedSequence]
 
 
-def _tool_choice(chat: render_pb.RenderChatRequest, choice: str) -> str | dict[str, Any]:
+def _tool_choice(chat: render_pb.RenderChatRequest, choice: str) -> str | dict[str, object]:
     """OpenAI's tool_choice for `choice` ("": auto), checked against the chat's tools."""
     choice = choice or "auto"
     if choice in _TOOL_CHOICE_MODES:
@@ -56,7 +57,7 @@ def _tool_choice(chat: render_pb.RenderChatRequest, choice: str) -> str | dict[s
     return {"type": "function", "function": {"name": choice}}
 
 
-def _check_ids(field: str, token_ids: Any, vocabulary: int) -> None:
+def _check_ids(field: str, token_ids: Iterable[int], vocabulary: int) -> None:
     """Refuse a token id the tokenizer has no token for, naming where it is."""
     for index, token_id in enumerate(token_ids):
         if token_id >= vocabulary:
@@ -67,8 +68,8 @@ def _check_ids(field: str, token_ids: Any, vocabulary: int) -> None:
 
 
 def _generated(
-    sequences: Any, field: str, request_id: str, vocabulary: int, eos_ids: frozenset[int]
-) -> dict[str, Any]:
+    sequences: _Sequences, field: str, request_id: str, vocabulary: int, eos_ids: frozenset[int]
+) -> dict[str, object]:
     """vLLM's token-id generate response (`GenerateTokensResponse`) for `sequences`."""
     if not sequences:
         raise InvalidRequestError(field, "at least one generated sequence is required")
@@ -116,7 +117,7 @@ def _choice(
     eos_ids: frozenset[int],
     *,
     keep_one: bool,
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """vLLM's token-id choice for one sequence (or one chunk of it), checked;
     `unfinished` is its finish reason when the sequence gives none. A stop
     token it ends with is left out of the ids to decode (`_text_ids`), not
@@ -131,7 +132,7 @@ def _choice(
             vocabulary,
         )
     finish_reason = sequence.finish_reason or unfinished
-    choice: dict[str, Any] = {
+    choice: dict[str, object] = {
         "index": sequence.index,
         "token_ids": _text_ids(sequence, finish_reason, eos_ids, keep_one=keep_one),
         "finish_reason": finish_reason,
@@ -162,7 +163,7 @@ def _choice(
     return choice
 
 
-def _sequence_tokens(sequence: Any) -> int:
+def _sequence_tokens(sequence: render_pb.GeneratedSequence) -> int:
     return len(sequence.token_ids) + sum(1 + len(entry.top_logprobs) for entry in sequence.logprobs)
 
 
@@ -171,7 +172,7 @@ def derender_token_count(
 ) -> int:
     """The token ids a derender decodes: generated, prompt and logprob candidates."""
     if isinstance(request, render_pb.DerenderChatRequest):
-        generations: list[tuple[Any, Any]] = [(request.prompt_token_ids, request.choices)]
+        generations = [(request.prompt_token_ids, request.choices)]
     else:
         generations = [(prompt.prompt_token_ids, prompt.choices) for prompt in request.prompts]
     return sum(
@@ -182,7 +183,7 @@ def derender_token_count(
 
 def _chat_request(
     chat: render_pb.RenderChatRequest, tool_choice: str, limits: ModelLimits, field: str
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """The chat as vLLM's ChatCompletionRequest body (the parsers' context);
     `field` names the chat in refusals."""
     try:
@@ -202,7 +203,7 @@ def derender_chat_body(
     vocabulary: int,
     request_id: str,
     eos_ids: frozenset[int] = frozenset(),
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """The /v1/chat/completions/derender body for `request`: the chat as its
     ChatCompletionRequest (the parsers' context), the sequences as a token-id
     generate response; `vocabulary` is the tokenizer's size, `eos_ids` the
@@ -210,7 +211,7 @@ def derender_chat_body(
     if not request.HasField("chat"):
         raise InvalidRequestError("chat", "required: the chat as it was rendered")
     chat = _chat_request(request.chat, request.tool_choice, limits, "chat")
-    body: dict[str, Any] = {
+    body: dict[str, object] = {
         "model": limits.served_model,
         "generate_response": _generated(
             request.choices, "choices", request_id, vocabulary, eos_ids
@@ -225,7 +226,7 @@ def derender_chat_body(
 
 def derender_chat_start(
     start: render_pb.DerenderChatStart, limits: ModelLimits, vocabulary: int
-) -> tuple[dict[str, Any], list[int] | None]:
+) -> tuple[dict[str, object], list[int] | None]:
     """A streamed chat derender's context: the chat's ChatCompletionRequest
     body and the prompt's token ids (None when not given)."""
     if not start.HasField("chat"):
@@ -237,7 +238,7 @@ def derender_chat_start(
 
 def _stream_chunk(
     chunk: render_pb.GeneratedSequence, vocabulary: int, request_id: str, eos_ids: frozenset[int]
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """vLLM's token-id stream chunk (`GenerateTokensStreamResponse`) for one
     chunk of a sequence, checked."""
     if not chunk.token_ids and not chunk.finish_reason:
@@ -253,9 +254,9 @@ def derender_chat_chunk_body(
     vocabulary: int,
     request_id: str,
     *,
-    context: tuple[str, Any, list[int] | None, Any],
+    context: tuple[str, object, list[int] | None, object],
     eos_ids: frozenset[int] = frozenset(),
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """The streaming /v1/chat/completions/derender body for one chunk of a
     sequence: its token-id stream chunk (`GenerateTokensStreamResponse`) in
     the stream's `context` (the served model's name, vLLM's validated
@@ -285,9 +286,9 @@ def derender_completion_chunk_body(
     vocabulary: int,
     request_id: str,
     *,
-    context: tuple[str, list[int] | None, Any],
+    context: tuple[str, list[int] | None, object],
     eos_ids: frozenset[int] = frozenset(),
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """The streaming /v1/completions/derender body for one chunk of a sequence
     in the stream's `context` (the served model's name, the prompt's token
     ids, the stream state vLLM's previous answer handed back, None at first)."""
@@ -340,7 +341,7 @@ def derender_completion_body(
     vocabulary: int,
     request_id: str,
     eos_ids: frozenset[int] = frozenset(),
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """The /v1/completions/derender body for `request`: one token-id generate
     response per prompt; `vocabulary` is the tokenizer's size."""
     if not request.prompts:
@@ -372,7 +373,7 @@ def _stop_reason(choice: Mapping[str, Any]) -> dict[str, Any]:
     return {"stop_string": str(reason)}
 
 
-def _text(text: Any) -> bytes:
+def _text(text: Iterable[int] | None) -> bytes:
     return bytes(text) if text is not None else b""
 
 

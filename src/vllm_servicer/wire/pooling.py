@@ -129,8 +129,8 @@ def truncation(field: str, value: int, max_model_len: int | None) -> int:
     return value
 
 
-def _pooling_options(options: pool_pb.PoolingOptions, limits: ModelLimits) -> dict[str, Any]:
-    body: dict[str, Any] = {
+def _pooling_options(options: pool_pb.PoolingOptions, limits: ModelLimits) -> dict[str, object]:
+    body: dict[str, object] = {
         # The served model's name: an adapter named goes to the engine by itself.
         "model": limits.served_model,
         "priority": options.priority,
@@ -143,8 +143,11 @@ def _pooling_options(options: pool_pb.PoolingOptions, limits: ModelLimits) -> di
 
 
 def _texts(
-    request: Any, field: str, limits: ModelLimits, what: str | None = None
-) -> dict[str, Any]:
+    request: pool_pb.ClassifyRequest | pool_pb.ScoreRequest | pool_pb.RerankRequest,
+    field: str,
+    limits: ModelLimits,
+    what: str | None = None,
+) -> dict[str, object]:
     """The body's `field`, its texts bounded by the context (`ModelLimits.fitted`);
     a repeated field must hold one (`what`) at least."""
     truncating = request.options.HasField("truncate_prompt_tokens")
@@ -161,7 +164,7 @@ def _request_id(given: str) -> dict[str, str]:
     return {"request_id": given} if given else {}
 
 
-def classify_body(request: pool_pb.ClassifyRequest, limits: ModelLimits) -> dict[str, Any]:
+def classify_body(request: pool_pb.ClassifyRequest, limits: ModelLimits) -> dict[str, object]:
     """The /classify body for `request`.
 
     Raises:
@@ -175,7 +178,7 @@ def classify_body(request: pool_pb.ClassifyRequest, limits: ModelLimits) -> dict
     }
 
 
-def score_body(request: pool_pb.ScoreRequest, limits: ModelLimits) -> dict[str, Any]:
+def score_body(request: pool_pb.ScoreRequest, limits: ModelLimits) -> dict[str, object]:
     """The /score body for `request`: text_1 against each of text_2."""
     return {
         **_texts(request, "text_1", limits),
@@ -185,7 +188,7 @@ def score_body(request: pool_pb.ScoreRequest, limits: ModelLimits) -> dict[str, 
     }
 
 
-def rerank_body(request: pool_pb.RerankRequest, limits: ModelLimits) -> dict[str, Any]:
+def rerank_body(request: pool_pb.RerankRequest, limits: ModelLimits) -> dict[str, object]:
     """The /rerank body for `request`."""
     return {
         **_texts(request, "query", limits),

@@ -55,12 +55,12 @@ _RESERVED_TEMPLATE_KWARGS = frozenset(
 )
 
 
-def _content(message: render_pb.ChatMessage, field: str) -> str | list[dict[str, Any]] | None:
+def _content(message: render_pb.ChatMessage, field: str) -> str | list[dict[str, object]] | None:
     if message.content and message.parts:
         raise InvalidRequestError(field, "content and parts are exclusive; send one")
     if not message.parts:
         return message.content if message.content or not message.tool_calls else None
-    parts: list[dict[str, Any]] = []
+    parts: list[dict[str, object]] = []
     for index, part in enumerate(message.parts):
         which = part.WhichOneof("part")
         if which == "text":
@@ -72,10 +72,10 @@ def _content(message: render_pb.ChatMessage, field: str) -> str | list[dict[str,
     return parts
 
 
-def _message(message: render_pb.ChatMessage, field: str) -> dict[str, Any]:
+def _message(message: render_pb.ChatMessage, field: str) -> dict[str, object]:
     if not message.role:
         raise InvalidRequestError(f"{field}.role", "required (system, user, assistant, tool, ...)")
-    out: dict[str, Any] = {"role": message.role, "content": _content(message, field)}
+    out: dict[str, object] = {"role": message.role, "content": _content(message, field)}
     if message.name:
         out["name"] = message.name
     if message.tool_call_id:
@@ -88,7 +88,7 @@ def _message(message: render_pb.ChatMessage, field: str) -> dict[str, Any]:
     return out
 
 
-def _tool_call(call: render_pb.ToolCall, field: str) -> dict[str, Any]:
+def _tool_call(call: render_pb.ToolCall, field: str) -> dict[str, object]:
     # vLLM parses the arguments for the template: checked here, named by field.
     if call.arguments:
         _json_object(f"{field}.arguments", call.arguments, "the arguments by name")
@@ -99,10 +99,10 @@ def _tool_call(call: render_pb.ToolCall, field: str) -> dict[str, Any]:
     }
 
 
-def _tool(tool: render_pb.Tool, field: str) -> dict[str, Any]:
+def _tool(tool: render_pb.Tool, field: str) -> dict[str, object]:
     if not tool.name:
         raise InvalidRequestError(f"{field}.name", "required")
-    function: dict[str, Any] = {"name": tool.name}
+    function: dict[str, object] = {"name": tool.name}
     if tool.description:
         function["description"] = tool.description
     if tool.parameters:
@@ -118,7 +118,7 @@ def _tool(tool: render_pb.Tool, field: str) -> dict[str, Any]:
 MAX_JSON_DEPTH = 64
 
 
-def _json_object(field: str, text: str, what: str) -> dict[str, Any]:
+def _json_object(field: str, text: str, what: str) -> dict[str, object]:
     """`text` parsed as a JSON object, or refused naming `field`."""
     try:
         value = json.loads(text)
@@ -132,12 +132,12 @@ def _json_object(field: str, text: str, what: str) -> dict[str, Any]:
     return value
 
 
-def _depth(value: Any) -> int:
+def _depth(value: object) -> int:
     """How deep objects and lists nest in a parsed JSON value (a scalar: 0)."""
     depth, level = 0, [value]
     while level:
         depth += 1
-        children: list[Any] = []
+        children: list[object] = []
         for item in level:
             if isinstance(item, dict):
                 children.extend(item.values())
@@ -160,7 +160,9 @@ def chat_size(request: render_pb.RenderChatRequest) -> int:
     return request.ByteSize() - images
 
 
-def render_chat_body(request: render_pb.RenderChatRequest, limits: ModelLimits) -> dict[str, Any]:
+def render_chat_body(
+    request: render_pb.RenderChatRequest, limits: ModelLimits
+) -> dict[str, object]:
     """The /v1/chat/completions/render body for `request`.
 
     Tools are rendered into the prompt as the template lays them out; no tool
@@ -173,7 +175,7 @@ def render_chat_body(request: render_pb.RenderChatRequest, limits: ModelLimits) 
     messages = [
         _message(message, f"messages[{index}]") for index, message in enumerate(request.messages)
     ]
-    body: dict[str, Any] = {
+    body: dict[str, object] = {
         "model": limits.served_model,
         "messages": messages,
         "add_generation_prompt": (
@@ -207,11 +209,11 @@ def render_chat_body(request: render_pb.RenderChatRequest, limits: ModelLimits) 
 
 def render_completion_body(
     request: render_pb.RenderCompletionRequest, limits: ModelLimits
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """The /v1/completions/render body for `request`."""
     truncating = request.HasField("truncate_prompt_tokens")
     prompts = non_empty("prompt", request.prompt, "prompt")
-    body: dict[str, Any] = {
+    body: dict[str, object] = {
         "model": limits.served_model,
         "prompt": limits.fitted("prompt", prompts, truncating),
         "add_special_tokens": (
