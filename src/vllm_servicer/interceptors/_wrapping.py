@@ -112,6 +112,15 @@ def behaviour_of(handler: Handler) -> Behaviour:
     return behaviour
 
 
+def with_deserializer(handler: Handler, deserializer: Deserializer | None) -> Handler:
+    """`handler` (grpc's method-handler tuple) parsing its requests with `deserializer`."""
+    return _FACTORIES[kind_of(handler)](
+        behaviour_of(handler),
+        request_deserializer=deserializer,
+        response_serializer=handler.response_serializer,
+    )
+
+
 def is_async(handler: Handler) -> bool:
     """Whether grpc.aio runs `handler` on the event loop (else in its thread pool)."""
     behaviour = behaviour_of(handler)
