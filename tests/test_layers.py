@@ -699,3 +699,83 @@ def test_few_modules_run_past_500_lines() -> None:
     )
     past = [(lines, name) for lines, name in long if lines > MODULE_LINES]
     assert len(past) <= MODULES_PAST_IT, past
+
+
+def _hand_written() -> Iterator[tuple[str, ast.Module]]:
+    """Each hand-written module of the package (generated `_pb2` code left out),
+    by its path in the package, parsed."""
+    for path in sorted(PACKAGE_DIR.rglob("*.py")):
+        if "_pb2" not in path.name:
+            yield path.relative_to(PACKAGE_DIR).as_posix(), ast.parse(path.read_text())
+
+
+ANY_IN_ANNOTATIONS = 550
+"""How many `Any` the package's annotations may still hold, all modules together."""
+
+
+def _annotations(tree: ast.Module) -> Iterator[ast.expr]:
+    """Every parameter, return and annotated-assignment annotation of `tree`."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            arguments = node.args
+            params = (*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs)
+            for arg in (*params, arguments.vararg, arguments.kwarg):
+                if arg is not None and arg.annotation is not None:
+                    yield arg.annotation
+            if node.returns is not None:
+                yield node.returns
+        elif isinstance(node, ast.AnnAssign):
+            yield node.annotation
+
+
+def _anys(annotation: ast.expr) -> int:
+    """How often `Any` (or `typing.Any`) appears in `annotation`, strings read as annotations."""
+    found = 0
+    for node in ast.walk(annotation):
+        if (isinstance(node, ast.Name) and node.id == "Any") or (
+            isinstance(node, ast.Attribute) and node.attr == "Any"
+        ):
+            found += 1
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            try:
+                found += _anys(ast.parse(node.value, mode="eval").body)
+            except SyntaxError:
+                pass  # a string that is no expression (a Literal value of two words, say)
+    return found
+
+
+def test_any_in_annotations_stays_at_most_550() -> None:
+    """`Any` in the annotations of the hand-written modules, counted over the
+    whole package, stays at most ANY_IN_ANNOTATIONS: a value is typed as what
+    it is (grpc's, protobuf's, a Protocol, `object` when only passed on)."""
+    counts = {name: sum(_anys(a) for a in _annotations(tree)) for name, tree in _hand_written()}
+    total = sum(counts.values())
+    worst = sorted(counts.items(), key=lambda item: -item[1])[:10]
+    assert total <= ANY_IN_ANNOTATIONS, (
+        f"{total} Any in annotations, past {ANY_IN_ANNOTATIONS}; the most in "
+        + ", ".join(f"{name} ({count})" for name, count in worst)
+    )
+
+
+FUNCTION_LINES = 80
+"""A function past this many lines, its docstring included, holds more than one job."""
+
+
+def _lines(function: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """The lines of `function`, from its `def` (not its decorators) to its last."""
+    return (function.end_lineno or function.lineno) - function.lineno + 1
+
+
+def test_no_function_runs_past_80_lines() -> None:
+    """Every function of the hand-written modules, nested ones included, runs at
+    most FUNCTION_LINES lines from its `def` to its last line."""
+    functions = [
+        (_lines(node), f"{name}::{node.name}")
+        for name, tree in _hand_written()
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+    ]
+    long = sorted(function for function in functions if function[0] > FUNCTION_LINES)
+    assert not long, f"past {FUNCTION_LINES} lines: " + ", ".join(
+        f"{where} ({lines})" for lines, where in reversed(long)
+    )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # type: ignore[import-untyped]
@@ -25,6 +25,7 @@ from .interceptors import (
     MountContext,
     Pipeline,
 )
+from .interceptors._wrapping import with_deserializer
 from .options import DEFAULT_SERVICES, SERVICES, MountOptions
 from .proto import (
     CONTROL_SERVICE,
@@ -50,6 +51,9 @@ from .servicer.state import MountState
 from .servicer.vllm_engine import VllmEngineServicer
 from .status import error_layer
 from .wire import fields
+
+if TYPE_CHECKING:
+    from .interceptors._wrapping import Handler
 
 HEALTH_SERVICE_NAME: str = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 REFLECTION_SERVICE_NAME: str = reflection.SERVICE_NAME
@@ -175,34 +179,76 @@ def mount(
         inflight=inflight,
         load_reports=LoadReportInterceptor(reporter) if reporter is not None else None,
     )
+    added = _add_services(server, engine, state, options, pipeline)
+    return added.mounted(state, inflight, options)
+
+
+_Servicer = (
+    VllmEngineServicer | InferenceServicer | ControlServicer | PoolingServicer | RenderServicer
+)
+"""A protocol's servicer, as `mount()` builds it."""
+
+_S = TypeVar("_S", bound=_Servicer)
+
+
+class _Added(NamedTuple):
+    """What `_add_services` added to the server."""
+
+    servicers: dict[str, _Servicer]  # each protocol's, by service name
+    health: EngineHealthServicer | None
+    load_reports: OpenRcaServicer | None
+    names: tuple[str, ...]  # every service mounted
+
+    def servicer(self, name: str, kind: type[_S]) -> _S | None:
+        """The servicer of the protocol `name`, or None when it is not served."""
+        servicer = self.servicers.get(name)
+        return servicer if isinstance(servicer, kind) else None
+
+    def mounted(
+        self, state: MountState, inflight: InflightInterceptor, options: MountOptions
+    ) -> MountedServices:
+        """What `mount()` returns: these services, with the state they share."""
+        return MountedServices(
+            state=state,
+            inflight=inflight,
+            guard=EngineGuard(state.tenant, inflight),
+            service_names=self.names,
+            health=self.health,
+            servicer=self.servicer(SERVICE_NAME, VllmEngineServicer),
+            inference=self.servicer(INFERENCE_SERVICE, InferenceServicer),
+            control=self.servicer(CONTROL_SERVICE, ControlServicer),
+            pooling=self.servicer(POOLING_SERVICE, PoolingServicer),
+            render=self.servicer(RENDER_SERVICE, RenderServicer),
+            load_reports=self.load_reports,
+            options=options,
+        )
+
+
+def _add_services(
+    server: grpc.aio.Server,
+    engine: EngineClient,
+    state: MountState,
+    options: MountOptions,
+    pipeline: Pipeline,
+) -> _Added:
+    """Build the servicers `options` serves, with health, load reports and
+    reflection, and register their handlers on `server` wrapped by `pipeline`."""
     served = tuple(name for name in SERVICES if name in options.served.services)
     # Built first: Control tells it when the engine's state changes. Readiness
     # for the whole server ("") and each protocol served.
     health = EngineHealthServicer(engine, services=("", *served)) if options.served.health else None
     recheck = health.recheck if health is not None else None
-    servicers: dict[str, Any] = {name: _PROTOCOLS[name].build(state, recheck) for name in served}
+    servicers = {name: _PROTOCOLS[name].build(state, recheck) for name in served}
     recorder = HandlerRecorder()
     for name, servicer in servicers.items():
         _PROTOCOLS[name].add(servicer, recorder)
+    reporter = state.load_reporter
     orca = OpenRcaServicer(reporter) if reporter is not None else None
     names = _add_standard_services(
         recorder, served, health, orca, options.served.reflection_service
     )
     _register_wrapped(server, recorder, pipeline)
-    return MountedServices(
-        state=state,
-        inflight=inflight,
-        guard=EngineGuard(state.tenant, inflight),
-        service_names=names,
-        health=health,
-        servicer=servicers.get(SERVICE_NAME),
-        inference=servicers.get(INFERENCE_SERVICE),
-        control=servicers.get(CONTROL_SERVICE),
-        pooling=servicers.get(POOLING_SERVICE),
-        render=servicers.get(RENDER_SERVICE),
-        load_reports=orca,
-        options=options,
-    )
+    return _Added(servicers, health, orca, names)
 
 
 def _options_of(options: MountOptions | None, keywords: dict[str, Any]) -> MountOptions:
@@ -274,8 +320,8 @@ StateChanged = Callable[[], Awaitable[None]] | None
 class _Protocol(NamedTuple):
     """How `mount()` builds one protocol's servicer and adds it to a server."""
 
-    build: Callable[[MountState, StateChanged], Any]
-    add: Callable[[Any, Any], None]
+    build: Callable[[MountState, StateChanged], _Servicer]
+    add: Callable[[_Servicer, HandlerRecorder], None]
 
 
 _PROTOCOLS: dict[str, _Protocol] = {
@@ -303,12 +349,12 @@ _PROTOCOLS: dict[str, _Protocol] = {
 """Each protocol `mount()` serves, by full service name."""
 
 
-def _refusing_unknown_fields(handler: Any, service_name: str) -> Any:
+def _refusing_unknown_fields(handler: Handler, service_name: str) -> Handler:
     """`handler` (grpc's method-handler tuple) parsing its request with `UnknownFieldParser`."""
     parse = handler.request_deserializer
     if parse is None:
         return handler
-    return handler._replace(request_deserializer=fields.UnknownFieldParser(parse, service_name))
+    return with_deserializer(handler, fields.UnknownFieldParser(parse, service_name))
 
 
 def _register_wrapped(

@@ -38,16 +38,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
 import grpc
 
-from ._call import Call, ReadDeadline, WriteDeadline
+from ._call import Call, Context, Metadata, ReadDeadline, WriteDeadline
 from ._wrapping import HandlerCache, Layers, Segment, wrap
 
 if TYPE_CHECKING:
     from ..load_reports.report import LoadReporter
+    from ._wrapping import Continuation, Handler
 
 logger = logging.getLogger("vllm_servicer.interceptors")
 
@@ -137,16 +138,16 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
         """Once per `mount()` whose stack holds this interceptor, before any call:
         what the mount keeps that this interceptor may read (default: nothing)."""
 
-    async def on_admit(self, method: str, metadata: Any, context: Any) -> None:
+    async def on_admit(self, method: str, metadata: Metadata, context: Context) -> None:
         """Before the request is parsed; raise `Refusal` to refuse the call."""
 
     async def on_start(self, call: Call) -> None:
         """Before the handler; abort through `call.context` to reject the call."""
 
-    def on_request(self, call: Call, message: Any) -> None:
+    def on_request(self, call: Call, message: object) -> None:
         """Each request message."""
 
-    def on_response(self, call: Call, message: Any) -> None:
+    def on_response(self, call: Call, message: object) -> None:
         """Each response message."""
 
     def reads_responses(self, call: Call) -> bool:
@@ -191,19 +192,15 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
         return cached
 
     async def intercept_service(
-        self,
-        continuation: Callable[
-            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]
-        ],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+        self, continuation: Continuation, handler_call_details: grpc.HandlerCallDetails
+    ) -> Handler | None:
         # Alone (server-wide, not in a Pipeline): wrapped as a pipeline of one.
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
-        return self._handlers.get(handler_call_details.method, handler, self._wrap_alone)  # type: ignore[no-any-return]
+        return self._handlers.get(handler_call_details.method, handler, self._wrap_alone)
 
-    def _wrap_alone(self, method: str, handler: Any) -> Any:
+    def _wrap_alone(self, method: str, handler: Handler) -> Handler:
         segments: list[Segment] = []
         if self.applies_to(method):
             if self.enclosing is not None:

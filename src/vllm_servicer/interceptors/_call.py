@@ -10,11 +10,24 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias, cast
 
 import grpc
 
 logger = logging.getLogger("vllm_servicer.interceptors")
+
+Context: TypeAlias = grpc.aio.ServicerContext[object, object]
+"""A call's ServicerContext, as a wrapper or hook of any method sees it."""
+
+Metadata: TypeAlias = tuple[tuple[str, str | bytes], ...]
+"""A call's invocation metadata: its (key, value) pairs."""
+
+
+def invocation_metadata(context: Context) -> Metadata:
+    """The call's invocation metadata, as grpc.aio's server gives it."""
+    # Typed `grpc.aio.Metadata | None` by the stubs; the server's is a tuple of pairs.
+    return cast(Metadata, context.invocation_metadata())
+
 
 # A cancel this close to the deadline is the deadline (see ended_code): a
 # fixed allowance plus a share of the call's age, since the server learns its
@@ -50,7 +63,7 @@ class Call:
         "state",
     )
 
-    def __init__(self, method: str, kind: str, metadata: Any, context: Any) -> None:
+    def __init__(self, method: str, kind: str, metadata: Metadata, context: Context) -> None:
         self.method = method
         service, _, name = method[1:].rpartition("/")
         self.service = service
@@ -63,7 +76,7 @@ class Call:
         self.state: Any = None
 
 
-def ended_code(context: Any, exc: BaseException | None, started: float) -> grpc.StatusCode:
+def ended_code(context: Context, exc: BaseException | None, started: float) -> grpc.StatusCode:
     if exc is None:
         code = context.code()
         # A handler may set a code without raising (context.set_code).
@@ -95,14 +108,14 @@ class Refusal(Exception):
     """
 
     def __init__(
-        self, code: grpc.StatusCode, details: str, log: Callable[[Any], None] | None = None
+        self, code: grpc.StatusCode, details: str, log: Callable[[Context], None] | None = None
     ) -> None:
         super().__init__(details)
         self.code = code
         self.details = details
         self.log = log
 
-    async def abort(self, context: Any, method: str) -> None:
+    async def abort(self, context: Context, method: str) -> None:
         if self.log is not None:
             self.log(context)
         await context.abort(self.code, self.details)

@@ -11,8 +11,8 @@ always runs in the call, before the request is read.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -20,9 +20,7 @@ from ._base import CallInterceptor
 from ._wrapping import ErrorLayer, HandlerCache, Layers, Segment, wrap
 
 if TYPE_CHECKING:
-    Continuation = Callable[
-        [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]
-    ]
+    from ._wrapping import Continuation, Handler
 
 
 class _Enclosing:
@@ -100,7 +98,7 @@ class Pipeline(grpc.aio.ServerInterceptor):
             self._segments[method] = chosen
         return chosen
 
-    def wrap(self, method: str, handler: Any, *, errors: ErrorLayer | None = None) -> Any:
+    def wrap(self, method: str, handler: Handler, *, errors: ErrorLayer | None = None) -> Handler:
         """`handler` of `method` wrapped by the stack, for every call (what `mount()` registers).
 
         `errors` maps the handler's exceptions to statuses.
@@ -109,20 +107,20 @@ class Pipeline(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self, continuation: Continuation, handler_call_details: grpc.HandlerCallDetails
-    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+    ) -> Handler | None:
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
-        return self._handlers.get(handler_call_details.method, handler, self.wrap)  # type: ignore[no-any-return]
+        return self._handlers.get(handler_call_details.method, handler, self.wrap)
 
 
 def wrapped_handler(
     interceptors: Sequence[grpc.aio.ServerInterceptor] | Pipeline,
     method: str,
-    handler: Any,
+    handler: Handler,
     *,
     errors: ErrorLayer | None = None,
-) -> Any:
+) -> Handler:
     """`handler` of `method` with `interceptors` (outermost first) around it, as `mount()` wraps."""
     pipeline = interceptors if isinstance(interceptors, Pipeline) else Pipeline(interceptors)
     return pipeline.wrap(method, handler, errors=errors)

@@ -25,12 +25,15 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any
+from typing import Generic, TypeVar
 
 from ..shares import FairShares
 from ._call import ClientWait
 
 __all__ = ["STILL_AFTER_S", "Holders"]
+
+Token = TypeVar("Token")
+"""What a pool's `give_back` takes to let a holder's slot go."""
 
 STILL_AFTER_S = 1.0
 """Seconds a call must have waited on its client before its slot can be taken
@@ -38,7 +41,7 @@ back: a stream between two messages a client sends at once waits microseconds,
 a client that sends nothing waits for ever."""
 
 
-class Holders:
+class Holders(Generic[Token]):
     """The tenants' calls holding one pool's slots, each with its wait on its client.
 
     Args:
@@ -49,12 +52,12 @@ class Holders:
 
     def __init__(self, pool: str) -> None:
         self._pool = pool
-        self._calls: dict[ClientWait, tuple[str, float, Any]] = {}
+        self._calls: dict[ClientWait, tuple[str, float, Token]] = {}
 
     def __len__(self) -> int:
         return len(self._calls)
 
-    def add(self, wait: ClientWait, name: str, weight: float, token: Any) -> None:
+    def add(self, wait: ClientWait, name: str, weight: float, token: Token) -> None:
         """A call of tenant `name` holds a slot; `token` is what the pool's
         `give_back` takes to let it go."""
         self._calls[wait] = (name, weight, token)
@@ -67,7 +70,7 @@ class Holders:
         self,
         shares: FairShares,
         claimant: str | None,
-        give_back: Callable[[Any], None],
+        give_back: Callable[[Token], None],
         *,
         operator: bool = False,
         weight: float = 1.0,

@@ -37,7 +37,7 @@ import asyncio
 import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn, Protocol, TypeAlias
 
 import grpc
 
@@ -46,20 +46,52 @@ from ..errors import RequestNotSentError
 from ._call import (
     Call,
     ClientWait,
+    Context,
+    Metadata,
     ReadDeadline,
     Refusal,
     WaitWatch,
     WriteDeadline,
     client_wait_of_this_call,
     ended_code,
+    invocation_metadata,
 )
+
+if TYPE_CHECKING:
+    from types import AsyncGeneratorType
+
+    Handler: TypeAlias = grpc.RpcMethodHandler[Any, Any]
+    """A method's handler. Its message types are the method's own: grpc's stubs
+    type the handlers of any method so (`method_handlers_generic_handler`)."""
+
+    Continuation: TypeAlias = Callable[[grpc.HandlerCallDetails], Awaitable[Handler | None]]
+    """What a server interceptor calls for the handler of a call's method."""
+
+    Behaviour: TypeAlias = Callable[..., Any]
+    """The function grpc calls for a method, `(request or request iterator, context)`,
+    typed as grpc's stubs type it: a response, a coroutine or an async generator, by kind."""
+
+    Responding: TypeAlias = Callable[..., Awaitable[object]]
+    """A behaviour answering with one response: `async def`, returning it."""
+
+    Streaming: TypeAlias = Callable[..., Awaitable[object] | AsyncGeneratorType[object, None]]
+    """A behaviour streaming its responses: an async generator function, or an
+    `async def` writing them through `context.write`."""
+
+    Deserializer: TypeAlias = Callable[[bytes], object]
+
+Requests: TypeAlias = AsyncIterator[object]
+"""A call's request messages as grpc hands them to a handler of a client stream."""
+
+MessageHooks: TypeAlias = list[tuple[Callable[[Call, object], None], Call]]
+"""`on_request` or `on_response` hooks of one call, each with its `Call`."""
 
 logger = logging.getLogger("vllm_servicer.interceptors")
 
-ErrorLayer = Callable[[Any, Exception, str], Awaitable[Any]]
+ErrorLayer = Callable[[Context, Exception, str], Awaitable[object]]
 """`(context, exception, method)`: aborts the call with the status for the exception."""
 
-_FACTORIES: dict[str, Any] = {
+_FACTORIES: dict[str, Callable[..., Handler]] = {
     "unary_unary": grpc.unary_unary_rpc_method_handler,
     "unary_stream": grpc.unary_stream_rpc_method_handler,
     "stream_unary": grpc.stream_unary_rpc_method_handler,
@@ -67,19 +99,29 @@ _FACTORIES: dict[str, Any] = {
 }
 
 
-def kind_of(handler: Any) -> str:
+def kind_of(handler: Handler) -> str:
     """ "unary_unary", "unary_stream", "stream_unary" or "stream_stream"."""
     if handler.request_streaming:
         return "stream_stream" if handler.response_streaming else "stream_unary"
     return "unary_stream" if handler.response_streaming else "unary_unary"
 
 
-def behaviour_of(handler: Any) -> Any:
+def behaviour_of(handler: Handler) -> Behaviour:
     """The function grpc calls for `handler`."""
-    return getattr(handler, kind_of(handler))
+    behaviour: Behaviour = getattr(handler, kind_of(handler))
+    return behaviour
 
 
-def is_async(handler: Any) -> bool:
+def with_deserializer(handler: Handler, deserializer: Deserializer | None) -> Handler:
+    """`handler` (grpc's method-handler tuple) parsing its requests with `deserializer`."""
+    return _FACTORIES[kind_of(handler)](
+        behaviour_of(handler),
+        request_deserializer=deserializer,
+        response_serializer=handler.response_serializer,
+    )
+
+
+def is_async(handler: Handler) -> bool:
     """Whether grpc.aio runs `handler` on the event loop (else in its thread pool)."""
     behaviour = behaviour_of(handler)
     return inspect.iscoroutinefunction(behaviour) or inspect.isasyncgenfunction(behaviour)
@@ -92,7 +134,7 @@ def is_async(handler: Any) -> bool:
 _DECLARED_KINDS: dict[str, str] = {}
 
 
-def rpc_kind_of(handler: Any, method: str) -> str:
+def rpc_kind_of(handler: Handler, method: str) -> str:
     """The kind of `method` as its clients see it, though a wrapper of this
     module registers a unary request as a stream of one message."""
     return _DECLARED_KINDS.get(method) or kind_of(handler)
@@ -109,8 +151,13 @@ def _reading(kind: str) -> str:
 
 
 def _registered(
-    kind: str, method: str, declared: str, behaviour: Any, inner: Any, deserializer: Any
-) -> Any:
+    kind: str,
+    method: str,
+    declared: str,
+    behaviour: Callable[..., object],
+    inner: Handler,
+    deserializer: Deserializer | None,
+) -> Handler:
     """A handler running `behaviour` around a `kind` handler `inner` of `method`,
     registered as `_reading(kind)`; its clients see `declared`."""
     if kind[0] == "u":
@@ -127,7 +174,7 @@ class CallDetails(grpc.HandlerCallDetails):
 
     __slots__ = ("invocation_metadata", "method")
 
-    def __init__(self, method: str, invocation_metadata: Any) -> None:
+    def __init__(self, method: str, invocation_metadata: Metadata) -> None:
         self.method = method
         self.invocation_metadata = invocation_metadata
 
@@ -142,7 +189,7 @@ class UndecodableRequest:
         self.error = error
 
 
-def tolerant(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+def tolerant(deserializer: Deserializer) -> Deserializer:
     """`deserializer`, returning an `UndecodableRequest` instead of raising.
 
     grpc answers a request its deserializer rejects (invalid UTF-8 in a string
@@ -152,7 +199,7 @@ def tolerant(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
     descriptor = getattr(getattr(deserializer, "__self__", None), "DESCRIPTOR", None)
     name = getattr(descriptor, "full_name", "request")
 
-    def parse(data: bytes) -> Any:
+    def parse(data: bytes) -> object:
         try:
             return deserializer(data)
         except Exception as exc:
@@ -165,7 +212,7 @@ _MISSING = object()
 """What the wrapper reads from a unary call whose client sent no message."""
 
 
-async def _read_one(requests: Any) -> Any:
+async def _read_one(requests: Requests) -> object:
     """The one message of a unary request, read from grpc's request stream."""
     try:
         return await anext(requests)
@@ -178,7 +225,7 @@ class _WaitWatch(WaitWatch):
 
     __slots__ = ()
 
-    async def read(self, requests: Any, wait: ClientWait | None) -> Any:
+    async def read(self, requests: Requests, wait: ClientWait | None) -> object:
         """`_read_one` within the deadline, or until `wait` is cut short.
 
         Raises:
@@ -203,7 +250,7 @@ class _WaitWatch(WaitWatch):
             self.end(wait)
 
 
-async def _each_in_time(requests: Any, watch: _WaitWatch, wait: ClientWait) -> AsyncIterator[Any]:
+async def _each_in_time(requests: Requests, watch: _WaitWatch, wait: ClientWait) -> Requests:
     """A client stream's messages, each within the read deadline."""
     while True:
         try:
@@ -244,10 +291,10 @@ class Hooks(Protocol):
     has_response_hook: bool
     fails_closed: bool
 
-    async def on_admit(self, method: str, metadata: Any, context: Any) -> None: ...
+    async def on_admit(self, method: str, metadata: Metadata, context: Context) -> None: ...
     async def on_start(self, call: Call) -> None: ...
-    def on_request(self, call: Call, message: Any) -> None: ...
-    def on_response(self, call: Call, message: Any) -> None: ...
+    def on_request(self, call: Call, message: object) -> None: ...
+    def on_response(self, call: Call, message: object) -> None: ...
     def reads_responses(self, call: Call) -> bool: ...
     def finish(self, call: Call, code: grpc.StatusCode) -> None: ...
     def read_deadline(self, method: str) -> ReadDeadline | None: ...
@@ -270,8 +317,8 @@ Segment = Layers | grpc.aio.ServerInterceptor
 
 
 def wrap(
-    segments: Sequence[Segment], method: str, handler: Any, *, errors: ErrorLayer | None = None
-) -> Any:
+    segments: Sequence[Segment], method: str, handler: Handler, *, errors: ErrorLayer | None = None
+) -> Handler:
     """`handler` of `method` with `segments` (outermost first) around it, built once.
 
     `errors` maps the handler's exceptions to statuses (the innermost wrapper
@@ -284,11 +331,13 @@ def wrap(
     if not segments and errors is None:
         return handler
     kind = rpc_kind_of(handler, method)
-    if not segments or not isinstance(segments[-1], Layers):
+    innermost = segments[-1] if segments else None
+    if not isinstance(innermost, Layers):
         # The innermost wrapper reads the request and maps errors: a fused one.
-        segments = [*segments, Layers(())]
+        innermost = Layers(())
+        segments = [*segments, innermost]
     deadlines = _deadlines(segments, method)
-    wrapped = _fused(handler, method, kind, segments[-1], errors, deadlines)  # type: ignore[arg-type]
+    wrapped = _fused(handler, method, kind, innermost, errors, deadlines)
     for segment in reversed(segments[:-1]):
         if isinstance(segment, Layers):
             wrapped = _fused(wrapped, method, kind, segment, None, _NO_DEADLINES)
@@ -308,9 +357,11 @@ class HandlerCache:
     __slots__ = ("_wrapped",)
 
     def __init__(self) -> None:
-        self._wrapped: dict[str, tuple[Any, Any]] = {}
+        self._wrapped: dict[str, tuple[Handler, Handler]] = {}
 
-    def get(self, method: str, handler: Any, build: Callable[[str, Any], Any]) -> Any:
+    def get(
+        self, method: str, handler: Handler, build: Callable[[str, Handler], Handler]
+    ) -> Handler:
         """`build(method, handler)`, or what it returned for this same handler."""
         found = self._wrapped.get(method)
         if found is not None and found[0] is handler:
@@ -328,21 +379,21 @@ class _HookedContext:
 
     def __init__(
         self,
-        context: Any,
-        on_request: Callable[[Any], None] | None,
-        on_response: Callable[[Any], None] | None,
+        context: Context,
+        on_request: Callable[[object], None] | None,
+        on_response: Callable[[object], None] | None,
     ) -> None:
         self._context = context
         self._on_request = on_request
         self._on_response = on_response
 
-    async def read(self) -> Any:
+    async def read(self) -> object:
         message = await self._context.read()
         if self._on_request is not None and message is not grpc.aio.EOF:
             self._on_request(message)
         return message
 
-    async def write(self, message: Any) -> None:
+    async def write(self, message: object) -> None:
         if self._on_response is not None:
             self._on_response(message)
         await self._context.write(message)
@@ -352,7 +403,7 @@ class _HookedContext:
 
 
 async def _admit(
-    layers: Sequence[Hooks], method: str, metadata: Any, context: Any
+    layers: Sequence[Hooks], method: str, metadata: Metadata, context: Context
 ) -> tuple[int, Refusal | None]:
     """How many interceptors take part in the call, and the refusal that cut it short."""
     for index, interceptor in enumerate(layers):
@@ -365,13 +416,13 @@ async def _admit(
 
 
 def _fused(
-    handler: Any,
+    handler: Handler,
     method: str,
     kind: str,
     layers: Layers,
     errors: ErrorLayer | None,
     deadlines: Deadlines,
-) -> Any:
+) -> Handler:
     """`handler` wrapped by every hook of `layers` and the error layer.
 
     `kind` is the method's kind as its clients see it. When `handler` takes a
@@ -386,6 +437,7 @@ def _fused(
     if physical[0] == "u" and deserializer is not None:
         deserializer = tolerant(deserializer)
     steps = _steps(physical, method, kind, layers, errors, deadlines.read)
+    wrapper: Callable[[Requests, Context], object]
     if kind.endswith("stream"):
         wrapper = _streaming_response(
             behaviour_of(handler), steps, bool(layers.response_hooks), deadlines.write
@@ -404,10 +456,12 @@ Started = list[tuple[Hooks, Call]]
 class _Steps(NamedTuple):
     """The steps every fused wrapper of one method takes, built once (`_steps`)."""
 
-    begin: Callable[[Any, Started], Awaitable[None]]
-    prepare: Callable[[Any, Any, Started], Awaitable[tuple[Any, Any]]]
-    fail: Callable[[Any, Exception], Awaitable[None]]
-    finish: Callable[[Started, Any, Any], None]
+    begin: Callable[[Context, Started], Awaitable[None]]
+    prepare: Callable[
+        [Requests, Context, Started], Awaitable[tuple[object, Context | _HookedContext]]
+    ]
+    fail: Callable[[Context, Exception], Awaitable[None]]
+    finish: Callable[[Started, Context, BaseException | None], None]
 
 
 def _steps(
@@ -430,9 +484,9 @@ def _steps(
         streams_responses and response_hooked
     )
 
-    async def begin(context: Any, started: Started) -> None:
+    async def begin(context: Context, started: Started) -> None:
         """Admit and start the call, filling `started`; abort if it is refused."""
-        metadata = context.invocation_metadata()
+        metadata = invocation_metadata(context)
         cut, refusal = await _admit(interceptors, method, metadata, context)
         for interceptor in interceptors[:cut]:
             call = Call(method, kind, metadata, context)
@@ -441,33 +495,29 @@ def _steps(
         if refusal is not None:
             await refusal.abort(context, method)
 
-    async def prepare(request: Any, context: Any, started: Started) -> tuple[Any, Any]:
-        """The request and the context the handler gets."""
+    async def prepare(
+        requests: Requests, context: Context, started: Started
+    ) -> tuple[object, Context | _HookedContext]:
+        """The request (a message, or a client stream's messages) and the context
+        the handler gets."""
+        request: object
         if reads_request:
-            try:
-                request = await watch.read(request, client_wait_of_this_call())
-            except RequestNotSentError as error:
-                await _reject_unsent(context, error, method, errors)
-            if request is _MISSING:
-                request = UndecodableRequest(method, ValueError("no request message was sent"))
-            if type(request) is UndecodableRequest:
-                await _reject_undecodable(context, request, method, errors)
-        elif streams_requests:
+            request = await _request_read(requests, context, watch, method, errors)
+            if layers.request_hooks:
+                for hook, call in _request_hooks(started):
+                    hook(call, request)
+        else:
             wait = client_wait_of_this_call()
             if wait is not None or deadline is not None:
-                request = _each_in_time(request, watch, wait or ClientWait())
-        if layers.request_hooks:
-            hooks = [(i.on_request, c) for i, c in started if i.has_request_hook]
-            if not streams_requests:
-                for hook, call in hooks:
-                    hook(call, request)
-            else:
-                request = _counted(request, hooks)
+                requests = _each_in_time(requests, watch, wait or ClientWait())
+            if layers.request_hooks:
+                requests = _counted(requests, _request_hooks(started))
+            request = requests
         if context_hooked:
-            context = _hooked(context, started, streams_requests)
+            return request, _hooked(context, started, streams_requests)
         return request, context
 
-    async def fail(context: Any, error: Exception) -> None:
+    async def fail(context: Context, error: Exception) -> None:
         """Hand `error` to the error layer, which aborts; re-raise what it raises."""
         if type(error) is RequestNotSentError:  # a client stream's message came too late
             await _reject_unsent(context, error, method, errors)
@@ -476,7 +526,7 @@ def _steps(
         await errors(context, error, method)
         raise error  # pragma: no cover - the error layer aborts
 
-    def finish(started: Started, context: Any, exc: Any) -> None:
+    def finish(started: Started, context: Context, exc: BaseException | None) -> None:
         """`on_finish` of each started interceptor, innermost first, with the code."""
         if not started:
             return
@@ -487,16 +537,61 @@ def _steps(
     return _Steps(begin, prepare, fail, finish)
 
 
-def _unary_response(behaviour: Any, steps: _Steps, response_hooked: bool) -> Any:
+async def _request_read(
+    requests: Requests,
+    context: Context,
+    watch: _WaitWatch,
+    method: str,
+    errors: ErrorLayer | None,
+) -> object:
+    """The one message of a unary request, read within `watch`'s deadline; the
+    call is aborted when it does not come in time or does not parse."""
+    try:
+        request = await watch.read(requests, client_wait_of_this_call())
+    except RequestNotSentError as error:
+        await _reject_unsent(context, error, method, errors)
+    if request is _MISSING:
+        request = UndecodableRequest(method, ValueError("no request message was sent"))
+    if type(request) is UndecodableRequest:
+        await _reject_undecodable(context, request, method, errors)
+    return request
+
+
+def _request_hooks(started: Started) -> MessageHooks:
+    """The `on_request` hooks of the interceptors that started the call."""
+    return [(i.on_request, c) for i, c in started if i.has_request_hook]
+
+
+def _response_hooks(started: Started) -> MessageHooks:
+    """The `on_response` hooks of the interceptors that read the call's streamed
+    responses. Chosen at the first message, once the handler has begun: a hook
+    may read a record the handler keeps instead."""
+    return [
+        (i.on_response, c) for i, c in started if i.has_response_hook and _reads_responses(i, c)
+    ]
+
+
+def _response_wait(deadline: WriteDeadline | None) -> ClientWait | None:
+    """The call's wait on its client to take each response message: marked when a
+    pool may take its slot back, or a deadline ends the wait (None: neither)."""
+    wait = client_wait_of_this_call()
+    if wait is None and deadline is not None:
+        wait = ClientWait()
+    return wait
+
+
+def _unary_response(
+    behaviour: Responding, steps: _Steps, response_hooked: bool
+) -> Callable[[Requests, Context], Awaitable[object]]:
     """The fused wrapper of a handler returning one response: `behaviour` within `steps`."""
     begin, prepare, fail, finish = steps
 
-    async def unary_response(request: Any, context: Any) -> Any:
+    async def unary_response(requests: Requests, context: Context) -> object:
         exc: BaseException | None = None
         started: Started = []
         try:
             await begin(context, started)
-            request, inner = await prepare(request, context, started)
+            request, inner = await prepare(requests, context, started)
             try:
                 response = await behaviour(request, inner)
             except Exception as error:
@@ -516,39 +611,30 @@ def _unary_response(behaviour: Any, steps: _Steps, response_hooked: bool) -> Any
 
 
 def _streaming_response(
-    behaviour: Any, steps: _Steps, response_hooked: bool, deadline: WriteDeadline | None
-) -> Any:
+    behaviour: Streaming, steps: _Steps, response_hooked: bool, deadline: WriteDeadline | None
+) -> Callable[[Requests, Context], AsyncIterator[object]]:
     """The fused wrapper of a handler streaming its responses, by `yield` or by
     `context.write`: `behaviour` within `steps`, each message yielded taken by
     the client within `deadline` when there is one."""
     begin, prepare, fail, finish = steps
     watch = _WaitWatch(deadline)
 
-    async def streaming_response(request: Any, context: Any) -> AsyncIterator[Any]:
+    async def streaming_response(requests: Requests, context: Context) -> AsyncIterator[object]:
         exc: BaseException | None = None
         started: Started = []
-        result: Any = None
+        result: Awaitable[object] | AsyncGeneratorType[object, None] | None = None
         wait: ClientWait | None = None
         try:
             await begin(context, started)
-            request, inner = await prepare(request, context, started)
-            # Marked when a pool may take the slot back, or a deadline ends the wait.
-            wait = client_wait_of_this_call()
-            if wait is None and deadline is not None:
-                wait = ClientWait()
+            request, inner = await prepare(requests, context, started)
+            wait = _response_wait(deadline)
             try:
                 result = behaviour(request, inner)
                 if inspect.isasyncgen(result):
                     hooks = None
                     if response_hooked:
-                        # Chosen at the first message, once the handler has begun:
-                        # a hook may read a record the handler keeps instead.
                         async for message in result:
-                            hooks = [
-                                (i.on_response, c)
-                                for i, c in started
-                                if i.has_response_hook and _reads_responses(i, c)
-                            ]
+                            hooks = _response_hooks(started)
                             for hook, call in hooks:
                                 hook(call, message)
                             if wait is None:
@@ -599,14 +685,25 @@ def _streaming_response(
     return streaming_response
 
 
-def _returning(handler: Any) -> Callable[[grpc.HandlerCallDetails], Awaitable[Any]]:
-    async def continuation(details: grpc.HandlerCallDetails) -> Any:
+def _returning(handler: Handler) -> Continuation:
+    async def continuation(details: grpc.HandlerCallDetails) -> Handler:
         return handler
 
     return continuation
 
 
-def _relay(interceptor: grpc.aio.ServerInterceptor, inner: Any, method: str, kind: str) -> Any:
+def _with_behaviour(handler: Handler, kind: str, behaviour: Callable[..., object]) -> Handler:
+    """A `kind` handler like `handler` (grpc's method-handler tuple), running `behaviour`."""
+    return _FACTORIES[kind](
+        behaviour,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
+
+
+def _relay(
+    interceptor: grpc.aio.ServerInterceptor, inner: Handler, method: str, kind: str
+) -> Handler:
     """`inner` behind an interceptor that is not a CallInterceptor, asked per call.
 
     Such an interceptor may return another handler per call, so it is asked
@@ -615,14 +712,14 @@ def _relay(interceptor: grpc.aio.ServerInterceptor, inner: Any, method: str, kin
     interceptor sees a unary request as a stream of one message.
     """
 
-    async def resolve(context: Any, handler: Any = inner) -> Any:
-        details = CallDetails(method, context.invocation_metadata())
+    async def resolve(context: Context, handler: Handler = inner) -> Handler:
+        details = CallDetails(method, invocation_metadata(context))
         resolved = await interceptor.intercept_service(_returning(handler), details)
         if resolved is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"method {method} not found")
         return resolved
 
-    async def request_of(resolved: Any, requests: Any, context: Any) -> Any:
+    async def request_of(resolved: Handler, requests: Requests, context: Context) -> object:
         if resolved.request_streaming or kind[0] == "s":
             return requests
         # An interceptor put a unary handler of its own in place of ours.
@@ -633,7 +730,7 @@ def _relay(interceptor: grpc.aio.ServerInterceptor, inner: Any, method: str, kin
 
     if not kind.endswith("stream"):
 
-        async def unary_response(requests: Any, context: Any) -> Any:
+        async def unary_response(requests: Requests, context: Context) -> object:
             resolved = await resolve(context)
             request = await request_of(resolved, requests, context)
             return await behaviour_of(resolved)(request, context)
@@ -643,15 +740,15 @@ def _relay(interceptor: grpc.aio.ServerInterceptor, inner: Any, method: str, kin
     inner_kind = kind_of(inner)
     inner_behaviour = behaviour_of(inner)
 
-    async def streaming_response(requests: Any, context: Any) -> AsyncIterator[Any]:
-        opened: list[Any] = []
+    async def streaming_response(requests: Requests, context: Context) -> AsyncIterator[object]:
+        opened: list[object] = []
 
-        def opening(request: Any, context: Any) -> Any:
+        def opening(request: object, context: Context) -> object:
             result = inner_behaviour(request, context)
             opened.append(result)
             return result
 
-        resolved = await resolve(context, inner._replace(**{inner_kind: opening}))
+        resolved = await resolve(context, _with_behaviour(inner, inner_kind, opening))
         request = await request_of(resolved, requests, context)
         result = behaviour_of(resolved)(request, context)
         if inspect.isasyncgen(result):
@@ -682,24 +779,22 @@ def _reads_responses(interceptor: Hooks, call: Call) -> bool:
         return True
 
 
-async def _counted(requests: Any, hooks: list[tuple[Any, Call]]) -> AsyncIterator[Any]:
+async def _counted(requests: Requests, hooks: MessageHooks) -> Requests:
     async for message in requests:
         for hook, call in hooks:
             hook(call, message)
         yield message
 
 
-def _hooked(
-    context: Any, started: list[tuple[Hooks, Call]], streams_requests: bool
-) -> _HookedContext:
-    request_hooks = [(i.on_request, c) for i, c in started if i.has_request_hook]
+def _hooked(context: Context, started: Started, streams_requests: bool) -> _HookedContext:
+    request_hooks = _request_hooks(started)
     response_hooks = [(i.on_response, c) for i, c in started if i.has_response_hook]
 
-    def on_request(message: Any) -> None:
+    def on_request(message: object) -> None:
         for hook, call in request_hooks:
             hook(call, message)
 
-    def on_response(message: Any) -> None:
+    def on_response(message: object) -> None:
         for hook, call in response_hooks:
             hook(call, message)
 
@@ -711,8 +806,8 @@ def _hooked(
 
 
 async def _reject_undecodable(
-    context: Any, request: UndecodableRequest, method: str, errors: ErrorLayer | None
-) -> None:
+    context: Context, request: UndecodableRequest, method: str, errors: ErrorLayer | None
+) -> NoReturn:
     from ..errors import FieldError, InvalidRequestError
 
     # A parser that names the field at fault (one the schema lacks) is passed on as it is.
@@ -725,15 +820,15 @@ async def _reject_undecodable(
 
 
 async def _reject_unsent(
-    context: Any, error: RequestNotSentError, method: str, errors: ErrorLayer | None
-) -> None:
+    context: Context, error: RequestNotSentError, method: str, errors: ErrorLayer | None
+) -> NoReturn:
     blame_caller()  # its client never sent the message: no failure of the server's
     if errors is not None:
         await errors(context, error, method)
     await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(error))
 
 
-def _sync_handler(handler: Any, method: str, segments: Sequence[Segment]) -> Any:
+def _sync_handler(handler: Handler, method: str, segments: Sequence[Segment]) -> Handler:
     """A plain (sync) handler: passed through, or refused where authentication applies."""
     for segment in segments:
         if isinstance(segment, Layers) and any(i.fails_closed for i in segment.interceptors):
@@ -742,14 +837,14 @@ def _sync_handler(handler: Any, method: str, segments: Sequence[Segment]) -> Any
     return handler
 
 
-def _refusing(handler: Any, method: str) -> Any:
+def _refusing(handler: Handler, method: str) -> Handler:
     """An async handler of the kind of `handler` that refuses every call, unread."""
     details = "method cannot be authenticated"
 
-    async def refuse(requests: Any, context: Any) -> None:
+    async def refuse(requests: Requests, context: Context) -> None:
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, details)
 
-    async def refuse_stream(requests: Any, context: Any) -> AsyncIterator[Any]:
+    async def refuse_stream(requests: Requests, context: Context) -> AsyncIterator[object]:
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, details)
         yield  # pragma: no cover - makes this an async generator
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import cast
 
 import grpc
 
@@ -41,7 +41,7 @@ from ..context import ADMIN_ROLE, ROUTER_ROLE, Identity, current_identity
 from ..errors import ROUTER_ROLE_HINT, AuthError, PermissionDenied, Unauthenticated
 from ..proto import ADMIN_METHODS, ORCA_SERVICE, ROUTING_METHODS
 from ._base import CallInterceptor, MethodFilter
-from ._call import Call, Refusal
+from ._call import Call, Context, Refusal
 from .verifiers import AuthContext, Metadata, Verifier, _reads_auth_context
 
 __all__ = [
@@ -152,7 +152,7 @@ class AuthInterceptor(CallInterceptor):
             raise PermissionDenied(_denial(identity, method))
         return identity
 
-    async def on_admit(self, method: str, metadata: Any, context: Any) -> None:
+    async def on_admit(self, method: str, metadata: Metadata, context: Context) -> None:
         # Before the request is read: a refused call must not cost a parse of
         # a message up to the size limit.
         # grpc builds the auth context afresh on each ask: only for a verifier that reads it.
@@ -190,20 +190,21 @@ def _refusal(method: str, rejection: AuthError) -> Refusal:
     )
 
 
-def _log_rejection(method: str, context: Any, rejection: AuthError) -> None:
+def _log_rejection(method: str, context: Context, rejection: AuthError) -> None:
     logger.info(
         "rejected %s from %s: %s (%s)", method, _peer(context), rejection, rejection.status_code
     )
 
 
-def _auth_context(context: Any) -> AuthContext:
+def _auth_context(context: Context) -> AuthContext:
     try:
-        return context.auth_context() or {}
+        # grpc's server gives lists of bytes; its stubs say only iterables.
+        return cast(AuthContext, context.auth_context() or {})
     except Exception:  # pragma: no cover - a context without transport security
         return {}
 
 
-def _peer(context: Any) -> str:
+def _peer(context: Context) -> str:
     try:
         return str(context.peer())
     except Exception:  # pragma: no cover

@@ -108,7 +108,7 @@ class CallSlotsInterceptor(CallInterceptor):
             if write_timeout is None
             else WriteDeadline(write_timeout, "--response-write-timeout")
         )
-        self._holders = Holders(self._pool)
+        self._holders: Holders[SlotHold] = Holders(self._pool)
         self._pushback = ((RETRY_PUSHBACK_KEY, str(int(retry_pushback_ms))),)
         self._total = 0
         self.refused = 0

@@ -82,7 +82,7 @@ class InflightInterceptor(CallInterceptor):
         self._limited = limited
         self._limited_cache: dict[str, bool] = {}
         self._pushback = ((RETRY_PUSHBACK_KEY, str(int(retry_pushback_ms))),)
-        self._holders = Holders("the engine slots (max_inflight)")
+        self._holders: Holders[Call] = Holders("the engine slots (max_inflight)")
         self._counts: Counter[str] = Counter()
         self._total = 0
         self._limited_total = 0

@@ -41,6 +41,9 @@ from ._base import CallInterceptor, InflightCount, MethodFilter, MountContext, a
 from ._call import Call
 
 if TYPE_CHECKING:
+    import threading
+    from wsgiref.simple_server import WSGIServer
+
     from ..load_reports.report import LoadReporter
 
 GRPC_TYPES = {
@@ -100,7 +103,7 @@ class _Series:
     # live processes' values combine.
     multiprocess_mode: str | None = None
 
-    def create(self, registry: CollectorRegistry) -> Any:
+    def create(self, registry: CollectorRegistry) -> Counter | Histogram | Gauge:
         """The metric, registered in `registry`."""
         extra: dict[str, Any] = {}
         if self.buckets is not None:
@@ -261,7 +264,7 @@ class _MethodMetrics:
         self.received = owner.msg_received.labels(*self.labels)
         self.sent = owner.msg_sent.labels(*self.labels)
         self.handling = owner.handling_seconds.labels(*self.labels)
-        self.handled: dict[grpc.StatusCode, Any] = {}
+        self.handled: dict[grpc.StatusCode, Counter] = {}
         self.engine = call.method in COUNTED_METHODS
         self.generate = call.method in GENERATION_METHODS
 
@@ -366,7 +369,7 @@ class MetricsInterceptor(CallInterceptor):
         self._draining = self.draining.labels(model)
         self._draining.set(0)
         self._model = model
-        self._orca: Any = None  # the gauge's child, once a load report is read
+        self._orca: Gauge | None = None  # the gauge's child, once a load report is read
         self._reporter: LoadReporter | None = None
 
     def on_mount(self, mount: MountContext) -> None:
@@ -429,7 +432,7 @@ class MetricsInterceptor(CallInterceptor):
         else:
             call.state = method
 
-    def on_request(self, call: Call, message: Any) -> None:
+    def on_request(self, call: Call, message: object) -> None:
         state = call.state
         (state.method if state.generate else state).received.inc()
 
@@ -437,7 +440,7 @@ class MetricsInterceptor(CallInterceptor):
         state = call.state
         return not state.generate or state.reads_messages
 
-    def on_response(self, call: Call, message: Any) -> None:
+    def on_response(self, call: Call, message: object) -> None:
         state = call.state
         if state.generate:
             state.read(message)
@@ -460,7 +463,7 @@ class MetricsInterceptor(CallInterceptor):
         if method.engine:
             if self._counts_in_flight:
                 self._in_flight.dec()
-            if self._reporter is not None:
+            if self._reporter is not None and self._orca is not None:
                 self._orca.set(self._reporter.report().application_utilization)
         if not state.generate:
             return
@@ -528,7 +531,7 @@ class MetricsInterceptor(CallInterceptor):
 
 def start_metrics_server(
     port: int, addr: str = "127.0.0.1", registry: CollectorRegistry | None = None
-) -> tuple[Any, Any]:
+) -> tuple[WSGIServer, threading.Thread]:
     """Serve a registry's metrics over HTTP (`/metrics`) from a background thread.
 
     A thin wrapper over prometheus_client's `start_http_server` that defaults

@@ -57,7 +57,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 
@@ -71,7 +71,11 @@ from ._call import Call
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.trace import Span, Status, StatusCode, Tracer
     from opentelemetry.trace import TracerProvider as AnyTracerProvider
+    from opentelemetry.util.types import Attributes, AttributeValue
+
+    from ..engine import EngineClient
 
 __all__ = [
     "DEFAULT_METHODS",
@@ -111,7 +115,7 @@ GEN_AI_PROVIDER = "vllm"
 SEMCONV_OPT_IN = "OTEL_SEMCONV_STABILITY_OPT_IN"
 """The variable that selects the RPC conventions: `rpc` (current), `rpc/dup` (both)."""
 
-_STATUS_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
+_STATUS_NAMES: dict[object, str] = {code.value[0]: code.name for code in grpc.StatusCode}
 _FAULT_NAMES = frozenset(code.name for code in SERVER_FAULT_CODES)
 # Old attributes the current conventions dropped without a successor.
 _DROPPED = frozenset({"rpc.service", "net.peer.name"})
@@ -149,7 +153,7 @@ class _RpcConventions:
 
     __slots__ = ("current", "old", "server")
 
-    def __init__(self, *, old: bool, current: bool, server: Mapping[str, Any]) -> None:
+    def __init__(self, *, old: bool, current: bool, server: Mapping[str, AttributeValue]) -> None:
         self.old = old
         self.current = current
         self.server = dict(server)
@@ -159,16 +163,16 @@ class _RpcConventions:
         # name, and the old one still contains the new.
         return name if self.old else name.lstrip("/")
 
-    def attributes(self, attrs: Mapping[str, Any]) -> dict[str, Any]:
+    def attributes(self, attrs: Mapping[str, AttributeValue]) -> dict[str, AttributeValue]:
         if not self.current:
             return dict(attrs)
-        out: dict[str, Any] = dict(attrs) if self.old else {}
+        out: dict[str, AttributeValue] = dict(attrs) if self.old else {}
         for key, value in attrs.items():
             if key == "rpc.system":
                 out["rpc.system.name"] = value
             elif key == "rpc.method":
                 service = attrs.get("rpc.service")
-                out["rpc.method"] = f"{service}/{value}" if service else value
+                out["rpc.method"] = f"{service!s}/{value!s}" if service else value
                 if self.old:
                     # Both conventions name the attribute `rpc.method`; the old
                     # value moves aside, as the OpenTelemetry Java agent does.
@@ -182,7 +186,7 @@ class _RpcConventions:
                 out["network.peer.address"] = str(value).strip("[]")  # IPv6 comes bracketed
             elif key == "net.peer.port":
                 with contextlib.suppress(TypeError, ValueError):
-                    out["network.peer.port"] = int(value)  # the instrumentation's is a string
+                    out["network.peer.port"] = _port(value)  # the instrumentation's is a string
             elif key == "rpc.user_agent":
                 out["user_agent.original"] = value
             elif not self.old and key not in _DROPPED:
@@ -190,47 +194,64 @@ class _RpcConventions:
         return out
 
 
+def _port(value: AttributeValue) -> int:
+    """A port attribute as an integer; TypeError or ValueError when it is none."""
+    if isinstance(value, str | bytes | int | float):
+        return int(value)
+    raise TypeError(f"not a port: {value!r}")
+
+
 class _RenamingTracerProvider:
     """What the instrumentation gets instead of the provider: its spans come out renamed."""
 
-    def __init__(self, provider: Any, conventions: _RpcConventions) -> None:
+    def __init__(self, provider: AnyTracerProvider, conventions: _RpcConventions) -> None:
         self._provider = provider
         self._conventions = conventions
 
-    def get_tracer(self, *args: Any, **kwargs: Any) -> _RenamingTracer:
-        return _RenamingTracer(self._provider.get_tracer(*args, **kwargs), self._conventions)
+    def get_tracer(
+        self,
+        instrumenting_module_name: str,
+        instrumenting_library_version: str | None = None,
+        schema_url: str | None = None,
+        attributes: Attributes = None,
+    ) -> _RenamingTracer:
+        tracer = self._provider.get_tracer(
+            instrumenting_module_name, instrumenting_library_version, schema_url, attributes
+        )
+        return _RenamingTracer(tracer, self._conventions)
 
 
 class _RenamingTracer:
-    def __init__(self, tracer: Any, conventions: _RpcConventions) -> None:
+    def __init__(self, tracer: Tracer, conventions: _RpcConventions) -> None:
         self._tracer = tracer
         self._conventions = conventions
 
-    def _start_attributes(self, attributes: Mapping[str, Any] | None) -> dict[str, Any]:
+    def _start_attributes(self, attributes: Attributes) -> dict[str, AttributeValue]:
         attrs = self._conventions.attributes(attributes or {})
         attrs.update(self._conventions.server)
         return attrs
 
+    # The instrumentation passes all but the name by keyword; the rest go to the
+    # tracer as they came.
+
     def start_span(
-        self, name: str, *args: Any, attributes: Mapping[str, Any] | None = None, **kwargs: Any
-    ) -> Any:
+        self, name: str, *, attributes: Attributes = None, **options: Any
+    ) -> _RenamingSpan:
         span = self._tracer.start_span(
             self._conventions.span_name(name),
-            *args,
             attributes=self._start_attributes(attributes),
-            **kwargs,
+            **options,
         )
         return _RenamingSpan(span, self._conventions)
 
     @contextlib.contextmanager
     def start_as_current_span(
-        self, name: str, *args: Any, attributes: Mapping[str, Any] | None = None, **kwargs: Any
-    ) -> Iterator[Any]:
+        self, name: str, *, attributes: Attributes = None, **options: Any
+    ) -> Iterator[_RenamingSpan]:
         with self._tracer.start_as_current_span(
             self._conventions.span_name(name),
-            *args,
             attributes=self._start_attributes(attributes),
-            **kwargs,
+            **options,
         ) as span:
             # The context keeps the real span current; the instrumentation
             # writes the status code (on abort and set_code) through this one.
@@ -240,18 +261,34 @@ class _RenamingTracer:
 class _RenamingSpan:
     __slots__ = ("_conventions", "_span")
 
-    def __init__(self, span: Any, conventions: _RpcConventions) -> None:
+    def __init__(self, span: Span, conventions: _RpcConventions) -> None:
         self._span = span
         self._conventions = conventions
 
-    def set_attribute(self, key: str, value: Any) -> None:
+    def set_attribute(self, key: str, value: AttributeValue) -> None:
         self._span.set_attributes(self._conventions.attributes({key: value}))
 
-    def set_attributes(self, attributes: Mapping[str, Any]) -> None:
+    def set_attributes(self, attributes: Mapping[str, AttributeValue]) -> None:
         self._span.set_attributes(self._conventions.attributes(attributes))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._span, name)
+
+
+class _ServerSpan(Protocol):
+    """What this module uses of a call's server span: the API's `Span`, with the
+    start time and status the SDK's keeps (read only while it records)."""
+
+    @property
+    def start_time(self) -> int | None: ...
+    @property
+    def status(self) -> Status: ...
+    def is_recording(self) -> bool: ...
+    def set_attributes(self, attributes: Mapping[str, AttributeValue]) -> None: ...
+    def add_event(
+        self, name: str, attributes: Attributes = None, timestamp: int | None = None
+    ) -> None: ...
+    def set_status(self, status: Status | StatusCode, description: str | None = None) -> None: ...
 
 
 class _GenAiState:
@@ -307,13 +344,13 @@ class TracingInterceptor(CallInterceptor):
 
         super().__init__(methods=methods)
         old, current = _rpc_conventions(os.environ.get(SEMCONV_OPT_IN))
-        server: dict[str, Any] = {}
+        server: dict[str, AttributeValue] = {}
         if server_address:
             server["server.address"] = server_address
             if server_port is not None:
                 server["server.port"] = int(server_port)
         self._conventions = _RpcConventions(old=old, current=current, server=server)
-        provider: Any = tracer_provider
+        provider: AnyTracerProvider | _RenamingTracerProvider | None = tracer_provider
         if current or server:
             provider = _RenamingTracerProvider(
                 tracer_provider or trace.get_tracer_provider(), self._conventions
@@ -331,7 +368,7 @@ class TracingInterceptor(CallInterceptor):
     @classmethod
     def for_engine(
         cls,
-        engine: Any,
+        engine: EngineClient,
         tracer_provider: AnyTracerProvider | None = None,
         *,
         methods: MethodFilter = DEFAULT_METHODS,
@@ -360,7 +397,7 @@ class TracingInterceptor(CallInterceptor):
         else:
             call.state = (span, None)
 
-    def _note_request(self, span: Any, state: _GenAiState) -> None:
+    def _note_request(self, span: _ServerSpan, state: _GenAiState) -> None:
         """The request's attributes, once the servicer has stated its summary.
 
         Told at the first response (a stream dropped later may find its span
@@ -371,7 +408,7 @@ class TracingInterceptor(CallInterceptor):
         summary = state.record.request
         if summary is None or not span.is_recording():
             return
-        attrs: dict[str, Any] = {
+        attrs: dict[str, AttributeValue] = {
             "gen_ai.provider.name": GEN_AI_PROVIDER,
             "gen_ai.operation.name": summary.operation,
         }
@@ -399,7 +436,7 @@ class TracingInterceptor(CallInterceptor):
             self._note_request(span, state)
         return state.generation is not None and state.generation.reads_messages
 
-    def on_response(self, call: Call, message: Any) -> None:
+    def on_response(self, call: Call, message: object) -> None:
         span, state = call.state
         if state is not None and state.generation is not None:
             state.generation.read(message)
@@ -422,7 +459,7 @@ class TracingInterceptor(CallInterceptor):
             )
         self._end(call, span, state)
 
-    def _end(self, call: Call, span: Any, state: _GenAiState | None) -> None:
+    def _end(self, call: Call, span: _ServerSpan, state: _GenAiState | None) -> None:
         if not span.is_recording():
             # Ended already (a stream dropped while grpc was writing is closed
             # by the garbage collector, outer layer first), or not sampled.

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 from ..context import Identity
 from ..errors import AuthError, PermissionDenied, Unauthenticated
@@ -78,14 +78,13 @@ class CallableVerifier:
         self.reads_auth_context = reads_auth_context
 
     async def __call__(self, metadata: Metadata, auth_context: AuthContext) -> Identity:
-        result: Any = self._fn(metadata, auth_context)
-        if inspect.isawaitable(result):
-            result = await result
+        outcome = self._fn(metadata, auth_context)
+        result = await outcome if inspect.isawaitable(outcome) else outcome
         if result is None:
             raise Unauthenticated("invalid credentials")
         if isinstance(result, str):
             return Identity(name=result, kind="custom")
-        return result  # type: ignore[no-any-return]
+        return result
 
 
 class AllOf:
