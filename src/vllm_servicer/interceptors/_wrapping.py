@@ -502,7 +502,13 @@ def _steps(
         the handler gets."""
         request: object
         if reads_request:
-            request = await _request_read(requests, context, watch, method, errors)
+            try:
+                request = await watch.read(requests, client_wait_of_this_call())
+            except RequestNotSentError as error:
+                await _reject_unsent(context, error, method, errors)
+                raise  # aborted above; never reached
+            if request is _MISSING or type(request) is UndecodableRequest:
+                await _refuse_request(context, request, method, errors)
             if layers.request_hooks:
                 for hook, call in _request_hooks(started):
                     hook(call, request)
@@ -537,24 +543,13 @@ def _steps(
     return _Steps(begin, prepare, fail, finish)
 
 
-async def _request_read(
-    requests: Requests,
-    context: Context,
-    watch: _WaitWatch,
-    method: str,
-    errors: ErrorLayer | None,
-) -> object:
-    """The one message of a unary request, read within `watch`'s deadline; the
-    call is aborted when it does not come in time or does not parse."""
-    try:
-        request = await watch.read(requests, client_wait_of_this_call())
-    except RequestNotSentError as error:
-        await _reject_unsent(context, error, method, errors)
-    if request is _MISSING:
+async def _refuse_request(
+    context: Context, request: object, method: str, errors: ErrorLayer | None
+) -> NoReturn:
+    """Abort a call whose one request message did not come, or did not parse."""
+    if not isinstance(request, UndecodableRequest):  # no message came
         request = UndecodableRequest(method, ValueError("no request message was sent"))
-    if type(request) is UndecodableRequest:
-        await _reject_undecodable(context, request, method, errors)
-    return request
+    await _reject_undecodable(context, request, method, errors)
 
 
 def _request_hooks(started: Started) -> MessageHooks:

@@ -208,17 +208,9 @@ class _RenamingTracerProvider:
         self._provider = provider
         self._conventions = conventions
 
-    def get_tracer(
-        self,
-        instrumenting_module_name: str,
-        instrumenting_library_version: str | None = None,
-        schema_url: str | None = None,
-        attributes: Attributes = None,
-    ) -> _RenamingTracer:
-        tracer = self._provider.get_tracer(
-            instrumenting_module_name, instrumenting_library_version, schema_url, attributes
-        )
-        return _RenamingTracer(tracer, self._conventions)
+    def get_tracer(self, *args: Any, **kwargs: Any) -> _RenamingTracer:
+        # As the API calls it, whatever its release's parameters.
+        return _RenamingTracer(self._provider.get_tracer(*args, **kwargs), self._conventions)
 
 
 class _RenamingTracer:
