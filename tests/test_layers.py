@@ -686,7 +686,7 @@ def test_the_architectures_layers_are_the_ones_the_imports_keep() -> None:
 MODULE_LINES = 500
 """A module past this many lines is read as holding more than one job."""
 MODULES_PAST_IT = 10
-"""How many may still run past it (the launcher's flags, the call wrapper, ...)."""
+"""How many may still run past it (the call wrapper, the field table, ...)."""
 
 
 def test_few_modules_run_past_500_lines() -> None:
