@@ -14,7 +14,6 @@ from grpc_reflection.v1alpha import reflection_pb2 as _reflection_pb2  # noqa: F
 
 from ._registration import HandlerRecorder, register, server_started
 from .engine import EngineClient
-from .flags import held_groups
 from .frontends import FrontendGroup
 from .guard import EngineGuard
 from .health import EngineHealthServicer
@@ -255,9 +254,7 @@ def _options_of(options: MountOptions | None, keywords: dict[str, Any]) -> Mount
     """`options`, or the deprecated keywords `mount()` took before it as `MountOptions`."""
     if not keywords:
         return options if options is not None else MountOptions()
-    groups = held_groups(MountOptions)
-    known = {*groups, *(field.name for of in groups.values() for field in dataclasses.fields(of))}
-    unknown = sorted(set(keywords) - known)
+    unknown = sorted(set(keywords) - MountOptions.option_names())
     if unknown:
         raise TypeError(f"mount() got an unexpected keyword argument {unknown[0]!r}")
     if options is not None:

@@ -378,6 +378,14 @@ class MountOptions:
     budgets: RequestBudgets = group(RequestBudgets)
 
     @classmethod
+    def option_names(cls) -> frozenset[str]:
+        """Every name `of` takes: each group's, and each field's of a group."""
+        groups = held_groups(cls)
+        return frozenset(
+            [*groups, *(field.name for of in groups.values() for field in dataclasses.fields(of))]
+        )
+
+    @classmethod
     def of(cls, **fields: Any) -> MountOptions:
         """`MountOptions` from its groups' fields by name, each put in its group:
         `MountOptions.of(load_reports=False, stream_interval=4)`. A group's own
@@ -386,14 +394,15 @@ class MountOptions:
         Raises:
             TypeError: a name that is no group's field.
         """
+        unknown = sorted(set(fields) - cls.option_names())
+        if unknown:
+            raise TypeError(f"MountOptions has no option {unknown[0]!r}")
         groups: dict[str, Any] = {}
         for name, of in held_groups(cls).items():
             if name in fields:
                 groups[name] = fields.pop(name)
             elif mine := {f.name for f in dataclasses.fields(of)} & set(fields):
                 groups[name] = of(**{option: fields.pop(option) for option in mine})
-        if fields:
-            raise TypeError(f"MountOptions has no option {sorted(fields)[0]!r}")
         return cls(**groups)
 
 
