@@ -229,6 +229,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "ranks",
         "shares",
         "fair_work",
+        "fair_steps",
         "prefix_cache",
         "flags",
     ),

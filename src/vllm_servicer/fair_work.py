@@ -48,6 +48,10 @@ __all__ = [
     "CLASS_SPAN",
     "OUTPUT_TOKEN_PRICE",
     "PROMPT_TOKEN_PRICE",
+    "SCHEDULER_NAME",
+    "SHARED_HOLD_SECONDS",
+    "SHARED_STEP_TOKENS",
+    "SHARED_STEP_TOKENS_ENV",
     "FairOrder",
     "LocalTagBook",
     "QueuedPrompts",
@@ -72,6 +76,22 @@ eight hours of a CPU's prefill, weeks of a GPU's output), after which a
 request long queued in a lower class is served before newer ones in a higher
 (no class starves for ever). With 32-bit priorities the engine's priority stays
 within 64 bits."""
+
+
+SCHEDULER_NAME = "vllm_servicer.fair_steps.FairStepScheduler"
+"""What vLLM's `scheduler_cls` names to load `fair_steps`' scheduler in the engine's process."""
+
+SHARED_STEP_TOKENS_ENV = "VLLM_SERVICER_SHARED_STEP_TOKENS"
+"""Where the engine's process reads the shared step's budget (vLLM's configuration
+has no field of ours; the launcher's --shared-step-tokens sets it)."""
+
+SHARED_STEP_TOKENS = 256
+"""A shared step's token budget (`fair_steps`): about 2-3 ms of a CPU's prefill
+of a tiny model, a small part of a GPU's step."""
+
+SHARED_HOLD_SECONDS = 1.0
+"""How long steps stay short after the last request the order moved ahead: a
+light tenant's next request is then not stuck behind a long step."""
 
 
 class TagBook(Protocol):

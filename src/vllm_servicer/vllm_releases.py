@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 # Before vLLM is imported below: an untested vLLM release fails here, naming both versions.
 from . import _vllm_version  # noqa: F401
+from .fair_work import SCHEDULER_NAME
 
 # isort: split
 from vllm import exceptions as _exceptions
@@ -193,6 +194,8 @@ def seeded_sampling_hazard(vllm_config: object, *, rewinds: bool | None = None) 
     if (getattr(scheduler, "long_prefill_token_threshold", 0) or 0) > 0:
         return "long_prefill_token_threshold > 0 splits prompts"
     if getattr(scheduler, "enable_chunked_prefill", False):
+        if getattr(scheduler, "scheduler_cls", None) == SCHEDULER_NAME:
+            return "chunked prefill is on and the fair order's shared steps split prompts"
         budget = int(getattr(scheduler, "max_num_batched_tokens", 0) or 0)
         seqs = int(getattr(scheduler, "max_num_seqs", 0) or 0)
         longest = int(getattr(model, "max_model_len", 0) or 0)

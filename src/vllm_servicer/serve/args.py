@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import re
 import sys
 from collections.abc import Mapping, Sequence
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
+from .. import fair_work
 from ..flags import add_flag_groups, from_flags, group, not_a_flag
 from ..interceptors.keyless import KeylessLimits
 from ..options import SERVICES, MountOptions
@@ -139,6 +141,8 @@ class ServeArgs:
         """vLLM's `AsyncEngineArgs` from the engine flags, as `from_cli_args` builds them."""
         from vllm.engine.arg_utils import AsyncEngineArgs
 
+        # The engine's processes, started after this, read the shared step's budget here.
+        os.environ[fair_work.SHARED_STEP_TOKENS_ENV] = str(self.slots.shared_step_tokens)
         return AsyncEngineArgs(**self.engine)
 
 
@@ -267,6 +271,14 @@ def _engine_flags(flags: argparse.Namespace) -> Mapping[str, Any]:
         # (fair_work.py), which vLLM applies through each request's priority; an
         # operator's --scheduling-policy fcfs keeps arrival order.
         engine["scheduling_policy"] = "priority"
+    if (
+        engine.get("scheduling_policy") == "priority"
+        and engine.get("scheduler_cls", "") is None
+        and flags.shared_step_tokens > 0
+    ):
+        # A light tenant's request goes before running prompts' chunks, in short steps
+        # (fair_steps.py); with whole prompts only it schedules as vLLM's does.
+        engine["scheduler_cls"] = fair_work.SCHEDULER_NAME
     return MappingProxyType(engine)
 
 

@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 from typing import ClassVar
 
+from ..fair_work import SHARED_STEP_TOKENS
 from ..flags import flag
 from ..interceptors.call_slots import DEFAULT_REQUEST_READ_TIMEOUT, DEFAULT_RESPONSE_WRITE_TIMEOUT
 from ..options import DEFAULT_MAX_MESSAGE_BYTES
@@ -156,7 +157,21 @@ class CallSlotFlags:
         metavar="SECONDS",
     )
 
+    shared_step_tokens: int = flag(
+        SHARED_STEP_TOKENS,
+        help="with --scheduling-policy priority and chunked prefill: while the fair order "
+        "moves a tenant's request ahead of others' queue, it joins the next step before the "
+        "running prompts' chunks, and steps hold at most this many tokens until a second "
+        "after the last such request, so that a light tenant's first token does not wait for "
+        f"a long step (default {SHARED_STEP_TOKENS}; 0: vLLM's own scheduler; an operator's "
+        "--scheduler-cls replaces it)",
+    )
+
     def __post_init__(self) -> None:
+        if self.shared_step_tokens < 0:
+            raise ValueError(
+                f"--shared-step-tokens must be 0 (off) or more, got {self.shared_step_tokens}"
+            )
         _positive(self.request_read_timeout, "--request-read-timeout")
         _positive(self.response_write_timeout, "--response-write-timeout")
 
