@@ -79,7 +79,8 @@ CORE_TESTS ?= tests/test_generate.py tests/test_rpcs.py tests/test_conformance.p
 	tests/test_vllm_releases.py tests/test_inference.py tests/test_control.py \
 	tests/test_api_servers.py tests/test_frontends.py tests/test_vllm_034.py \
 	tests/test_budgets.py tests/test_pooling.py tests/test_render.py \
-	tests/test_pooling_lora.py tests/test_fair_work_order.py
+	tests/test_pooling_lora.py tests/test_fair_work_order.py tests/test_fair_steps.py \
+	tests/test_fair_steps_scheduler.py
 # On a host with an NVIDIA GPU (nvidia-smi lists one), ENGINE=vllm==X installs
 # vLLM's CUDA build itself and runs the same core tests on the GPU, tiny models
 # and all (no download): the way to verify a release these CPUs cannot run

@@ -302,12 +302,14 @@ async def alternate(
     return rates
 
 
-def run_alternating(trees: dict[str, Path], flags: list[str], seconds: float, rounds: int) -> None:
+def run_alternating(
+    trees: dict[str, Path], flags: dict[str, list[str]], seconds: float, rounds: int
+) -> None:
     with contextlib.ExitStack() as stack:
         servers = {}
         for tree, src in trees.items():
             work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="fairness-")))
-            proc, address, http_url = start_launcher(src, work, flags)
+            proc, address, http_url = start_launcher(src, work, flags[tree])
             stack.callback(_stop, proc)
             servers[tree] = (address, http_url)
         rates = asyncio.run(alternate(servers, seconds, rounds))
@@ -339,6 +341,12 @@ def main() -> int:
     parser.add_argument(
         "--launcher-flag", action="append", default=[], help="a flag for both launchers"
     )
+    parser.add_argument(
+        "--this-tree-flag",
+        action="append",
+        default=[],
+        help="a flag for this tree's launcher only (a setting the other tree lacks)",
+    )
     parser.add_argument("--http", action="store_true", help="over the HTTP API instead of gRPC")
     parser.add_argument("--json", action="store_true", help="one JSON object on the last line")
     parser.add_argument(
@@ -349,15 +357,19 @@ def main() -> int:
     trees = {"this tree": ROOT / "src"}
     if args.against_src:
         trees["against"] = Path(args.against_src).resolve() / "src"
+    flags = {
+        tree: [*args.launcher_flag, *(args.this_tree_flag if tree == "this tree" else [])]
+        for tree in trees
+    }
     if args.alternate:
         if len(trees) != 2:
             parser.error("--alternate needs --against-src")
-        run_alternating(trees, args.launcher_flag, args.seconds, args.alternate)
+        run_alternating(trees, flags, args.seconds, args.alternate)
         return 0
     results = {}
     for tree, src in trees.items():
         with tempfile.TemporaryDirectory(prefix="fairness-") as work:
-            proc, address, http_url = start_launcher(src, Path(work), args.launcher_flag)
+            proc, address, http_url = start_launcher(src, Path(work), flags[tree])
             try:
                 results[tree] = asyncio.run(measure(address, http_url, args.seconds, args.http))
             finally:

@@ -25,6 +25,7 @@ import itertools
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import httpx
@@ -32,9 +33,13 @@ import pytest
 from support import bearer
 from support.launcher import START_TIMEOUT, Launched, launched, launcher_env
 
-from vllm_servicer.fair_steps import moved_ahead
+from vllm_servicer.context import Identity, current_identity
+from vllm_servicer.fair_steps import is_light
+from vllm_servicer.fair_work import TENANT_ARG
 from vllm_servicer.proto import vllm_engine_pb2 as pb
 from vllm_servicer.proto import vllm_engine_pb2_grpc
+from vllm_servicer.servicer.tenancy import RunningRequests
+from vllm_servicer.servicer.tenant_engine import TenantEngine
 
 pytestmark = pytest.mark.timeout(START_TIMEOUT + 300)
 
@@ -46,23 +51,69 @@ ROUNDS = 8
 _numbers = itertools.count(1)
 
 
-@dataclass(order=True, frozen=True)
+@dataclass
+class _Params:
+    extra_args: dict[str, object] | None
+
+
+@dataclass
 class _Queued:
-    """What vLLM's priority queue orders requests by: priority, then arrival."""
+    """What the scheduler reads of a vLLM request (a stand-in for `vllm.v1.request.Request`)."""
 
+    tenant: str | None
     priority: int
-    arrival_time: float
+    num_prompt_tokens: int
+    num_computed_tokens: int = 0
+
+    @property
+    def sampling_params(self) -> _Params:
+        return _Params(None if self.tenant is None else {TENANT_ARG: self.tenant})
 
 
-def test_requests_moved_ahead_are_those_ahead_of_the_oldest_waiting() -> None:
-    light, heavy = _Queued(10, 3.0), [_Queued(100 + i, float(i)) for i in range(3)]
-    assert moved_ahead([*heavy, light]) == [light]
-    # Priorities that follow arrival (one tenant, or no priorities) move nothing.
-    assert moved_ahead(heavy) == []
-    assert moved_ahead([light]) == []
-    # A prefix of the order: ahead of one that is ahead of the oldest.
-    lighter = _Queued(5, 4.0)
-    assert moved_ahead([*heavy, lighter, light]) == [lighter, light]
+def test_a_light_request_is_short_of_a_tenant_not_in_prefill_and_first_in_order() -> None:
+    a_running = _Queued("a", 100, LONG, 256)
+    a_waiting = [_Queued("a", 200 + i, LONG) for i in range(3)]
+    b = _Queued("b", 150, 16)
+    assert is_light(b, [a_running], a_waiting, 256)
+    # A's own short prompt while A's prompts are in prefill: one tenant, vLLM's steps.
+    assert not is_light(_Queued("a", 90, 16), [a_running], a_waiting, 256)
+    # Nobody else's prompt waiting or in prefill: nothing to go before.
+    assert not is_light(b, [_Queued("a", 100, LONG, LONG)], [], 256)
+    # A's prompts all waiting, none started: B goes before them all the same.
+    assert is_light(b, [], a_waiting, 256)
+    # A long prompt is no light request: two heavy tenants keep vLLM's long steps.
+    assert not is_light(_Queued("b", 150, LONG), [a_running], a_waiting, 256)
+    # B's own prompt in prefill: B is not light.
+    assert not is_light(b, [a_running, _Queued("b", 120, LONG, 256)], [], 256)
+    # A request the mount did not name (pooling) is a tenant of its own.
+    assert is_light(_Queued(None, 150, 16), [a_running], [], 256)
+
+
+async def test_each_request_names_its_tenant_where_the_scheduler_reads_it(
+    engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The mount's engine puts the caller's key name in `extra_args`, over a
+    client's own value under that key, beside what else is there."""
+    from vllm import SamplingParams
+
+    handed: list[Any] = []
+    generate = engine.generate
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        handed.append(kwargs.get("sampling_params", args[1] if len(args) > 1 else None))
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "generate", spy)
+    tenants = TenantEngine(engine, RunningRequests())
+    for identity, named in ((Identity(name="b", kind="api_key"), "b"), (None, "")):
+        params = SamplingParams(max_tokens=1, extra_args={TENANT_ARG: "a", "kept": 1})
+        token = current_identity.set(identity)
+        try:
+            outputs = tenants.generate({"prompt_token_ids": [5, 6, 7]}, params, f"named-{named}")
+            assert [o.finished async for o in outputs][-1]
+        finally:
+            current_identity.reset(token)
+        assert handed[-1].extra_args == {TENANT_ARG: named, "kept": 1}
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["one-process", "two-processes"])
@@ -90,7 +141,9 @@ def _request(length: int) -> pb.GenerateRequest:
     )
 
 
-async def _a_first_tokens_before_b(launcher: Launched, b_call: Callable[[], Awaitable[None]]) -> int:
+async def _a_first_tokens_before_b(
+    launcher: Launched, b_call: Callable[[], Awaitable[None]]
+) -> int:
     """B's rounds, one after another while A's flood is in prefill: how many of
     A's first tokens came between a round's start and its first token, summed.
 
@@ -98,6 +151,7 @@ async def _a_first_tokens_before_b(launcher: Launched, b_call: Callable[[], Awai
     count; there must be `ROUNDS` of them.
     """
     ended = 0
+    first_ended = asyncio.Event()
     options = [("grpc.max_send_message_length", 1 << 24)]
     async with grpc.aio.insecure_channel(launcher.address, options=options) as channel:
         stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
@@ -106,10 +160,10 @@ async def _a_first_tokens_before_b(launcher: Launched, b_call: Callable[[], Awai
             nonlocal ended
             await stub.Generate(_request(LONG), metadata=bearer(KEY_A), timeout=120).read()
             ended += 1
+            first_ended.set()
 
         flood = [asyncio.create_task(a_call()) for _ in range(FLOOD)]
-        while ended == 0:  # A's prompts are in the engine and its steps run
-            await asyncio.sleep(0.001)
+        await first_ended.wait()  # A's prompts are in the engine and its steps run
         counted, a_first = 0, 0
         while counted < ROUNDS and FLOOD - ended >= 4:
             before = ended
@@ -148,4 +202,3 @@ async def test_it_joins_the_next_step_over_the_http_api(launcher: Launched) -> N
     assert a_first <= ROUNDS // 2, (
         f"{a_first} of A's first tokens came during B's {ROUNDS} rounds over HTTP"
     )
-

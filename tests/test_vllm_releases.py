@@ -23,6 +23,7 @@ from support.calls import detail, status_of
 
 from vllm_servicer import vllm_releases
 from vllm_servicer.errors import InvalidRequestError
+from vllm_servicer.fair_work import SCHEDULER_NAME
 from vllm_servicer.proto import common_pb2
 from vllm_servicer.proto import vllm_engine_pb2 as pb
 from vllm_servicer.servicer import admin
@@ -229,6 +230,11 @@ def test_the_engine_settings_that_split_prompts_are_named(engine: Any) -> None:
         _split_prompts(engine, long_prefill_token_threshold=64)
     )
     assert threshold is not None and "long_prefill_token_threshold" in threshold
+    # The fair order's short steps split prompts whatever the budget.
+    shared = vllm_releases.seeded_sampling_hazard(
+        _split_prompts(engine, enable_chunked_prefill=True, scheduler_cls=SCHEDULER_NAME, **roomy)
+    )
+    assert shared is not None and "shared steps" in shared
 
 
 class _SplittingEngine:

@@ -52,6 +52,7 @@ __all__ = [
     "SHARED_HOLD_SECONDS",
     "SHARED_STEP_TOKENS",
     "SHARED_STEP_TOKENS_ENV",
+    "TENANT_ARG",
     "FairOrder",
     "LocalTagBook",
     "QueuedPrompts",
@@ -85,12 +86,18 @@ SHARED_STEP_TOKENS_ENV = "VLLM_SERVICER_SHARED_STEP_TOKENS"
 """Where the engine's process reads the shared step's budget (vLLM's configuration
 has no field of ours; the launcher's --shared-step-tokens sets it)."""
 
+TENANT_ARG = "vllm_servicer_tenant"
+"""The key of a request's `SamplingParams.extra_args` that names its tenant
+for the engine's scheduler (`fair_steps`): the key's name, "" for callers
+without one and administrators. Set by the mount's engine on every request;
+a client's own value is replaced."""
+
 SHARED_STEP_TOKENS = 256
 """A shared step's token budget (`fair_steps`): about 2-3 ms of a CPU's prefill
 of a tiny model, a small part of a GPU's step."""
 
-SHARED_HOLD_SECONDS = 1.0
-"""How long steps stay short after the last request the order moved ahead: a
+SHARED_HOLD_SECONDS = 0.25
+"""How long steps stay short after the last light request (`fair_steps`): a
 light tenant's next request is then not stuck behind a long step."""
 
 

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from ..context import current_identity, may_route, tenant_of
 from ..engine import EngineClient
 from ..errors import RoutingDataError, TokenShareError
-from ..fair_work import FairOrder, QueuedPrompts, WorkTicket, WorkTotals
+from ..fair_work import TENANT_ARG, FairOrder, QueuedPrompts, WorkTicket, WorkTotals
 from ..prefix_cache import salted
 from .tenancy import Claim, RunningRequests
 
@@ -179,6 +179,7 @@ class TenantEngine:
                 that the tenant's share (or the pool) allows.
         """
         sampling = _argument(args, kwargs, 1, "sampling_params")
+        _name_tenant(sampling, tenant_of(current_identity.get()))
         return self._in_order(
             _argument(args, kwargs, 0, "prompt"),
             getattr(sampling, "output_kind", None),
@@ -274,6 +275,16 @@ class TenantEngine:
         self.work.add(ticket.name, "cached_prompt_tokens", cached)
         if real - cached != charged:
             self.order.served(ticket, 0, real - cached - charged)
+
+
+def _name_tenant(sampling: object, name: str | None) -> None:
+    """Name the request's tenant where the engine's scheduler reads it
+    (`fair_steps`: a light tenant's request joins the next step); a client's
+    own value under that key is replaced."""
+    if sampling is None:
+        return
+    extra = getattr(sampling, "extra_args", None)
+    sampling.extra_args = {**(extra or {}), TENANT_ARG: name or ""}  # type: ignore[attr-defined]
 
 
 def _argument(
