@@ -21,7 +21,7 @@ prefill. Then:
   advance at least every other step, and not again for a while when the
   light request could not be admitted (no KV blocks for it); never with LoRA
   adapters (vLLM counts only the running requests' adapters);
-- steps are short (`shared_step_tokens`, 256 by default) and every running
+- steps are short (`shared_step_tokens`, 192 by default) and every running
   decode gets its token before prefill chunks share what is left, until
   `SHARED_HOLD_SECONDS` after the last light request, so that the next one
   waits at most one short step.

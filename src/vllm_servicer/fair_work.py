@@ -92,9 +92,11 @@ for the engine's scheduler (`fair_steps`): the key's name, "" for callers
 without one and administrators. Set by the mount's engine on every request;
 a client's own value is replaced."""
 
-SHARED_STEP_TOKENS = 256
-"""A shared step's token budget (`fair_steps`): about 2-3 ms of a CPU's prefill
-of a tiny model, a small part of a GPU's step."""
+SHARED_STEP_TOKENS = 192
+"""A shared step's token budget (`fair_steps`): about 2 ms of prefill of the
+tiny model on a 2-core CPU, a small part of a GPU's step. 128 shortened a
+light tenant's wait a little more and cost the heavy ones a third of their
+prefill while it ran; 256 left the light one's wait at up to twice its own."""
 
 SHARED_HOLD_SECONDS = 0.25
 """How long steps stay short after the last light request (`fair_steps`): a

@@ -159,11 +159,12 @@ class CallSlotFlags:
 
     shared_step_tokens: int = flag(
         SHARED_STEP_TOKENS,
-        help="with --scheduling-policy priority and chunked prefill: while the fair order "
-        "moves a tenant's request ahead of others' queue, it joins the next step before the "
-        "running prompts' chunks, and steps hold at most this many tokens until a second "
-        "after the last such request, so that a light tenant's first token does not wait for "
-        f"a long step (default {SHARED_STEP_TOKENS}; 0: vLLM's own scheduler; an operator's "
+        help="with --scheduling-policy priority and chunked prefill: while a light tenant's "
+        "request (a prompt of at most this many tokens, its tenant's none in prefill) is "
+        "first in the fair order, it joins the next step before other tenants' running "
+        "prompt chunks, and steps hold at most this many tokens until a quarter second "
+        "after the last such request, so that its first token does not wait for a long step "
+        f"(default {SHARED_STEP_TOKENS}; 0: vLLM's own scheduler; an operator's "
         "--scheduler-cls replaces it)",
     )
 
