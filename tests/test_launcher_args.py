@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 import typing
@@ -19,6 +20,7 @@ import yaml
 
 from vllm_servicer import SERVICE_NAME
 from vllm_servicer.budgets import RequestBudgets
+from vllm_servicer.fair_work import SCHEDULER_NAME, SHARED_STEP_TOKENS_ENV
 from vllm_servicer.flags import add_flag_groups, flag, flag_groups, from_flags, group, held_groups
 from vllm_servicer.health import LIVENESS_SERVICE
 from vllm_servicer.multimodal.media import MediaRefOptions
@@ -438,8 +440,10 @@ def test_vllm_s_http_app_gets_the_engine_settings_and_only_the_flags_it_reads(
         "max_model_len": 256,
         "enable_chunked_prefill": False,
         "shutdown_timeout": 30,  # the launcher's default for vLLM's flag
-        # The launcher's default: tenants' requests in the fair order (fair_work.py).
+        # The launcher's default: tenants' requests in the fair order (fair_work.py),
+        # a light tenant's into the next step (fair_steps.py).
         "scheduling_policy": "priority",
+        "scheduler_cls": "vllm_servicer.fair_steps.FairStepScheduler",
         "host": "127.0.0.1",
         "port": 8001,
         **handed_over,
@@ -602,3 +606,19 @@ def test_the_engine_runs_the_fair_order_unless_the_operator_chose_a_policy() -> 
     assert parse_args(["serve", "m"]).engine["scheduling_policy"] == "priority"
     chosen = parse_args(["serve", "m", "--scheduling-policy", "fcfs"])
     assert chosen.engine["scheduling_policy"] == "fcfs"
+    assert chosen.engine["scheduler_cls"] is None
+
+
+def test_the_fair_steps_scheduler_is_the_default_unless_the_operator_names_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert parse_args(["serve", "m"]).engine["scheduler_cls"] == SCHEDULER_NAME
+    assert parse_args(["serve", "m", "--shared-step-tokens", "0"]).engine["scheduler_cls"] is None
+    own = parse_args(["serve", "m", "--scheduler-cls", "my.Scheduler"])
+    assert own.engine["scheduler_cls"] == "my.Scheduler"
+    with pytest.raises(SystemExit):
+        parse_args(["serve", "m", "--shared-step-tokens", "-1"])
+    monkeypatch.setenv(SHARED_STEP_TOKENS_ENV, "")  # put back as it was after the test
+    args = parse_args(["serve", "m", "--shared-step-tokens", "64"])
+    args.engine_args()  # what the engine's processes will read
+    assert os.environ[SHARED_STEP_TOKENS_ENV] == "64"
