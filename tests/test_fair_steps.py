@@ -7,8 +7,8 @@ prefill, and for the long step in progress. The launcher's scheduler
 (`fair_steps.FairStepScheduler`, with `--scheduling-policy priority` and
 chunked prefill) lets B's request into the next step before those chunks, and
 keeps steps short while it does, so B's first token comes before the first
-token of A's prompt that was in prefill when B came, but when that prompt's
-last chunk was already in the step under way.
+token of A's prompt that was in prefill when B came, except when that
+prompt's last chunk was already in the step under way.
 
 On the launcher as users start it, with chunked prefill on (a GPU's default;
 on a CPU before vLLM 0.34 the launcher keeps whole prompts unless asked, since
