@@ -21,22 +21,17 @@ rounds counts one of A's first tokens first, and the assertions below fail.
 from __future__ import annotations
 
 import asyncio
-import itertools
-import random
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
 import httpx
 import pytest
-from support import bearer
+from support import bearer, request, unique_prompt
 from support.launcher import START_TIMEOUT, Launched, launched, launcher_env
 
 from vllm_servicer.context import Identity, current_identity
-from vllm_servicer.fair_steps import is_light
 from vllm_servicer.fair_work import TENANT_ARG
-from vllm_servicer.proto import vllm_engine_pb2 as pb
 from vllm_servicer.proto import vllm_engine_pb2_grpc
 from vllm_servicer.servicer.tenancy import RunningRequests
 from vllm_servicer.servicer.tenant_engine import TenantEngine
@@ -48,45 +43,6 @@ KEY_B = "fair-steps-tenant-b-0123456789abcdef"
 LONG = 1800
 FLOOD = 24
 ROUNDS = 8
-_numbers = itertools.count(1)
-
-
-@dataclass
-class _Params:
-    extra_args: dict[str, object] | None
-
-
-@dataclass
-class _Queued:
-    """What the scheduler reads of a vLLM request (a stand-in for `vllm.v1.request.Request`)."""
-
-    tenant: str | None
-    priority: int
-    num_prompt_tokens: int
-    num_computed_tokens: int = 0
-
-    @property
-    def sampling_params(self) -> _Params:
-        return _Params(None if self.tenant is None else {TENANT_ARG: self.tenant})
-
-
-def test_a_light_request_is_short_of_a_tenant_not_in_prefill_and_first_in_order() -> None:
-    a_running = _Queued("a", 100, LONG, 256)
-    a_waiting = [_Queued("a", 200 + i, LONG) for i in range(3)]
-    b = _Queued("b", 150, 16)
-    assert is_light(b, [a_running], a_waiting, 256)
-    # A's own short prompt while A's prompts are in prefill: one tenant, vLLM's steps.
-    assert not is_light(_Queued("a", 90, 16), [a_running], a_waiting, 256)
-    # Nobody else's prompt waiting or in prefill: nothing to go before.
-    assert not is_light(b, [_Queued("a", 100, LONG, LONG)], [], 256)
-    # A's prompts all waiting, none started: B goes before them all the same.
-    assert is_light(b, [], a_waiting, 256)
-    # A long prompt is no light request: two heavy tenants keep vLLM's long steps.
-    assert not is_light(_Queued("b", 150, LONG), [a_running], a_waiting, 256)
-    # B's own prompt in prefill: B is not light.
-    assert not is_light(b, [a_running, _Queued("b", 120, LONG, 256)], [], 256)
-    # A request the mount did not name (pooling) is a tenant of its own.
-    assert is_light(_Queued(None, 150, 16), [a_running], [], 256)
 
 
 async def test_each_request_names_its_tenant_where_the_scheduler_reads_it(
@@ -132,15 +88,6 @@ async def launcher(
         yield served
 
 
-def _request(length: int) -> pb.GenerateRequest:
-    prompt = [random.randrange(3, 300) for _ in range(length)]
-    return pb.GenerateRequest(
-        request_id=f"fair-steps-{next(_numbers)}",
-        tokenized=pb.TokenizedInput(input_ids=prompt),
-        sampling_params=pb.SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
-    )
-
-
 async def _a_first_tokens_before_b(
     launcher: Launched, b_call: Callable[[], Awaitable[None]]
 ) -> int:
@@ -158,7 +105,11 @@ async def _a_first_tokens_before_b(
 
         async def a_call() -> None:
             nonlocal ended
-            await stub.Generate(_request(LONG), metadata=bearer(KEY_A), timeout=120).read()
+            await stub.Generate(
+                request(unique_prompt(LONG), max_tokens=1, ignore_eos=True),
+                metadata=bearer(KEY_A),
+                timeout=120,
+            ).read()
             ended += 1
             first_ended.set()
 
@@ -181,7 +132,11 @@ async def test_a_light_tenants_request_joins_the_next_step(launcher: Launched) -
         stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
 
         async def b_call() -> None:
-            await stub.Generate(_request(8), metadata=bearer(KEY_B), timeout=120).read()
+            await stub.Generate(
+                request(unique_prompt(8), max_tokens=1, ignore_eos=True),
+                metadata=bearer(KEY_B),
+                timeout=120,
+            ).read()
 
         a_first = await _a_first_tokens_before_b(launcher, b_call)
     # Behind A's running prefill, each round would count at least one.

@@ -20,14 +20,12 @@ tenant's tokens.
 from __future__ import annotations
 
 import asyncio
-import itertools
-import random
 from collections.abc import AsyncIterator
 
 import grpc
 import httpx
 import pytest
-from support import bearer
+from support import bearer, request, unique_prompt
 from support.launcher import START_TIMEOUT, Launched, launched, launcher_env
 
 from vllm_servicer.proto import vllm_engine_pb2 as pb
@@ -41,7 +39,6 @@ KEY_FILE = f"a: {KEY_A}\nb: {KEY_B}\n"
 LONG = 1800
 FLOOD = 12
 QUEUED_LIMIT = 30_000  # A alone is never refused; with B waiting too, A's share is 15,000
-_numbers = itertools.count(1)
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["one-process", "two-processes"])
@@ -61,15 +58,6 @@ async def launcher(
         yield served
 
 
-def _request(length: int, tokens: int) -> pb.GenerateRequest:
-    prompt = [random.randrange(3, 300) for _ in range(length)]
-    return pb.GenerateRequest(
-        request_id=f"fair-order-{next(_numbers)}",
-        tokenized=pb.TokenizedInput(input_ids=prompt),
-        sampling_params=pb.SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True),
-    )
-
-
 async def _finish_order(launcher: Launched, b_call: object) -> tuple[int, int]:
     """A's flood, then B's request once A's first has ended: how many of A's
     requests still unfinished when B came ended before B, and how many after."""
@@ -80,7 +68,11 @@ async def _finish_order(launcher: Launched, b_call: object) -> tuple[int, int]:
         stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
 
         async def a_call() -> None:
-            await stub.Generate(_request(LONG, 1), metadata=bearer(KEY_A), timeout=120).read()
+            await stub.Generate(
+                request(unique_prompt(LONG), max_tokens=1, ignore_eos=True),
+                metadata=bearer(KEY_A),
+                timeout=120,
+            ).read()
             ended.append("A")
             first_ended.set()
 
@@ -101,7 +93,11 @@ async def test_a_light_tenants_request_goes_ahead_of_a_heavy_tenants_queue(
         stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
 
         async def b_call() -> None:
-            async for _ in stub.Generate(_request(8, 1), metadata=bearer(KEY_B), timeout=120):
+            async for _ in stub.Generate(
+                request(unique_prompt(8), max_tokens=1, ignore_eos=True),
+                metadata=bearer(KEY_B),
+                timeout=120,
+            ):
                 pass
 
         a_before_b, waiting = await _finish_order(launcher, b_call)
@@ -139,7 +135,11 @@ async def test_a_tenant_past_its_share_of_the_waiting_prompts_is_refused_with_a_
 
         async def call(key: str) -> grpc.aio.AioRpcError | None:
             try:
-                async for _ in stub.Generate(_request(LONG, 1), metadata=bearer(key), timeout=120):
+                async for _ in stub.Generate(
+                    request(unique_prompt(LONG), max_tokens=1, ignore_eos=True),
+                    metadata=bearer(key),
+                    timeout=120,
+                ):
                     pass
             except grpc.aio.AioRpcError as err:
                 return err
@@ -169,7 +169,11 @@ async def test_loads_give_the_prompt_tokens_waiting(launcher: Launched) -> None:
         stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
         flood = [
             asyncio.create_task(
-                stub.Generate(_request(LONG, 1), metadata=bearer(KEY_A), timeout=120).read()
+                stub.Generate(
+                    request(unique_prompt(LONG), max_tokens=1, ignore_eos=True),
+                    metadata=bearer(KEY_A),
+                    timeout=120,
+                ).read()
             )
             for _ in range(FLOOD)
         ]
@@ -205,8 +209,7 @@ async def test_each_tenants_tokens_are_in_the_metrics(launcher: Launched) -> Non
     async with grpc.aio.insecure_channel(launcher.address) as channel:
         stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
         for _ in range(2):  # with two processes, likely one in each
-            message = _request(40, 37)
-            message.stream = True
+            message = request(unique_prompt(40), max_tokens=37, ignore_eos=True, stream=True)
             replies = stub.Generate(message, metadata=bearer(KEY_B), timeout=120)
             chunks = [reply async for reply in replies]
             assert sum(len(m.chunk.token_ids) for m in chunks if m.HasField("chunk")) == 37

@@ -21,7 +21,15 @@ it on `sys.path` when it imports `conftest.py`; the engine processes vLLM
 spawns inherit that path, so they can load `support.kv_echo_connector`.
 """
 
-from .calls import collect, completes, error_info, next_kv_event, request, streamed_tokens
+from .calls import (
+    collect,
+    completes,
+    error_info,
+    next_kv_event,
+    request,
+    streamed_tokens,
+    unique_prompt,
+)
 from .probes import hold_hand_over, note_releases, rss_kb, settle, unfinished, wait_until_idle
 from .servers import (
     ENGINE_STOP_SECONDS,
@@ -55,6 +63,7 @@ __all__ = [
     "serving",
     "settle",
     "streamed_tokens",
+    "unique_prompt",
     "unfinished",
     "wait_until_idle",
 ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import random
 from typing import Any, TypeVar
 
 import grpc
@@ -43,6 +44,11 @@ def request(
         sampling_params=params,
         stream=stream,
     )
+
+
+def unique_prompt(length: int) -> list[int]:
+    """`length` random token ids: prompts that share no prefix-cache block."""
+    return [random.randrange(3, 300) for _ in range(length)]
 
 
 async def collect(call: Any) -> list[Any]:
